@@ -1,0 +1,3 @@
+"""kvtrio.actors."""
+
+from __future__ import annotations

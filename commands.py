@@ -1,0 +1,9 @@
+"""Imports the modules that register CLI subcommands and benchmarks in :mod:`kvtrio.cli`.
+
+Each listed module calls ``kvtrio.cli.COMMANDS[...] = ...`` or ``kvtrio.cli.BENCHES[...] = ...``
+at import time. Add a module here when it adds a command.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []

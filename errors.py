@@ -1,0 +1,65 @@
+"""kvtrio's errors: one base class and a small flat set a caller can act on.
+
+Every error kvtrio raises on purpose is a :class:`KvtrioError`. Each subclass
+has one meaning, stated in its docstring; callers branch on the type, never
+on the message text.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ActorCrashed",
+    "ActorStopped",
+    "AskTimeout",
+    "CacheMismatchError",
+    "CacheMissError",
+    "CorruptCacheError",
+    "KvtrioError",
+    "OperationCancelled",
+    "ShuttingDown",
+    "StoreUnavailableError",
+]
+
+
+class KvtrioError(Exception):
+    """Base class of every error kvtrio raises on purpose."""
+
+
+class ShuttingDown(KvtrioError):
+    """The system is shutting down: it accepts no new work."""
+
+
+class ActorStopped(KvtrioError):
+    """The actor addressed has stopped (or never started): the message was not accepted."""
+
+
+class ActorCrashed(KvtrioError):
+    """An actor's handler raised; the original exception is ``__cause__``."""
+
+    def __init__(self, actor: str, message: str | None = None) -> None:
+        self.actor = actor
+        super().__init__(message or f"actor {actor!r} crashed")
+
+
+class AskTimeout(KvtrioError):
+    """An ``ask`` got no reply within its timeout; the late reply, if any, is discarded."""
+
+
+class OperationCancelled(KvtrioError):
+    """A blocking job saw its cancel token set and stopped at a step boundary, cleaning up."""
+
+
+class CorruptCacheError(KvtrioError):
+    """A cache file, block or manifest failed validation: it is never returned as data."""
+
+
+class CacheMismatchError(KvtrioError):
+    """A valid cache does not fit what the caller expects (model, fingerprint or structure)."""
+
+
+class CacheMissError(KvtrioError):
+    """The requested cache (or a block it needs) is not in the store: a clean miss."""
+
+
+class StoreUnavailableError(KvtrioError):
+    """A shared block store (e.g. Redis) could not be reached; the operation did not happen."""

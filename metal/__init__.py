@@ -1,0 +1,3 @@
+"""kvtrio.metal."""
+
+from __future__ import annotations

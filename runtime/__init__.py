@@ -1,0 +1,3 @@
+"""kvtrio.runtime."""
+
+from __future__ import annotations

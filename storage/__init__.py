@@ -1,0 +1,3 @@
+"""kvtrio.storage."""
+
+from __future__ import annotations
