@@ -1,0 +1,298 @@
+"""Longest-prefix lookup over a sha256 hash chain of token blocks.
+
+Theory of operation
+-------------------
+A token sequence is cut into blocks of ``block_size`` tokens. Block ``i`` of a
+sequence is named by a chain hash::
+
+    h[0]   = sha256("kvtrio-prefix-v1", model id, config fingerprint)
+    h[i+1] = sha256(h[i], config fingerprint, tokens of block i as little-endian u32)
+
+so equal chain hashes mean equal prefixes of the same model and configuration,
+and a different model id or fingerprint never shares a single node. An entry (a
+cached token sequence) is registered at the node of every full block it covers
+("passing" entries) and, as "ending", at the node of the block its tail falls in.
+Its key is the chain hash extended by the tail.
+
+Rules the index keeps:
+
+1. A lookup walks the query's full blocks down the chain while nodes exist; every
+   entry it can return passes through the deepest node reached or ends on the path.
+2. Token lists are compared token by token wherever a match is decided beyond full
+   blocks, so only a full sha256 collision could cause a false match.
+3. Selection follows mlx-lm's ``LRUPromptCache.fetch_nearest_cache``: an exact entry
+   first; else a longer entry trimmed back to the common prefix (never to the whole
+   query: one token is left to compute logits) when every layer is trimmable and the
+   kept length is not below the entry's minimum reusable offset, and only when it
+   keeps more than the best shorter entry; else the longest entry that is a prefix
+   of the query.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Iterator, Sequence
+
+import attrs
+import numpy as np
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "MatchKind",
+    "ModelKey",
+    "PrefixEntry",
+    "PrefixIndex",
+    "PrefixMatch",
+    "chain_hashes",
+    "entry_key",
+]
+
+DEFAULT_BLOCK_SIZE = 256
+_DOMAIN = b"kvtrio-prefix-v1"
+_MAX_TOKEN = 2**32 - 1
+
+
+@attrs.frozen
+class ModelKey:
+    """The namespace of a cache: model id and config fingerprint (covers kv quantization)."""
+
+    model_id: str
+    fingerprint: str
+
+    def root(self) -> bytes:
+        """The chain hash of the empty prefix for this model and configuration."""
+        h = hashlib.sha256(_DOMAIN)
+        for part in (self.model_id, self.fingerprint):
+            raw = part.encode()
+            h.update(len(raw).to_bytes(8, "little"))
+            h.update(raw)
+        return h.digest()
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN):
+        raise ValueError("token ids must be in [0, 2**32)")
+    return arr.astype("<u4").tobytes()
+
+
+def _link(parent: bytes, model: ModelKey, tokens: Sequence[int]) -> bytes:
+    h = hashlib.sha256(parent)
+    h.update(model.fingerprint.encode())
+    h.update(len(tokens).to_bytes(8, "little"))
+    h.update(_token_bytes(tokens))
+    return h.digest()
+
+
+def chain_hashes(model: ModelKey, tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """The chain hash after each full block of ``tokens`` (``h[1] .. h[n]``, root excluded)."""
+    out: list[bytes] = []
+    parent = model.root()
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = _link(parent, model, tokens[start : start + block_size])
+        out.append(parent)
+    return out
+
+
+def entry_key(model: ModelKey, tokens: Sequence[int], block_size: int) -> str:
+    """The hex name of a whole token sequence: its chain, extended by the partial tail."""
+    chain = chain_hashes(model, tokens, block_size)
+    parent = chain[-1] if chain else model.root()
+    tail = tokens[len(chain) * block_size :]
+    return _link(parent, model, tail).hex()
+
+
+@attrs.frozen
+class PrefixEntry:
+    """One cached token sequence, as the index sees it."""
+
+    key: str
+    model: ModelKey
+    tokens: tuple[int, ...]
+    trimmable: bool = True
+    min_reusable_offset: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.min_reusable_offset <= len(self.tokens):
+            raise ValueError("min_reusable_offset must lie in [0, len(tokens)]")
+
+
+class MatchKind(enum.Enum):
+    """How an entry answers a query."""
+
+    EXACT = "exact"
+    LONGER = "longer"  # the entry extends past the common prefix: trim it back
+    SHORTER = "shorter"  # the entry is a prefix of the query
+
+
+@attrs.frozen
+class PrefixMatch:
+    """The entry to reuse, and how much of it: ``reuse`` tokens of the query are covered."""
+
+    entry: PrefixEntry
+    kind: MatchKind
+    reuse: int
+
+    @property
+    def trim(self) -> int:
+        """Tokens to trim from the end of the entry's caches before use."""
+        return len(self.entry.tokens) - self.reuse
+
+
+@attrs.define
+class _Node:
+    depth: int
+    passing: set[str] = attrs.field(factory=set)
+    ending: set[str] = attrs.field(factory=set)
+
+    def empty(self) -> bool:
+        return not self.passing and not self.ending
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], start: int) -> int:
+    n = min(len(a), len(b))
+    i = start
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@attrs.define
+class PrefixIndex:
+    """Entries by key, and the chain nodes they pass through or end in."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    _entries: dict[str, PrefixEntry] = attrs.field(init=False, factory=dict)
+    _nodes: dict[bytes, _Node] = attrs.field(init=False, factory=dict)
+    _paths: dict[str, list[bytes]] = attrs.field(init=False, factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be at least 1")
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[PrefixEntry]:
+        return iter(list(self._entries.values()))
+
+    def get(self, key: str) -> PrefixEntry | None:
+        return self._entries.get(key)
+
+    def make_entry(
+        self,
+        model: ModelKey,
+        tokens: Sequence[int],
+        *,
+        trimmable: bool = True,
+        min_reusable_offset: int = 0,
+    ) -> PrefixEntry:
+        """An entry for ``tokens`` with its key computed at this index's block size."""
+        return PrefixEntry(
+            key=entry_key(model, tokens, self.block_size),
+            model=model,
+            tokens=tuple(int(t) for t in tokens),
+            trimmable=trimmable,
+            min_reusable_offset=min_reusable_offset,
+        )
+
+    def add(self, entry: PrefixEntry) -> PrefixEntry | None:
+        """Register ``entry``; return the entry it replaced (same key), if any."""
+        previous = self.remove(entry.key)
+        path = [entry.model.root(), *chain_hashes(entry.model, entry.tokens, self.block_size)]
+        for depth, node_hash in enumerate(path):
+            node = self._nodes.get(node_hash)
+            if node is None:
+                node = self._nodes[node_hash] = _Node(depth)
+            node.passing.add(entry.key)
+        self._nodes[path[-1]].ending.add(entry.key)
+        self._entries[entry.key] = entry
+        self._paths[entry.key] = path
+        return previous
+
+    def remove(self, key: str) -> PrefixEntry | None:
+        """Forget the entry named ``key``; return it, or None when absent."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return None
+        path = self._paths.pop(key)
+        for node_hash in path:
+            node = self._nodes[node_hash]
+            node.passing.discard(key)
+            node.ending.discard(key)
+            if node.empty():
+                del self._nodes[node_hash]
+        return entry
+
+    def lookup(self, model: ModelKey, tokens: Sequence[int]) -> PrefixMatch | None:
+        """The best entry to reuse for ``tokens`` (see rule 3), or None on a miss."""
+        query = tuple(int(t) for t in tokens)
+        if not query:
+            return None
+        path = self._walk(model, query)
+        exact = self._entries.get(entry_key(model, query, self.block_size))
+        if exact is not None and exact.tokens == query:
+            return PrefixMatch(exact, MatchKind.EXACT, len(query))
+        shorter = self._longest_shorter(path, query)
+        short_len = len(shorter.tokens) if shorter is not None else 0
+        longer = self._best_longer(path[-1], query, short_len)
+        if longer is not None:
+            return longer
+        if shorter is not None:
+            return PrefixMatch(shorter, MatchKind.SHORTER, short_len)
+        return None
+
+    def _walk(self, model: ModelKey, query: tuple[int, ...]) -> list[_Node]:
+        root = self._nodes.get(model.root())
+        if root is None:
+            return [_Node(0)]
+        path = [root]
+        parent = model.root()
+        b = self.block_size
+        for start in range(0, len(query) - b + 1, b):
+            parent = _link(parent, model, query[start : start + b])
+            node = self._nodes.get(parent)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def _longest_shorter(self, path: list[_Node], query: tuple[int, ...]) -> PrefixEntry | None:
+        for node in reversed(path):
+            best: PrefixEntry | None = None
+            for key in node.ending:
+                entry = self._entries[key]
+                n = len(entry.tokens)
+                if (
+                    0 < n < len(query)
+                    and query[node.depth * self.block_size : n]
+                    == entry.tokens[node.depth * self.block_size :]
+                ):
+                    if best is None or n > len(best.tokens):
+                        best = entry
+            if best is not None:
+                return best
+        return None
+
+    def _best_longer(
+        self, deepest: _Node, query: tuple[int, ...], short_len: int
+    ) -> PrefixMatch | None:
+        start = deepest.depth * self.block_size
+        candidates: list[tuple[int, int, str]] = []
+        for key in deepest.passing:
+            entry = self._entries[key]
+            common = _common_prefix(entry.tokens, query, start)
+            if common >= len(entry.tokens):
+                continue  # a prefix of the query (or the query itself): not "longer"
+            reuse = min(len(query) - 1, common)
+            if reuse > short_len:
+                candidates.append((-reuse, len(entry.tokens), key))
+        for neg_reuse, _, key in sorted(candidates):
+            entry = self._entries[key]
+            if entry.trimmable and -neg_reuse >= entry.min_reusable_offset:
+                return PrefixMatch(entry, MatchKind.LONGER, -neg_reuse)
+        return None

@@ -1,0 +1,159 @@
+"""The hash-chain prefix index: mlx-lm's fetch_nearest semantics, namespaced by model."""
+
+from __future__ import annotations
+
+import pytest
+from kvtrio.actors.prefix import (
+    MatchKind,
+    ModelKey,
+    PrefixIndex,
+    chain_hashes,
+    entry_key,
+)
+
+MODEL = ModelKey("tiny-llama", "fp-a")
+
+
+def _index(*seqs: list[int], block_size: int = 4, trimmable: bool = True) -> PrefixIndex:
+    index = PrefixIndex(block_size=block_size)
+    for seq in seqs:
+        index.add(index.make_entry(MODEL, seq, trimmable=trimmable))
+    return index
+
+
+def test_chain_hash_depends_on_every_earlier_block() -> None:
+    a = chain_hashes(MODEL, [1, 2, 3, 4, 5, 6, 7, 8], 4)
+    b = chain_hashes(MODEL, [9, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert len(a) == 2
+    assert a[0] != b[0] and a[1] != b[1]
+
+
+def test_exact_hit_returns_nothing_left_to_compute() -> None:
+    index = _index(list(range(10)))
+    match = index.lookup(MODEL, list(range(10)))
+    assert match is not None
+    assert match.kind is MatchKind.EXACT
+    assert (match.reuse, match.trim) == (10, 0)
+
+
+def test_shorter_prefix_returns_the_tokens_still_to_process() -> None:
+    index = _index(list(range(6)), list(range(9)))
+    match = index.lookup(MODEL, list(range(15)))
+    assert match is not None
+    assert match.kind is MatchKind.SHORTER
+    assert match.entry.tokens == tuple(range(9))
+    assert match.reuse == 9
+
+
+def test_longer_entry_is_trimmed_back_to_the_common_prefix() -> None:
+    index = _index([*range(10), 100, 101, 102])
+    match = index.lookup(MODEL, [*range(10), 7, 7])
+    assert match is not None
+    assert match.kind is MatchKind.LONGER
+    assert (match.reuse, match.trim) == (10, 3)
+
+
+def test_longer_entry_covering_the_whole_query_leaves_one_token() -> None:
+    """Logits need at least one token to run: the trim stops one short of the query."""
+    index = _index(list(range(20)))
+    match = index.lookup(MODEL, list(range(12)))
+    assert match is not None
+    assert match.kind is MatchKind.LONGER
+    assert (match.reuse, match.trim) == (11, 9)
+
+
+def test_longer_is_preferred_only_when_it_keeps_more_than_the_shorter() -> None:
+    index = _index(list(range(8)), [*range(9), 50, 51])
+    match = index.lookup(MODEL, [*range(9), 60, 61, 62])
+    assert match is not None
+    assert (match.kind, match.reuse) == (MatchKind.LONGER, 9)
+    index2 = _index(list(range(9)), [*range(9), 50, 51])
+    match2 = index2.lookup(MODEL, [*range(9), 60, 61, 62])
+    assert match2 is not None
+    assert (match2.kind, match2.reuse) == (MatchKind.SHORTER, 9)
+
+
+def test_minimum_reusable_offset_is_respected() -> None:
+    """A longer entry is never trimmed below its minimum reusable offset."""
+    index = _index(list(range(4)))
+    index.add(index.make_entry(MODEL, [*range(12), 99], min_reusable_offset=11))
+    match = index.lookup(MODEL, [*range(10), 5])
+    assert match is not None
+    assert (match.kind, match.entry.tokens) == (MatchKind.SHORTER, tuple(range(4)))
+    ok = index.lookup(MODEL, [*range(12), 5])
+    assert ok is not None
+    assert (ok.kind, ok.reuse) == (MatchKind.LONGER, 12)
+
+
+def test_non_trimmable_entries_are_used_only_exact_or_as_prefixes() -> None:
+    index = _index(list(range(10)), trimmable=False)
+    assert index.lookup(MODEL, [*range(8), 3]) is None
+    shorter = index.lookup(MODEL, [*range(10), 3])
+    assert shorter is not None and shorter.kind is MatchKind.SHORTER
+    exact = index.lookup(MODEL, list(range(10)))
+    assert exact is not None and exact.kind is MatchKind.EXACT
+
+
+def test_a_different_model_id_or_fingerprint_never_hits() -> None:
+    index = _index(list(range(10)))
+    for other in (ModelKey("other", "fp-a"), ModelKey("tiny-llama", "fp-b")):
+        assert index.lookup(other, list(range(10))) is None
+        assert index.lookup(other, list(range(20))) is None
+        assert index.lookup(other, list(range(5))) is None
+    assert entry_key(MODEL, [1, 2], 4) != entry_key(ModelKey("tiny-llama", "fp-b"), [1, 2], 4)
+
+
+def test_remove_forgets_the_entry_and_its_nodes() -> None:
+    index = _index(list(range(10)))
+    key = entry_key(MODEL, list(range(10)), 4)
+    removed = index.remove(key)
+    assert removed is not None and removed.key == key
+    assert len(index) == 0
+    assert index.lookup(MODEL, list(range(10))) is None
+    assert index._nodes == {}
+
+
+def _common(s: tuple[int, ...], query: tuple[int, ...]) -> int:
+    n = 0
+    while n < min(len(s), len(query)) and s[n] == query[n]:
+        n += 1
+    return n
+
+
+def test_lookup_agrees_with_a_brute_force_scan() -> None:
+    """Against every-entry comparison on random prefix-sharing sequences."""
+    import random
+
+    rng = random.Random(7)
+    base = [rng.randrange(5) for _ in range(40)]
+    seqs = {
+        tuple(base[: rng.randrange(1, 40)] + [rng.randrange(5) for _ in range(3)])
+        for _ in range(30)
+    }
+    index = _index(*[list(s) for s in seqs], block_size=3)
+    for _ in range(200):
+        query = tuple(base[: rng.randrange(1, 40)] + [rng.randrange(5) for _ in range(2)])
+        match = index.lookup(MODEL, query)
+        prefixes = [s for s in seqs if len(s) < len(query) and query[: len(s)] == s]
+        best_short = max((len(s) for s in prefixes), default=0)
+
+        best_long = max(
+            (min(len(query) - 1, _common(s, query)) for s in seqs if _common(s, query) < len(s)),
+            default=0,
+        )
+        if query in seqs:
+            assert match is not None and match.kind is MatchKind.EXACT
+        elif best_long > best_short:
+            assert match is not None and (match.kind, match.reuse) == (MatchKind.LONGER, best_long)
+        elif best_short:
+            assert match is not None and (match.kind, match.reuse) == (
+                MatchKind.SHORTER,
+                best_short,
+            )
+        else:
+            assert match is None
+
+
+def test_tokens_out_of_range_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"^token ids must be in \[0, 2\*\*32\)$"):
+        entry_key(MODEL, [-1], 4)
