@@ -1,0 +1,280 @@
+"""Executors: where a job runs when it must run on one particular thread.
+
+An :class:`Executor` runs ``fn(*args)`` somewhere and hands the result back to the calling
+trio task. :class:`DedicatedThreadExecutor` owns one long-lived OS thread (the MLX owner is
+built on it: MLX streams are thread-local, so every MLX call must happen on one thread);
+:class:`InlineExecutor` runs jobs on the calling trio thread, for deterministic tests.
+
+Theory of operation (DedicatedThreadExecutor):
+
+1. Jobs run one at a time, in the order ``run`` was called (FIFO): one queue, one thread.
+2. A job whose caller is cancelled before the thread picks it up is skipped: it never runs.
+3. A job that has started always finishes. If its caller was cancelled meanwhile, the caller
+   leaves at once and the result (or exception) is released, never delivered.
+4. Each job moves PENDING -> STARTED -> DONE, or PENDING -> SKIPPED, or STARTED -> ABANDONED,
+   under one lock shared by the owner thread and the trio thread; whoever makes a transition
+   decides alone what happens next, so no result is delivered twice or to a task that left.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, Generic, Protocol, TypeVar, TypeVarTuple, Unpack
+
+import attrs
+import trio
+
+__all__ = ["DedicatedThreadExecutor", "Executor", "ExecutorStatistics", "InlineExecutor"]
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+
+class Executor(Protocol):
+    """Runs jobs on a fixed thread; ``run`` awaits the job's result."""
+
+    async def run(self, fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
+        """Run ``fn(*args)`` on the executor's thread and return its result (or raise)."""
+        ...
+
+    def is_owner_thread(self) -> bool:
+        """True when called from the thread the executor runs its jobs on."""
+        ...
+
+
+@attrs.frozen
+class ExecutorStatistics:
+    """A snapshot of an executor's counters."""
+
+    queued: int
+    started: int
+    completed: int
+    skipped: int
+    abandoned: int
+
+
+class _State(enum.Enum):
+    PENDING = "pending"
+    STARTED = "started"
+    DONE = "done"
+    SKIPPED = "skipped"
+    ABANDONED = "abandoned"
+
+
+@attrs.define(eq=False)
+class _Job(Generic[T]):
+    fn: Callable[[], T]
+    task: trio.lowlevel.Task
+    trio_token: trio.lowlevel.TrioToken
+    state: _State = _State.PENDING
+    value: T | None = None
+    error: BaseException | None = None
+
+
+_CLOSE = object()  # queue sentinel: the owner thread exits after the jobs before it
+
+
+class DedicatedThreadExecutor:
+    """One long-lived OS thread running jobs FIFO (see the module's theory of operation).
+
+    Use as ``async with DedicatedThreadExecutor(name="mlx-owner") as ex:``, or call
+    :meth:`start` and :meth:`close` yourself. Jobs queued before ``close`` still run.
+    """
+
+    def __init__(self, *, name: str = "kvtrio-executor") -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._queued = 0
+        self._started = 0
+        self._completed = 0
+        self._skipped = 0
+        self._abandoned = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the owner thread (idempotent until closed)."""
+        if self._closed:
+            raise trio.ClosedResourceError(f"executor {self.name!r} is closed")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop accepting jobs, let the queued ones run, and join the thread (blocking)."""
+        thread = self._begin_close()
+        if thread is not None:
+            thread.join()
+
+    async def aclose(self) -> None:
+        """Like :meth:`close`, but waits for the thread from a worker thread."""
+        thread = self._begin_close()
+        if thread is not None:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(thread.join)
+
+    def _begin_close(self) -> threading.Thread | None:
+        if self._closed:
+            return None
+        self._closed = True
+        self._queue.put(_CLOSE)
+        return self._thread
+
+    async def __aenter__(self) -> DedicatedThreadExecutor:
+        self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # -- the trio side ---------------------------------------------------------------------
+
+    def is_owner_thread(self) -> bool:
+        thread = self._thread
+        return thread is not None and thread.ident == threading.get_ident()
+
+    async def run(self, fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
+        if self._closed or self._thread is None:
+            state = "closed" if self._closed else "not started"
+            raise trio.ClosedResourceError(f"executor {self.name!r} is {state}")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        job: _Job[T] = _Job(
+            fn=lambda: fn(*args),
+            task=trio.lowlevel.current_task(),
+            trio_token=trio.lowlevel.current_trio_token(),
+        )
+        self._queued += 1
+        self._queue.put(job)
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            with self._lock:
+                if job.state is _State.PENDING:
+                    job.state = _State.SKIPPED  # rule 2
+                    self._skipped += 1
+                    return trio.lowlevel.Abort.SUCCEEDED
+                if job.state is _State.STARTED:
+                    job.state = _State.ABANDONED  # rule 3
+                    self._abandoned += 1
+                    return trio.lowlevel.Abort.SUCCEEDED
+            # DONE: the wake-up is already on its way; take the result.
+            return trio.lowlevel.Abort.FAILED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+        error, job.error = job.error, None
+        if error is not None:
+            raise error
+        return job.value  # type: ignore[return-value]
+
+    def statistics(self) -> ExecutorStatistics:
+        return ExecutorStatistics(
+            queued=self._queued,
+            started=self._started,
+            completed=self._completed,
+            skipped=self._skipped,
+            abandoned=self._abandoned,
+        )
+
+    # -- the owner thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _CLOSE:
+                return
+            assert isinstance(item, _Job)
+            self._run_job(item)
+
+    def _run_job(self, job: _Job[Any]) -> None:
+        with self._lock:
+            if job.state is not _State.PENDING:
+                return  # skipped: its caller left before we got here
+            job.state = _State.STARTED
+            self._started += 1
+        value: Any = None
+        error: BaseException | None = None
+        try:
+            value = job.fn()
+        except BaseException as exc:
+            error = exc
+        with self._lock:
+            self._completed += 1
+            if job.state is _State.ABANDONED:
+                return  # rule 3: nobody waits; the result is released here
+            job.state = _State.DONE
+            job.value = value
+            job.error = error
+        del value, error
+        try:
+            job.trio_token.run_sync_soon(trio.lowlevel.reschedule, job.task)
+        except trio.RunFinishedError:
+            pass  # the trio run ended while the job ran; nobody is left to wake
+
+
+class InlineExecutor:
+    """Same interface as :class:`DedicatedThreadExecutor`, but runs jobs on the calling thread.
+
+    For deterministic tests: jobs run synchronously inside ``run`` (after a cancellation
+    check), so trio's autojump clock sees no hidden thread. The owner thread is the thread
+    that created the executor, normally the trio thread.
+    """
+
+    def __init__(self, *, name: str = "inline") -> None:
+        self.name = name
+        self._owner = threading.get_ident()
+        self._started = 0
+        self._skipped = 0
+
+    def start(self) -> None:
+        """Nothing to start; present for interface parity."""
+
+    def close(self) -> None:
+        """Nothing to close; present for interface parity."""
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> InlineExecutor:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        return None
+
+    def is_owner_thread(self) -> bool:
+        return threading.get_ident() == self._owner
+
+    async def run(self, fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
+        try:
+            await trio.lowlevel.checkpoint_if_cancelled()
+        except trio.Cancelled:
+            self._skipped += 1
+            raise
+        self._started += 1
+        result = fn(*args)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return result
+
+    def statistics(self) -> ExecutorStatistics:
+        return ExecutorStatistics(
+            queued=self._started + self._skipped,
+            started=self._started,
+            completed=self._started,
+            skipped=self._skipped,
+            abandoned=0,
+        )
