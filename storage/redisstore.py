@@ -1,0 +1,394 @@
+"""Blocks in Redis (or Valkey), shared by every host that opens the same URL.
+
+Theory of operation
+-------------------
+Keys, under a configurable prefix ``P`` (``?prefix=`` in the URL, default ``kvtrio``)::
+
+    P:block:<sha256>    the block's bytes, written with SET NX (once, never overwritten)
+    P:block-mtime       sorted set: block name -> last time a host put it (GC's grace period)
+
+Rules this module keeps:
+
+1. A block is written once: ``SET key value NX``. A host that puts a block another host
+   already stored sends it but stores nothing, and counts nothing as newly stored.
+2. Many blocks travel in one pipeline (one round trip per batch of up to
+   :data:`PIPELINE_BYTES`), in both directions; block bytes are sent from the caller's
+   memoryviews without a Python-level copy (redis-py writes memoryviews as separate
+   chunks).
+3. The store is untrusted: sizes are checked here, content is re-hashed by the caller
+   (``read_into`` does not hash, like every :class:`~kvtrio.storage.blockstore.BlockStore`).
+   A block that is absent -- never stored, deleted, or evicted by ``maxmemory`` +
+   ``allkeys-lru`` -- is a clean miss (``False``), not an error.
+4. Every put refreshes the block's time in ``P:block-mtime`` (git's "freshen"), so a GC
+   sweeping with a grace period never deletes a block a writer just relied on. A block
+   with no recorded time reports "now": unknown age is treated as young.
+5. Every failure to talk to Redis -- refused, reset, timed out, out of memory, read-only
+   replica -- becomes :class:`~kvtrio.errors.StoreUnavailableError` at this boundary,
+   with the redis-py exception as ``__cause__``. The cold tier is best effort: the
+   caller turns that into a FAILED ticket or a miss, and the server keeps serving.
+
+Why the synchronous client, on worker threads: kvtrio runs every blocking I/O job on
+worker threads behind a capacity limiter (``kvtrio.runtime.offload``) so the trio thread
+never waits; Redis I/O takes the same road as disk I/O, with the same cancellation
+points at block-batch boundaries. redis-py's asyncio client would need an asyncio loop
+(trio is not asyncio), and its socket reads and writes release the GIL in the sync client
+just as ``os.pwrite`` does. The client is thread-safe: each call checks a connection out
+of its pool, so concurrent worker threads never share a socket.
+
+Durability: a put returns once Redis has acknowledged every SET. Whether that survives a
+Redis restart is Redis's configuration (``appendonly yes`` + ``appendfsync``); see
+docs/shared-tier.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import attrs
+from kvtrio.errors import CorruptCacheError, StoreUnavailableError
+from kvtrio.storage.blockstore import BLOCK_NAME_RE, BlockInfo, check_block_name
+
+if TYPE_CHECKING:
+    import redis
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "PIPELINE_BYTES",
+    "RedisBlockStore",
+    "RedisBlockStoreStatistics",
+    "RedisTarget",
+    "connect",
+    "is_redis_url",
+    "parse_redis_url",
+    "translate_redis_errors",
+]
+
+DEFAULT_PREFIX = "kvtrio"
+# One pipeline carries at most this many block bytes (and at most PIPELINE_BLOCKS blocks):
+# large enough to amortize the round trip, small enough to bound the replies buffered.
+PIPELINE_BYTES = 64 * 1024 * 1024
+PIPELINE_BLOCKS = 512
+_SCAN_COUNT = 1000
+# Connection defaults chosen so an unreachable server fails a save in about a second
+# instead of redis-py's ten retries; each is overridable in the URL's query string.
+_DEFAULT_OPTIONS = {
+    "socket_connect_timeout": "2",
+    "socket_timeout": "30",
+    "health_check_interval": "30",
+}
+_DEFAULT_RETRIES = 2
+
+
+def is_redis_url(target: str) -> bool:
+    """Whether ``target`` names a Redis server (``redis://``, ``rediss://`` or ``unix://``)."""
+    return target.startswith(("redis://", "rediss://", "unix://"))
+
+
+@attrs.frozen
+class RedisTarget:
+    """A parsed Redis URL: what redis-py connects to, and kvtrio's own options."""
+
+    url: str  # the URL handed to redis-py: kvtrio's own options removed
+    prefix: str
+    retries: int
+
+    @property
+    def display(self) -> str:
+        """The URL without its password, for messages and logs."""
+        parts = urlsplit(self.url)
+        host = parts.hostname or ""
+        netloc = f"{host}:{parts.port}" if parts.port else host
+        if parts.password is not None:
+            netloc = f"{parts.username or ''}:***@{netloc}"
+        return urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+
+
+def parse_redis_url(url: str) -> RedisTarget:
+    """Split kvtrio's options (``prefix``, ``retries``) from a redis-py connection URL.
+
+    Everything else -- host, port, ``/db``, ``user:password@``, ``rediss://`` for TLS,
+    ``?ssl_cert_reqs=``, ``?socket_timeout=`` ... -- is redis-py's ``from_url`` syntax.
+    """
+    if not is_redis_url(url):
+        raise ValueError(f"not a Redis URL (redis://, rediss:// or unix://): {url!r:.80}")
+    parts = urlsplit(url)
+    options = dict(_DEFAULT_OPTIONS)
+    prefix = DEFAULT_PREFIX
+    retries = _DEFAULT_RETRIES
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name == "prefix":
+            prefix = value
+        elif name == "retries":
+            retries = int(value)
+        else:
+            options[name] = value
+    if not prefix or any(c in prefix for c in " \r\n") or len(prefix) > 200:
+        raise ValueError(f"Redis key prefix: 1 to 200 characters, no whitespace: {prefix!r}")
+    if retries < 0:
+        raise ValueError(f"retries must be >= 0, got {retries}")
+    stripped = urlunsplit(
+        (parts.scheme, parts.netloc, parts.path, urlencode(options), parts.fragment)
+    )
+    return RedisTarget(url=stripped, prefix=prefix, retries=retries)
+
+
+def connect(target: RedisTarget) -> redis.Redis:
+    """A redis-py client for ``target`` (lazily imported: redis is the ``redis`` extra).
+
+    Raises StoreUnavailableError when redis-py is missing or the server does not answer
+    PING.
+    """
+    try:
+        import redis
+        from redis.backoff import ExponentialWithJitterBackoff
+        from redis.retry import Retry
+    except ImportError as exc:
+        raise StoreUnavailableError(
+            "the Redis tier needs redis-py: pip install 'kvtrio[redis]'"
+        ) from exc
+    retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.25), target.retries)
+    client = redis.Redis.from_url(target.url, retry=retry)
+    with translate_redis_errors(target):
+        client.ping()
+    return client
+
+
+@contextlib.contextmanager
+def translate_redis_errors(
+    target: RedisTarget, on_error: Callable[[], None] | None = None
+) -> Iterator[None]:
+    """Turn every redis-py error raised inside into StoreUnavailableError (rule 5)."""
+    from redis.exceptions import RedisError
+
+    try:
+        yield
+    except (RedisError, OSError) as exc:
+        if on_error is not None:
+            on_error()
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise StoreUnavailableError(f"redis {target.display}: {detail}") from exc
+
+
+@attrs.frozen
+class RedisBlockStoreStatistics:
+    """Counts since the store was opened (this process only)."""
+
+    blocks_put: int  # blocks sent
+    blocks_stored: int  # of those, newly stored (the rest already existed: dedup)
+    bytes_stored: int
+    bytes_deduplicated: int  # bytes sent for blocks that already existed
+    blocks_read: int
+    bytes_read: int
+    misses: int  # reads of absent blocks
+    errors: int  # calls that raised StoreUnavailableError
+
+
+def _as_bytes_view(buffer: memoryview) -> memoryview:
+    """A 1-D unsigned-byte view of ``buffer`` (len() then counts bytes, not items)."""
+    if buffer.format == "B" and buffer.ndim == 1:
+        return buffer
+    return buffer.cast("B")
+
+
+def _batches(sizes: Sequence[int]) -> Iterator[range]:
+    """Index ranges of at most PIPELINE_BLOCKS items and about PIPELINE_BYTES bytes."""
+    start = 0
+    while start < len(sizes):
+        end = start
+        total = 0
+        while end < len(sizes) and end - start < PIPELINE_BLOCKS:
+            if end > start and total + sizes[end] > PIPELINE_BYTES:
+                break
+            total += sizes[end]
+            end += 1
+        yield range(start, end)
+        start = end
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+@attrs.define(eq=False)
+class RedisBlockStore:
+    """A :class:`~kvtrio.storage.blockstore.BlockStore` on Redis; safe to share between threads.
+
+    Build it with :meth:`open` (from a URL) or from an existing client and target (to share
+    one connection pool with a :class:`~kvtrio.storage.manifeststore.RedisManifestStore`).
+    """
+
+    client: redis.Redis
+    target: RedisTarget
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    _counts: dict[str, int] = attrs.field(init=False, factory=dict)
+
+    @classmethod
+    def open(cls, url: str) -> RedisBlockStore:
+        """Connect to the Redis URL (see :func:`parse_redis_url`) and check it answers."""
+        target = parse_redis_url(url)
+        return cls(connect(target), target)
+
+    # -- keys ---------------------------------------------------------------------------
+
+    def block_key(self, name: str) -> str:
+        """The Redis key of block ``name``."""
+        return f"{self.target.prefix}:block:{name}"
+
+    @property
+    def mtime_key(self) -> str:
+        """The sorted set of block put times."""
+        return f"{self.target.prefix}:block-mtime"
+
+    # -- BlockStore ---------------------------------------------------------------------
+
+    def put_many(self, blocks: Sequence[tuple[str, memoryview]]) -> int:
+        """Store the absent blocks (SET NX, pipelined); return the bytes newly stored."""
+        views = [(check_block_name(name), _as_bytes_view(data)) for name, data in blocks]
+        stored_bytes = 0
+        with self._io():
+            for batch in _batches([len(view) for _, view in views]):
+                now = time.time()
+                pipe = self.client.pipeline(transaction=False)
+                for i in batch:
+                    name, view = views[i]
+                    pipe.set(self.block_key(name), view, nx=True)
+                pipe.zadd(self.mtime_key, {views[i][0]: now for i in batch})
+                replies = pipe.execute()
+                stored = [bool(reply) for reply in replies[: len(batch)]]
+                new_bytes = sum(len(views[i][1]) for i, s in zip(batch, stored, strict=True) if s)
+                sent_bytes = sum(len(views[i][1]) for i in batch)
+                stored_bytes += new_bytes
+                self._count(
+                    blocks_put=len(batch),
+                    blocks_stored=sum(stored),
+                    bytes_stored=new_bytes,
+                    bytes_deduplicated=sent_bytes - new_bytes,
+                )
+        return stored_bytes
+
+    def has_many(self, names: Sequence[str]) -> list[bool]:
+        """Which of ``names`` are present (one pipelined EXISTS per name)."""
+        keys = [self.block_key(check_block_name(name)) for name in names]
+        if not keys:
+            return []
+        with self._io():
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            return [bool(reply) for reply in pipe.execute()]
+
+    def read_into(self, name: str, buffer: memoryview) -> bool:
+        """Fill ``buffer`` with the block; False if it is absent (deleted or evicted)."""
+        return self.read_many_into([(name, buffer)])[0]
+
+    def read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
+        """Fill each buffer with its block, pipelined; False for each absent block.
+
+        Raises CorruptCacheError when a stored size differs from its buffer's size.
+        Does not hash: the caller verifies against the name.
+        """
+        targets = [(check_block_name(name), _as_bytes_view(buf)) for name, buf in items]
+        found: list[bool] = []
+        with self._io():
+            for batch in _batches([len(view) for _, view in targets]):
+                pipe = self.client.pipeline(transaction=False)
+                for i in batch:
+                    pipe.get(self.block_key(targets[i][0]))
+                replies = pipe.execute()
+                for i, reply in zip(batch, replies, strict=True):
+                    found.append(self._fill(targets[i][0], targets[i][1], reply))
+        return found
+
+    def delete_many(self, names: Sequence[str]) -> int:
+        """Delete the named blocks that exist; return how many were deleted."""
+        checked = [check_block_name(name) for name in names]
+        if not checked:
+            return 0
+        with self._io():
+            pipe = self.client.pipeline(transaction=False)
+            for name in checked:
+                pipe.delete(self.block_key(name))
+            pipe.zrem(self.mtime_key, *checked)
+            replies = pipe.execute()
+        return sum(int(reply) for reply in replies[: len(checked)])
+
+    def iter_blocks(self) -> Iterator[BlockInfo]:
+        """Every stored block with its size and last put time (SCAN; consistent per key)."""
+        prefix = f"{self.target.prefix}:block:"
+        pattern = _glob_escape(prefix) + "*"
+        with self._io():
+            batch: list[str] = []
+            for raw in self.client.scan_iter(match=pattern, count=_SCAN_COUNT):
+                key = raw.decode() if isinstance(raw, bytes) else str(raw)
+                batch.append(key[len(prefix) :])
+                if len(batch) >= _SCAN_COUNT:
+                    yield from self._infos(batch)
+                    batch = []
+            if batch:
+                yield from self._infos(batch)
+
+    def close(self) -> None:
+        """Disconnect the client's pooled connections."""
+        self.client.close()
+
+    # -- extras -------------------------------------------------------------------------
+
+    def count_blocks(self) -> tuple[int, int]:
+        """(number of blocks, total bytes) under this prefix, by SCAN: for tests and stats."""
+        count = 0
+        total = 0
+        for info in self.iter_blocks():
+            count += 1
+            total += info.size
+        return count, total
+
+    def statistics(self) -> RedisBlockStoreStatistics:
+        """Counts of this process's puts, dedup hits, reads, misses and errors."""
+        with self._lock:
+            counts = dict(self._counts)
+        fields = attrs.fields_dict(RedisBlockStoreStatistics)
+        return RedisBlockStoreStatistics(**{name: counts.get(name, 0) for name in fields})
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _io(self) -> contextlib.AbstractContextManager[None]:
+        return translate_redis_errors(self.target, lambda: self._count(errors=1))
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counts[name] = self._counts.get(name, 0) + delta
+
+    def _fill(self, name: str, view: memoryview, reply: Any) -> bool:
+        if reply is None:
+            self._count(misses=1)
+            return False
+        data = cast(bytes, reply)
+        if len(data) != len(view):
+            raise CorruptCacheError(
+                f"block {name}: stored size {len(data)} != expected {len(view)}"
+            )
+        view[:] = data
+        self._count(blocks_read=1, bytes_read=len(data))
+        return True
+
+    def _infos(self, names: list[str]) -> Iterator[BlockInfo]:
+        valid = [name for name in names if BLOCK_NAME_RE.fullmatch(name)]
+        if not valid:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for name in valid:
+            pipe.strlen(self.block_key(name))
+        pipe.zmscore(self.mtime_key, valid)
+        replies = pipe.execute()
+        now = time.time()
+        mtimes = cast(list[float | None], replies[-1])
+        for name, size, mtime in zip(valid, replies[:-1], mtimes, strict=True):
+            if int(size) == 0:  # vanished between SCAN and STRLEN
+                continue
+            yield BlockInfo(name=name, size=int(size), mtime=now if mtime is None else mtime)
