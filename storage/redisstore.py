@@ -63,6 +63,7 @@ __all__ = [
     "RedisBlockStoreStatistics",
     "RedisTarget",
     "connect",
+    "glob_escape",
     "is_redis_url",
     "parse_redis_url",
     "translate_redis_errors",
@@ -210,7 +211,8 @@ def _batches(sizes: Sequence[int]) -> Iterator[range]:
         start = end
 
 
-def _glob_escape(text: str) -> str:
+def glob_escape(text: str) -> str:
+    """``text`` with the glob characters of Redis MATCH patterns escaped."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
@@ -320,7 +322,7 @@ class RedisBlockStore:
     def iter_blocks(self) -> Iterator[BlockInfo]:
         """Every stored block with its size and last put time (SCAN; consistent per key)."""
         prefix = f"{self.target.prefix}:block:"
-        pattern = _glob_escape(prefix) + "*"
+        pattern = glob_escape(prefix) + "*"
         with self._io():
             batch: list[str] = []
             for raw in self.client.scan_iter(match=pattern, count=_SCAN_COUNT):

@@ -1,0 +1,286 @@
+"""Where manifests live: a small store of named byte strings, local or shared (Redis).
+
+A manifest is the small per-cache header that lists a cache's blocks (the block layout:
+:func:`kvtrio.storage.writer.write_blocks`). Its bytes carry their own hash (the
+preamble's xxh3-64 of the header), so whoever reads one checks it before trusting it.
+
+Two stores keep the same contract, :class:`ManifestStore`:
+
+- :class:`LocalManifestStore`: one file per manifest in a directory, published with the
+  storage layer's atomic durable write (tmp, fsync, rename, fsync dir). One host writes
+  it; the tier's own in-memory prefix index is rebuilt from :meth:`~ManifestStore.list`
+  at start and is authoritative afterwards.
+- :class:`RedisManifestStore`: manifests shared by every host on the same Redis URL, with
+  a prefix-index keyspace so a host finds, at lookup time, caches that other hosts saved
+  after it started. Keys under the URL's prefix ``P``::
+
+      P:manifest:<name>       sha256(data) || data       (re-checked on every get)
+      P:manifest-keys:<name>  set of the index keys the manifest was registered under
+      P:prefix:<index key>    set of manifest names registered under that key
+
+  A manifest and its index entries are written in one MULTI/EXEC transaction, so no host
+  sees an index entry before the manifest it names. Keys may vanish at any time (Redis's
+  ``allkeys-lru`` eviction, an operator's DEL): a missing manifest is a clean miss
+  (``None``), and an index entry naming a missing manifest is skipped by the reader.
+
+Index keys are opaque strings to the store; the tier uses the hex chain hashes of token
+blocks (:func:`kvtrio.actors.prefix.chain_hashes`), so "which manifests pass through this
+prefix" is one pipelined round trip for a whole prompt.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import hashlib
+import os
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import attrs
+from kvtrio.errors import CorruptCacheError
+from kvtrio.storage.fileops import O_NOFOLLOW, OS_FILE_OPS, FileOps, pread_full
+from kvtrio.storage.redisstore import (
+    RedisTarget,
+    connect,
+    glob_escape,
+    parse_redis_url,
+    translate_redis_errors,
+)
+from kvtrio.storage.writer import TMP_SUFFIX, publish_bytes
+
+if TYPE_CHECKING:
+    import redis
+
+__all__ = [
+    "MANIFEST_NAME_RE",
+    "MAX_MANIFEST_BYTES",
+    "LocalManifestStore",
+    "ManifestStore",
+    "RedisManifestStore",
+    "check_manifest_name",
+]
+
+MANIFEST_NAME_RE = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,199}")
+# A manifest lists blocks, not data: even a 1M-token cache of a deep model stays far below.
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+_DIGEST = 32
+_SCAN_COUNT = 1000
+
+
+def check_manifest_name(name: str) -> str:
+    """Return ``name`` if it is a valid manifest name; raise CorruptCacheError otherwise."""
+    if (
+        not isinstance(name, str)
+        or MANIFEST_NAME_RE.fullmatch(name) is None
+        or name.endswith(TMP_SUFFIX)
+    ):
+        raise CorruptCacheError(f"manifest name: not [0-9A-Za-z._-]{{1,200}}: {name!r:.80}")
+    return name
+
+
+@runtime_checkable
+class ManifestStore(Protocol):
+    """Named manifests: atomic put, get, delete, list; blocking, for worker threads."""
+
+    @property
+    def shared(self) -> bool:
+        """True when other hosts write to this store too (lookups must ask it)."""
+        ...
+
+    def put(self, name: str, data: bytes, *, index_keys: Sequence[str] = ()) -> None:
+        """Publish ``data`` under ``name`` atomically (replacing any), durable on return.
+
+        ``index_keys`` register the manifest in the shared prefix index (ignored by a
+        store that is not shared: its single writer's own index knows them already).
+        """
+        ...
+
+    def get(self, name: str) -> bytes | None:
+        """The manifest's bytes, or None if absent. CorruptCacheError if they fail checks."""
+        ...
+
+    def delete(self, name: str) -> bool:
+        """Remove the manifest (and its index entries); False if it was absent."""
+        ...
+
+    def list(self) -> builtins.list[str]:
+        """Names of every stored manifest."""
+        ...
+
+    def lookup(self, index_keys: Sequence[str]) -> builtins.list[str]:
+        """Names of manifests registered under any of ``index_keys`` (no duplicates).
+
+        Only a shared store has entries that its caller's own index may lack; a local
+        store returns an empty list.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release connections or handles."""
+        ...
+
+
+@attrs.define(eq=False)
+class LocalManifestStore:
+    """Manifests as files ``<directory>/<name>``, published atomically and durably."""
+
+    directory: str
+    file_ops: FileOps = OS_FILE_OPS
+
+    def __attrs_post_init__(self) -> None:
+        self.file_ops.mkdir(self.directory)
+
+    @property
+    def shared(self) -> bool:
+        return False
+
+    def path_of(self, name: str) -> str:
+        """The file of manifest ``name``."""
+        return os.path.join(self.directory, check_manifest_name(name))
+
+    def put(self, name: str, data: bytes, *, index_keys: Sequence[str] = ()) -> None:
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"manifest {name}: {len(data)} bytes > {MAX_MANIFEST_BYTES}")
+        publish_bytes(self.path_of(name), data, file_ops=self.file_ops)
+
+    def get(self, name: str) -> bytes | None:
+        try:
+            fd = self.file_ops.open(self.path_of(name), os.O_RDONLY | O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CorruptCacheError(f"manifest {name}: is a symbolic link") from exc
+            raise
+        try:
+            size = self.file_ops.fstat(fd).st_size
+            if size > MAX_MANIFEST_BYTES:
+                raise CorruptCacheError(f"manifest {name}: {size} bytes > {MAX_MANIFEST_BYTES}")
+            buffer = bytearray(size)
+            if pread_full(self.file_ops, fd, memoryview(buffer), 0) != size:
+                raise CorruptCacheError(f"manifest {name}: shorter than its size")
+            return bytes(buffer)
+        finally:
+            self.file_ops.close(fd)
+
+    def delete(self, name: str) -> bool:
+        try:
+            self.file_ops.unlink(self.path_of(name))
+        except FileNotFoundError:
+            return False
+        self.file_ops.fsync_dir(self.directory)
+        return True
+
+    def list(self) -> builtins.list[str]:
+        return sorted(
+            name
+            for name in self.file_ops.listdir(self.directory)
+            if MANIFEST_NAME_RE.fullmatch(name) and not name.endswith(TMP_SUFFIX)
+        )
+
+    def lookup(self, index_keys: Sequence[str]) -> builtins.list[str]:
+        return []
+
+    def close(self) -> None:
+        return None
+
+
+@attrs.define(eq=False)
+class RedisManifestStore:
+    """Manifests and the prefix index in Redis, shared by every host on the URL."""
+
+    client: redis.Redis
+    target: RedisTarget
+
+    @classmethod
+    def open(cls, url: str) -> RedisManifestStore:
+        """Connect to the Redis URL (see :func:`~kvtrio.storage.redisstore.parse_redis_url`)."""
+        target = parse_redis_url(url)
+        return cls(connect(target), target)
+
+    @property
+    def shared(self) -> bool:
+        return True
+
+    def manifest_key(self, name: str) -> str:
+        """The Redis key of manifest ``name``."""
+        return f"{self.target.prefix}:manifest:{check_manifest_name(name)}"
+
+    def _keys_key(self, name: str) -> str:
+        return f"{self.target.prefix}:manifest-keys:{name}"
+
+    def _index_key(self, index_key: str) -> str:
+        return f"{self.target.prefix}:prefix:{index_key}"
+
+    def put(self, name: str, data: bytes, *, index_keys: Sequence[str] = ()) -> None:
+        key = self.manifest_key(name)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"manifest {name}: {len(data)} bytes > {MAX_MANIFEST_BYTES}")
+        value = hashlib.sha256(data).digest() + data
+        with translate_redis_errors(self.target):
+            old_keys = self.client.smembers(self._keys_key(name))
+            pipe = self.client.pipeline(transaction=True)
+            for old in old_keys:
+                pipe.srem(self._index_key(_text(old)), name)
+            pipe.set(key, value)
+            pipe.delete(self._keys_key(name))
+            if index_keys:
+                pipe.sadd(self._keys_key(name), *index_keys)
+                for index_key in index_keys:
+                    pipe.sadd(self._index_key(index_key), name)
+            pipe.execute()
+
+    def get(self, name: str) -> bytes | None:
+        key = self.manifest_key(name)
+        with translate_redis_errors(self.target):
+            value = self.client.get(key)
+        if value is None:
+            return None
+        raw = value if isinstance(value, bytes) else value.encode()
+        if len(raw) < _DIGEST or hashlib.sha256(raw[_DIGEST:]).digest() != raw[:_DIGEST]:
+            raise CorruptCacheError(f"manifest {name}: content does not match its sha256")
+        return raw[_DIGEST:]
+
+    def delete(self, name: str) -> bool:
+        key = self.manifest_key(name)
+        with translate_redis_errors(self.target):
+            index_keys = self.client.smembers(self._keys_key(name))
+            pipe = self.client.pipeline(transaction=True)
+            pipe.delete(key)
+            pipe.delete(self._keys_key(name))
+            for index_key in index_keys:
+                pipe.srem(self._index_key(_text(index_key)), name)
+            replies = pipe.execute()
+        return bool(replies[0])
+
+    def list(self) -> builtins.list[str]:
+        prefix = f"{self.target.prefix}:manifest:"
+        pattern = glob_escape(prefix) + "*"
+        with translate_redis_errors(self.target):
+            keys = [_text(k) for k in self.client.scan_iter(match=pattern, count=_SCAN_COUNT)]
+        names = (key[len(prefix) :] for key in keys)
+        return sorted(name for name in names if MANIFEST_NAME_RE.fullmatch(name))
+
+    def lookup(self, index_keys: Sequence[str]) -> builtins.list[str]:
+        if not index_keys:
+            return []
+        with translate_redis_errors(self.target):
+            pipe = self.client.pipeline(transaction=False)
+            for index_key in index_keys:
+                pipe.smembers(self._index_key(index_key))
+            replies = pipe.execute()
+        seen: dict[str, None] = {}
+        for members in replies:
+            for member in sorted(_text(m) for m in members):
+                if MANIFEST_NAME_RE.fullmatch(member):
+                    seen.setdefault(member, None)
+        return list(seen)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,102 @@
+"""ManifestStore: the local and Redis stores keep one contract; Redis adds a shared index."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kvtrio.errors import CorruptCacheError, StoreUnavailableError
+from kvtrio.storage.manifeststore import LocalManifestStore, ManifestStore, RedisManifestStore
+
+
+@pytest.fixture(params=["local", "redis"])
+def manifests(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ManifestStore]:
+    store: ManifestStore
+    if request.param == "local":
+        store = LocalManifestStore(str(tmp_path / "manifests"))
+    else:
+        store = RedisManifestStore.open(request.getfixturevalue("redis_url"))
+    yield store
+    store.close()
+
+
+def test_put_get_replace_delete_list(manifests: ManifestStore) -> None:
+    assert isinstance(manifests, ManifestStore)
+    assert manifests.get("a" * 64) is None
+    manifests.put("a" * 64, b"first")
+    manifests.put("b.kvtrio", b"other")
+    manifests.put("a" * 64, b"second")
+    assert manifests.get("a" * 64) == b"second"
+    assert manifests.list() == ["a" * 64, "b.kvtrio"]
+    assert manifests.delete("a" * 64) is True
+    assert manifests.delete("a" * 64) is False
+    assert manifests.get("a" * 64) is None
+    assert manifests.list() == ["b.kvtrio"]
+
+
+def test_names_cannot_escape(manifests: ManifestStore) -> None:
+    for bad in ("../x", "", ".hidden", "a/b", "x" * 201, "a*"):
+        with pytest.raises(CorruptCacheError, match=r"^manifest name: "):
+            manifests.put(bad, b"x")
+        with pytest.raises(CorruptCacheError, match=r"^manifest name: "):
+            manifests.get(bad)
+
+
+def test_local_store_is_not_shared(tmp_path: Path) -> None:
+    store = LocalManifestStore(str(tmp_path))
+    store.put("m1", b"x", index_keys=["k1"])
+    assert (store.shared, store.lookup(["k1"])) == (False, [])
+    assert (tmp_path / "m1").read_bytes() == b"x"
+    assert not [p for p in tmp_path.iterdir() if p.name != "m1"]  # no tmp debris
+
+
+def test_redis_index_finds_what_another_host_saved(redis_url: str) -> None:
+    """A second client (host B) finds A's manifests by prefix key, in one round trip."""
+    host_a = RedisManifestStore.open(redis_url)
+    host_b = RedisManifestStore.open(redis_url)
+    host_a.put("short", b"s", index_keys=["k1"])
+    host_a.put("long", b"l", index_keys=["k1", "k2", "k3"])
+    assert host_b.shared
+    assert host_b.lookup(["k1", "k2"]) == ["long", "short"]
+    assert host_b.lookup(["k3"]) == ["long"]
+    assert host_b.lookup(["nothing"]) == []
+    host_a.put("long", b"l2", index_keys=["k1", "k2"])  # a replacement re-registers
+    assert host_b.lookup(["k3"]) == []
+    host_b.delete("long")
+    assert host_a.lookup(["k1", "k2"]) == ["short"]
+    host_a.close()
+    host_b.close()
+
+
+def test_redis_manifest_tampered_is_corrupt(redis_url: str) -> None:
+    """Manifests carry their own hash: bytes changed behind kvtrio's back never load."""
+    store = RedisManifestStore.open(redis_url)
+    store.put("m", b"manifest bytes")
+    raw = store.client.get(store.manifest_key("m"))
+    store.client.set(store.manifest_key("m"), raw[:-1] + b"X")
+    with pytest.raises(CorruptCacheError, match=r"^manifest m: content does not match its sha256$"):
+        store.get("m")
+    store.client.set(store.manifest_key("m"), b"tiny")
+    with pytest.raises(CorruptCacheError):
+        store.get("m")
+    store.close()
+
+
+def test_redis_manifest_evicted_is_a_miss(redis_url: str) -> None:
+    store = RedisManifestStore.open(redis_url)
+    store.put("m", b"x", index_keys=["k"])
+    store.client.delete(store.manifest_key("m"))
+    assert store.get("m") is None
+    assert store.lookup(["k"]) == ["m"]  # the reader skips names whose manifest is gone
+    store.close()
+
+
+def test_redis_down_is_store_unavailable(private_redis: object) -> None:
+    store = RedisManifestStore.open(private_redis.url())  # type: ignore[attr-defined]
+    private_redis.kill()  # type: ignore[attr-defined]
+    with pytest.raises(StoreUnavailableError, match=r"^redis redis://127\.0\.0\.1:\d+/0"):
+        store.put("m", b"x", index_keys=["k"])
+    with pytest.raises(StoreUnavailableError):
+        store.lookup(["k"])
+    store.close()
