@@ -1,0 +1,238 @@
+"""Paged attention: the reference path and the direct split-K decode kernel, with dispatch.
+
+An attention view is captured from a sequence (:meth:`PagedKVCache.attention_view`): the pool
+tensors as they are now, the block table and the length. It is immutable: later appends,
+copy-on-write or retiring the sequence replace the pool's arrays and never touch the ones
+the view holds.
+
+``attend`` picks a path per call:
+
+- direct (the split-K kernel reading blocks in place) on a GPU (CUDA or Metal) for at most
+  :data:`DIRECT_MAX_QUERIES` queries without an array mask, when the shapes fit the kernel;
+- the reference path otherwise (always on the CPU): gather the blocks in token order, then
+  ``mx.fast.scaled_dot_product_attention`` (mlx-lm's quantized attention for quantized pools),
+  which is exactly what mlx-lm computes on a ``KVCache``/``QuantizedKVCache``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import mlx.core as mx
+from mlx_lm.models import base as mlx_base
+
+if TYPE_CHECKING:
+    from kvtrio.metal.pool import BlockPool
+
+__all__ = [
+    "DIRECT_MAX_QUERIES",
+    "PagedAttentionView",
+    "direct_backend",
+    "scaled_dot_product_attention",
+    "use_paged_attention",
+]
+
+DIRECT_MAX_QUERIES = 8
+# Query rows (GQA group x queries) one thread block serves; more rows take more blocks.
+_ROWS_PER_BLOCK = 8
+_WARPS = 4
+# Thread blocks to aim for: a few per multiprocessor on current GPUs.
+_TARGET_BLOCKS = 1024
+_MIN_PART_TOKENS = 128
+_LOG2E = 1.4426950408889634
+
+
+def direct_backend() -> ModuleType | None:
+    """The kernel module for the default device (CUDA or Metal), or None on the CPU."""
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.cuda.is_available():
+        from kvtrio.metal import kernels_cuda
+
+        return kernels_cuda
+    if mx.metal.is_available():
+        from kvtrio.metal import kernels_metal
+
+        return kernels_metal
+    return None
+
+
+@attrs.frozen
+class PagedAttentionView:
+    """One sequence's keys and values at capture time, read through its block table."""
+
+    arrays: tuple[mx.array, ...]  # keys, values (+ key scales, biases, value scales, biases)
+    table: mx.array
+    length: int
+    block_size: int
+    bits: int | None
+    group_size: int
+    direct: bool
+
+    @classmethod
+    def capture(
+        cls, pool: BlockPool, block_table: Sequence[int], length: int, direct: bool = True
+    ) -> PagedAttentionView:
+        # stop_gradient gives new array objects sharing the buffers (no copy): the pool's
+        # later writes rebind its own attributes, so these keep today's contents.
+        return cls(
+            arrays=tuple(mx.stop_gradient(a) for a in pool.arrays()),
+            table=mx.array(list(block_table), dtype=mx.int32),
+            length=length,
+            block_size=pool.block_size,
+            bits=pool.bits,
+            group_size=pool.group_size,
+            direct=direct,
+        )
+
+    @property
+    def kv_heads(self) -> int:
+        return int(self.arrays[0].shape[1])
+
+    def _gather(self, array: mx.array) -> mx.array:
+        heads, width = array.shape[1], array.shape[3]
+        if self.length == 0:
+            return mx.zeros((1, heads, 0, width), dtype=array.dtype)
+        picked = mx.take(array, self.table, axis=0)
+        flat = picked.transpose(1, 0, 2, 3).reshape(heads, -1, width)
+        return flat[None, :, : self.length, :]
+
+    def gather(self) -> tuple[Any, Any]:
+        """Keys and values in token order, ``[1, kv_heads, length, dim]`` (quantized: triples)."""
+        parts = [self._gather(a) for a in self.arrays]
+        if self.bits is None:
+            return parts[0], parts[1]
+        return (parts[0], parts[2], parts[3]), (parts[1], parts[4], parts[5])
+
+    # -- attention ----------------------------------------------------------------------------
+
+    def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
+        """Attention of ``queries`` ``[1, q_heads, n, dim]`` over the view's tokens."""
+        backend = direct_backend()
+        if backend is not None and self.uses_direct(queries, mask):
+            return self.attend_direct(queries, scale, mask, backend)
+        return self.attend_reference(queries, scale, mask)
+
+    def attend_reference(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
+        """Gather, then the attention mlx-lm runs on a contiguous cache (bit-exact with it)."""
+        keys, values = self.gather()
+        if self.bits is None:
+            return mx.fast.scaled_dot_product_attention(
+                queries, keys, values, scale=scale, mask=mask
+            )
+        out: mx.array = mlx_base.quantized_scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask,
+            group_size=self.group_size, bits=self.bits,
+        )
+        return out
+
+    def uses_direct(self, queries: mx.array, mask: Any) -> bool:
+        """Whether the direct kernel serves these shapes (device aside)."""
+        batch, q_heads, n, dim = queries.shape
+        keys = self.arrays[0]
+        k_dim = keys.shape[3] * (32 // self.bits if self.bits else 1)
+        v_dim = self.arrays[1].shape[3] * (32 // self.bits if self.bits else 1)
+        return (
+            self.direct
+            and self.length > 0
+            and batch == 1
+            and 1 <= n <= DIRECT_MAX_QUERIES
+            and (mask is None or isinstance(mask, str))
+            and q_heads % self.kv_heads == 0
+            and dim == k_dim == v_dim
+            and dim in (32, 64, 128, 256)
+            and (self.bits is None or (self.bits in (4, 8) and self.group_size % 8 == 0))
+            and self.arrays[-1].dtype in (mx.float16, mx.bfloat16, mx.float32)
+        )
+
+    def attend_direct(
+        self, queries: mx.array, scale: float, mask: Any, backend: ModuleType
+    ) -> mx.array:
+        """The split-K kernel: partial softmax per partition, then a log-sum-exp merge."""
+        _, q_heads, n, dim = queries.shape
+        kv_heads = self.kv_heads
+        rows = (q_heads // kv_heads) * n
+        rows_per_block = min(rows, _ROWS_PER_BLOCK)
+        chunks = -(-rows // rows_per_block)
+        per_step = _WARPS * (32 // (dim // 8)) * (4 if rows_per_block <= 4 else 2)
+        part = self._part_tokens(kv_heads * chunks, per_step)
+        parts = -(-self.length // part)
+        template: list[tuple[str, Any]] = [
+            ("HQ", q_heads), ("HK", kv_heads), ("G", q_heads // kv_heads), ("N", n),
+            ("D", dim), ("BS", self.block_size), ("RC", rows_per_block), ("WARPS", _WARPS),
+            ("U", 4 if rows_per_block <= 4 else 2), ("CAUSAL", n > 1 and mask is not None),
+        ]
+        if self.bits is not None:
+            template += [("BITS", self.bits), ("GS", self.group_size), ("T", self.arrays[2].dtype)]
+        params = mx.array([self.length, part], dtype=mx.int32)
+        scale_log2 = mx.array([scale * _LOG2E], dtype=mx.float32)
+        inputs = [queries, self.arrays[0], self.arrays[1], self.table, params, scale_log2]
+        partial_out, normal = backend.partial(self.bits is not None)(
+            inputs=inputs + list(self.arrays[2:]),
+            template=template,
+            grid=(32 * _WARPS * parts, kv_heads * chunks, 1),
+            threadgroup=(32 * _WARPS, 1, 1),
+            output_shapes=[(q_heads * n, parts, dim), (q_heads * n, parts, 2)],
+            output_dtypes=[mx.float32, mx.float32],
+        )
+        width = min(dim, 128)
+        (out,) = backend.merge()(
+            inputs=[partial_out, normal],
+            template=[("D", dim), ("OutT", queries.dtype)],
+            grid=(math.ceil(dim / width) * width, q_heads * n, 1),
+            threadgroup=(width, 1, 1),
+            output_shapes=[(1, q_heads, n, dim)],
+            output_dtypes=[queries.dtype],
+        )
+        result: mx.array = out
+        return result
+
+    def _part_tokens(self, row_blocks: int, per_step: int) -> int:
+        """Tokens per partition: enough partitions to fill the GPU, whole block steps each."""
+        wanted = max(1, _TARGET_BLOCKS // row_blocks)
+        tokens = max(-(-self.length // wanted), _MIN_PART_TOKENS)
+        return -(-tokens // per_step) * per_step
+
+
+def scaled_dot_product_attention(
+    queries: mx.array,
+    keys: Any,
+    values: Any,
+    cache: Any,
+    scale: float,
+    mask: Any,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Drop-in for mlx-lm's ``scaled_dot_product_attention`` that reads paged caches in place.
+
+    For a paged cache the gathered ``keys``/``values`` the model passes are ignored (MLX never
+    computes them) and the cache's attention view is used instead.
+    """
+    attention_view = getattr(cache, "attention_view", None)
+    if attention_view is None or sinks is not None:
+        out: mx.array = mlx_base.scaled_dot_product_attention(
+            queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
+        )
+        return out
+    view: PagedAttentionView = attention_view()
+    return view.attend(queries, scale, mask)
+
+
+@contextlib.contextmanager
+def use_paged_attention(*modules: ModuleType) -> Iterator[None]:
+    """Route the attention of mlx-lm model modules (e.g. ``mlx_lm.models.llama``) through
+    :func:`scaled_dot_product_attention` while the block runs."""
+    name = "scaled_dot_product_attention"
+    saved = [(m, getattr(m, name)) for m in modules]
+    try:
+        for module in modules:
+            setattr(module, name, scaled_dot_product_attention)
+        yield
+    finally:
+        for module, original in saved:
+            setattr(module, name, original)

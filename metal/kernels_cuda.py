@@ -1,0 +1,290 @@
+"""CUDA source of the split-K paged decode attention (through ``mx.fast.cuda_kernel``).
+
+Line for line the twin of :mod:`kvtrio.metal.kernels_metal`: the kernel bodies differ only in
+how a thread finds its ids, in shared-memory qualifiers and barriers; the helpers they call
+(``kvt_*``) are defined per language in the headers.
+
+Theory of operation (both languages):
+
+1. Grid: x = sequence partitions of ``part_size`` tokens (one thread block each), y = kv
+   heads times query-row chunks. A block reads every key and value of its partition once and
+   serves all query rows of its kv head in the chunk (grouped-query attention reads KV once).
+2. A token is read by ``TL = D / 8`` lanes, 8 elements each (16 bytes for 16-bit types), so a
+   warp reads ``32 / TL`` tokens per load; each lane keeps ``U`` tokens' keys and values in
+   flight before using them. Scores are reduced across the TL lanes by xor shuffles.
+3. Softmax is online in base 2 (queries are pre-scaled by ``scale * log2(e)``): per row a
+   running maximum ``m``, normalizer ``l`` and unnormalized accumulator; masked tokens score
+   -inf, and a weight whose maximum is still -inf is 0, never NaN.
+4. Lanes of a warp that hold different tokens merge by shuffles, warps merge through shared
+   memory, and the block writes one partial (accumulator, m, l) per row and partition.
+5. The merge kernel combines the partitions with the log-sum-exp rule and casts to the
+   output dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import mlx.core as mx
+
+__all__ = ["HEADER", "HEADER_QUANTIZED", "MERGE_SOURCE", "PARTIAL_SOURCE", "merge", "partial"]
+
+_COMMON = """
+#define KVT_NEG_INF (-cuda::std::numeric_limits<float>::infinity())
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+
+__device__ __forceinline__ float kvt_shfl_xor(float x, int offset) {
+  return __shfl_xor_sync(0xffffffffu, x, offset);
+}
+__device__ __forceinline__ float kvt_exp2(float x) { return exp2f(x); }
+__device__ __forceinline__ float kvt_max(float a, float b) { return fmaxf(a, b); }
+// Weight of a running maximum m against a larger one: 0 while m is still -inf.
+__device__ __forceinline__ float kvt_weight(float m, float top) {
+  return m == KVT_NEG_INF ? 0.f : exp2f(m - top);
+}
+"""
+
+# Eight consecutive elements of a float pool: one 16-byte load for 16-bit types.
+HEADER = (
+    _COMMON
+    + """
+template <typename T>
+__device__ __forceinline__ void kvt_load8(const T* p, float* out) {
+  if constexpr (sizeof(T) == 2) {
+    uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const T* h = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[e] = to_f(h[e]);
+  } else {
+    float4 a = reinterpret_cast<const float4*>(p)[0];
+    float4 b = reinterpret_cast<const float4*>(p)[1];
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+  }
+}
+#define KVT_LOAD_K(row, out) kvt_load8(keys + (row) * D + sl * 8, out)
+#define KVT_LOAD_V(row, out) kvt_load8(values + (row) * D + sl * 8, out)
+"""
+)
+
+# Eight consecutive elements of an affine-quantized pool (mx.quantize layout, 4 or 8 bits):
+# rounded to T after scale * q + bias, as mx.dequantize produces them.
+HEADER_QUANTIZED = (
+    _COMMON
+    + """
+template <int BITS, int GS, typename T>
+__device__ __forceinline__ void kvt_load8q(
+    const uint32_t* packed, const T* scales, const T* biases, int elem, float* out) {
+  const float s = to_f(scales[elem / GS]);
+  const float b = to_f(biases[elem / GS]);
+  if constexpr (BITS == 4) {
+    const uint32_t w = packed[elem / 8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[e] = to_f(from_f<T>(s * float((w >> (4 * e)) & 15u) + b));
+  } else {
+    const uint2 w = *reinterpret_cast<const uint2*>(packed + elem / 4);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const uint32_t x = e < 4 ? w.x : w.y;
+      out[e] = to_f(from_f<T>(s * float((x >> (8 * (e % 4))) & 255u) + b));
+    }
+  }
+}
+#define KVT_LOAD_K(row, out) kvt_load8q<BITS, GS, T>(keys, ks, kb, (row) * D + sl * 8, out)
+#define KVT_LOAD_V(row, out) kvt_load8q<BITS, GS, T>(values, vs, vb, (row) * D + sl * 8, out)
+"""
+)
+
+PARTIAL_SOURCE = """
+  constexpr int TL = D / 8;
+  constexpr int TPW = 32 / TL;
+  constexpr int R = G * N;
+  constexpr int CH = (R + RC - 1) / RC;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int group = warp * TPW + lane / TL;
+  const int sl = lane % TL;
+  const int part = blockIdx.x;
+  const int parts = gridDim.x;
+  const int hk = blockIdx.y / CH;
+  const int r0 = (blockIdx.y % CH) * RC;
+  const int length = params[0];
+  const int part_size = params[1];
+  const int start = part * part_size;
+  const int stop = min(length, start + part_size);
+  float qv[RC][8];
+  int visible[RC];
+  float m[RC];
+  float l[RC];
+  float acc[RC][8];
+#pragma unroll
+  for (int r = 0; r < RC; ++r) {
+    const int lr = min(r0 + r, R - 1);
+    const int row = hk * R + lr;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) qv[r][e] = to_f(q[row * D + sl * 8 + e]) * scale[0];
+    visible[r] = CAUSAL ? length - N + lr % N + 1 : length;
+    m[r] = KVT_NEG_INF;
+    l[r] = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[r][e] = 0.f;
+  }
+  for (int base = start; base < stop; base += WARPS * TPW * U) {
+    float kv[U][8];
+    float vv[U][8];
+    int tok[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      tok[u] = base + u * WARPS * TPW + group;
+      const int t = min(tok[u], stop - 1);
+      const int row = (table[t / BS] * HK + hk) * BS + t % BS;
+      KVT_LOAD_K(row, kv[u]);
+      KVT_LOAD_V(row, vv[u]);
+    }
+    float s[U][RC];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int r = 0; r < RC; ++r) {
+        float dot = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dot += qv[r][e] * kv[u][e];
+#pragma unroll
+        for (int o = TL / 2; o > 0; o /= 2) dot += kvt_shfl_xor(dot, o);
+        s[u][r] = (tok[u] < stop && tok[u] < visible[r]) ? dot : KVT_NEG_INF;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < RC; ++r) {
+      float top = m[r];
+#pragma unroll
+      for (int u = 0; u < U; ++u) top = kvt_max(top, s[u][r]);
+      if (top != KVT_NEG_INF) {
+        const float corr = kvt_weight(m[r], top);
+        float p[U];
+        float total = 0.f;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          p[u] = kvt_exp2(s[u][r] - top);
+          total += p[u];
+        }
+        l[r] = l[r] * corr + total;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          float a = acc[r][e] * corr;
+#pragma unroll
+          for (int u = 0; u < U; ++u) a += p[u] * vv[u][e];
+          acc[r][e] = a;
+        }
+        m[r] = top;
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < RC; ++r) {
+    float top = m[r];
+#pragma unroll
+    for (int o = TL; o < 32; o *= 2) top = kvt_max(top, kvt_shfl_xor(top, o));
+    const float w = kvt_weight(m[r], top);
+    l[r] *= w;
+#pragma unroll
+    for (int o = TL; o < 32; o *= 2) l[r] += kvt_shfl_xor(l[r], o);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      acc[r][e] *= w;
+#pragma unroll
+      for (int o = TL; o < 32; o *= 2) acc[r][e] += kvt_shfl_xor(acc[r][e], o);
+    }
+    m[r] = top;
+  }
+  __shared__ float sm_acc[WARPS * RC * D];
+  __shared__ float sm_ml[WARPS * RC * 2];
+  if (lane < TL) {
+#pragma unroll
+    for (int r = 0; r < RC; ++r) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sm_acc[(warp * RC + r) * D + sl * 8 + e] = acc[r][e];
+      if (sl == 0) {
+        sm_ml[(warp * RC + r) * 2] = m[r];
+        sm_ml[(warp * RC + r) * 2 + 1] = l[r];
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < RC * D; i += WARPS * 32) {
+    const int r = i / D;
+    const int d = i % D;
+    if (r0 + r >= R) continue;
+    float top = KVT_NEG_INF;
+    for (int w = 0; w < WARPS; ++w) top = kvt_max(top, sm_ml[(w * RC + r) * 2]);
+    float a = 0.f;
+    float total = 0.f;
+    for (int w = 0; w < WARPS; ++w) {
+      const float weight = kvt_weight(sm_ml[(w * RC + r) * 2], top);
+      a += weight * sm_acc[(w * RC + r) * D + d];
+      total += weight * sm_ml[(w * RC + r) * 2 + 1];
+    }
+    const int row = hk * R + r0 + r;
+    out[(row * parts + part) * D + d] = a;
+    if (d == 0) {
+      normal[(row * parts + part) * 2] = top;
+      normal[(row * parts + part) * 2 + 1] = total;
+    }
+  }
+"""
+
+MERGE_SOURCE = """
+  const int d = blockIdx.x * blockDim.x + threadIdx.x;
+  const int row = blockIdx.y * blockDim.y + threadIdx.y;
+  if (d >= D) return;
+  const int parts = normal_shape[1];
+  float top = KVT_NEG_INF;
+  for (int p = 0; p < parts; ++p) top = kvt_max(top, normal[(row * parts + p) * 2]);
+  float a = 0.f;
+  float total = 0.f;
+  for (int p = 0; p < parts; ++p) {
+    const float weight = kvt_weight(normal[(row * parts + p) * 2], top);
+    a += weight * partials[(row * parts + p) * D + d];
+    total += weight * normal[(row * parts + p) * 2 + 1];
+  }
+  out[row * D + d] = from_f<OutT>(a / total);
+"""
+
+_INPUTS = ["q", "keys", "values", "table", "params", "scale"]
+_QUANTIZED_INPUTS = [*_INPUTS, "ks", "kb", "vs", "vb"]
+
+
+@functools.cache
+def partial(quantized: bool) -> Any:
+    """The partition kernel (float or affine-quantized pool)."""
+    return mx.fast.cuda_kernel(
+        name="kvtrio_paged_partial_q" if quantized else "kvtrio_paged_partial",
+        input_names=_QUANTIZED_INPUTS if quantized else _INPUTS,
+        output_names=["out", "normal"],
+        source=PARTIAL_SOURCE,
+        header=HEADER_QUANTIZED if quantized else HEADER,
+    )
+
+
+@functools.cache
+def merge() -> Any:
+    """The log-sum-exp merge of partitions."""
+    return mx.fast.cuda_kernel(
+        name="kvtrio_paged_merge",
+        input_names=["partials", "normal"],
+        output_names=["out"],
+        source=MERGE_SOURCE,
+        header=HEADER,
+    )
