@@ -9,17 +9,32 @@ run them on worker threads.
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import os
 import re
+import secrets
+import stat
 from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
+from kvtrio.storage.fileops import (
+    O_NOFOLLOW,
+    OS_FILE_OPS,
+    TMP_SUFFIX,
+    FileOps,
+    pread_full,
+    pwrite_full,
+)
 
 __all__ = [
     "BLOCK_NAME_RE",
     "BlockInfo",
     "BlockStore",
+    "LocalBlockStore",
     "check_block_name",
+    "read_block_verified",
 ]
 
 BLOCK_NAME_RE = re.compile(r"[0-9a-f]{64}")
@@ -81,3 +96,147 @@ class BlockStore(Protocol):
     def close(self) -> None:
         """Release connections or handles."""
         ...
+
+
+def read_block_verified(store: BlockStore, name: str, buffer: memoryview) -> bool:
+    """Read block ``name`` into ``buffer`` and re-hash it against its name.
+
+    False if the block is missing (a clean miss); CorruptCacheError if its bytes do not
+    hash to its name or its size differs from ``len(buffer)``.
+    """
+    from kvtrio.errors import CorruptCacheError
+
+    check_block_name(name)
+    if not store.read_into(name, buffer):
+        return False
+    if hashlib.sha256(buffer).hexdigest() != name:
+        raise CorruptCacheError(f"block {name}: content does not hash to its name")
+    return True
+
+
+@attrs.define
+class LocalBlockStore:
+    """Blocks as files ``<directory>/<sha256>``, written durably, read without following links.
+
+    ``put_many`` writes each absent block to an O_EXCL 0600 tmp file, fsyncs it, renames it
+    into place, then fsyncs the directory once: the blocks are durable on return. The
+    caller names blocks by their sha256 (the writer computes it); the store does not
+    re-hash on put. ``read_into`` opens with O_NOFOLLOW and requires a regular file of
+    exactly the buffer's size.
+    """
+
+    directory: str
+    file_ops: FileOps = OS_FILE_OPS
+    _made: bool = attrs.field(default=False, init=False)
+
+    def path_of(self, name: str) -> str:
+        """The file of block ``name`` (the name is checked, so it cannot traverse)."""
+        return os.path.join(self.directory, check_block_name(name))
+
+    def _ensure_dir(self) -> None:
+        if not self._made:
+            self.file_ops.mkdir(self.directory)
+            self._made = True
+
+    def _exists(self, path: str) -> bool:
+        try:
+            self.file_ops.stat(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def put_many(self, blocks: Sequence[tuple[str, memoryview]]) -> int:
+        self._ensure_dir()
+        stored = 0
+        seen: set[str] = set()
+        for name, data in blocks:
+            path = self.path_of(name)
+            if name in seen or self._exists(path):
+                continue
+            seen.add(name)
+            tmp = os.path.join(self.directory, f".{name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+            fd = self.file_ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW, 0o600)
+            try:
+                pwrite_full(self.file_ops, fd, data, 0)
+                self.file_ops.fsync(fd)
+            except BaseException:
+                self.file_ops.close(fd)
+                _unlink_quietly(self.file_ops, tmp)
+                raise
+            self.file_ops.close(fd)
+            try:
+                self.file_ops.rename(tmp, path)
+            except BaseException:
+                _unlink_quietly(self.file_ops, tmp)
+                raise
+            stored += data.nbytes
+        if seen:
+            self.file_ops.fsync_dir(self.directory)
+        return stored
+
+    def has_many(self, names: Sequence[str]) -> list[bool]:
+        return [self._exists(self.path_of(name)) for name in names]
+
+    def read_into(self, name: str, buffer: memoryview) -> bool:
+        from kvtrio.errors import CorruptCacheError
+
+        path = self.path_of(name)
+        try:
+            fd = self.file_ops.open(path, os.O_RDONLY | O_NOFOLLOW)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CorruptCacheError(f"block {name}: is a symbolic link") from None
+            raise
+        try:
+            info = self.file_ops.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise CorruptCacheError(f"block {name}: not a regular file")
+            if info.st_size != buffer.nbytes:
+                raise CorruptCacheError(
+                    f"block {name}: stored size {info.st_size} != expected {buffer.nbytes}"
+                )
+            got = pread_full(self.file_ops, fd, buffer, 0)
+            if got != buffer.nbytes:
+                raise CorruptCacheError(f"block {name}: short read ({got} of {buffer.nbytes})")
+        finally:
+            self.file_ops.close(fd)
+        return True
+
+    def delete_many(self, names: Sequence[str]) -> int:
+        deleted = 0
+        for name in names:
+            try:
+                self.file_ops.unlink(self.path_of(name))
+            except FileNotFoundError:
+                continue
+            deleted += 1
+        if deleted:
+            self.file_ops.fsync_dir(self.directory)
+        return deleted
+
+    def iter_blocks(self) -> Iterator[BlockInfo]:
+        try:
+            names = self.file_ops.listdir(self.directory)
+        except FileNotFoundError:
+            return
+        for name in sorted(names):
+            if BLOCK_NAME_RE.fullmatch(name) is None:
+                continue
+            try:
+                info = self.file_ops.stat(os.path.join(self.directory, name))
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(info.st_mode):
+                yield BlockInfo(name=name, size=info.st_size, mtime=info.st_mtime)
+
+    def close(self) -> None:
+        return None
+
+
+def _unlink_quietly(ops: FileOps, path: str) -> None:
+    try:
+        ops.unlink(path)
+    except OSError:
+        pass

@@ -1,0 +1,745 @@
+"""Cache codecs: mlx-lm cache objects <-> header entries + tensors. The MLX side of storage.
+
+Everything here that touches ``mlx.core`` runs on the MLX owner thread only (DESIGN.md
+"Threads"); the CPU side (:mod:`~kvtrio.storage.writer`, :mod:`~kvtrio.storage.reader`)
+works on the memoryviews and header records this module produces and consumes.
+
+Save (owner thread, in steps the owner can interleave with decoding)::
+
+    snap = snapshot(caches, tokens, model_id=..., config_fingerprint=..., meta=...,
+                    attachments=[AttachmentData(schema, metadata, arrays)])
+    # O(1): snap.header is the plan (no bytes), snap.views are lazy MLX views.
+    host = [materialize_tensor(snap, i, block_tokens=None) for i in range(snap.tensor_count)]
+    # each call evals ONE tensor and returns HostTensor(pieces=(memoryview, ...)).
+    # then, on a worker thread (no MLX):
+    write_single(path, snap.header, [h.pieces[0] for h in host])        # or
+    write_blocks(path, snap.header, [h.pieces for h in host], store, block_tokens=256)
+    # drop ``host`` (and ``snap``) afterwards: the memoryviews borrow MLX memory.
+
+Load::
+
+    cf = read_header(path)                       # worker thread, validates everything
+    bufs = allocate_buffers(cf.header)           # any thread
+    read_tensors(cf, bufs, store=..., verify=True)   # worker thread
+    arrays = [restore_tensor(cf.header, i, bufs[i]) for i in range(n)]  # owner, one per step
+    restored = assemble(cf.header, arrays)       # owner: caches + attachments (cheap)
+
+Theory of operation:
+
+1. ``snapshot`` makes views only (slices of the live arrays); MLX arrays are immutable
+   values, so a later ``update_and_fetch``/``__setitem__`` on the live cache rebinds the
+   cache's attribute to a new array and cannot change a view (invariant 1).
+2. KV tensors carry ``token_axis=2``: the block layout cuts them every ``block_tokens``
+   tokens (token-block-major), so two caches sharing a prefix share those blocks.
+3. Every cache's ``min_reusable_offset`` attribute (default 0) is stored per entry and set
+   again on restore; :func:`trim_caches` refuses to go below it, or to trim a cache that is
+   not trimmable (a rotating cache that has wrapped).
+4. Empty caches (no arrays yet) round-trip to empty caches of the same kind and fields.
+5. ``restore`` trusts nothing beyond the validated header: per-kind fields are range
+   checked and tensor shapes must agree with the offsets (CorruptCacheError otherwise).
+
+Codec protocol (:class:`CacheCodec`; register more with :func:`register_codec`, e.g. the
+paged cache of :mod:`kvtrio.metal`):
+
+- ``kind``: the header's ``kind`` string (unique); ``cache_types``: the exact Python types
+  it encodes (exact ``type(cache) in cache_types``, so subclasses need their own codec).
+- ``structure_fields``: the ``fields`` keys that describe a model's cache structure
+  (compared by ``load_cache(expect=...)`` against an empty cache from the model).
+- ``snapshot(cache) -> CodecState``: offset (None: the number of saved tokens),
+  trimmable, JSON-able ``fields``, lazy ``TensorView``s and nested ``children`` caches.
+  Views only: no eval, no copies.
+- ``restore(entry, arrays, children) -> cache``: build the cache from the entry's fields and
+  its arrays (in ``tensors`` order); validate with :func:`field_int` / :func:`expect_shape`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+import mlx.core as mx
+import numpy as np
+from kvtrio.errors import CacheMismatchError, CorruptCacheError
+from kvtrio.storage.format import (
+    DTYPE_SIZES,
+    Attachment,
+    CacheEntry,
+    FieldValue,
+    Header,
+    TensorSlot,
+    piece_ranges,
+    slot_names,
+)
+from mlx_lm.models import cache as _mlx_cache_module
+
+__all__ = [
+    "MIN_REUSABLE_ATTR",
+    "AttachmentData",
+    "CacheCodec",
+    "CacheSnapshot",
+    "CodecState",
+    "HostTensor",
+    "Restored",
+    "TensorView",
+    "assemble",
+    "cache_structure",
+    "codec_for_kind",
+    "expect_shape",
+    "field_int",
+    "header_structure",
+    "materialize",
+    "materialize_tensor",
+    "min_reusable_offset",
+    "register_codec",
+    "restore",
+    "restore_tensor",
+    "snapshot",
+    "trim_caches",
+]
+
+# mlx-lm's cache classes are untyped; treat the module as Any.
+mlx_cache: Any = _mlx_cache_module
+
+#: The attribute holding a cache's minimum reusable offset (absent means 0).
+MIN_REUSABLE_ATTR = "min_reusable_offset"
+
+_DTYPE_NAMES: dict[Any, str] = {
+    mx.bool_: "bool",
+    mx.uint8: "uint8",
+    mx.uint16: "uint16",
+    mx.uint32: "uint32",
+    mx.uint64: "uint64",
+    mx.int8: "int8",
+    mx.int16: "int16",
+    mx.int32: "int32",
+    mx.int64: "int64",
+    mx.float16: "float16",
+    mx.bfloat16: "bfloat16",
+    mx.float32: "float32",
+    mx.float64: "float64",
+    mx.complex64: "complex64",
+}
+_NP_DTYPES: dict[str, Any] = {
+    "bool": np.bool_,
+    "uint8": np.uint8,
+    "uint16": np.uint16,
+    "uint32": np.uint32,
+    "uint64": np.uint64,
+    "int8": np.int8,
+    "int16": np.int16,
+    "int32": np.int32,
+    "int64": np.int64,
+    "float16": np.float16,
+    "bfloat16": np.uint16,  # numpy has no bfloat16: carry the bits, then view in MLX
+    "float32": np.float32,
+    "float64": np.float64,
+    "complex64": np.complex64,
+}
+
+
+@attrs.frozen
+class TensorView:
+    """A lazy MLX view to save, and the axis the block layout cuts it along (or None)."""
+
+    array: Any
+    token_axis: int | None = None
+
+
+@attrs.frozen
+class CodecState:
+    """What a codec's ``snapshot`` returns for one cache."""
+
+    offset: int | None
+    trimmable: bool
+    fields: Mapping[str, FieldValue]
+    tensors: tuple[TensorView, ...]
+    children: tuple[Any, ...] = ()
+
+
+class CacheCodec(Protocol):
+    """Encodes one kind of cache; see the module docstring for the contract."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def cache_types(self) -> tuple[type, ...]: ...
+
+    @property
+    def structure_fields(self) -> tuple[str, ...]: ...
+
+    def snapshot(self, cache: Any) -> CodecState: ...
+
+    def restore(self, entry: CacheEntry, arrays: Sequence[Any], children: Sequence[Any]) -> Any: ...
+
+
+@attrs.frozen
+class AttachmentData:
+    """Extra arrays saved beside the caches: a schema name, string metadata, arrays."""
+
+    schema: str
+    metadata: Mapping[str, str]
+    arrays: tuple[Any, ...]
+
+
+@attrs.frozen
+class CacheSnapshot:
+    """A planned save: the header plan and one lazy view per slot (``header.slots()`` order)."""
+
+    header: Header
+    views: tuple[TensorView, ...]
+
+    @property
+    def tensor_count(self) -> int:
+        return len(self.views)
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.nbytes
+
+
+@attrs.frozen(eq=False)
+class HostTensor:
+    """One materialized tensor: its pieces as host memoryviews, and the arrays they borrow."""
+
+    pieces: tuple[memoryview, ...]
+    keepalive: tuple[Any, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+
+@attrs.frozen(eq=False)
+class Restored:
+    """A loaded cache set."""
+
+    header: Header
+    tokens: tuple[int, ...]
+    caches: list[Any]
+    attachments: list[AttachmentData]
+
+
+# --------------------------------------------------------------------------- registry
+
+_BY_KIND: dict[str, CacheCodec] = {}
+_BY_TYPE: dict[type, CacheCodec] = {}
+
+
+def register_codec(codec: CacheCodec, *, replace: bool = False) -> None:
+    """Make ``codec`` encode its ``cache_types`` and decode its ``kind``."""
+    if not replace and codec.kind in _BY_KIND:
+        raise ValueError(f"a codec for kind {codec.kind!r} is already registered")
+    _BY_KIND[codec.kind] = codec
+    for t in codec.cache_types:
+        _BY_TYPE[t] = codec
+
+
+def codec_for_kind(kind: str) -> CacheCodec:
+    """The codec of a header kind (CorruptCacheError for an unknown kind)."""
+    try:
+        return _BY_KIND[kind]
+    except KeyError:
+        raise CorruptCacheError(f"kind: no codec for cache kind {kind!r:.60}") from None
+
+
+def _codec_for_cache(cache: Any) -> CacheCodec:
+    try:
+        return _BY_TYPE[type(cache)]
+    except KeyError:
+        raise TypeError(f"no kvtrio codec for cache type {type(cache).__name__}") from None
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def field_int(entry: CacheEntry, name: str, lo: int, hi: int) -> int:
+    """Field ``name`` of ``entry`` as an int in ``[lo, hi]`` (CorruptCacheError otherwise)."""
+    value = entry.fields.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise CorruptCacheError(f"fields.{name}: {value!r:.40} is not an integer in [{lo}, {hi}]")
+    return value
+
+
+def expect_shape(array: Any, shape: Sequence[int | None], what: str) -> None:
+    """Require ``array.shape`` to match ``shape`` (None matches any size)."""
+    got = tuple(array.shape)
+    fits = len(got) == len(shape) and all(
+        s is None or s == g for s, g in zip(shape, got, strict=True)
+    )
+    if not fits:
+        raise CorruptCacheError(f"{what}: shape {list(got)} does not fit {list(shape)}")
+
+
+def _dtype_name(array: Any) -> str:
+    try:
+        return _DTYPE_NAMES[array.dtype]
+    except KeyError:
+        raise TypeError(f"dtype {array.dtype} cannot be saved") from None
+
+
+def _view_tokens(array: Any, axis: int, stop: int, start: int = 0) -> Any:
+    index: tuple[slice, ...] = (slice(None),) * axis + (slice(start, stop),)
+    return array[index]
+
+
+def min_reusable_offset(cache: Any) -> int:
+    """The cache's minimum reusable offset (0 when never set)."""
+    value = getattr(cache, MIN_REUSABLE_ATTR, 0)
+    return int(value) if isinstance(value, int) else 0
+
+
+# --------------------------------------------------------------------------- mlx-lm codecs
+
+
+def _kv_tensors(keys: Any, values: Any, tokens: int) -> tuple[TensorView, ...]:
+    return (
+        TensorView(_view_tokens(keys, 2, tokens), 2),
+        TensorView(_view_tokens(values, 2, tokens), 2),
+    )
+
+
+def _check_kv(entry: CacheEntry, arrays: Sequence[Any], tokens: int) -> tuple[Any, Any]:
+    if len(arrays) != 2:
+        raise CorruptCacheError(f"tensors: a {entry.kind} cache has 2 tensors, got {len(arrays)}")
+    keys, values = arrays
+    expect_shape(keys, (None, None, tokens, None), "tensors[0]")
+    expect_shape(values, (keys.shape[0], keys.shape[1], tokens, None), "tensors[1]")
+    return keys, values
+
+
+class KVCacheCodec:
+    """mlx-lm ``KVCache``: keys/values ``[B, H, offset, D]``."""
+
+    kind = "kv"
+    cache_types: tuple[type, ...] = (mlx_cache.KVCache,)
+    structure_fields: tuple[str, ...] = ()
+
+    def snapshot(self, cache: Any) -> CodecState:
+        if cache.keys is None:
+            return CodecState(0, True, {}, ())
+        return CodecState(
+            cache.offset, True, {}, _kv_tensors(cache.keys, cache.values, cache.offset)
+        )
+
+    def restore(self, entry: CacheEntry, arrays: Sequence[Any], children: Sequence[Any]) -> Any:
+        cache = mlx_cache.KVCache()
+        if arrays or entry.offset:
+            cache.keys, cache.values = _check_kv(entry, arrays, entry.offset)
+            cache.offset = entry.offset
+        return cache
+
+
+class RotatingKVCacheCodec:
+    """mlx-lm ``RotatingKVCache`` (ring buffer); not trimmable once it has wrapped."""
+
+    kind = "rotating"
+    cache_types: tuple[type, ...] = (mlx_cache.RotatingKVCache,)
+    structure_fields: tuple[str, ...] = ("keep", "max_size")
+
+    def snapshot(self, cache: Any) -> CodecState:
+        fields: dict[str, FieldValue] = {"keep": cache.keep, "max_size": cache.max_size}
+        if cache.keys is None:
+            return CodecState(0, True, {**fields, "idx": cache._idx}, ())
+        # Before it fills, the buffer may be longer than what it holds: save what it holds.
+        stored = min(cache.offset, cache.keys.shape[2])
+        fields["idx"] = cache._idx
+        return CodecState(
+            cache.offset,
+            bool(cache.is_trimmable()),
+            fields,
+            _kv_tensors(cache.keys, cache.values, stored),
+        )
+
+    def restore(self, entry: CacheEntry, arrays: Sequence[Any], children: Sequence[Any]) -> Any:
+        max_size = field_int(entry, "max_size", 1, 1 << 24)
+        keep = field_int(entry, "keep", 0, max_size)
+        cache = mlx_cache.RotatingKVCache(max_size=max_size, keep=keep)
+        if not arrays and entry.offset == 0:
+            cache._idx = field_int(entry, "idx", 0, 0)
+            return cache
+        if len(arrays) != 2 or arrays[0].ndim != 4:
+            raise CorruptCacheError("tensors: a rotating cache has 2 tensors [B, H, T, D]")
+        stored = arrays[0].shape[2]
+        if stored > entry.offset:
+            raise CorruptCacheError(f"tensors[0]: holds {stored} tokens, offset is {entry.offset}")
+        cache.keys, cache.values = _check_kv(entry, arrays, stored)
+        cache.offset = entry.offset
+        cache._idx = field_int(entry, "idx", 0, stored)
+        return cache
+
+
+class QuantizedKVCacheCodec:
+    """mlx-lm ``QuantizedKVCache``: keys and values are (packed, scales, biases) triples."""
+
+    kind = "quantized"
+    cache_types: tuple[type, ...] = (mlx_cache.QuantizedKVCache,)
+    structure_fields: tuple[str, ...] = ("group_size", "bits")
+
+    def snapshot(self, cache: Any) -> CodecState:
+        fields: dict[str, FieldValue] = {"group_size": cache.group_size, "bits": cache.bits}
+        if cache.keys is None:
+            return CodecState(0, True, fields, ())
+        n = cache.offset
+        tensors = tuple(TensorView(_view_tokens(a, 2, n), 2) for a in (*cache.keys, *cache.values))
+        return CodecState(n, True, fields, tensors)
+
+    def restore(self, entry: CacheEntry, arrays: Sequence[Any], children: Sequence[Any]) -> Any:
+        group_size = field_int(entry, "group_size", 1, 1 << 16)
+        bits = field_int(entry, "bits", 1, 32)
+        cache = mlx_cache.QuantizedKVCache(group_size=group_size, bits=bits)
+        if not arrays and entry.offset == 0:
+            return cache
+        if len(arrays) != 6:
+            raise CorruptCacheError(f"tensors: a quantized cache has 6 tensors, got {len(arrays)}")
+        for i, a in enumerate(arrays):
+            expect_shape(a, (None, None, entry.offset, None), f"tensors[{i}]")
+        cache.keys = tuple(arrays[:3])
+        cache.values = tuple(arrays[3:])
+        cache.offset = entry.offset
+        return cache
+
+
+class ChunkedKVCacheCodec:
+    """mlx-lm ``ChunkedKVCache``: holds tokens ``[start_position, offset)``."""
+
+    kind = "chunked"
+    cache_types: tuple[type, ...] = (mlx_cache.ChunkedKVCache,)
+    structure_fields: tuple[str, ...] = ("chunk_size",)
+
+    def snapshot(self, cache: Any) -> CodecState:
+        fields: dict[str, FieldValue] = {
+            "chunk_size": cache.chunk_size,
+            "start_position": cache.start_position,
+        }
+        if cache.keys is None:
+            return CodecState(cache.offset, True, fields, ())
+        held = cache.offset - cache.start_position
+        return CodecState(cache.offset, True, fields, _kv_tensors(cache.keys, cache.values, held))
+
+    def restore(self, entry: CacheEntry, arrays: Sequence[Any], children: Sequence[Any]) -> Any:
+        cache = mlx_cache.ChunkedKVCache(field_int(entry, "chunk_size", 1, 1 << 24))
+        cache.start_position = field_int(entry, "start_position", 0, entry.offset)
+        cache.offset = entry.offset
+        if arrays:
+            held = entry.offset - cache.start_position
+            cache.keys, cache.values = _check_kv(entry, arrays, held)
+        elif entry.offset:
+            raise CorruptCacheError("tensors: a non-empty chunked cache needs 2 tensors")
+        return cache
+
+
+class ArraysCacheCodec:
+    """mlx-lm ``ArraysCache`` (SSM / linear-attention state); never trimmable."""
+
+    kind = "arrays"
+    cache_types: tuple[type, ...] = (mlx_cache.ArraysCache,)
+    structure_fields: tuple[str, ...] = ("size",)
+
+    def snapshot(self, cache: Any) -> CodecState:
+        present = tuple(a is not None for a in cache.cache)
+        tensors = [TensorView(a) for a in cache.cache if a is not None]
+        extras = (cache.left_padding, cache.lengths)
+        for extra in extras:
+            if extra is not None:
+                tensors.append(TensorView(extra))
+        fields: dict[str, FieldValue] = {
+            "size": len(cache.cache),
+            "present": present,
+            "left_padding": extras[0] is not None,
+            "lengths": extras[1] is not None,
+        }
+        return CodecState(None, False, fields, tuple(tensors))
+
+    def restore(self, entry: CacheEntry, arrays: Sequence[Any], children: Sequence[Any]) -> Any:
+        size = field_int(entry, "size", 0, 1 << 16)
+        present = entry.fields.get("present")
+        if (
+            not isinstance(present, tuple)
+            or len(present) != size
+            or not all(isinstance(p, bool) for p in present)
+        ):
+            raise CorruptCacheError(f"fields.present: expected {size} booleans")
+        flags = []
+        for name in ("left_padding", "lengths"):
+            flag = entry.fields.get(name)
+            if not isinstance(flag, bool):
+                raise CorruptCacheError(f"fields.{name}: expected a boolean")
+            flags.append(flag)
+        want = sum(bool(p) for p in present) + sum(flags)
+        if len(arrays) != want:
+            raise CorruptCacheError(f"tensors: expected {want} tensors, got {len(arrays)}")
+        it = iter(arrays)
+        cache = mlx_cache.ArraysCache(size)
+        cache.cache = [next(it) if p else None for p in present]
+        cache.left_padding = next(it) if flags[0] else None
+        cache.lengths = next(it) if flags[1] else None
+        return cache
+
+
+class CacheListCodec:
+    """mlx-lm ``CacheList``: nested caches, each encoded by its own codec."""
+
+    kind = "list"
+    cache_types: tuple[type, ...] = (mlx_cache.CacheList,)
+    structure_fields: tuple[str, ...] = ()
+
+    def snapshot(self, cache: Any) -> CodecState:
+        children = tuple(cache.caches)
+        return CodecState(None, True, {}, (), children)
+
+    def restore(self, entry: CacheEntry, arrays: Sequence[Any], children: Sequence[Any]) -> Any:
+        if arrays:
+            raise CorruptCacheError("tensors: a cache list holds no tensors of its own")
+        return mlx_cache.CacheList(*children)
+
+
+for _codec in (
+    KVCacheCodec(),
+    RotatingKVCacheCodec(),
+    QuantizedKVCacheCodec(),
+    ChunkedKVCacheCodec(),
+    ArraysCacheCodec(),
+    CacheListCodec(),
+):
+    register_codec(_codec)
+
+
+# --------------------------------------------------------------------------- snapshot
+
+
+def _slot_of(view: TensorView) -> TensorSlot:
+    shape = tuple(int(d) for d in view.array.shape)
+    dtype = _dtype_name(view.array)
+    nbytes = DTYPE_SIZES[dtype]
+    for d in shape:
+        nbytes *= d
+    return TensorSlot(shape=shape, dtype=dtype, nbytes=nbytes, token_axis=view.token_axis)
+
+
+def snapshot(
+    caches: Sequence[Any],
+    tokens: Sequence[int],
+    *,
+    model_id: str | None = None,
+    config_fingerprint: str | None = None,
+    meta: Mapping[str, str] | None = None,
+    attachments: Sequence[AttachmentData] = (),
+) -> CacheSnapshot:
+    """Plan a save of ``caches`` (owner thread): header plan + lazy views, no bytes moved."""
+    n_tokens = len(tokens)
+    entries: list[CacheEntry] = []
+    views: list[TensorView] = []
+    for cache in caches:
+        entries.append(_snapshot_top(cache, n_tokens, views))
+    planned_attachments: list[Attachment] = []
+    for attachment in attachments:
+        att_views = [TensorView(a) for a in attachment.arrays]
+        views.extend(att_views)
+        planned_attachments.append(
+            Attachment(
+                schema=attachment.schema,
+                metadata=dict(attachment.metadata),
+                tensors=tuple(_slot_of(v) for v in att_views),
+            )
+        )
+    header = Header(
+        layout="single",
+        tokens=tuple(int(t) for t in tokens),
+        caches=tuple(entries),
+        created_at=time.time(),
+        model_id=model_id,
+        config_fingerprint=config_fingerprint,
+        attachments=tuple(planned_attachments),
+        meta=dict(meta or {}),
+    )
+    return CacheSnapshot(header=header, views=tuple(views))
+
+
+def _snapshot_top(cache: Any, n_tokens: int, views: list[TensorView]) -> CacheEntry:
+    # Depth-first: an entry's own views, then its children's, matching Header.slots().
+    codec = _codec_for_cache(cache)
+    state = codec.snapshot(cache)
+    own = list(state.tensors)
+    views.extend(own)
+    children = tuple(_snapshot_top(c, n_tokens, views) for c in state.children)
+    offset = state.offset
+    if offset is None:
+        offset = max((c.offset for c in children), default=n_tokens)
+    min_offset = min_reusable_offset(cache)
+    if not 0 <= min_offset <= offset:
+        raise ValueError(f"min_reusable_offset {min_offset} is outside [0, offset {offset}]")
+    return CacheEntry(
+        kind=codec.kind,
+        offset=offset,
+        min_reusable_offset=min_offset,
+        trimmable=state.trimmable and all(c.trimmable for c in children),
+        fields=dict(state.fields),
+        tensors=tuple(_slot_of(v) for v in own),
+        children=children,
+    )
+
+
+# --------------------------------------------------------------------------- materialize
+
+
+def _host_view(array: Any) -> memoryview:
+    view = memoryview(array)
+    if not view.c_contiguous:
+        raise AssertionError("materialized array is not C-contiguous")
+    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+
+
+def materialize_tensor(
+    snap: CacheSnapshot, index: int, *, block_tokens: int | None = None
+) -> HostTensor:
+    """Evaluate tensor ``index`` of ``snap`` (owner thread) into host memoryviews.
+
+    ``block_tokens=None``: one piece (single layout). Otherwise the pieces of
+    :func:`~kvtrio.storage.format.piece_ranges`, each contiguous (block layout).
+    """
+    view = snap.views[index]
+    slot = _nth_slot(snap.header, index)
+    if block_tokens is None or view.token_axis is None:
+        parts = [mx.contiguous(view.array)]
+    else:
+        parts = [
+            mx.contiguous(_view_tokens(view.array, view.token_axis, stop, start))
+            for start, stop in piece_ranges(slot, block_tokens)
+        ]
+    mx.eval(*parts)
+    return HostTensor(pieces=tuple(_host_view(p) for p in parts), keepalive=tuple(parts))
+
+
+def _nth_slot(header: Header, index: int) -> TensorSlot:
+    for i, slot in enumerate(header.slots()):
+        if i == index:
+            return slot
+    raise IndexError(index)
+
+
+def materialize(snap: CacheSnapshot, *, block_tokens: int | None = None) -> list[HostTensor]:
+    """Every tensor of ``snap`` (owner thread; for scripts, the actors step one by one)."""
+    return [materialize_tensor(snap, i, block_tokens=block_tokens) for i in range(len(snap.views))]
+
+
+# --------------------------------------------------------------------------- restore
+
+
+def restore_tensor(header: Header, index: int, pieces: Sequence[Any]) -> Any:
+    """Build slot ``index``'s MLX array from its host pieces (owner thread; copies once)."""
+    slot = _nth_slot(header, index)
+    block_tokens = header.block_tokens if header.layout == "blocks" else None
+    ranges = piece_ranges(slot, block_tokens) if len(pieces) > 1 else [(0, 0)]
+    if len(pieces) != len(ranges):
+        raise ValueError(f"slot {index}: {len(pieces)} pieces, expected {len(ranges)}")
+    np_dtype = _NP_DTYPES[slot.dtype]
+    arrays = []
+    for piece, (start, stop) in zip(pieces, ranges, strict=True):
+        shape = list(slot.shape)
+        if len(pieces) > 1 and slot.token_axis is not None:
+            shape[slot.token_axis] = stop - start
+        host = np.frombuffer(piece, dtype=np_dtype).reshape(shape)
+        array = mx.array(host)
+        if slot.dtype == "bfloat16":
+            array = array.view(mx.bfloat16)
+        arrays.append(array)
+    if len(arrays) == 1:
+        out = arrays[0]
+    else:
+        out = mx.concatenate(arrays, axis=slot.token_axis or 0)
+    mx.eval(out)
+    return out
+
+
+def _assemble_entry(entry: CacheEntry, it: Any, path: str) -> Any:
+    arrays = [next(it) for _ in entry.tensors]
+    children = [
+        _assemble_entry(c, it, f"{path}.children[{k}]") for k, c in enumerate(entry.children)
+    ]
+    codec = codec_for_kind(entry.kind)
+    try:
+        cache = codec.restore(entry, arrays, children)
+    except CorruptCacheError as exc:
+        raise CorruptCacheError(f"{path}.{exc}") from None
+    if entry.min_reusable_offset:
+        setattr(cache, MIN_REUSABLE_ATTR, entry.min_reusable_offset)
+    return cache
+
+
+def assemble(header: Header, arrays: Sequence[Any]) -> Restored:
+    """Build caches and attachments from restored arrays (owner thread; no copies)."""
+    slots = list(header.slots())
+    if len(arrays) != len(slots):
+        raise ValueError(f"header has {len(slots)} slots, got {len(arrays)} arrays")
+    for array, slot, name in zip(arrays, slots, slot_names(header), strict=True):
+        if tuple(array.shape) != slot.shape:
+            raise ValueError(f"{name}: array shape {array.shape} != slot shape {slot.shape}")
+    it = iter(arrays)
+    caches = [_assemble_entry(e, it, f"caches[{i}]") for i, e in enumerate(header.caches)]
+    attachments = [
+        AttachmentData(a.schema, dict(a.metadata), tuple(next(it) for _ in a.tensors))
+        for a in header.attachments
+    ]
+    return Restored(header=header, tokens=header.tokens, caches=caches, attachments=attachments)
+
+
+def restore(header: Header, buffers: Sequence[Sequence[Any]]) -> Restored:
+    """:func:`restore_tensor` for every slot, then :func:`assemble` (owner thread)."""
+    arrays = [restore_tensor(header, i, pieces) for i, pieces in enumerate(buffers)]
+    return assemble(header, arrays)
+
+
+# --------------------------------------------------------------------------- structure, trim
+
+
+def _entry_structure(entry: CacheEntry) -> tuple[Any, ...]:
+    codec = codec_for_kind(entry.kind)
+    fields = tuple((k, entry.fields.get(k)) for k in codec.structure_fields)
+    return (entry.kind, fields, tuple(_entry_structure(c) for c in entry.children))
+
+
+def header_structure(header: Header) -> tuple[Any, ...]:
+    """The cache structure a header describes: kinds, structural fields, nesting."""
+    return tuple(_entry_structure(e) for e in header.caches)
+
+
+def cache_structure(caches: Sequence[Any]) -> tuple[Any, ...]:
+    """The structure of live (possibly empty) caches, comparable to :func:`header_structure`."""
+    return header_structure(snapshot(caches, ()).header)
+
+
+def _trim_floor_check(cache: Any, n: int, path: str) -> None:
+    if not cache.is_trimmable():
+        raise CacheMismatchError(f"{path}: {type(cache).__name__} is not trimmable")
+    floor = min_reusable_offset(cache)
+    offset = getattr(cache, "offset", None)
+    if isinstance(offset, int) and offset - n < floor:
+        raise CacheMismatchError(
+            f"{path}: trimming {n} of {offset} tokens goes below the minimum "
+            f"reusable offset {floor}"
+        )
+    for k, child in enumerate(
+        getattr(cache, "caches", ()) if type(cache) is mlx_cache.CacheList else ()
+    ):
+        _trim_floor_check(child, n, f"{path}.caches[{k}]")
+
+
+def trim_caches(caches: Sequence[Any], n: int) -> int:
+    """Trim ``n`` tokens from every cache, never below a minimum reusable offset.
+
+    Raises CacheMismatchError (trimming nothing) when a cache is not trimmable (a wrapped
+    rotating cache, an SSM state) or the new length would fall below any cache's minimum
+    reusable offset. Returns ``n``.
+    """
+    if n < 0:
+        raise ValueError("n must be >= 0")
+    if n == 0:
+        return 0
+    for i, cache in enumerate(caches):
+        _trim_floor_check(cache, n, f"caches[{i}]")
+    for cache in caches:
+        cache.trim(n)
+    return n

@@ -1,0 +1,220 @@
+"""The one injectable file-operations interface every storage write and read goes through.
+
+``FileOps`` is a small protocol over file descriptors; :data:`OS_FILE_OPS` is the real
+one (``os.pwrite``/``os.preadv``, which release the GIL). :class:`FaultyFileOps` wraps any
+``FileOps`` and calls ``hook(op_name)`` before each operation, so tests inject faults
+(raise) or delays (sleep) at an exact step; ``kvtrio.runtime.testing.FaultPlan`` is such
+a hook. Hooked op names: ``"open"``, ``"write"``, ``"fsync"``, ``"rename"``,
+``"fsync_dir"``, ``"read"``, ``"unlink"``, ``"mkdir"``, ``"listdir"``. ``close`` and
+``stat``/``fstat`` are not hooked (cleanup paths must be able to run).
+
+Durability helpers (DESIGN.md invariant 5): :meth:`FileOps.fsync` is ``F_FULLFSYNC`` on
+macOS (a plain fsync there does not flush the drive's cache) and ``fsync`` elsewhere;
+:meth:`FileOps.fsync_dir` fsyncs a directory so a rename inside it is durable.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Protocol
+
+import attrs
+
+__all__ = [
+    "O_NOFOLLOW",
+    "OS_FILE_OPS",
+    "TMP_SUFFIX",
+    "FaultyFileOps",
+    "FileOps",
+    "OsFileOps",
+    "pread_full",
+    "pwrite_full",
+]
+
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+#: Suffix of every tmp file the library creates; GC removes old ones (crash debris).
+TMP_SUFFIX = ".kvtrio-tmp"
+# One pwrite/preadv call moves at most this much (Linux caps a call at ~2 GiB).
+_MAX_IO = 1 << 30
+
+
+class FileOps(Protocol):
+    """Blocking file operations on descriptors; callers run them on worker threads."""
+
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+        """``os.open``; the library adds O_CLOEXEC and, for blocks, O_NOFOLLOW."""
+        ...
+
+    def close(self, fd: int) -> None: ...
+
+    def write(self, fd: int, data: memoryview, offset: int) -> int:
+        """Write some of ``data`` at ``offset``; return the byte count (maybe short)."""
+        ...
+
+    def read(self, fd: int, buffer: memoryview, offset: int) -> int:
+        """Read into ``buffer`` from ``offset``; return the byte count (0 at EOF)."""
+        ...
+
+    def fsync(self, fd: int) -> None:
+        """Make the file's data durable (F_FULLFSYNC on macOS)."""
+        ...
+
+    def fsync_dir(self, path: str) -> None:
+        """Make the directory's entries (a rename, a create) durable."""
+        ...
+
+    def rename(self, src: str, dst: str) -> None: ...
+
+    def unlink(self, path: str) -> None: ...
+
+    def mkdir(self, path: str) -> None:
+        """Create a directory and its parents (mode 0700); no error if it exists."""
+        ...
+
+    def listdir(self, path: str) -> list[str]: ...
+
+    def fstat(self, fd: int) -> os.stat_result: ...
+
+    def stat(self, path: str) -> os.stat_result:
+        """lstat: a symlink is reported as the link, not followed."""
+        ...
+
+
+class OsFileOps:
+    """The real file operations."""
+
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+        return os.open(path, flags | O_CLOEXEC, mode)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def write(self, fd: int, data: memoryview, offset: int) -> int:
+        return os.pwrite(fd, data[:_MAX_IO], offset)
+
+    def read(self, fd: int, buffer: memoryview, offset: int) -> int:
+        return os.preadv(fd, [buffer[:_MAX_IO]], offset)
+
+    def fsync(self, fd: int) -> None:
+        if sys.platform == "darwin":
+            import fcntl
+
+            fcntl.fcntl(fd, getattr(fcntl, "F_FULLFSYNC", 51))
+        else:
+            os.fsync(fd)
+
+    def fsync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | O_CLOEXEC)
+        try:
+            self.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def mkdir(self, path: str) -> None:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+
+    def listdir(self, path: str) -> list[str]:
+        return os.listdir(path)
+
+    def fstat(self, fd: int) -> os.stat_result:
+        return os.fstat(fd)
+
+    def stat(self, path: str) -> os.stat_result:
+        return os.lstat(path)
+
+
+OS_FILE_OPS: FileOps = OsFileOps()
+
+
+@attrs.define
+class FaultyFileOps:
+    """Wraps ``inner`` and calls ``hook(op_name)`` before each hooked operation.
+
+    The hook raises to inject a fault (the operation does not happen) or sleeps to
+    inject a delay. ``calls`` counts hooked calls per op name.
+    """
+
+    inner: FileOps
+    hook: Callable[[str], None]
+    calls: dict[str, int] = attrs.field(factory=dict)
+
+    def _before(self, op: str) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
+        self.hook(op)
+
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+        self._before("open")
+        return self.inner.open(path, flags, mode)
+
+    def close(self, fd: int) -> None:
+        self.inner.close(fd)
+
+    def write(self, fd: int, data: memoryview, offset: int) -> int:
+        self._before("write")
+        return self.inner.write(fd, data, offset)
+
+    def read(self, fd: int, buffer: memoryview, offset: int) -> int:
+        self._before("read")
+        return self.inner.read(fd, buffer, offset)
+
+    def fsync(self, fd: int) -> None:
+        self._before("fsync")
+        self.inner.fsync(fd)
+
+    def fsync_dir(self, path: str) -> None:
+        self._before("fsync_dir")
+        self.inner.fsync_dir(path)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._before("rename")
+        self.inner.rename(src, dst)
+
+    def unlink(self, path: str) -> None:
+        self._before("unlink")
+        self.inner.unlink(path)
+
+    def mkdir(self, path: str) -> None:
+        self._before("mkdir")
+        self.inner.mkdir(path)
+
+    def listdir(self, path: str) -> list[str]:
+        self._before("listdir")
+        return self.inner.listdir(path)
+
+    def fstat(self, fd: int) -> os.stat_result:
+        return self.inner.fstat(fd)
+
+    def stat(self, path: str) -> os.stat_result:
+        return self.inner.stat(path)
+
+
+def pwrite_full(ops: FileOps, fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset``, looping over short writes."""
+    view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+    done = 0
+    while done < len(view):
+        n = ops.write(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(f"pwrite wrote {n} bytes at {offset + done}")
+        done += n
+
+
+def pread_full(ops: FileOps, fd: int, buffer: memoryview, offset: int) -> int:
+    """Fill ``buffer`` from ``offset``; return the bytes read (short only at EOF)."""
+    view = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
+    done = 0
+    while done < len(view):
+        n = ops.read(fd, view[done:], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done

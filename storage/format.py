@@ -1,0 +1,783 @@
+"""The on-disk format of a kvtrio cache: preamble, JSON header, aligned tensors.
+
+A cache file (layout ``"single"``) is::
+
+    preamble   24 bytes: magic b"KVTRIO\\r\\n", u32 format version, u32 header length,
+               u64 xxh3-64 of the header bytes (all little-endian)
+    header     UTF-8 JSON, ``header length`` bytes
+    padding    zeros up to the next 16 KiB boundary (``data_start``)
+    tensors    each at ``data_start + slot.off``, ``off`` a multiple of 16 KiB
+
+A manifest (layout ``"blocks"``) is the preamble and header alone; each tensor slot
+names a list of sha256 blocks held by a :class:`~kvtrio.storage.blockstore.BlockStore`.
+docs/format.md is the user-facing description.
+
+Theory of operation (the untrusted-header rules of DESIGN.md, kept by :func:`parse_header`):
+
+1. Nothing in the header is trusted before the preamble (magic, version, length cap,
+   header inside the file) and the header's xxh3-64 have been checked.
+2. The JSON is parsed strictly: UTF-8 only, no duplicate keys, no NaN/Infinity,
+   bounded nesting (a RecursionError is a corrupt file, not a crash).
+3. Every field is type-checked and bounded: dtypes from a closed list; ndim, dims,
+   counts and token values bounded; ``prod(shape) * itemsize == bytes`` in exact
+   integer arithmetic; offsets aligned, inside the file and non-overlapping;
+   block names fullmatch ``[0-9a-f]{64}``.
+4. Every failure is a :class:`~kvtrio.errors.CorruptCacheError` whose message starts
+   with the name of the field at fault (``"caches[2].tensors[0].shape: ..."``).
+
+Records are frozen attrs classes. A *plan* header (from ``codecs.snapshot``) has slots
+without placement (``off``/``xxh3``/``blocks`` all ``None``); the writers return the
+*placed* header they wrote. ``encode_header`` + ``parse_header`` round-trip placed headers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Final, Literal
+
+import attrs
+import xxhash
+from kvtrio.errors import CorruptCacheError
+from kvtrio.storage.blockstore import BLOCK_NAME_RE
+
+__all__ = [
+    "ALIGN",
+    "CODEC_ID",
+    "DTYPE_SIZES",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "MAX_HEADER_BYTES",
+    "PREAMBLE",
+    "SUPPORTED_VERSIONS",
+    "Attachment",
+    "BlockRef",
+    "CacheEntry",
+    "FieldValue",
+    "Header",
+    "Layout",
+    "Preamble",
+    "TensorSlot",
+    "align_up",
+    "encode_file_prefix",
+    "encode_header",
+    "encode_preamble",
+    "parse_header",
+    "parse_preamble",
+    "place_single",
+    "slot_names",
+    "piece_nbytes",
+    "piece_ranges",
+    "xxh3_hex",
+]
+
+MAGIC: Final = b"KVTRIO\r\n"
+FORMAT_VERSION: Final = 1
+#: Every format version this library reads. A version, once written, stays here forever.
+SUPPORTED_VERSIONS: Final = frozenset({1})
+CODEC_ID: Final = "kvtrio-mlx-1"
+ALIGN: Final = 16 * 1024
+PREAMBLE: Final = struct.Struct("<8sIIQ")
+MAX_HEADER_BYTES: Final = 64 * 1024 * 1024
+
+# Bounds for untrusted headers. Generous for real caches, small enough that a crafted
+# header cannot make the reader loop or allocate without limit.
+MAX_TOKENS: Final = 1 << 24
+MAX_TOKEN_VALUE: Final = (1 << 31) - 1
+MAX_ENTRIES: Final = 4096
+MAX_DEPTH: Final = 4
+MAX_TENSORS_PER_ENTRY: Final = 64
+MAX_ATTACHMENTS: Final = 256
+MAX_NDIM: Final = 8
+MAX_DIM: Final = 1 << 40
+MAX_TENSOR_BYTES: Final = 1 << 44
+MAX_BLOCKS_PER_TENSOR: Final = 1 << 20
+MAX_FIELDS: Final = 64
+MAX_STRING: Final = 4096
+MAX_META: Final = 256
+MAX_JSON_DEPTH: Final = 64
+
+#: The closed list of dtypes and their item sizes (MLX names).
+DTYPE_SIZES: Final[Mapping[str, int]] = {
+    "bool": 1,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "complex64": 8,
+}
+
+Layout = Literal["single", "blocks"]
+#: Per-kind header fields hold JSON scalars or short lists of them.
+FieldValue = int | bool | str | None | tuple[int | bool | str | None, ...]
+
+_HEX16 = frozenset("0123456789abcdef")
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    """The smallest multiple of ``align`` that is >= ``n``."""
+    return -(-n // align) * align
+
+
+def xxh3_hex(data: Any) -> str:
+    """xxh3-64 of a buffer as 16 lowercase hex digits (releases the GIL on large buffers)."""
+    return f"{xxhash.xxh3_64_intdigest(data):016x}"
+
+
+@attrs.frozen
+class BlockRef:
+    """One content-addressed block of a tensor: its sha256 name and byte count."""
+
+    sha256: str
+    nbytes: int
+
+
+@attrs.frozen
+class TensorSlot:
+    """One tensor: what it is, and (once placed) where its bytes are and their hash.
+
+    ``token_axis`` names the axis along which the block layout splits the tensor into
+    token blocks (KV tensors: 2), or None for tensors stored as one block.
+    Single layout: ``off`` (from ``data_start``, 16 KiB aligned) and ``xxh3`` are set.
+    Block layout: ``blocks`` is set, in piece order (see :func:`piece_ranges`).
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    token_axis: int | None = None
+    off: int | None = None
+    xxh3: str | None = None
+    blocks: tuple[BlockRef, ...] | None = None
+
+
+@attrs.frozen
+class CacheEntry:
+    """One cache layer: its kind, offsets, per-kind fields, tensors and nested caches."""
+
+    kind: str
+    offset: int
+    min_reusable_offset: int
+    trimmable: bool
+    fields: Mapping[str, FieldValue]
+    tensors: tuple[TensorSlot, ...]
+    children: tuple[CacheEntry, ...] = ()
+
+
+@attrs.frozen
+class Attachment:
+    """Extra tensors saved beside the caches (e.g. a model's recurrent side state)."""
+
+    schema: str
+    metadata: Mapping[str, str]
+    tensors: tuple[TensorSlot, ...]
+
+
+@attrs.frozen
+class Header:
+    """The whole header. ``tokens`` are the prompt tokens the caches hold."""
+
+    layout: Layout
+    tokens: tuple[int, ...]
+    caches: tuple[CacheEntry, ...]
+    created_at: float
+    model_id: str | None = None
+    config_fingerprint: str | None = None
+    attachments: tuple[Attachment, ...] = ()
+    meta: Mapping[str, str] = attrs.field(factory=dict)
+    block_tokens: int | None = None
+    codec: str = CODEC_ID
+    format_version: int = FORMAT_VERSION
+
+    def slots(self) -> Iterator[TensorSlot]:
+        """Every tensor slot in file order: caches depth-first, then attachments."""
+        for entry in self.caches:
+            yield from _entry_slots(entry)
+        for attachment in self.attachments:
+            yield from attachment.tensors
+
+    @property
+    def min_reusable_offset(self) -> int:
+        """The largest minimum reusable offset of any layer: never trim below it."""
+        return max((_entry_min_offset(e) for e in self.caches), default=0)
+
+    @property
+    def trimmable(self) -> bool:
+        """Whether every layer may be trimmed (a wrapped rotating cache may not)."""
+        return all(_entry_trimmable(e) for e in self.caches)
+
+    @property
+    def nbytes(self) -> int:
+        """Total tensor bytes."""
+        return sum(slot.nbytes for slot in self.slots())
+
+    def with_slots(self, slots: Sequence[TensorSlot]) -> Header:
+        """This header with its slots (in :meth:`slots` order) replaced by ``slots``."""
+        it = iter(slots)
+        caches = tuple(_replace_entry_slots(e, it) for e in self.caches)
+        attachments = tuple(
+            attrs.evolve(a, tensors=tuple(next(it) for _ in a.tensors)) for a in self.attachments
+        )
+        if next(it, None) is not None:
+            raise ValueError("more slots than the header has")
+        return attrs.evolve(self, caches=caches, attachments=attachments)
+
+
+def _entry_slots(entry: CacheEntry) -> Iterator[TensorSlot]:
+    yield from entry.tensors
+    for child in entry.children:
+        yield from _entry_slots(child)
+
+
+def _entry_min_offset(entry: CacheEntry) -> int:
+    return max([entry.min_reusable_offset, *(_entry_min_offset(c) for c in entry.children)])
+
+
+def _entry_trimmable(entry: CacheEntry) -> bool:
+    return entry.trimmable and all(_entry_trimmable(c) for c in entry.children)
+
+
+def _replace_entry_slots(entry: CacheEntry, it: Iterator[TensorSlot]) -> CacheEntry:
+    tensors = tuple(next(it) for _ in entry.tensors)
+    children = tuple(_replace_entry_slots(c, it) for c in entry.children)
+    return attrs.evolve(entry, tensors=tensors, children=children)
+
+
+def piece_ranges(slot: TensorSlot, block_tokens: int | None) -> list[tuple[int, int]]:
+    """The token ranges ``[start, stop)`` of a slot's pieces in the block layout.
+
+    A tensor with a ``token_axis`` is split every ``block_tokens`` tokens (the last piece
+    may be short); any other tensor, or any tensor when ``block_tokens`` is None, is one
+    piece covering its whole extent along axis 0 (or ``(0, 0)`` for a 0-d tensor).
+    A tensor with zero tokens still has one (empty) piece.
+    """
+    if slot.token_axis is None or block_tokens is None:
+        return [(0, slot.shape[0] if slot.shape else 0)]
+    n = slot.shape[slot.token_axis]
+    if n == 0:
+        return [(0, 0)]
+    return [(start, min(start + block_tokens, n)) for start in range(0, n, block_tokens)]
+
+
+def piece_nbytes(slot: TensorSlot, start: int, stop: int) -> int:
+    """Bytes of the piece of ``slot`` covering tokens ``[start, stop)``."""
+    if slot.token_axis is None:
+        return slot.nbytes
+    other = math.prod(d for i, d in enumerate(slot.shape) if i != slot.token_axis)
+    return other * (stop - start) * DTYPE_SIZES[slot.dtype]
+
+
+def place_single(header: Header) -> Header:
+    """Assign 16 KiB-aligned offsets to every slot (hashes still unset), layout single."""
+    placed: list[TensorSlot] = []
+    cursor = 0
+    for slot in header.slots():
+        placed.append(attrs.evolve(slot, off=cursor, xxh3=None, blocks=None))
+        cursor = align_up(cursor + slot.nbytes)
+    return attrs.evolve(header.with_slots(placed), layout="single", block_tokens=None)
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _slot_json(slot: TensorSlot, layout: Layout) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "shape": list(slot.shape),
+        "dtype": slot.dtype,
+        "bytes": slot.nbytes,
+        "token_axis": slot.token_axis,
+    }
+    if layout == "single":
+        out["off"] = slot.off
+        # Fixed width either way, so a header encodes to the same length before and
+        # after its hashes are known.
+        out["xxh3"] = slot.xxh3 if slot.xxh3 is not None else "0" * 16
+    else:
+        out["blocks"] = [{"sha256": b.sha256, "bytes": b.nbytes} for b in slot.blocks or ()]
+    return out
+
+
+def _field_json(value: FieldValue) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _entry_json(entry: CacheEntry, layout: Layout) -> dict[str, Any]:
+    return {
+        "kind": entry.kind,
+        "offset": entry.offset,
+        "min_reusable_offset": entry.min_reusable_offset,
+        "trimmable": entry.trimmable,
+        "fields": {k: _field_json(v) for k, v in sorted(entry.fields.items())},
+        "tensors": [_slot_json(s, layout) for s in entry.tensors],
+        "children": [_entry_json(c, layout) for c in entry.children],
+    }
+
+
+def encode_header(header: Header) -> bytes:
+    """The header's canonical UTF-8 JSON bytes."""
+    doc = {
+        "format_version": header.format_version,
+        "codec": header.codec,
+        "layout": header.layout,
+        "model_id": header.model_id,
+        "config_fingerprint": header.config_fingerprint,
+        "created_at": header.created_at,
+        "block_tokens": header.block_tokens,
+        "tokens": list(header.tokens),
+        "meta": dict(sorted(header.meta.items())),
+        "caches": [_entry_json(e, header.layout) for e in header.caches],
+        "attachments": [
+            {
+                "schema": a.schema,
+                "metadata": dict(sorted(a.metadata.items())),
+                "tensors": [_slot_json(s, header.layout) for s in a.tensors],
+            }
+            for a in header.attachments
+        ],
+    }
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def encode_preamble(header_bytes: bytes, version: int = FORMAT_VERSION) -> bytes:
+    """The 24-byte preamble for ``header_bytes``."""
+    return PREAMBLE.pack(MAGIC, version, len(header_bytes), xxhash.xxh3_64_intdigest(header_bytes))
+
+
+def encode_file_prefix(header: Header) -> tuple[bytes, int]:
+    """Preamble + header + zero padding, and ``data_start`` (its length)."""
+    body = encode_header(header)
+    if len(body) > MAX_HEADER_BYTES:
+        raise ValueError(f"header is {len(body)} bytes, over the {MAX_HEADER_BYTES}-byte cap")
+    prefix = encode_preamble(body, header.format_version) + body
+    data_start = align_up(len(prefix))
+    return prefix + bytes(data_start - len(prefix)), data_start
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+@attrs.frozen
+class Preamble:
+    """The checked preamble: format version, header length and hash, where data starts."""
+
+    version: int
+    header_len: int
+    header_xxh3: int
+
+    @property
+    def data_start(self) -> int:
+        return align_up(PREAMBLE.size + self.header_len)
+
+
+def parse_preamble(raw: bytes, file_size: int) -> Preamble:
+    """Check the preamble of a file of ``file_size`` bytes (rule 1)."""
+    if len(raw) < PREAMBLE.size or file_size < PREAMBLE.size:
+        raise CorruptCacheError(
+            f"preamble: file is {file_size} bytes, shorter than the {PREAMBLE.size}-byte preamble"
+        )
+    magic, version, header_len, header_xxh3 = PREAMBLE.unpack_from(raw)
+    if magic != MAGIC:
+        raise CorruptCacheError(f"preamble.magic: not a kvtrio cache file ({magic!r})")
+    if version not in SUPPORTED_VERSIONS:
+        raise CorruptCacheError(
+            f"preamble.format_version: unsupported version {version} "
+            f"(this library reads {sorted(SUPPORTED_VERSIONS)})"
+        )
+    if header_len > MAX_HEADER_BYTES:
+        raise CorruptCacheError(
+            f"preamble.header_length: {header_len} bytes is over the {MAX_HEADER_BYTES}-byte cap"
+        )
+    if PREAMBLE.size + header_len > file_size:
+        raise CorruptCacheError(
+            f"preamble.header_length: header of {header_len} bytes runs past the end of a "
+            f"{file_size}-byte file"
+        )
+    return Preamble(version=version, header_len=header_len, header_xxh3=header_xxh3)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise CorruptCacheError(f"header: duplicate JSON key {key!r:.80}")
+        out[key] = value
+    return out
+
+
+def _no_constants(name: str) -> Any:
+    raise CorruptCacheError(f"header: non-finite number {name} is not allowed")
+
+
+def _json_depth_ok(raw: bytes) -> bool:
+    depth = 0
+    in_string = False
+    escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return False
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return True
+
+
+def _load_json(body: bytes) -> Any:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptCacheError(f"header: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if not _json_depth_ok(body):
+        raise CorruptCacheError(f"header: JSON nested deeper than {MAX_JSON_DEPTH}")
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+    except CorruptCacheError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCacheError(f"header: invalid JSON ({str(exc)[:120]})") from None
+
+
+class _Fields:
+    """Typed access to one JSON object, naming the field path in every error."""
+
+    def __init__(self, obj: Any, path: str, allowed: frozenset[str]) -> None:
+        if not isinstance(obj, dict):
+            raise CorruptCacheError(f"{path}: expected an object, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - allowed)
+        if unknown:
+            raise CorruptCacheError(f"{path}.{unknown[0]}: unknown field")
+        self.obj: dict[str, Any] = obj
+        self.path = path
+
+    def name(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def get(self, key: str) -> Any:
+        if key not in self.obj:
+            raise CorruptCacheError(f"{self.name(key)}: missing")
+        return self.obj[key]
+
+    def f_int(self, key: str, lo: int, hi: int) -> int:
+        return _check_int(self.get(key), self.name(key), lo, hi)
+
+    def f_opt_int(self, key: str, lo: int, hi: int) -> int | None:
+        value = self.obj.get(key)
+        return None if value is None else _check_int(value, self.name(key), lo, hi)
+
+    def f_str(self, key: str) -> str:
+        return _check_str(self.get(key), self.name(key))
+
+    def f_opt_str(self, key: str) -> str | None:
+        value = self.obj.get(key)
+        return None if value is None else _check_str(value, self.name(key))
+
+    def f_bool(self, key: str) -> bool:
+        value = self.get(key)
+        if not isinstance(value, bool):
+            raise CorruptCacheError(f"{self.name(key)}: expected a boolean")
+        return value
+
+    def f_list(self, key: str, max_len: int) -> list[Any]:
+        value = self.get(key)
+        if not isinstance(value, list):
+            raise CorruptCacheError(f"{self.name(key)}: expected a list")
+        if len(value) > max_len:
+            raise CorruptCacheError(f"{self.name(key)}: {len(value)} items, over the cap {max_len}")
+        return value
+
+
+def _check_int(value: Any, name: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CorruptCacheError(f"{name}: expected an integer")
+    if not lo <= value <= hi:
+        raise CorruptCacheError(f"{name}: {value} is outside [{lo}, {hi}]")
+    return value
+
+
+def _check_str(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise CorruptCacheError(f"{name}: expected a string")
+    if len(value) > MAX_STRING:
+        raise CorruptCacheError(f"{name}: string of {len(value)} chars, over the cap {MAX_STRING}")
+    return value
+
+
+def _check_str_map(value: Any, name: str) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise CorruptCacheError(f"{name}: expected an object")
+    if len(value) > MAX_META:
+        raise CorruptCacheError(f"{name}: {len(value)} keys, over the cap {MAX_META}")
+    return {_check_str(k, name): _check_str(v, f"{name}.{k}") for k, v in value.items()}
+
+
+_SLOT_KEYS = frozenset({"shape", "dtype", "bytes", "token_axis", "off", "xxh3", "blocks"})
+_ENTRY_KEYS = frozenset(
+    {"kind", "offset", "min_reusable_offset", "trimmable", "fields", "tensors", "children"}
+)
+_HEADER_KEYS = frozenset(
+    {
+        "format_version",
+        "codec",
+        "layout",
+        "model_id",
+        "config_fingerprint",
+        "created_at",
+        "block_tokens",
+        "tokens",
+        "meta",
+        "caches",
+        "attachments",
+    }
+)
+
+
+def _parse_slot(obj: Any, path: str, layout: Layout) -> TensorSlot:
+    f = _Fields(obj, path, _SLOT_KEYS)
+    dtype = f.f_str("dtype")
+    if dtype not in DTYPE_SIZES:
+        raise CorruptCacheError(f"{f.name('dtype')}: {dtype!r:.40} is not in the dtype list")
+    dims = f.f_list("shape", MAX_NDIM)
+    shape = tuple(_check_int(d, f"{f.name('shape')}[{i}]", 0, MAX_DIM) for i, d in enumerate(dims))
+    nbytes = f.f_int("bytes", 0, MAX_TENSOR_BYTES)
+    if math.prod(shape) * DTYPE_SIZES[dtype] != nbytes:
+        raise CorruptCacheError(
+            f"{f.name('bytes')}: {nbytes} != prod(shape {list(shape)}) * itemsize of {dtype}"
+        )
+    token_axis = f.f_opt_int("token_axis", 0, max(len(shape) - 1, 0))
+    if token_axis is not None and not shape:
+        raise CorruptCacheError(f"{f.name('token_axis')}: a 0-d tensor has no token axis")
+    if layout == "single":
+        if "blocks" in f.obj:
+            raise CorruptCacheError(f"{f.name('blocks')}: not allowed in the single layout")
+        off = f.f_int("off", 0, MAX_TENSOR_BYTES)
+        if off % ALIGN:
+            raise CorruptCacheError(f"{f.name('off')}: {off} is not a multiple of {ALIGN}")
+        digest = f.f_str("xxh3")
+        if len(digest) != 16 or not set(digest) <= _HEX16:
+            raise CorruptCacheError(f"{f.name('xxh3')}: not 16 lowercase hex digits")
+        return TensorSlot(shape, dtype, nbytes, token_axis, off=off, xxh3=digest)
+    if "off" in f.obj or "xxh3" in f.obj:
+        raise CorruptCacheError(f"{path}: off/xxh3 are not allowed in the blocks layout")
+    refs: list[BlockRef] = []
+    total = 0
+    for i, raw in enumerate(f.f_list("blocks", MAX_BLOCKS_PER_TENSOR)):
+        bpath = f"{f.name('blocks')}[{i}]"
+        b = _Fields(raw, bpath, frozenset({"sha256", "bytes"}))
+        name = b.f_str("sha256")
+        if BLOCK_NAME_RE.fullmatch(name) is None:
+            raise CorruptCacheError(
+                f"{b.name('sha256')}: not 64 lowercase hex digits: {name!r:.80}"
+            )
+        size = b.f_int("bytes", 0, MAX_TENSOR_BYTES)
+        refs.append(BlockRef(name, size))
+        total += size
+    if total != nbytes:
+        raise CorruptCacheError(f"{f.name('blocks')}: blocks hold {total} bytes, slot has {nbytes}")
+    return TensorSlot(shape, dtype, nbytes, token_axis, blocks=tuple(refs))
+
+
+def _parse_field_value(value: Any, name: str) -> FieldValue:
+    if value is None or isinstance(value, bool | str):
+        return _check_str(value, name) if isinstance(value, str) else value
+    if isinstance(value, int):
+        return _check_int(value, name, -MAX_TENSOR_BYTES, MAX_TENSOR_BYTES)
+    if isinstance(value, list):
+        if len(value) > MAX_TENSORS_PER_ENTRY:
+            raise CorruptCacheError(f"{name}: list of {len(value)} items, over the cap")
+        items: list[int | bool | str | None] = []
+        for i, item in enumerate(value):
+            parsed = _parse_field_value(item, f"{name}[{i}]")
+            if isinstance(parsed, tuple):
+                raise CorruptCacheError(f"{name}[{i}]: nested lists are not allowed")
+            items.append(parsed)
+        return tuple(items)
+    raise CorruptCacheError(f"{name}: unsupported value type {type(value).__name__}")
+
+
+class _Budget:
+    """Counts entries across the whole header, so nesting cannot multiply the caps."""
+
+    def __init__(self) -> None:
+        self.entries = 0
+
+
+def _parse_entry(obj: Any, path: str, layout: Layout, depth: int, budget: _Budget) -> CacheEntry:
+    f = _Fields(obj, path, _ENTRY_KEYS)
+    budget.entries += 1
+    if budget.entries > MAX_ENTRIES:
+        raise CorruptCacheError(f"{path}: more than {MAX_ENTRIES} cache entries")
+    kind = f.f_str("kind")
+    offset = f.f_int("offset", 0, MAX_TOKENS)
+    min_offset = f.f_int("min_reusable_offset", 0, MAX_TOKENS)
+    if min_offset > offset:
+        raise CorruptCacheError(
+            f"{f.name('min_reusable_offset')}: {min_offset} is past the offset {offset}"
+        )
+    trimmable = f.f_bool("trimmable")
+    raw_fields = f.get("fields")
+    if not isinstance(raw_fields, dict):
+        raise CorruptCacheError(f"{f.name('fields')}: expected an object")
+    if len(raw_fields) > MAX_FIELDS:
+        raise CorruptCacheError(f"{f.name('fields')}: {len(raw_fields)} keys, over the cap")
+    fields = {
+        _check_str(k, f.name("fields")): _parse_field_value(v, f"{f.name('fields')}.{k}")
+        for k, v in raw_fields.items()
+    }
+    tensors = tuple(
+        _parse_slot(s, f"{f.name('tensors')}[{i}]", layout)
+        for i, s in enumerate(f.f_list("tensors", MAX_TENSORS_PER_ENTRY))
+    )
+    raw_children = f.f_list("children", MAX_ENTRIES)
+    if raw_children and depth >= MAX_DEPTH:
+        raise CorruptCacheError(f"{f.name('children')}: nested deeper than {MAX_DEPTH}")
+    children = tuple(
+        _parse_entry(c, f"{f.name('children')}[{i}]", layout, depth + 1, budget)
+        for i, c in enumerate(raw_children)
+    )
+    return CacheEntry(kind, offset, min_offset, trimmable, fields, tensors, children)
+
+
+def parse_header(body: bytes, preamble: Preamble, file_size: int) -> Header:
+    """Check the header bytes against the preamble, parse and validate every field.
+
+    ``file_size`` bounds the single layout's tensors (rule 3): every tensor lies inside
+    ``[data_start, file_size)`` and no two overlap. Raises CorruptCacheError naming the field.
+    """
+    if len(body) != preamble.header_len:
+        raise CorruptCacheError(
+            f"header: read {len(body)} bytes, preamble says {preamble.header_len}"
+        )
+    if xxhash.xxh3_64_intdigest(body) != preamble.header_xxh3:
+        raise CorruptCacheError("header: xxh3 mismatch (truncated or corrupt header)")
+    doc = _load_json(body)
+    f = _Fields(doc, "", _HEADER_KEYS)
+    version = f.f_int("format_version", 0, 1 << 31)
+    if version != preamble.version:
+        raise CorruptCacheError(
+            f"format_version: header says {version}, preamble says {preamble.version}"
+        )
+    codec = f.f_str("codec")
+    if codec != CODEC_ID:
+        raise CorruptCacheError(f"codec: unknown codec id {codec!r:.80}")
+    layout_raw = f.f_str("layout")
+    if layout_raw not in ("single", "blocks"):
+        raise CorruptCacheError(f"layout: unknown layout {layout_raw!r:.40}")
+    layout: Layout = "single" if layout_raw == "single" else "blocks"
+    block_tokens = f.f_opt_int("block_tokens", 1, MAX_TOKENS)
+    if layout == "blocks" and block_tokens is None:
+        raise CorruptCacheError("block_tokens: missing in the blocks layout")
+    if layout == "single" and block_tokens is not None:
+        raise CorruptCacheError("block_tokens: not allowed in the single layout")
+    created_at = f.get("created_at")
+    if isinstance(created_at, bool) or not isinstance(created_at, int | float):
+        raise CorruptCacheError("created_at: expected a number")
+    tokens = tuple(
+        _check_int(t, f"tokens[{i}]", 0, MAX_TOKEN_VALUE)
+        for i, t in enumerate(f.f_list("tokens", MAX_TOKENS))
+    )
+    meta = _check_str_map(f.get("meta"), "meta")
+    budget = _Budget()
+    caches = tuple(
+        _parse_entry(e, f"caches[{i}]", layout, 1, budget)
+        for i, e in enumerate(f.f_list("caches", MAX_ENTRIES))
+    )
+    attachments: list[Attachment] = []
+    for i, raw in enumerate(f.f_list("attachments", MAX_ATTACHMENTS)):
+        path = f"attachments[{i}]"
+        a = _Fields(raw, path, frozenset({"schema", "metadata", "tensors"}))
+        attachments.append(
+            Attachment(
+                schema=a.f_str("schema"),
+                metadata=_check_str_map(a.get("metadata"), a.name("metadata")),
+                tensors=tuple(
+                    _parse_slot(s, f"{a.name('tensors')}[{j}]", layout)
+                    for j, s in enumerate(a.f_list("tensors", MAX_TENSORS_PER_ENTRY))
+                ),
+            )
+        )
+    header = Header(
+        layout=layout,
+        tokens=tokens,
+        caches=caches,
+        created_at=float(created_at),
+        model_id=f.f_opt_str("model_id"),
+        config_fingerprint=f.f_opt_str("config_fingerprint"),
+        attachments=tuple(attachments),
+        meta=meta,
+        block_tokens=block_tokens,
+        codec=codec,
+        format_version=version,
+    )
+    if layout == "single":
+        _check_placement(header, preamble.data_start, file_size)
+    else:
+        _check_blocks(header)
+    return header
+
+
+def _check_blocks(header: Header) -> None:
+    for slot, name in zip(header.slots(), slot_names(header), strict=True):
+        ranges = piece_ranges(slot, header.block_tokens)
+        refs = slot.blocks or ()
+        if len(refs) != len(ranges):
+            raise CorruptCacheError(
+                f"{name}.blocks: {len(refs)} blocks, the tensor has {len(ranges)} token blocks"
+            )
+        for j, (ref, (start, stop)) in enumerate(zip(refs, ranges, strict=True)):
+            if ref.nbytes != piece_nbytes(slot, start, stop):
+                raise CorruptCacheError(
+                    f"{name}.blocks[{j}].bytes: {ref.nbytes} != the token block's "
+                    f"{piece_nbytes(slot, start, stop)}"
+                )
+
+
+def _check_placement(header: Header, data_start: int, file_size: int) -> None:
+    named = [(slot, name) for slot, name in zip(header.slots(), slot_names(header), strict=True)]
+    data_len = file_size - data_start
+    if named and data_len < 0:
+        raise CorruptCacheError(f"header: data starts at {data_start}, past the end of the file")
+    end_prev = 0
+    for slot, name in sorted(named, key=lambda sn: (sn[0].off or 0, sn[0].nbytes)):
+        off = slot.off or 0
+        if off + slot.nbytes > data_len:
+            raise CorruptCacheError(
+                f"{name}.off: tensor [{off}, {off + slot.nbytes}) runs past the data "
+                f"({data_len} bytes)"
+            )
+        if off < end_prev:
+            raise CorruptCacheError(f"{name}.off: tensor at {off} overlaps the previous tensor")
+        end_prev = off + slot.nbytes
+
+
+def slot_names(header: Header) -> Iterator[str]:
+    """The header path of every slot, in :meth:`Header.slots` order (for error messages)."""
+    def entry(e: CacheEntry, path: str) -> Iterator[str]:
+        for j in range(len(e.tensors)):
+            yield f"{path}.tensors[{j}]"
+        for k, child in enumerate(e.children):
+            yield from entry(child, f"{path}.children[{k}]")
+
+    for i, e in enumerate(header.caches):
+        yield from entry(e, f"caches[{i}]")
+    for i, a in enumerate(header.attachments):
+        for j in range(len(a.tensors)):
+            yield f"attachments[{i}].tensors[{j}]"

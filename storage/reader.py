@@ -1,0 +1,212 @@
+"""Readers: a cache file or manifest -> a validated header, then bytes into caller buffers.
+
+CPU only (no trio, no MLX); run on worker threads. Two steps, so the caller can allocate
+host buffers (on any thread) between them:
+
+1. :func:`read_header` opens the file, checks the preamble and the header hash, and
+   parses and validates every header field (see :mod:`kvtrio.storage.format`) before
+   anything in it is used. It returns a :class:`CacheFile`.
+2. :func:`read_tensors` fills ``buffers[i][j]`` (slot ``i`` of ``header.slots()``, piece
+   ``j`` of :func:`~kvtrio.storage.format.piece_ranges`; the single layout has one piece
+   per slot) with ``readinto``-style reads and, when ``verify`` is true (the default),
+   checks every tensor's xxh3-64 (single) or every block's sha256 (blocks) before
+   returning. :func:`allocate_buffers` makes suitable zero-filled buffers.
+
+Invariant 4: a reader never returns bytes it has not checked against the header's hashes
+when asked to verify, and never trusts a header field it has not bounds-checked. Every
+validation failure is a CorruptCacheError naming the field; a missing block is a
+CacheMissError (a clean miss). ``cancel()`` is polled at every tensor, chunk and block
+boundary; when it returns True, :class:`~kvtrio.errors.OperationCancelled` is raised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+
+import attrs
+import xxhash
+from kvtrio.errors import CacheMissError, CorruptCacheError, OperationCancelled
+from kvtrio.storage.blockstore import BlockStore
+from kvtrio.storage.fileops import OS_FILE_OPS, FileOps, pread_full
+from kvtrio.storage.format import (
+    PREAMBLE,
+    Header,
+    parse_header,
+    parse_preamble,
+    piece_nbytes,
+    piece_ranges,
+    slot_names,
+)
+
+__all__ = ["CacheFile", "allocate_buffers", "piece_sizes", "read_header", "read_tensors"]
+
+_CHUNK = 8 * 1024 * 1024
+
+Cancel = Callable[[], bool] | None
+
+
+@attrs.frozen
+class CacheFile:
+    """A validated cache file or manifest: its header and where its tensor data starts."""
+
+    path: str
+    header: Header
+    data_start: int
+    file_size: int
+    st_dev: int
+    st_ino: int
+
+
+def _check_cancel(cancel: Cancel) -> None:
+    if cancel is not None and cancel():
+        raise OperationCancelled("read cancelled at a step boundary")
+
+
+def read_header(path: str, *, file_ops: FileOps = OS_FILE_OPS) -> CacheFile:
+    """Open ``path`` and return its checked header (raises CorruptCacheError, OSError)."""
+    fd = file_ops.open(path, os.O_RDONLY)
+    try:
+        info = file_ops.fstat(fd)
+        size = info.st_size
+        raw = bytearray(min(PREAMBLE.size, size))
+        pread_full(file_ops, fd, memoryview(raw), 0)
+        preamble = parse_preamble(bytes(raw), size)
+        body = bytearray(preamble.header_len)  # <= file size, checked by parse_preamble
+        got = pread_full(file_ops, fd, memoryview(body), PREAMBLE.size)
+        if got != preamble.header_len:
+            raise CorruptCacheError(f"header: short read ({got} of {preamble.header_len} bytes)")
+        header = parse_header(bytes(body), preamble, size)
+    finally:
+        file_ops.close(fd)
+    return CacheFile(
+        path=os.path.abspath(path),
+        header=header,
+        data_start=preamble.data_start,
+        file_size=size,
+        st_dev=info.st_dev,
+        st_ino=info.st_ino,
+    )
+
+
+def piece_sizes(header: Header) -> list[list[int]]:
+    """Byte sizes of the buffers :func:`read_tensors` expects: per slot, per piece."""
+    if header.layout == "single":
+        return [[slot.nbytes] for slot in header.slots()]
+    return [
+        [piece_nbytes(slot, a, b) for a, b in piece_ranges(slot, header.block_tokens)]
+        for slot in header.slots()
+    ]
+
+
+def allocate_buffers(header: Header) -> list[list[bytearray]]:
+    """Zero-filled host buffers shaped for :func:`read_tensors` (lazily backed by the OS)."""
+    return [[bytearray(n) for n in sizes] for sizes in piece_sizes(header)]
+
+
+def _flat(buffer: memoryview, name: str, expected: int) -> memoryview:
+    view = buffer if buffer.format == "B" and buffer.ndim == 1 else buffer.cast("B")
+    if view.readonly:
+        raise ValueError(f"{name}: buffer is read-only")
+    if len(view) != expected:
+        raise ValueError(f"{name}: buffer has {len(view)} bytes, needs {expected}")
+    return view
+
+
+def read_tensors(
+    cache_file: CacheFile,
+    buffers: Sequence[Sequence[memoryview]],
+    *,
+    store: BlockStore | None = None,
+    verify: bool = True,
+    cancel: Cancel = None,
+    file_ops: FileOps = OS_FILE_OPS,
+) -> None:
+    """Fill ``buffers`` with the tensor bytes, verifying hashes when ``verify`` is true.
+
+    Single layout: reads the file of ``cache_file`` (which must still be the same file,
+    same size). Block layout: reads each block from ``store`` (required), re-hashing it
+    against its sha256 name when ``verify``; a missing block raises CacheMissError.
+    """
+    header = cache_file.header
+    names = list(slot_names(header))
+    sizes = piece_sizes(header)
+    if len(buffers) != len(sizes):
+        raise ValueError(f"header has {len(sizes)} slots, got {len(buffers)} buffer lists")
+    views: list[list[memoryview]] = []
+    for name, want, got in zip(names, sizes, buffers, strict=True):
+        if len(got) != len(want):
+            raise ValueError(f"{name}: {len(got)} buffers, needs {len(want)}")
+        views.append([_flat(memoryview(b), name, n) for b, n in zip(got, want, strict=True)])
+    if header.layout == "single":
+        _read_single(cache_file, names, views, verify, cancel, file_ops)
+    else:
+        if store is None:
+            raise ValueError("the blocks layout needs a block store")
+        _read_blocks(header, names, views, store, verify, cancel)
+
+
+def _read_single(
+    cache_file: CacheFile,
+    names: list[str],
+    views: list[list[memoryview]],
+    verify: bool,
+    cancel: Cancel,
+    file_ops: FileOps,
+) -> None:
+    fd = file_ops.open(cache_file.path, os.O_RDONLY)
+    try:
+        info = file_ops.fstat(fd)
+        if (info.st_dev, info.st_ino, info.st_size) != (
+            cache_file.st_dev,
+            cache_file.st_ino,
+            cache_file.file_size,
+        ):
+            raise CorruptCacheError("file: replaced or resized since its header was read")
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, cache_file.data_start, 0, os.POSIX_FADV_SEQUENTIAL)
+        for slot, name, (view,) in zip(cache_file.header.slots(), names, views, strict=True):
+            _check_cancel(cancel)
+            base = cache_file.data_start + (slot.off or 0)
+            hasher = xxhash.xxh3_64()
+            for start in range(0, len(view), _CHUNK):
+                _check_cancel(cancel)
+                chunk = view[start : start + _CHUNK]
+                got = pread_full(file_ops, fd, chunk, base + start)
+                if got != len(chunk):
+                    raise CorruptCacheError(f"{name}: file truncated inside the tensor")
+                if verify:
+                    hasher.update(chunk)
+            if verify and hasher.hexdigest() != slot.xxh3:
+                raise CorruptCacheError(f"{name}.xxh3: tensor bytes do not match their hash")
+    finally:
+        file_ops.close(fd)
+
+
+def _read_blocks(
+    header: Header,
+    names: list[str],
+    views: list[list[memoryview]],
+    store: BlockStore,
+    verify: bool,
+    cancel: Cancel,
+) -> None:
+    for slot, name, pieces in zip(header.slots(), names, views, strict=True):
+        refs = slot.blocks or ()
+        if len(refs) != len(pieces):
+            raise CorruptCacheError(
+                f"{name}.blocks: {len(refs)} blocks, the tensor has {len(pieces)} token blocks"
+            )
+        for j, (ref, piece) in enumerate(zip(refs, pieces, strict=True)):
+            _check_cancel(cancel)
+            if ref.nbytes != len(piece):
+                raise CorruptCacheError(
+                    f"{name}.blocks[{j}].bytes: {ref.nbytes}, the token block has {len(piece)}"
+                )
+            if not store.read_into(ref.sha256, piece):
+                raise CacheMissError(f"{name}.blocks[{j}]: block {ref.sha256} is missing")
+            if verify and hashlib.sha256(piece).hexdigest() != ref.sha256:
+                raise CorruptCacheError(
+                    f"{name}.blocks[{j}].sha256: block content does not hash to its name"
+                )

@@ -1,0 +1,240 @@
+"""Durable writers: host memoryviews -> a published cache file or manifest. CPU only.
+
+No trio, no MLX: these run on worker threads over immutable host bytes (the MLX owner
+produced them with :func:`kvtrio.storage.codecs.materialize_tensor`).
+
+- :func:`write_single` writes the single-file layout. ``tensors[i]`` is the bytes of the
+  i-th slot of ``header.slots()`` (C-contiguous, exactly ``slot.nbytes``).
+- :func:`write_blocks` writes the block layout: ``pieces[i]`` are the i-th slot's pieces
+  as :func:`kvtrio.storage.format.piece_ranges` cuts them (KV tensors token-block-major,
+  so a shared prefix is shared blocks). Blocks go to ``store`` and are durable before the
+  manifest naming them is published.
+
+Theory of operation (DESIGN.md invariants 4, 5 and 6):
+
+1. Bytes go to a tmp file created O_EXCL, mode 0600, in the target's own directory
+   (so the rename cannot cross filesystems), named ``.<name>.<random>.kvtrio-tmp``.
+2. Tensor bytes are hashed (xxh3-64) in 8 MiB chunks just before they are written (the
+   chunk is still in cache); the header's fixed-width hash fields are patched in place
+   afterwards, so the header's length never changes.
+3. Publication is fsync(file) -> rename(tmp, final) -> fsync(dir) (F_FULLFSYNC on macOS);
+   a final name never names a partial file. The result returns only after all three.
+4. ``cancel()`` is polled at every tensor, chunk and block boundary. When it returns True
+   the tmp file is removed and :class:`~kvtrio.errors.OperationCancelled` is raised; on
+   any other error the tmp file is removed too and the error propagates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from collections.abc import Callable, Sequence
+
+import attrs
+import xxhash
+from kvtrio.errors import OperationCancelled
+from kvtrio.storage.blockstore import BlockStore
+from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps, pwrite_full
+from kvtrio.storage.format import (
+    BlockRef,
+    Header,
+    TensorSlot,
+    encode_file_prefix,
+    encode_header,
+    encode_preamble,
+    piece_nbytes,
+    piece_ranges,
+    place_single,
+)
+
+__all__ = [
+    "DEFAULT_BLOCK_TOKENS",
+    "TMP_SUFFIX",
+    "WriteResult",
+    "as_bytes",
+    "publish_bytes",
+    "tmp_path_for",
+    "write_blocks",
+    "write_single",
+]
+
+DEFAULT_BLOCK_TOKENS = 256
+_CHUNK = 8 * 1024 * 1024
+
+Cancel = Callable[[], bool] | None
+
+
+@attrs.frozen
+class WriteResult:
+    """What was published: the placed header, where, and the byte counts."""
+
+    path: str
+    header: Header
+    file_bytes: int  # size of the published file (cache file or manifest)
+    new_block_bytes: int = 0  # block layout: bytes newly stored (dedup skipped the rest)
+
+
+def as_bytes(buffer: memoryview) -> memoryview:
+    """A flat unsigned-byte view of a C-contiguous buffer (no copy)."""
+    if buffer.format == "B" and buffer.ndim == 1:
+        return buffer
+    if not buffer.c_contiguous:
+        raise ValueError("tensor buffer is not C-contiguous")
+    return buffer.cast("B")
+
+
+def tmp_path_for(path: str) -> str:
+    """A fresh tmp name beside ``path`` (GC removes such debris after a crash)."""
+    head, tail = os.path.split(os.path.abspath(path))
+    return os.path.join(head, f".{tail}.{secrets.token_hex(8)}{TMP_SUFFIX}")
+
+
+def _check_cancel(cancel: Cancel) -> None:
+    if cancel is not None and cancel():
+        raise OperationCancelled("write cancelled at a step boundary")
+
+
+class _TmpFile:
+    """An O_EXCL tmp file that is either published or removed."""
+
+    def __init__(self, path: str, ops: FileOps) -> None:
+        self.final = os.path.abspath(path)
+        self.tmp = tmp_path_for(self.final)
+        self.ops = ops
+        self.fd: int | None = ops.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+
+    def publish(self) -> None:
+        assert self.fd is not None
+        self.ops.fsync(self.fd)
+        fd, self.fd = self.fd, None
+        self.ops.close(fd)
+        self.ops.rename(self.tmp, self.final)
+        self.tmp = ""
+        self.ops.fsync_dir(os.path.dirname(self.final))
+
+    def discard(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            try:
+                self.ops.close(fd)
+            except OSError:
+                pass
+        if self.tmp:
+            tmp, self.tmp = self.tmp, ""
+            try:
+                self.ops.unlink(tmp)
+            except OSError:
+                pass
+
+
+def publish_bytes(path: str, data: bytes, *, file_ops: FileOps = OS_FILE_OPS) -> None:
+    """Durably publish small ``data`` at ``path`` (tmp, fsync, rename, fsync dir)."""
+    tmp = _TmpFile(path, file_ops)
+    try:
+        assert tmp.fd is not None
+        pwrite_full(file_ops, tmp.fd, memoryview(data), 0)
+        tmp.publish()
+    except BaseException:
+        tmp.discard()
+        raise
+
+
+def _write_hashed(ops: FileOps, fd: int, data: memoryview, offset: int, cancel: Cancel) -> str:
+    hasher = xxhash.xxh3_64()
+    for start in range(0, len(data), _CHUNK):
+        _check_cancel(cancel)
+        chunk = data[start : start + _CHUNK]
+        hasher.update(chunk)
+        pwrite_full(ops, fd, chunk, offset + start)
+    return hasher.hexdigest()
+
+
+def write_single(
+    path: str,
+    header: Header,
+    tensors: Sequence[memoryview],
+    *,
+    file_ops: FileOps = OS_FILE_OPS,
+    cancel: Cancel = None,
+) -> WriteResult:
+    """Write ``header`` (a plan; it is placed here) and ``tensors`` as one cache file."""
+    placed = place_single(header)
+    slots = list(placed.slots())
+    if len(slots) != len(tensors):
+        raise ValueError(f"header has {len(slots)} tensor slots, got {len(tensors)} buffers")
+    views = [as_bytes(t) for t in tensors]
+    for i, (slot, view) in enumerate(zip(slots, views, strict=True)):
+        if len(view) != slot.nbytes:
+            raise ValueError(f"tensor {i}: {len(view)} bytes, slot says {slot.nbytes}")
+    prefix, data_start = encode_file_prefix(placed)
+    end = data_start + max(((s.off or 0) + s.nbytes for s in slots), default=0)
+    file_bytes = max(end, data_start)
+    _check_cancel(cancel)
+    tmp = _TmpFile(path, file_ops)
+    try:
+        assert tmp.fd is not None
+        hashed: list[TensorSlot] = []
+        for slot, view in zip(slots, views, strict=True):
+            _check_cancel(cancel)
+            digest = _write_hashed(file_ops, tmp.fd, view, data_start + (slot.off or 0), cancel)
+            hashed.append(attrs.evolve(slot, xxh3=digest))
+        final = placed.with_slots(hashed)
+        final_prefix, final_start = encode_file_prefix(final)
+        if final_start != data_start or len(final_prefix) != len(prefix):
+            raise AssertionError("header length changed when hashes were filled in")
+        _check_cancel(cancel)
+        pwrite_full(file_ops, tmp.fd, memoryview(final_prefix), 0)
+        tmp.publish()
+    except BaseException:
+        tmp.discard()
+        raise
+    return WriteResult(path=tmp.final, header=final, file_bytes=file_bytes)
+
+
+def write_blocks(
+    path: str,
+    header: Header,
+    pieces: Sequence[Sequence[memoryview]],
+    store: BlockStore,
+    *,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    file_ops: FileOps = OS_FILE_OPS,
+    cancel: Cancel = None,
+) -> WriteResult:
+    """Store every piece as a sha256 block, then durably publish the manifest at ``path``.
+
+    Blocks are put (and durable: ``put_many`` returns after fsync) before the manifest is
+    written. On cancel or failure the manifest is not published; blocks already stored
+    are unreferenced and GC collects them after its grace period.
+    """
+    slots = list(header.slots())
+    if len(slots) != len(pieces):
+        raise ValueError(f"header has {len(slots)} tensor slots, got {len(pieces)} piece lists")
+    new_bytes = 0
+    blocked: list[TensorSlot] = []
+    for i, (slot, slot_pieces) in enumerate(zip(slots, pieces, strict=True)):
+        ranges = piece_ranges(slot, block_tokens)
+        if len(ranges) != len(slot_pieces):
+            raise ValueError(f"tensor {i}: {len(slot_pieces)} pieces, expected {len(ranges)}")
+        batch: list[tuple[str, memoryview]] = []
+        refs: list[BlockRef] = []
+        for (start, stop), piece in zip(ranges, slot_pieces, strict=True):
+            _check_cancel(cancel)
+            view = as_bytes(piece)
+            if len(view) != piece_nbytes(slot, start, stop):
+                raise ValueError(f"tensor {i}: piece [{start}, {stop}) has {len(view)} bytes")
+            name = hashlib.sha256(view).hexdigest()
+            batch.append((name, view))
+            refs.append(BlockRef(name, len(view)))
+        _check_cancel(cancel)
+        new_bytes += store.put_many(batch)
+        blocked.append(attrs.evolve(slot, off=None, xxh3=None, blocks=tuple(refs)))
+    manifest = attrs.evolve(header.with_slots(blocked), layout="blocks", block_tokens=block_tokens)
+    body = encode_header(manifest)
+    data = encode_preamble(body, manifest.format_version) + body
+    _check_cancel(cancel)
+    publish_bytes(path, data, file_ops=file_ops)
+    return WriteResult(
+        path=os.path.abspath(path), header=manifest, file_bytes=len(data), new_block_bytes=new_bytes
+    )
