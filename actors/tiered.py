@@ -1,0 +1,550 @@
+"""TieredPromptCache: a prompt cache in RAM (hot) over a cold tier on disk.
+
+A server asks ``fetch_nearest(tokens)`` before prefill and calls ``insert(tokens,
+caches)`` after a turn. Entries live in the hot tier (live MLX caches, LRU by bytes)
+and/or the cold tier (files written by the actors' ColdTier, LRU by bytes, aware of
+free disk space). One :class:`~kvtrio.actors.prefix.PrefixIndex` over both tiers finds
+the longest reusable prefix; on open it is rebuilt from the files on disk, so a restart
+keeps the cache.
+
+Theory of operation
+-------------------
+1. The hot tier owns private copies: ``insert`` clones the caller's caches on the MLX
+   owner thread, and ``fetch_nearest`` hands out a fresh clone (trimmed when the match
+   was a longer entry), so neither side can change what the other holds.
+2. Budgets are soft by at most one entry: after an insert, least recently used hot
+   entries are evicted while the hot bytes exceed the budget and more than one entry is
+   hot; the cold tier likewise after each completed write.
+3. Policy ``write-back`` writes an entry to the cold tier when it leaves the hot tier;
+   ``write-through`` writes every insert at once. Until a write is durable the entry is
+   findable only while it is hot: an entry in neither tier is not in the index.
+4. A checkpoint supersedes the older entries of the same conversation that it extends:
+   they are removed from both tiers (a queued write of theirs is dropped).
+5. The cold tier is best effort: a failed or dropped write, a missing or corrupt file is
+   counted, the entry forgotten, and the lookup retried; it never fails a request.
+6. Lookups are namespaced by the model key (model id and config fingerprint); entries
+   of other models on the same disk count towards the disk budget but never match.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import shutil
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+import trio
+from kvtrio.actors.prefix import (
+    DEFAULT_BLOCK_SIZE,
+    ModelKey,
+    PrefixEntry,
+    PrefixIndex,
+    PrefixMatch,
+)
+from kvtrio.errors import CacheMissError, CorruptCacheError, KvtrioError
+
+__all__ = [
+    "ColdEntryInfo",
+    "ColdStore",
+    "Fetched",
+    "OwnerLike",
+    "StoreResult",
+    "Tier",
+    "TieredPromptCache",
+    "TieredStatistics",
+    "WritePolicy",
+]
+
+
+class WritePolicy(enum.Enum):
+    """When an entry is written to the cold tier."""
+
+    WRITE_BACK = "write-back"  # when it is evicted from RAM
+    WRITE_THROUGH = "write-through"  # at insert
+
+
+class Tier(enum.Enum):
+    """Where a hit came from."""
+
+    HOT = "hot"
+    COLD = "cold"
+
+
+@attrs.frozen
+class ColdEntryInfo:
+    """What the cold tier knows of one stored entry (from its header and file)."""
+
+    key: str
+    model: ModelKey
+    tokens: tuple[int, ...]
+    trimmable: bool
+    min_reusable_offset: int
+    disk_bytes: int
+    mtime: float
+
+
+@attrs.frozen
+class StoreResult:
+    """A cold write that settled: durable (``written``) or not (dropped or superseded)."""
+
+    written: bool
+    disk_bytes: int = 0  # bytes the entry newly occupies on disk
+    bytes_written: int = 0
+    bytes_deduplicated: int = 0
+
+
+class OwnerLike(Protocol):
+    """The MLX owner: runs ``fn(*args)`` on the one thread that may touch MLX."""
+
+    async def run(self, fn: Any, *args: Any) -> Any: ...
+
+
+class ColdStore(Protocol):
+    """The cold tier as the tiered cache uses it (an adapter over the actors' ColdTier)."""
+
+    @property
+    def directory(self) -> Path: ...
+
+    async def store(
+        self, key: str, tokens: Sequence[int], caches: list[Any], *, meta: Mapping[str, str]
+    ) -> StoreResult:
+        """Write ``caches`` under ``key``; return once it is durable or settled otherwise."""
+        ...
+
+    async def fetch(self, key: str, *, model: ModelKey) -> tuple[list[Any], int]:
+        """Restored caches (on the owner) and the bytes read; CacheMissError or
+        CorruptCacheError when the entry is gone or bad."""
+        ...
+
+    async def remove(self, key: str) -> int:
+        """Delete the entry; return the disk bytes freed."""
+        ...
+
+    async def entries(self) -> list[ColdEntryInfo]:
+        """Every valid entry on disk."""
+        ...
+
+
+@attrs.frozen
+class Fetched:
+    """What ``fetch_nearest`` found: caches to continue from and the tokens still to run.
+
+    ``caches`` is None on a miss (then ``remaining`` is the whole prompt).
+    """
+
+    caches: list[Any] | None
+    remaining: tuple[int, ...]
+    tier: Tier | None
+    match: PrefixMatch | None
+
+    @property
+    def reused(self) -> int:
+        return self.match.reuse if self.match is not None else 0
+
+
+@attrs.frozen
+class TieredStatistics:
+    """Counters of a tiered prompt cache."""
+
+    hot_entries: int
+    hot_bytes: int
+    hot_budget: int
+    cold_entries: int
+    cold_bytes: int
+    cold_budget: int
+    hits_hot: int
+    hits_cold: int
+    misses: int
+    bytes_written: int
+    bytes_read: int
+    bytes_deduplicated: int
+    hot_evictions: int
+    cold_evictions: int
+    drops: int
+    superseded: int
+
+
+@attrs.define(eq=False)
+class _Record:
+    entry: PrefixEntry
+    conversations: set[str] = attrs.field(factory=set)
+    hot: list[Any] | None = None
+    hot_bytes: int = 0
+    cold_bytes: int | None = None  # None: not durable on disk
+    writing: bool = False
+    removed: bool = False
+
+
+def _cache_nbytes(caches: Sequence[Any]) -> int:
+    return sum(int(c.nbytes) for c in caches)
+
+
+def _min_reusable_offset(caches: Sequence[Any]) -> int:
+    return max([0, *(int(getattr(c, "min_reusable_offset", 0) or 0) for c in caches)])
+
+
+def _clone(caches: list[Any]) -> list[Any]:
+    """Owner thread: an independent deep copy of mlx-lm caches."""
+    return copy.deepcopy(caches)
+
+
+def _clone_trimmed(caches: list[Any], trim: int) -> list[Any]:
+    """Owner thread: a deep copy, trimmed back by ``trim`` tokens."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    out = copy.deepcopy(caches)
+    if trim:
+        trim_prompt_cache(out, trim)
+    return out
+
+
+def _describe(caches: list[Any]) -> tuple[int, bool, int]:
+    """Owner thread: bytes, trimmability and minimum reusable offset of ``caches``."""
+    from mlx_lm.models.cache import can_trim_prompt_cache
+
+    return _cache_nbytes(caches), bool(can_trim_prompt_cache(caches)), _min_reusable_offset(caches)
+
+
+@attrs.define(eq=False)
+class TieredPromptCache:
+    """The prompt cache a server embeds. Open with :meth:`open`."""
+
+    owner: OwnerLike
+    cold: ColdStore
+    model: ModelKey
+    hot_budget: int
+    cold_budget: int
+    policy: WritePolicy = WritePolicy.WRITE_BACK
+    min_free_bytes: int = 0
+    block_size: int = DEFAULT_BLOCK_SIZE
+    _nursery: trio.Nursery | None = None
+    _index: PrefixIndex = attrs.field(init=False)
+    _records: dict[str, _Record] = attrs.field(init=False, factory=dict)
+    _hot_lru: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)
+    _cold_lru: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)
+    _conversations: dict[str, str] = attrs.field(init=False, factory=dict)
+    _hot_bytes: int = attrs.field(init=False, default=0)
+    _cold_bytes: int = attrs.field(init=False, default=0)
+    _counts: dict[str, int] = attrs.field(init=False, factory=dict)
+    _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _writes_in_flight: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        self._index = PrefixIndex(block_size=self.block_size)
+        self._idle.set()
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        owner: OwnerLike,
+        cold: ColdStore,
+        model: ModelKey,
+        *,
+        hot_budget: int,
+        cold_budget: int,
+        policy: WritePolicy = WritePolicy.WRITE_BACK,
+        min_free_bytes: int = 0,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> AsyncIterator[TieredPromptCache]:
+        """Rebuild the index from ``cold`` and serve; on exit wait for pending writes."""
+        self = cls(
+            owner,
+            cold,
+            model,
+            hot_budget,
+            cold_budget,
+            policy,
+            min_free_bytes,
+            block_size,
+        )
+        await self._load_index()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                yield self
+                await self.wait_writes_settled()
+            finally:
+                self._nursery = None
+
+    # -- the server's API ------------------------------------------------------------
+
+    async def fetch_nearest(self, tokens: Sequence[int]) -> Fetched:
+        """The caches of the longest reusable prefix of ``tokens`` (see mlx-lm's
+        ``LRUPromptCache.fetch_nearest_cache``), and the tokens still to process."""
+        query = tuple(int(t) for t in tokens)
+        for _ in range(8):  # bounded: each retry forgot a bad cold entry
+            match = self._index.lookup(self.model, query)
+            if match is None:
+                break
+            record = self._records[match.entry.key]
+            if record.hot is not None:
+                caches = await self.owner.run(_clone_trimmed, record.hot, match.trim)
+                self._touch_hot(record)
+                self._count("hits_hot")
+                return Fetched(caches, query[match.reuse :], Tier.HOT, match)
+            loaded = await self._load_cold(record)
+            if loaded is None:
+                continue
+            caches = await self.owner.run(_clone_trimmed, loaded, match.trim)
+            self._count("hits_cold")
+            await self._admit_hot(record, loaded)
+            return Fetched(caches, query[match.reuse :], Tier.COLD, match)
+        self._count("misses")
+        return Fetched(None, query, None, None)
+
+    async def insert(
+        self,
+        tokens: Sequence[int],
+        caches: list[Any],
+        *,
+        conversation: str | None = None,
+        meta: Mapping[str, str] | None = None,
+    ) -> str:
+        """Cache a copy of ``caches`` (which hold exactly ``tokens``); return its key.
+
+        With ``conversation``, this entry supersedes that conversation's older entries
+        whose tokens it extends (a checkpoint during a long generation, or a turn).
+        """
+        nbytes, trimmable, min_offset = await self.owner.run(_describe, caches)
+        clone = await self.owner.run(_clone, caches)
+        entry = self._index.make_entry(
+            self.model, tokens, trimmable=trimmable, min_reusable_offset=min_offset
+        )
+        previous = self._records.get(entry.key)
+        if previous is not None:
+            self._drop_hot(previous)
+        record = previous or _Record(entry)
+        record.entry = entry
+        record.removed = False
+        self._records[entry.key] = record
+        self._index.add(entry)
+        record.hot, record.hot_bytes = clone, nbytes
+        self._hot_bytes += nbytes
+        self._hot_lru[entry.key] = None
+        if conversation is not None:
+            await self._supersede(conversation, record)
+        if self.policy is WritePolicy.WRITE_THROUGH and record.cold_bytes is None:
+            self._start_write(record, meta or {})
+        await self._enforce_hot_budget(meta or {})
+        return entry.key
+
+    async def wait_writes_settled(self) -> None:
+        """Wait until every cold write started so far has settled."""
+        while self._writes_in_flight:
+            await self._idle.wait()
+        await trio.lowlevel.checkpoint()
+
+    async def flush(self) -> None:
+        """Write every hot entry not yet on disk to the cold tier, and wait for it."""
+        for key in list(self._hot_lru):
+            record = self._records[key]
+            if record.cold_bytes is None and not record.writing and record.hot is not None:
+                self._start_write(record, {})
+        await self.wait_writes_settled()
+
+    def statistics(self) -> TieredStatistics:
+        c = self._counts.get
+        return TieredStatistics(
+            hot_entries=len(self._hot_lru),
+            hot_bytes=self._hot_bytes,
+            hot_budget=self.hot_budget,
+            cold_entries=len(self._cold_lru),
+            cold_bytes=self._cold_bytes,
+            cold_budget=self.cold_budget,
+            hits_hot=c("hits_hot", 0),
+            hits_cold=c("hits_cold", 0),
+            misses=c("misses", 0),
+            bytes_written=c("bytes_written", 0),
+            bytes_read=c("bytes_read", 0),
+            bytes_deduplicated=c("bytes_deduplicated", 0),
+            hot_evictions=c("hot_evictions", 0),
+            cold_evictions=c("cold_evictions", 0),
+            drops=c("drops", 0),
+            superseded=c("superseded", 0),
+        )
+
+    # -- internals -------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._counts[name] = self._counts.get(name, 0) + n
+
+    async def _load_index(self) -> None:
+        infos = sorted(await self.cold.entries(), key=lambda info: info.mtime)
+        for info in infos:
+            entry = PrefixEntry(
+                key=info.key,
+                model=info.model,
+                tokens=info.tokens,
+                trimmable=info.trimmable,
+                min_reusable_offset=info.min_reusable_offset,
+            )
+            record = _Record(entry, cold_bytes=info.disk_bytes)
+            self._records[info.key] = record
+            self._index.add(entry)
+            self._cold_lru[info.key] = None
+            self._cold_bytes += info.disk_bytes
+
+    def _touch_hot(self, record: _Record) -> None:
+        self._hot_lru.move_to_end(record.entry.key)
+        if record.cold_bytes is not None:
+            self._cold_lru.move_to_end(record.entry.key)
+
+    def _effective_cold_budget(self) -> int:
+        try:
+            free = shutil.disk_usage(self.cold.directory).free
+        except OSError:
+            return self.cold_budget
+        return min(self.cold_budget, max(0, self._cold_bytes + free - self.min_free_bytes))
+
+    async def _load_cold(self, record: _Record) -> list[Any] | None:
+        key = record.entry.key
+        try:
+            caches, nbytes = await self.cold.fetch(key, model=self.model)
+        except (CacheMissError, CorruptCacheError):
+            self._count("drops")
+            self._forget_cold(record)
+            self._maybe_forget(record)
+            return None
+        self._count("bytes_read", nbytes)
+        self._cold_lru.move_to_end(key)
+        return caches
+
+    async def _admit_hot(self, record: _Record, caches: list[Any]) -> None:
+        nbytes = await self.owner.run(_cache_nbytes, caches)
+        record.hot, record.hot_bytes = caches, nbytes
+        self._hot_bytes += nbytes
+        self._hot_lru[record.entry.key] = None
+        await self._enforce_hot_budget({})
+
+    def _drop_hot(self, record: _Record) -> None:
+        if record.hot is None:
+            return
+        self._hot_bytes -= record.hot_bytes
+        record.hot, record.hot_bytes = None, 0
+        self._hot_lru.pop(record.entry.key, None)
+
+    def _forget_cold(self, record: _Record) -> None:
+        if record.cold_bytes is None:
+            return
+        self._cold_bytes -= record.cold_bytes
+        record.cold_bytes = None
+        self._cold_lru.pop(record.entry.key, None)
+
+    def _maybe_forget(self, record: _Record) -> None:
+        """Rule 3: an entry in neither tier leaves the index."""
+        if record.hot is None and record.cold_bytes is None and not record.writing:
+            self._index.remove(record.entry.key)
+            self._records.pop(record.entry.key, None)
+            for conversation in record.conversations:
+                if self._conversations.get(conversation) == record.entry.key:
+                    del self._conversations[conversation]
+
+    async def _enforce_hot_budget(self, meta: Mapping[str, str]) -> None:
+        while self._hot_bytes > self.hot_budget and len(self._hot_lru) > 1:
+            key = next(iter(self._hot_lru))
+            record = self._records[key]
+            if (
+                self.policy is WritePolicy.WRITE_BACK
+                and record.cold_bytes is None
+                and not record.writing
+                and record.hot is not None
+            ):
+                self._start_write(record, meta)
+            self._drop_hot(record)
+            self._count("hot_evictions")
+            if not record.writing:
+                self._maybe_forget(record)
+            else:
+                # Rule 3: not findable until the write is durable.
+                self._index.remove(key)
+        await trio.lowlevel.checkpoint()
+
+    async def _supersede(self, conversation: str, record: _Record) -> None:
+        old_key = self._conversations.get(conversation)
+        self._conversations[conversation] = record.entry.key
+        record.conversations.add(conversation)
+        if old_key is None or old_key == record.entry.key:
+            return
+        old = self._records.get(old_key)
+        if old is None:
+            return
+        old.conversations.discard(conversation)
+        n = len(old.entry.tokens)
+        if old.conversations or record.entry.tokens[:n] != old.entry.tokens:
+            return  # still another conversation's, or not a prefix of the new checkpoint
+        await self._remove(old)
+        self._count("superseded")
+
+    async def _remove(self, record: _Record) -> None:
+        record.removed = True
+        self._drop_hot(record)
+        if record.cold_bytes is not None:
+            freed = record.cold_bytes
+            self._forget_cold(record)
+            await self._remove_cold_file(record.entry.key, freed)
+        self._index.remove(record.entry.key)
+        if not record.writing:
+            self._records.pop(record.entry.key, None)
+
+    async def _remove_cold_file(self, key: str, _expected: int) -> None:
+        try:
+            await self.cold.remove(key)
+        except KvtrioError:
+            self._count("drops")
+
+    def _start_write(self, record: _Record, meta: Mapping[str, str]) -> None:
+        assert record.hot is not None
+        if self._nursery is None:
+            raise RuntimeError("TieredPromptCache is not open")
+        record.writing = True
+        self._writes_in_flight += 1
+        self._idle = trio.Event()
+        self._nursery.start_soon(self._write, record, record.hot, dict(meta))
+
+    async def _write(self, record: _Record, caches: list[Any], meta: dict[str, str]) -> None:
+        key = record.entry.key
+        try:
+            try:
+                result = await self.cold.store(key, record.entry.tokens, caches, meta=meta)
+            except KvtrioError:
+                result = StoreResult(written=False)
+            record.writing = False
+            if not result.written:
+                self._count("drops")
+            else:
+                self._count("bytes_written", result.bytes_written)
+                self._count("bytes_deduplicated", result.bytes_deduplicated)
+                if record.removed:
+                    await self._remove_cold_file(key, result.disk_bytes)
+                else:
+                    record.cold_bytes = result.disk_bytes
+                    self._cold_bytes += result.disk_bytes
+                    self._cold_lru[key] = None
+                    if key not in self._index:
+                        self._index.add(record.entry)
+                    await self._enforce_cold_budget()
+            if record.removed:
+                self._records.pop(key, None)
+            else:
+                self._maybe_forget(record)
+        finally:
+            record.writing = False
+            self._writes_in_flight -= 1
+            if not self._writes_in_flight:
+                self._idle.set()
+
+    async def _enforce_cold_budget(self) -> None:
+        while self._cold_bytes > self._effective_cold_budget() and len(self._cold_lru) > 1:
+            key = next(iter(self._cold_lru))
+            record = self._records[key]
+            freed = record.cold_bytes or 0
+            self._forget_cold(record)
+            self._count("cold_evictions")
+            self._maybe_forget(record)
+            await self._remove_cold_file(key, freed)

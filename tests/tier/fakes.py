@@ -1,0 +1,90 @@
+"""Test doubles for the tiered cache: caches with just the mlx-lm protocol it uses, and a
+cold store whose "disk" is a dict that outlives one TieredPromptCache (a restart)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+from kvtrio.actors.prefix import ModelKey
+from kvtrio.actors.tiered import ColdEntryInfo, StoreResult
+from kvtrio.errors import CacheMissError, KvtrioError
+
+__all__ = ["FakeCache", "FakeColdStore", "fake_caches"]
+
+BYTES_PER_TOKEN = 100
+
+
+@attrs.define
+class FakeCache:
+    """The part of mlx-lm's cache protocol the tiered cache touches."""
+
+    offset: int
+    trimmable: bool = True
+    min_reusable_offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.offset * BYTES_PER_TOKEN
+
+    def is_trimmable(self) -> bool:
+        return self.trimmable
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+
+def fake_caches(n_tokens: int, *, layers: int = 2, trimmable: bool = True) -> list[Any]:
+    return [FakeCache(n_tokens, trimmable) for _ in range(layers)]
+
+
+@attrs.define
+class FakeColdStore:
+    directory: Path
+    model: ModelKey
+    disk: dict[str, tuple[ColdEntryInfo, list[Any]]] = attrs.field(factory=dict)
+    fail_stores: bool = False
+    clock: float = 0.0
+    stored: list[str] = attrs.field(factory=list)
+
+    async def store(
+        self, key: str, tokens: Sequence[int], caches: list[Any], *, meta: Mapping[str, str]
+    ) -> StoreResult:
+        if self.fail_stores:
+            raise KvtrioError("disk full")
+        nbytes = sum(c.nbytes for c in caches)
+        self.clock += 1
+        info = ColdEntryInfo(
+            key=key,
+            model=self.model,
+            tokens=tuple(tokens),
+            trimmable=all(c.is_trimmable() for c in caches),
+            min_reusable_offset=max(c.min_reusable_offset for c in caches),
+            disk_bytes=nbytes,
+            mtime=self.clock,
+        )
+        self.disk[key] = (info, copy.deepcopy(caches))
+        self.stored.append(key)
+        return StoreResult(written=True, disk_bytes=nbytes, bytes_written=nbytes)
+
+    async def fetch(self, key: str, *, model: ModelKey) -> tuple[list[Any], int]:
+        if key not in self.disk or self.disk[key][0].model != model:
+            raise CacheMissError(key)
+        info, caches = self.disk[key]
+        return copy.deepcopy(caches), info.disk_bytes
+
+    async def remove(self, key: str) -> int:
+        info, _ = self.disk.pop(key)
+        return info.disk_bytes
+
+    async def entries(self) -> list[ColdEntryInfo]:
+        return [info for info, _ in self.disk.values()]
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(info.disk_bytes for info, _ in self.disk.values())

@@ -1,0 +1,178 @@
+"""TieredPromptCache over a fake cold store: lookup semantics, budgets, write policies,
+restart, namespacing and supersession (the real ColdTier is in test_tiered_real.py)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.prefix import MatchKind, ModelKey
+from kvtrio.actors.tiered import Tier, TieredPromptCache, WritePolicy
+
+from .fakes import BYTES_PER_TOKEN, FakeColdStore, fake_caches
+
+MODEL = ModelKey("tiny", "fp-1")
+LAYERS = 2
+
+
+def _bytes(n_tokens: int) -> int:
+    return n_tokens * BYTES_PER_TOKEN * LAYERS
+
+
+@asynccontextmanager
+async def _open(
+    store: FakeColdStore,
+    *,
+    hot_budget: int = 10**9,
+    cold_budget: int = 10**12,
+    policy: WritePolicy = WritePolicy.WRITE_BACK,
+    model: ModelKey = MODEL,
+) -> AsyncIterator[TieredPromptCache]:
+    async with (
+        MlxOwner.inline() as owner,
+        TieredPromptCache.open(
+            owner,
+            store,
+            model,
+            hot_budget=hot_budget,
+            cold_budget=cold_budget,
+            policy=policy,
+            block_size=4,
+        ) as cache,
+    ):
+        yield cache
+
+
+async def test_hot_hits_exact_shorter_and_longer_trimmed(tmp_path: Path) -> None:
+    async with _open(FakeColdStore(tmp_path, MODEL)) as cache:
+        await cache.insert(list(range(10)), fake_caches(10))
+        exact = await cache.fetch_nearest(list(range(10)))
+        assert (exact.tier, exact.remaining) == (Tier.HOT, ())
+        shorter = await cache.fetch_nearest(list(range(13)))
+        assert shorter.match is not None and shorter.match.kind is MatchKind.SHORTER
+        assert shorter.remaining == (10, 11, 12)
+        longer = await cache.fetch_nearest([*range(6), 99])
+        assert longer.match is not None and longer.match.kind is MatchKind.LONGER
+        assert longer.caches is not None and [c.offset for c in longer.caches] == [6, 6]
+        assert longer.remaining == (99,)
+        miss = await cache.fetch_nearest([7, 7, 7])
+        assert (miss.caches, miss.remaining) == (None, (7, 7, 7))
+        stats = cache.statistics()
+        assert (stats.hits_hot, stats.hits_cold, stats.misses) == (3, 0, 1)
+
+
+async def test_a_fetched_cache_is_a_private_copy(tmp_path: Path) -> None:
+    async with _open(FakeColdStore(tmp_path, MODEL)) as cache:
+        await cache.insert(list(range(10)), fake_caches(10))
+        first = await cache.fetch_nearest([*range(5), 42])
+        assert first.caches is not None
+        first.caches[0].offset = 1000
+        again = await cache.fetch_nearest(list(range(12)))
+        assert again.caches is not None and [c.offset for c in again.caches] == [10, 10]
+
+
+async def test_non_trimmable_entries_are_not_trimmed_back(tmp_path: Path) -> None:
+    async with _open(FakeColdStore(tmp_path, MODEL)) as cache:
+        await cache.insert(list(range(10)), fake_caches(10, trimmable=False))
+        assert (await cache.fetch_nearest([*range(6), 99])).caches is None
+        assert (await cache.fetch_nearest(list(range(11)))).tier is Tier.HOT
+
+
+async def test_ram_budget_is_never_exceeded_by_more_than_one_entry(tmp_path: Path) -> None:
+    """Write-back: what leaves RAM goes to disk, and is found there."""
+    store = FakeColdStore(tmp_path, MODEL)
+    budget = _bytes(50)
+    rng = random.Random(1)
+    async with _open(store, hot_budget=budget) as cache:
+        keys = []
+        for i in range(20):
+            n = rng.randrange(5, 40)
+            keys.append(await cache.insert([i + 1000, *range(n)], fake_caches(n + 1)))
+            stats = cache.statistics()
+            assert stats.hot_bytes <= budget or stats.hot_entries == 1
+        await cache.wait_writes_settled()
+        stats = cache.statistics()
+        assert stats.hot_evictions > 0
+        assert set(store.stored) <= set(keys) and len(store.stored) == stats.hot_evictions
+        first = await cache.fetch_nearest([1000, *range(200)])
+        assert first.tier is Tier.COLD
+        assert cache.statistics().hits_cold == 1
+
+
+async def test_disk_budget_is_never_exceeded_by_more_than_one_entry(tmp_path: Path) -> None:
+    store = FakeColdStore(tmp_path, MODEL)
+    budget = _bytes(60)
+    sizes = []
+    async with _open(
+        store, hot_budget=0, cold_budget=budget, policy=WritePolicy.WRITE_THROUGH
+    ) as cache:
+        for i in range(15):
+            n = 5 + 3 * i % 31
+            sizes.append(_bytes(n + 1))
+            await cache.insert([i + 1000, *range(n)], fake_caches(n + 1))
+            await cache.wait_writes_settled()
+            assert store.disk_bytes <= budget or len(store.disk) == 1
+            assert cache.statistics().cold_bytes == store.disk_bytes
+        assert cache.statistics().cold_evictions > 0
+
+
+async def test_restart_keeps_the_cache_and_other_models_never_hit(tmp_path: Path) -> None:
+    store = FakeColdStore(tmp_path, MODEL)
+    prompt = list(range(30))
+    async with _open(store) as cache:
+        await cache.insert(prompt, fake_caches(30))
+        await cache.flush()
+    async with _open(store) as cache:
+        assert cache.statistics().cold_entries == 1
+        hit = await cache.fetch_nearest([*prompt, 1, 2])
+        assert (hit.tier, hit.remaining) == (Tier.COLD, (1, 2))
+        again = await cache.fetch_nearest([*prompt, 3])
+        assert again.tier is Tier.HOT  # promoted on the cold hit
+    for other in (ModelKey("other", "fp-1"), ModelKey("tiny", "fp-2")):
+        async with _open(store, model=other) as cache:
+            for query in (prompt, [*prompt, 1], prompt[:10]):
+                assert (await cache.fetch_nearest(query)).caches is None
+
+
+async def test_checkpoints_supersede_older_ones_of_the_same_conversation(
+    tmp_path: Path,
+) -> None:
+    store = FakeColdStore(tmp_path, MODEL)
+    async with _open(store, policy=WritePolicy.WRITE_THROUGH) as cache:
+        await cache.insert(list(range(8)), fake_caches(8), conversation="c1")
+        await cache.insert(list(range(8)), fake_caches(8), conversation="c2")
+        await cache.wait_writes_settled()
+        await cache.insert(list(range(12)), fake_caches(12), conversation="c1")
+        await cache.insert(list(range(16)), fake_caches(16), conversation="c1")
+        await cache.wait_writes_settled()
+        stats = cache.statistics()
+        assert stats.superseded == 1  # the shared 8-token entry is still c2's
+        assert sorted(len(info.tokens) for info, _ in store.disk.values()) == [8, 16]
+        assert stats.hot_entries == 2
+
+
+async def test_a_failing_cold_tier_never_fails_a_request(tmp_path: Path) -> None:
+    store = FakeColdStore(tmp_path, MODEL, fail_stores=True)
+    async with _open(store, hot_budget=_bytes(10)) as cache:
+        await cache.insert(list(range(10)), fake_caches(10))
+        await cache.insert(list(range(100, 110)), fake_caches(10))
+        await cache.wait_writes_settled()
+        assert cache.statistics().drops == 1
+        assert (await cache.fetch_nearest(list(range(11)))).caches is None
+        assert (await cache.fetch_nearest(list(range(100, 111)))).tier is Tier.HOT
+
+
+async def test_a_vanished_cold_file_is_a_clean_miss(tmp_path: Path) -> None:
+    store = FakeColdStore(tmp_path, MODEL)
+    async with _open(store) as cache:
+        await cache.insert(list(range(10)), fake_caches(10))
+        await cache.flush()
+    async with _open(store) as cache:
+        store.disk.clear()
+        result = await cache.fetch_nearest(list(range(12)))
+        assert result.caches is None
+        stats = cache.statistics()
+        assert (stats.drops, stats.misses, stats.cold_entries) == (1, 1, 0)
