@@ -1,0 +1,179 @@
+"""The synchronous API for scripts: ``kvtrio.save_cache`` and ``kvtrio.load_cache``.
+
+These run every step on the calling thread (which must be the thread that owns the MLX
+arrays: for a script, the main thread). Servers use the actors instead, which split the
+same steps between the MLX owner thread and worker threads.
+
+    import kvtrio
+    kvtrio.save_cache("chat.kvt", tokens, caches,
+                      meta={"model_id": "tiny-llama", "config_fingerprint": fp})
+    loaded = kvtrio.load_cache("chat.kvt",
+                               expect=kvtrio.Expect.for_model(model, model_id="tiny-llama",
+                                                              config_fingerprint=fp))
+    loaded.caches, loaded.tokens, loaded.attachments
+
+``layout="blocks"`` writes ``path`` as a manifest and the tensor bytes as sha256 blocks
+under ``<dirname(path)>/blocks/`` (or the ``store`` given): caches sharing a prefix share
+those blocks on disk.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+from kvtrio.errors import CacheMismatchError
+from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
+from kvtrio.storage.codecs import (
+    AttachmentData,
+    Restored,
+    cache_structure,
+    header_structure,
+    materialize,
+    restore,
+    snapshot,
+)
+from kvtrio.storage.format import Header, Layout
+from kvtrio.storage.reader import allocate_buffers, read_header, read_tensors
+from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult, write_blocks, write_single
+
+__all__ = ["Expect", "LoadedCache", "default_block_store", "load_cache", "save_cache"]
+
+LoadedCache = Restored
+
+_HEADER_META_KEYS = frozenset({"model_id", "config_fingerprint", "attachments"})
+
+
+@attrs.frozen
+class Expect:
+    """What a loaded cache must match; ``None`` fields are not checked.
+
+    ``structure`` is :func:`kvtrio.storage.codecs.cache_structure` of the caches the
+    model makes (kinds, per-kind structural fields such as window size or quantization,
+    nesting); :meth:`for_model` computes it from an mlx-lm model.
+    """
+
+    model_id: str | None = None
+    config_fingerprint: str | None = None
+    structure: tuple[Any, ...] | None = None
+
+    @classmethod
+    def for_model(
+        cls,
+        model: Any,
+        *,
+        model_id: str | None = None,
+        config_fingerprint: str | None = None,
+        max_kv_size: int | None = None,
+    ) -> Expect:
+        """Expect the cache structure ``make_prompt_cache(model)`` produces."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        structure = cache_structure(make_prompt_cache(model, max_kv_size=max_kv_size))
+        return cls(model_id=model_id, config_fingerprint=config_fingerprint, structure=structure)
+
+    def check(self, header: Header) -> None:
+        """Raise CacheMismatchError naming the first thing that differs."""
+        if self.model_id is not None and header.model_id != self.model_id:
+            raise CacheMismatchError(
+                f"model_id: cache is for {header.model_id!r}, expected {self.model_id!r}"
+            )
+        if self.config_fingerprint is not None and (
+            header.config_fingerprint != self.config_fingerprint
+        ):
+            raise CacheMismatchError(
+                f"config_fingerprint: cache has {header.config_fingerprint!r}, "
+                f"expected {self.config_fingerprint!r}"
+            )
+        if self.structure is not None:
+            got = header_structure(header)
+            if len(got) != len(self.structure):
+                raise CacheMismatchError(
+                    f"structure: cache has {len(got)} layers, the model has {len(self.structure)}"
+                )
+            for i, (have, want) in enumerate(zip(got, self.structure, strict=True)):
+                if have != want:
+                    raise CacheMismatchError(
+                        f"structure: layer {i} is {have!r:.120}, the model has {want!r:.120}"
+                    )
+
+
+def default_block_store(path: str | os.PathLike[str]) -> LocalBlockStore:
+    """The block store a manifest at ``path`` uses by default: ``<dir>/blocks``."""
+    return LocalBlockStore(os.path.join(os.path.dirname(os.path.abspath(path)), "blocks"))
+
+
+def save_cache(
+    path: str | os.PathLike[str],
+    tokens: Sequence[int],
+    caches: Sequence[Any],
+    *,
+    meta: Mapping[str, Any] | None = None,
+    layout: Layout = "single",
+    store: BlockStore | None = None,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+) -> WriteResult:
+    """Durably save ``caches`` (mlx-lm cache objects) holding ``tokens`` to ``path``.
+
+    ``meta`` keys ``model_id`` and ``config_fingerprint`` (str) go into the header fields
+    of those names, ``attachments`` (a sequence of
+    :class:`~kvtrio.storage.codecs.AttachmentData`) are saved beside the caches, and every
+    other key must map to a string and is kept in the header's ``meta``. Returns after
+    fsync(file), rename and fsync(dir).
+    """
+    meta = dict(meta or {})
+    attachments: Sequence[AttachmentData] = meta.get("attachments") or ()
+    extra = {k: v for k, v in meta.items() if k not in _HEADER_META_KEYS}
+    for key, value in extra.items():
+        if not isinstance(value, str):
+            raise TypeError(f"meta[{key!r}] must be a str, got {type(value).__name__}")
+    snap = snapshot(
+        caches,
+        tokens,
+        model_id=meta.get("model_id"),
+        config_fingerprint=meta.get("config_fingerprint"),
+        meta=extra,
+        attachments=attachments,
+    )
+    target = os.fspath(path)
+    if layout == "single":
+        host = materialize(snap)
+        return write_single(target, snap.header, [h.pieces[0] for h in host])
+    if layout == "blocks":
+        host = materialize(snap, block_tokens=block_tokens)
+        return write_blocks(
+            target,
+            snap.header,
+            [h.pieces for h in host],
+            store if store is not None else default_block_store(target),
+            block_tokens=block_tokens,
+        )
+    raise ValueError(f"layout must be 'single' or 'blocks', not {layout!r}")
+
+
+def load_cache(
+    path: str | os.PathLike[str],
+    *,
+    expect: Expect | None = None,
+    verify: bool = True,
+    store: BlockStore | None = None,
+) -> LoadedCache:
+    """Load a cache file or manifest saved by :func:`save_cache`, bit-exact.
+
+    The header is validated before anything in it is used; with ``verify`` (the default)
+    every tensor's xxh3 or every block's sha256 is checked before any array is built.
+    Raises CorruptCacheError (a bad file), CacheMismatchError (``expect`` not met) or
+    CacheMissError (a block is missing).
+    """
+    target = os.fspath(path)
+    cache_file = read_header(target)
+    if expect is not None:
+        expect.check(cache_file.header)
+    buffers = allocate_buffers(cache_file.header)
+    if cache_file.header.layout == "blocks" and store is None:
+        store = default_block_store(target)
+    views = [[memoryview(b) for b in pieces] for pieces in buffers]
+    read_tensors(cache_file, views, store=store, verify=verify)
+    return restore(cache_file.header, buffers)
