@@ -84,7 +84,6 @@ class ColdEntryInfo:
     tokens: tuple[int, ...]
     trimmable: bool
     min_reusable_offset: int
-    disk_bytes: int
     mtime: float
 
 
@@ -122,7 +121,11 @@ class ColdStore(Protocol):
         ...
 
     async def remove(self, key: str) -> int:
-        """Delete the entry; return the disk bytes freed."""
+        """Delete the entry (absent: nothing); return the disk bytes freed."""
+        ...
+
+    async def usage(self) -> int:
+        """Bytes the cold tier occupies on disk now."""
         ...
 
     async def entries(self) -> list[ColdEntryInfo]:
@@ -175,7 +178,7 @@ class _Record:
     conversations: set[str] = attrs.field(factory=set)
     hot: list[Any] | None = None
     hot_bytes: int = 0
-    cold_bytes: int | None = None  # None: not durable on disk
+    on_disk: bool = False  # durable in the cold tier
     writing: bool = False
     removed: bool = False
 
@@ -329,7 +332,7 @@ class TieredPromptCache:
         self._hot_lru[entry.key] = None
         if conversation is not None:
             await self._supersede(conversation, record)
-        if self.policy is WritePolicy.WRITE_THROUGH and record.cold_bytes is None:
+        if self.policy is WritePolicy.WRITE_THROUGH and not record.on_disk:
             self._start_write(record, meta or {})
         await self._enforce_hot_budget(meta or {})
         return entry.key
@@ -344,7 +347,7 @@ class TieredPromptCache:
         """Write every hot entry not yet on disk to the cold tier, and wait for it."""
         for key in list(self._hot_lru):
             record = self._records[key]
-            if record.cold_bytes is None and not record.writing and record.hot is not None:
+            if not record.on_disk and not record.writing and record.hot is not None:
                 self._start_write(record, {})
         await self.wait_writes_settled()
 
@@ -384,15 +387,15 @@ class TieredPromptCache:
                 trimmable=info.trimmable,
                 min_reusable_offset=info.min_reusable_offset,
             )
-            record = _Record(entry, cold_bytes=info.disk_bytes)
+            record = _Record(entry, on_disk=True)
             self._records[info.key] = record
             self._index.add(entry)
             self._cold_lru[info.key] = None
-            self._cold_bytes += info.disk_bytes
+        self._cold_bytes = await self.cold.usage()
 
     def _touch_hot(self, record: _Record) -> None:
         self._hot_lru.move_to_end(record.entry.key)
-        if record.cold_bytes is not None:
+        if record.on_disk:
             self._cold_lru.move_to_end(record.entry.key)
 
     def _effective_cold_budget(self) -> int:
@@ -410,6 +413,7 @@ class TieredPromptCache:
             self._count("drops")
             self._forget_cold(record)
             self._maybe_forget(record)
+            await self._remove_cold_file(key)
             return None
         self._count("bytes_read", nbytes)
         self._cold_lru.move_to_end(key)
@@ -430,15 +434,12 @@ class TieredPromptCache:
         self._hot_lru.pop(record.entry.key, None)
 
     def _forget_cold(self, record: _Record) -> None:
-        if record.cold_bytes is None:
-            return
-        self._cold_bytes -= record.cold_bytes
-        record.cold_bytes = None
+        record.on_disk = False
         self._cold_lru.pop(record.entry.key, None)
 
     def _maybe_forget(self, record: _Record) -> None:
         """Rule 3: an entry in neither tier leaves the index."""
-        if record.hot is None and record.cold_bytes is None and not record.writing:
+        if record.hot is None and not record.on_disk and not record.writing:
             self._index.remove(record.entry.key)
             self._records.pop(record.entry.key, None)
             for conversation in record.conversations:
@@ -451,7 +452,7 @@ class TieredPromptCache:
             record = self._records[key]
             if (
                 self.policy is WritePolicy.WRITE_BACK
-                and record.cold_bytes is None
+                and not record.on_disk
                 and not record.writing
                 and record.hot is not None
             ):
@@ -484,17 +485,16 @@ class TieredPromptCache:
     async def _remove(self, record: _Record) -> None:
         record.removed = True
         self._drop_hot(record)
-        if record.cold_bytes is not None:
-            freed = record.cold_bytes
+        if record.on_disk:
             self._forget_cold(record)
-            await self._remove_cold_file(record.entry.key, freed)
+            await self._remove_cold_file(record.entry.key)
         self._index.remove(record.entry.key)
         if not record.writing:
             self._records.pop(record.entry.key, None)
 
-    async def _remove_cold_file(self, key: str, _expected: int) -> None:
+    async def _remove_cold_file(self, key: str) -> None:
         try:
-            await self.cold.remove(key)
+            self._cold_bytes -= await self.cold.remove(key)
         except KvtrioError:
             self._count("drops")
 
@@ -520,11 +520,11 @@ class TieredPromptCache:
             else:
                 self._count("bytes_written", result.bytes_written)
                 self._count("bytes_deduplicated", result.bytes_deduplicated)
+                self._cold_bytes += result.disk_bytes
                 if record.removed:
-                    await self._remove_cold_file(key, result.disk_bytes)
+                    await self._remove_cold_file(key)
                 else:
-                    record.cold_bytes = result.disk_bytes
-                    self._cold_bytes += result.disk_bytes
+                    record.on_disk = True
                     self._cold_lru[key] = None
                     if key not in self._index:
                         self._index.add(record.entry)
@@ -543,8 +543,7 @@ class TieredPromptCache:
         while self._cold_bytes > self._effective_cold_budget() and len(self._cold_lru) > 1:
             key = next(iter(self._cold_lru))
             record = self._records[key]
-            freed = record.cold_bytes or 0
             self._forget_cold(record)
             self._count("cold_evictions")
             self._maybe_forget(record)
-            await self._remove_cold_file(key, freed)
+            await self._remove_cold_file(key)

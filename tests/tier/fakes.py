@@ -51,6 +51,7 @@ class FakeColdStore:
     fail_stores: bool = False
     clock: float = 0.0
     stored: list[str] = attrs.field(factory=list)
+    sizes: dict[str, int] = attrs.field(factory=dict)
 
     async def store(
         self, key: str, tokens: Sequence[int], caches: list[Any], *, meta: Mapping[str, str]
@@ -65,26 +66,29 @@ class FakeColdStore:
             tokens=tuple(tokens),
             trimmable=all(c.is_trimmable() for c in caches),
             min_reusable_offset=max(c.min_reusable_offset for c in caches),
-            disk_bytes=nbytes,
             mtime=self.clock,
         )
         self.disk[key] = (info, copy.deepcopy(caches))
+        self.sizes[key] = nbytes
         self.stored.append(key)
         return StoreResult(written=True, disk_bytes=nbytes, bytes_written=nbytes)
 
     async def fetch(self, key: str, *, model: ModelKey) -> tuple[list[Any], int]:
         if key not in self.disk or self.disk[key][0].model != model:
             raise CacheMissError(key)
-        info, caches = self.disk[key]
-        return copy.deepcopy(caches), info.disk_bytes
+        _, caches = self.disk[key]
+        return copy.deepcopy(caches), self.sizes[key]
 
     async def remove(self, key: str) -> int:
-        info, _ = self.disk.pop(key)
-        return info.disk_bytes
+        self.disk.pop(key, None)
+        return self.sizes.pop(key, 0)
+
+    async def usage(self) -> int:
+        return self.disk_bytes
 
     async def entries(self) -> list[ColdEntryInfo]:
         return [info for info, _ in self.disk.values()]
 
     @property
     def disk_bytes(self) -> int:
-        return sum(info.disk_bytes for info, _ in self.disk.values())
+        return sum(self.sizes[key] for key in self.disk)
