@@ -7,3 +7,4 @@ at import time. Add a module here when it adds a command.
 from __future__ import annotations
 
 __all__: list[str] = []
+import kvtrio.bench_redis  # noqa: F401  (kvtrio bench redis)

@@ -42,7 +42,7 @@ docs/shared-tier.md.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -159,20 +159,37 @@ def connect(target: RedisTarget) -> redis.Redis:
     return client
 
 
-@contextlib.contextmanager
-def translate_redis_errors(
-    target: RedisTarget, on_error: Callable[[], None] | None = None
-) -> Iterator[None]:
-    """Turn every redis-py error raised inside into StoreUnavailableError (rule 5)."""
+@functools.cache
+def _redis_errors() -> tuple[type[BaseException], ...]:
     from redis.exceptions import RedisError
 
-    try:
-        yield
-    except (RedisError, OSError) as exc:
-        if on_error is not None:
-            on_error()
+    return (RedisError, OSError)
+
+
+class translate_redis_errors:
+    """Turn every redis-py error raised inside into StoreUnavailableError (rule 5).
+
+    Stateless, so one instance may be shared by threads and re-entered.
+    """
+
+    __slots__ = ("_on_error", "_target")
+
+    def __init__(self, target: RedisTarget, on_error: Callable[[], None] | None = None) -> None:
+        self._target = target
+        self._on_error = on_error
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if exc is None or not isinstance(exc, _redis_errors()):
+            return
+        if self._on_error is not None:
+            self._on_error()
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise StoreUnavailableError(f"redis {target.display}: {detail}") from exc
+        raise StoreUnavailableError(f"redis {self._target.display}: {detail}") from exc
 
 
 @attrs.frozen
@@ -228,6 +245,11 @@ class RedisBlockStore:
     target: RedisTarget
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
     _counts: dict[str, int] = attrs.field(init=False, factory=dict)
+    _translator: translate_redis_errors = attrs.field(init=False)
+
+    @_translator.default
+    def _make_translator(self) -> translate_redis_errors:
+        return translate_redis_errors(self.target, lambda: self._count(errors=1))
 
     @classmethod
     def open(cls, url: str) -> RedisBlockStore:
@@ -254,22 +276,21 @@ class RedisBlockStore:
         stored_bytes = 0
         with self._io():
             for batch in _batches([len(view) for _, view in views]):
-                now = time.time()
                 pipe = self.client.pipeline(transaction=False)
                 for i in batch:
                     name, view = views[i]
                     pipe.set(self.block_key(name), view, nx=True)
+                now = time.time()
                 pipe.zadd(self.mtime_key, {views[i][0]: now for i in batch})
-                replies = pipe.execute()
-                stored = [bool(reply) for reply in replies[: len(batch)]]
-                new_bytes = sum(len(views[i][1]) for i, s in zip(batch, stored, strict=True) if s)
-                sent_bytes = sum(len(views[i][1]) for i in batch)
-                stored_bytes += new_bytes
+                stored = pipe.execute()[: len(batch)]  # SET NX: True if stored, None if present
+                sent = sum(len(views[i][1]) for i in batch)
+                new = sum(len(views[i][1]) for i, ok in zip(batch, stored, strict=True) if ok)
+                stored_bytes += new
                 self._count(
                     blocks_put=len(batch),
-                    blocks_stored=sum(stored),
-                    bytes_stored=new_bytes,
-                    bytes_deduplicated=sent_bytes - new_bytes,
+                    blocks_stored=sum(1 for ok in stored if ok),
+                    bytes_stored=new,
+                    bytes_deduplicated=sent - new,
                 )
         return stored_bytes
 
@@ -286,7 +307,11 @@ class RedisBlockStore:
 
     def read_into(self, name: str, buffer: memoryview) -> bool:
         """Fill ``buffer`` with the block; False if it is absent (deleted or evicted)."""
-        return self.read_many_into([(name, buffer)])[0]
+        key = self.block_key(check_block_name(name))
+        view = _as_bytes_view(buffer)
+        with self._io():
+            reply = self.client.get(key)
+        return self._fill(name, view, reply)
 
     def read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
         """Fill each buffer with its block, pipelined; False for each absent block.
@@ -358,8 +383,8 @@ class RedisBlockStore:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _io(self) -> contextlib.AbstractContextManager[None]:
-        return translate_redis_errors(self.target, lambda: self._count(errors=1))
+    def _io(self) -> translate_redis_errors:
+        return self._translator
 
     def _count(self, **deltas: int) -> None:
         with self._lock:

@@ -1,0 +1,287 @@
+"""``kvtrio bench redis``: the shared tier's block throughput against raw Redis, and dedup.
+
+Every headline figure is a ratio against a reference measured in the same run, on the
+same bytes, over the same client connection:
+
+- put: :meth:`RedisBlockStore.put_many` (SET NX + the put-time index, pipelined) vs raw
+  pipelined ``SET`` of the same blocks, in the same batch sizes;
+- get: :meth:`RedisBlockStore.read_many_into` (pipelined GET into preallocated buffers,
+  sizes checked) vs raw pipelined ``GET``; and the per-block ``read_into`` (one round trip
+  per block, as the reader calls it) vs raw single ``GET``s;
+- dedup: N hosts (N clients, each its own connection) save caches that share a system
+  prompt through the real block layout (``storage.writer.write_blocks``); bytes the hosts
+  asked to save vs bytes Redis stores (key count and value bytes, read back by SCAN).
+
+The rounds alternate kvtrio and raw and report the median. Without ``--url`` the program
+starts a private redis-server (no persistence) on a free loopback port and stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from kvtrio import cli
+
+__all__ = ["run_bench"]
+
+Blocks = list[tuple[str, memoryview]]
+
+
+@contextlib.contextmanager
+def _private_redis() -> Iterator[str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("no redis-server on PATH: install it or pass --url redis://...")
+    with tempfile.TemporaryDirectory(prefix="kvtrio-bench-redis-") as directory:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        log = os.path.join(directory, "log")
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory,
+                "--save", "", "--appendonly", "no", "--logfile", log]  # fmt: skip
+        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline or process.poll() is not None:
+                        raise SystemExit("redis-server did not start") from None
+                    time.sleep(0.02)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            process.kill()
+            process.wait()
+
+
+def _blocks(count: int, size: int, salt: bytes) -> list[tuple[str, memoryview]]:
+    out = []
+    for i in range(count):
+        data = bytearray(os.urandom(size))
+        data[:16] = hashlib.sha256(salt + i.to_bytes(8, "little")).digest()[:16]
+        out.append((hashlib.sha256(data).hexdigest(), memoryview(bytes(data))))
+    return out
+
+
+def _batched(items: Sequence[Any], batch: int) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(items), batch):
+        yield items[start : start + batch]
+
+
+def _timed(fn: Callable[..., object], *args: Any) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def _throughput(url: str, block_size: int, total: int, batch: int, rounds: int) -> dict[str, Any]:
+    from kvtrio.storage.redisstore import RedisBlockStore
+
+    store = RedisBlockStore.open(url)
+    client = store.client
+    count = max(1, total // block_size)
+    nbytes = count * block_size
+    names = ("put", "raw_set", "get", "raw_get", "get1", "raw_get1")
+    times: dict[str, list[float]] = {name: [] for name in names}
+    buffers = [memoryview(bytearray(block_size)) for _ in range(count)]
+
+    def put(blocks: Blocks, raw_keys: list[str]) -> None:
+        for chunk in _batched(blocks, batch):
+            store.put_many(chunk)
+
+    def raw_set(blocks: Blocks, raw_keys: list[str]) -> None:
+        for chunk in _batched(range(count), batch):
+            pipe = client.pipeline(transaction=False)
+            for i in chunk:
+                pipe.set(raw_keys[i], blocks[i][1])
+            pipe.execute()
+
+    def get(blocks: Blocks, raw_keys: list[str]) -> None:
+        for chunk in _batched(range(count), batch):
+            found = store.read_many_into([(blocks[i][0], buffers[i]) for i in chunk])
+            assert all(found)
+
+    def raw_get(blocks: Blocks, raw_keys: list[str]) -> None:
+        for chunk in _batched(range(count), batch):
+            pipe = client.pipeline(transaction=False)
+            for i in chunk:
+                pipe.get(raw_keys[i])
+            assert all(value is not None for value in pipe.execute())
+
+    def get1(blocks: Blocks, raw_keys: list[str]) -> None:
+        for i in range(count):
+            assert store.read_into(blocks[i][0], buffers[i])
+
+    def raw_get1(blocks: Blocks, raw_keys: list[str]) -> None:
+        for key in raw_keys:
+            assert client.get(key) is not None
+
+    pairs = [(put, raw_set), (get, raw_get), (get1, raw_get1)]
+    for r in range(rounds):
+        blocks = _blocks(count, block_size, salt=f"{block_size}:{r}".encode())
+        raw_keys = [f"bench:raw:{name}" for name, _ in blocks]
+        client.flushdb()
+        for ours, raw in pairs:
+            # Alternate the order each round so neither side always runs on a warmer server.
+            for fn in (ours, raw) if r % 2 == 0 else (raw, ours):
+                times[fn.__name__].append(_timed(fn, blocks, raw_keys))
+        assert bytes(buffers[-1]) == bytes(blocks[-1][1])
+    client.flushdb()
+    store.close()
+    gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
+    return {
+        "block_bytes": block_size,
+        "blocks": count,
+        "bytes": nbytes,
+        "batch": batch,
+        "rounds": rounds,
+        "gb_per_s": gbps,
+        "ratio_put": gbps["put"] / gbps["raw_set"],
+        "ratio_get": gbps["get"] / gbps["raw_get"],
+        "ratio_get_per_block": gbps["get1"] / gbps["raw_get1"],
+    }
+
+
+def _dedup(url: str, hosts: int, layers: int, system_tokens: int, user_tokens: int,
+           block_tokens: int) -> dict[str, Any]:  # fmt: skip
+    import numpy as np
+    from kvtrio.storage.format import CacheEntry, Header, TensorSlot, piece_ranges
+    from kvtrio.storage.redisstore import RedisBlockStore
+    from kvtrio.storage.writer import write_blocks
+
+    heads, dim = 8, 128
+    rng = np.random.default_rng(0)
+    system = [rng.standard_normal((1, heads, system_tokens, dim)).astype(np.float16)
+              for _ in range(2 * layers)]  # fmt: skip
+    stores = [RedisBlockStore.open(url) for _ in range(hosts)]
+    stores[0].client.flushdb()
+    logical = 0
+    new_bytes = 0
+    with tempfile.TemporaryDirectory(prefix="kvtrio-bench-dedup-") as directory:
+        for host, store in enumerate(stores):
+            tokens = system_tokens + user_tokens
+            arrays = [np.concatenate([s, rng.standard_normal((1, heads, user_tokens, dim))
+                                      .astype(np.float16)], axis=2) for s in system]  # fmt: skip
+            slot = TensorSlot(shape=(1, heads, tokens, dim), dtype="float16",
+                              nbytes=heads * tokens * dim * 2, token_axis=2)  # fmt: skip
+            entries = tuple(CacheEntry(kind="KVCache", offset=tokens, min_reusable_offset=0,
+                                       trimmable=True, fields={}, tensors=(slot, slot))
+                            for _ in range(layers))  # fmt: skip
+            header = Header(layout="blocks", tokens=tuple(range(tokens)), caches=entries,
+                            created_at=time.time())  # fmt: skip
+            pieces = [[memoryview(np.ascontiguousarray(a[:, :, s:e, :])).cast("B")
+                       for s, e in piece_ranges(slot, block_tokens)] for a in arrays]  # fmt: skip
+            result = write_blocks(os.path.join(directory, f"host{host}"), header, pieces,
+                                  store, block_tokens=block_tokens)  # fmt: skip
+            logical += header.nbytes
+            new_bytes += result.new_block_bytes
+        keys, stored = stores[0].count_blocks()
+    for store in stores:
+        store.close()
+    return {
+        "hosts": hosts,
+        "layers": layers,
+        "system_tokens": system_tokens,
+        "user_tokens": user_tokens,
+        "block_tokens": block_tokens,
+        "logical_bytes": logical,
+        "stored_bytes": stored,
+        "new_bytes_reported": new_bytes,
+        "redis_block_keys": keys,
+        "dedup_ratio": logical / stored,
+    }
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure and return the figures (see the module docstring)."""
+    with contextlib.ExitStack() as stack:
+        url = args.url or stack.enter_context(_private_redis())
+        sep = "&" if "?" in url else "?"
+        url = f"{url}{sep}prefix=kvtrio-bench"
+        sizes = [int(kib) * 1024 for kib in args.block_kib.split(",")]
+        total = int(args.mib) * 1024 * 1024
+        rows = [_throughput(url, size, total, args.batch, args.rounds) for size in sizes]
+        dedup = _dedup(url, args.hosts, args.layers, args.system_tokens, args.user_tokens,
+                       args.block_tokens)  # fmt: skip
+    from redis.utils import HIREDIS_AVAILABLE
+
+    return {
+        "server": "given URL" if args.url else "private redis-server (no persistence)",
+        "reply_parser": "hiredis" if HIREDIS_AVAILABLE else "python",
+        "throughput": rows,
+        "dedup": dedup,
+    }
+
+
+def _print(figures: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title="kvtrio shared tier (Redis): GB/s, median of rounds; ratio = kvtrio/raw",
+        caption=f"{figures['server']}; redis-py reply parser: {figures['reply_parser']}",
+    )
+    for column in ("block", "kvtrio put", "raw SET", "ratio", "kvtrio get", "raw GET", "ratio",
+                   "get/block", "raw GET/block", "ratio"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for row in figures["throughput"]:
+        g = row["gb_per_s"]
+        table.add_row(
+            f"{row['block_bytes'] // 1024} KiB",
+            f"{g['put']:.2f}", f"{g['raw_set']:.2f}", f"{row['ratio_put']:.2f}x",
+            f"{g['get']:.2f}", f"{g['raw_get']:.2f}", f"{row['ratio_get']:.2f}x",
+            f"{g['get1']:.2f}", f"{g['raw_get1']:.2f}", f"{row['ratio_get_per_block']:.2f}x",
+        )  # fmt: skip
+    console = Console()
+    console.print(table)
+    d = figures["dedup"]
+    console.print(
+        f"dedup: {d['hosts']} hosts x ({d['system_tokens']} shared system-prompt tokens + "
+        f"{d['user_tokens']} own), {d['layers']} layers, {d['block_tokens']}-token blocks: "
+        f"asked to save {d['logical_bytes'] / 2**20:.1f} MiB, Redis holds "
+        f"{d['stored_bytes'] / 2**20:.1f} MiB in {d['redis_block_keys']} block keys: "
+        f"dedup ratio {d['dedup_ratio']:.2f}x"
+    )
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", help="Redis URL (default: start a private redis-server)")
+    parser.add_argument("--block-kib", default="64,512", help="block sizes, KiB (default 64,512)")
+    parser.add_argument("--mib", type=int, default=128, help="MiB per round and size (128)")
+    parser.add_argument("--batch", type=int, default=64, help="blocks per pipeline (64)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; median reported (5)")
+    parser.add_argument("--hosts", type=int, default=4, help="dedup: hosts (4)")
+    parser.add_argument("--layers", type=int, default=4, help="dedup: layers (4)")
+    parser.add_argument("--system-tokens", type=int, default=2048, help="dedup: shared (2048)")
+    parser.add_argument("--user-tokens", type=int, default=256, help="dedup: per host (256)")
+    parser.add_argument("--block-tokens", type=int, default=256, help="dedup: block tokens")
+
+
+def _run(args: argparse.Namespace) -> int:
+    figures = run_bench(args)
+    if args.json:
+        print(json.dumps(figures, indent=2))
+    else:
+        _print(figures)
+    return 0
+
+
+cli.BENCHES["redis"] = (
+    "shared tier on Redis: block put/get GB/s vs raw SET/GET; dedup across hosts",
+    _add_arguments,
+    _run,
+)
