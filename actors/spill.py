@@ -63,10 +63,12 @@ class SpillOutcome(enum.Enum):
 
 @attrs.frozen
 class SpillResult:
-    """A settled ticket: the outcome, and the store's error when it FAILED."""
+    """A settled ticket: the outcome, the store's error when it FAILED, and what the store
+    returned when it was WRITTEN."""
 
     outcome: SpillOutcome
     error: BaseException | None = None
+    value: object = None
 
 
 @attrs.define(eq=False)
@@ -226,7 +228,7 @@ class SpillQueue(Generic[T]):
             ticket._settled.set()
 
 
-Store = Callable[[T], Awaitable[None]]
+Store = Callable[[T], Awaitable[object]]
 
 
 @attrs.define(eq=False)
@@ -336,14 +338,16 @@ class Spill(Generic[T]):
         with trio.CancelScope() as scope:
             self._cancel_in_flight = scope
             try:
-                await self.store(ticket.item)
+                value = await self.store(ticket.item)
             except Exception as exc:
                 result = SpillResult(SpillOutcome.FAILED, exc)
             else:
-                result = SpillResult(SpillOutcome.WRITTEN)
+                result = SpillResult(SpillOutcome.WRITTEN, value=value)
             finally:
                 self._cancel_in_flight = None
-        if scope.cancelled_caught:
+        if scope.cancelled_caught or (
+            scope.cancel_called and result.outcome is not SpillOutcome.WRITTEN
+        ):
             result = SpillResult(SpillOutcome.CANCELLED)
         self._queue.finish(ticket, result)
         await trio.lowlevel.checkpoint()

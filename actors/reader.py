@@ -1,0 +1,98 @@
+"""Reader: validated header reads and tensor reads into lent buffers, on worker threads.
+
+Like the writer, the reader sees only host memory and never imports MLX. A load is two
+offload jobs: :meth:`Reader.read_header` (open, check the preamble and the header hash,
+validate every field) and :meth:`Reader.read_tensors` (fill the buffers the owner
+allocated, checking every tensor's xxh3 or every block's sha256 when asked to verify,
+DESIGN.md invariant 4). Reads are cancellable at every tensor, chunk and block boundary;
+the worker is never abandoned while it holds the lent buffers (invariant 6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import trio
+from kvtrio.runtime.offload import CancelToken, Offload
+from kvtrio.storage.blockstore import BlockStore
+from kvtrio.storage.fileops import OS_FILE_OPS, FileOps
+from kvtrio.storage.reader import CacheFile, read_header, read_tensors
+
+__all__ = ["Reader", "ReaderStatistics"]
+
+
+@attrs.frozen
+class ReaderStatistics:
+    """Tensor reads finished, cancelled and failed; bytes read; reads running now."""
+
+    running: int
+    read: int
+    cancelled: int
+    failed: int
+    bytes_read: int
+
+
+@attrs.define(eq=False)
+class Reader:
+    """Reads cache files and manifests; blocks come from ``block_store``."""
+
+    offload: Offload
+    file_ops: FileOps = OS_FILE_OPS
+    block_store: BlockStore | None = None
+    _running: int = attrs.field(default=0, init=False)
+    _read: int = attrs.field(default=0, init=False)
+    _cancelled: int = attrs.field(default=0, init=False)
+    _failed: int = attrs.field(default=0, init=False)
+    _bytes: int = attrs.field(default=0, init=False)
+
+    async def read_header(self, path: str) -> CacheFile:
+        """The validated header of the file at ``path`` (FileNotFoundError when absent)."""
+        return await self.offload.run(self._header_job, path)
+
+    async def read_tensors(
+        self, cache_file: CacheFile, buffers: Sequence[Sequence[memoryview]], *, verify: bool
+    ) -> None:
+        """Fill ``buffers`` (per slot, per piece) with the file's tensors."""
+        self._running += 1
+        try:
+            await self.offload.run(self._tensors_job, cache_file, buffers, verify)
+        except trio.Cancelled:
+            self._cancelled += 1
+            raise
+        except BaseException:
+            self._failed += 1
+            raise
+        finally:
+            self._running -= 1
+        self._read += 1
+        self._bytes += cache_file.header.nbytes
+
+    def statistics(self) -> ReaderStatistics:
+        return ReaderStatistics(
+            running=self._running,
+            read=self._read,
+            cancelled=self._cancelled,
+            failed=self._failed,
+            bytes_read=self._bytes,
+        )
+
+    def _header_job(self, token: CancelToken, path: str) -> CacheFile:
+        token.check()
+        return read_header(path, file_ops=self.file_ops)
+
+    def _tensors_job(
+        self,
+        token: CancelToken,
+        cache_file: CacheFile,
+        buffers: Sequence[Sequence[memoryview]],
+        verify: bool,
+    ) -> None:
+        read_tensors(
+            cache_file,
+            buffers,
+            store=self.block_store,
+            verify=verify,
+            cancel=token,
+            file_ops=self.file_ops,
+        )

@@ -1,0 +1,436 @@
+"""ColdTier: the cold tier a server embeds. Save and load KV caches without stalling.
+
+::
+
+    async with ColdTier.open("/var/cache/kvtrio") as tier:
+        ticket = await tier.save("chat-42", tokens, caches, meta={"model_id": "llama"})
+        ...                                    # serving goes on; the write is queued
+        result = await ticket.wait()           # WRITTEN, DROPPED, CANCELLED or FAILED
+        loaded = await tier.load("chat-42", expect=kvtrio.Expect(model_id="llama"))
+
+Theory of operation
+-------------------
+1. ``save`` costs the caller one short owner job: the snapshot (lazy views and a header
+   plan, no bytes copied). It returns a ticket at once; the snapshot then waits in the
+   spill queue (byte cap, shedding, supersession: :mod:`kvtrio.actors.spill`).
+2. The spill stores one snapshot at a time, in order: the owner materializes it one
+   tensor per job (``eval`` + ``contiguous``), then the writer publishes it durably from a
+   worker thread. The snapshot is released exactly once when its ticket settles
+   (invariant 2); the ledger in :meth:`ColdTier.statistics` counts the live ones.
+3. ``load`` reads and validates the header on a worker thread, checks ``expect``, has
+   the owner allocate the destination arrays (one job per tensor), reads the tensors
+   straight into them on a worker thread (verifying hashes by default) and builds the
+   caches on the owner. No tensor byte is copied on the event loop or under the GIL.
+4. Leaving the ``async with`` normally is a graceful shutdown: intake stops (``save``
+   raises ShuttingDown), queued saves are written until ``shutdown_grace`` seconds have
+   passed, then the rest are cancelled and the write in flight stops at its next tensor
+   or block boundary, removing its tmp file. Leaving with an exception (or being
+   cancelled) skips the drain. Either way every snapshot is released.
+5. ``open`` removes crash debris (tmp files of writes that never finished) from the
+   cache and block directories: only a process holding the directory may do so, and a
+   tier is the single writer of its directory.
+
+Files: ``<root>/caches/<key>.kvc`` (a cache file, or a manifest in the blocks layout) and
+``<root>/blocks/<sha256>`` (blocks). Keys are 1-150 characters of ``[0-9A-Za-z._-]``,
+starting with a letter or digit.
+"""
+
+from __future__ import annotations
+
+import builtins
+import math
+import os
+import re
+from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+import trio
+from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.reader import Reader, ReaderStatistics
+from kvtrio.actors.snapshot import Snapshot, SnapshotLedger, SnapshotLedgerStatistics
+from kvtrio.actors.spill import Spill, SpillOutcome, SpillStatistics, SpillTicket
+from kvtrio.actors.writer import Writer, WriterStatistics
+from kvtrio.errors import CacheMissError, CorruptCacheError, ShuttingDown
+from kvtrio.runtime.offload import CancelToken, InlineOffload, Offload, ThreadOffload
+from kvtrio.storage.blockstore import LocalBlockStore
+from kvtrio.storage.codecs import AttachmentData, Restored
+from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps
+from kvtrio.storage.format import Header, Layout
+from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult
+
+__all__ = [
+    "KEY_RE",
+    "ColdTier",
+    "ColdTierStatistics",
+    "Expectation",
+    "SaveResult",
+    "SaveTicket",
+    "TierEntry",
+]
+
+KEY_RE = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,149}")
+SUFFIX = ".kvc"
+_HEADER_META_KEYS = frozenset({"model_id", "config_fingerprint"})
+
+
+class Expectation(Protocol):
+    """What a load must match, e.g. :class:`kvtrio.Expect`: raises CacheMismatchError."""
+
+    def check(self, header: Header) -> None: ...
+
+
+@attrs.frozen
+class SaveResult:
+    """How a save settled; ``write`` says what was published when it was WRITTEN."""
+
+    outcome: SpillOutcome
+    error: BaseException | None = None
+    write: WriteResult | None = None
+
+    @property
+    def written(self) -> bool:
+        return self.outcome is SpillOutcome.WRITTEN
+
+
+@attrs.define(eq=False)
+class SaveTicket:
+    """A queued save. ``await ticket.wait()`` returns its :class:`SaveResult`."""
+
+    key: str
+    nbytes: int
+    _ticket: SpillTicket[Snapshot]
+
+    @property
+    def outcome(self) -> SpillOutcome | None:
+        """None until the save settles."""
+        return self._ticket.outcome
+
+    @property
+    def settled(self) -> bool:
+        return self._ticket.settled
+
+    async def wait(self) -> SaveResult:
+        result = await self._ticket.wait()
+        write = result.value if isinstance(result.value, WriteResult) else None
+        return SaveResult(result.outcome, result.error, write)
+
+
+@attrs.frozen
+class TierEntry:
+    """One stored cache: its key, validated header, and size and time on disk."""
+
+    key: str
+    header: Header
+    disk_bytes: int
+    mtime: float
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.header.tokens
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes (what a load brings into memory)."""
+        return self.header.nbytes
+
+
+@attrs.frozen
+class ColdTierStatistics:
+    """The tier's parts, each as its own statistics record."""
+
+    spill: SpillStatistics
+    writer: WriterStatistics
+    reader: ReaderStatistics
+    snapshots: SnapshotLedgerStatistics
+    loads: int
+    load_misses: int
+    load_failures: int
+    debris_removed: int
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a valid tier key; raise ValueError otherwise."""
+    if not isinstance(key, str) or KEY_RE.fullmatch(key) is None:
+        raise ValueError(f"tier key must match {KEY_RE.pattern}: {key!r:.80}")
+    return key
+
+
+class ColdTier:
+    """The cold tier facade; create it with :meth:`open` (see the module docstring)."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        owner: MlxOwner,
+        offload: Offload,
+        layout: Layout,
+        block_tokens: int,
+        cap_bytes: float,
+        verify: bool,
+        file_ops: FileOps,
+    ) -> None:
+        self.root = root
+        self.owner = owner
+        self.layout: Layout = layout
+        self.block_tokens = block_tokens
+        self.verify = verify
+        self.file_ops = file_ops
+        self.cache_dir = root / "caches"
+        self.block_dir = root / "blocks"
+        block_store = LocalBlockStore(str(self.block_dir), file_ops)
+        self.ledger = SnapshotLedger()
+        self.writer = Writer(offload, file_ops, block_store, block_tokens)
+        self.reader = Reader(offload, file_ops, block_store)
+        self.spill: Spill[Snapshot] = Spill(
+            self._store,
+            Snapshot.release,
+            cap_bytes=cap_bytes,
+            bytes_of=lambda snap: snap.nbytes,
+        )
+        self._offload = offload
+        self._closing = False
+        self._loads = 0
+        self._load_misses = 0
+        self._load_failures = 0
+        self._debris_removed = 0
+
+    # -- opening and closing ---------------------------------------------------------------
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        directory: str | os.PathLike[str],
+        *,
+        layout: Layout = "single",
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        cap_bytes: float = math.inf,
+        owner: MlxOwner | None = None,
+        inline: bool = False,
+        io_threads: int = 2,
+        verify: bool = True,
+        shutdown_grace: float = 10.0,
+        file_ops: FileOps = OS_FILE_OPS,
+    ) -> AsyncIterator[ColdTier]:
+        """Open (creating) the tier at ``directory`` and run it until the block exits.
+
+        ``owner``: the server's MLX owner (its model steps and the tier's MLX work then
+        share one thread); by default the tier starts its own. ``inline=True`` runs the
+        owner and the I/O on the trio thread, for deterministic tests. ``cap_bytes``
+        bounds the bytes queued for writing (soft for the newest save). ``io_threads``
+        bounds concurrent worker-thread I/O jobs.
+        """
+        if layout not in ("single", "blocks"):
+            raise ValueError(f"layout must be 'single' or 'blocks', not {layout!r}")
+        async with AsyncExitStack() as stack:
+            if owner is None:
+                factory = MlxOwner.inline() if inline else MlxOwner.dedicated()
+                owner = await stack.enter_async_context(factory)
+            offload: Offload = InlineOffload() if inline else ThreadOffload(io_threads)
+            tier = cls(
+                Path(directory).absolute(),
+                owner=owner,
+                offload=offload,
+                layout=layout,
+                block_tokens=block_tokens,
+                cap_bytes=cap_bytes,
+                verify=verify,
+                file_ops=file_ops,
+            )
+            await offload.run(tier._prepare_directories)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(tier.spill.run)
+                try:
+                    yield tier
+                except BaseException:
+                    tier._closing = True
+                    tier.spill.abort()
+                    raise
+                await tier.aclose(grace=shutdown_grace)
+
+    async def aclose(self, *, grace: float = 10.0) -> None:
+        """Graceful shutdown: stop intake, write what is queued within ``grace`` seconds,
+        then cancel the rest. Idempotent; leaving ``open``'s block calls it."""
+        self._closing = True
+        self.spill.close()
+        with trio.move_on_after(grace):
+            await self.spill.drain()
+        self.spill.abort()
+        await trio.lowlevel.checkpoint()
+
+    def _prepare_directories(self, token: CancelToken) -> None:
+        for directory in (self.cache_dir, self.block_dir):
+            self.file_ops.mkdir(str(directory))
+            for name in self.file_ops.listdir(str(directory)):
+                token.check()
+                if name.endswith(TMP_SUFFIX):
+                    try:
+                        self.file_ops.unlink(str(directory / name))
+                    except FileNotFoundError:
+                        continue
+                    self._debris_removed += 1
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def path_of(self, key: str) -> Path:
+        """The file of ``key`` (a cache file, or a manifest in the blocks layout)."""
+        return self.cache_dir / (check_key(key) + SUFFIX)
+
+    async def save(
+        self,
+        key: str,
+        tokens: Sequence[int],
+        caches: Sequence[Any],
+        *,
+        attachments: Sequence[AttachmentData] = (),
+        meta: Mapping[str, str] | None = None,
+        model_id: str | None = None,
+        config_fingerprint: str | None = None,
+        conversation: Hashable | None = None,
+        droppable: bool = True,
+    ) -> SaveTicket:
+        """Snapshot ``caches`` (holding ``tokens``) and queue them to be written as ``key``.
+
+        Returns after the snapshot alone; the caller may go on mutating its caches at
+        once (invariant 1). ``meta`` keys ``model_id`` and ``config_fingerprint`` fill the
+        header fields of those names (as in :func:`kvtrio.save_cache`) unless given as
+        arguments; the other keys are kept in the header's ``meta``. A newer save of the
+        same ``conversation`` (default: the same key) cancels the older queued ones.
+        ``droppable=False`` makes the save survive the byte cap's shedding.
+        """
+        self.path_of(key)
+        if self._closing:
+            raise ShuttingDown("cold tier is shutting down: save refused")
+        meta = dict(meta or {})
+        model_id = model_id if model_id is not None else meta.get("model_id")
+        if config_fingerprint is None:
+            config_fingerprint = meta.get("config_fingerprint")
+        extra = {k: v for k, v in meta.items() if k not in _HEADER_META_KEYS}
+        snap = await self.owner.snapshot(
+            key,
+            caches,
+            tokens,
+            ledger=self.ledger,
+            model_id=model_id,
+            config_fingerprint=config_fingerprint,
+            meta=extra,
+            attachments=attachments,
+        )
+        ticket = self.spill.submit_nowait(
+            snap,
+            key=conversation if conversation is not None else key,
+            droppable=droppable,
+            supersede=True,
+        )
+        return SaveTicket(key, snap.nbytes, ticket)
+
+    async def drain(self) -> None:
+        """Wait until every save queued so far has settled."""
+        await self.spill.drain()
+
+    async def _store(self, snap: Snapshot) -> WriteResult:
+        path = str(self.path_of(str(snap.key)))
+        if self.layout == "single":
+            host = await self.owner.materialize(snap)
+            return await self.writer.write_single(path, snap.plan, [h.pieces[0] for h in host])
+        host = await self.owner.materialize(snap, block_tokens=self.block_tokens)
+        return await self.writer.write_blocks(path, snap.plan, [h.pieces for h in host])
+
+    # -- loading ---------------------------------------------------------------------------
+
+    async def load(
+        self, key: str, *, expect: Expectation | None = None, verify: bool | None = None
+    ) -> Restored:
+        """Load ``key``'s caches, bit-exact, built on the owner thread.
+
+        Raises CacheMissError (no such entry, or a block is missing), CorruptCacheError
+        (the file fails validation or its hashes), CacheMismatchError (``expect`` not met).
+        """
+        path = str(self.path_of(key))
+        self._loads += 1
+        try:
+            try:
+                cache_file = await self.reader.read_header(path)
+            except FileNotFoundError:
+                self._load_misses += 1
+                raise CacheMissError(f"cold tier has no entry {key!r}") from None
+            if expect is not None:
+                expect.check(cache_file.header)
+            buffers = await self.owner.allocate(cache_file.header)
+            try:
+                await self.reader.read_tensors(
+                    cache_file, buffers.views, verify=self.verify if verify is None else verify
+                )
+                return await self.owner.restore(buffers)
+            finally:
+                buffers.release()
+        except CacheMissError:
+            raise
+        except BaseException:
+            self._load_failures += 1
+            raise
+
+    async def entry(self, key: str) -> TierEntry:
+        """The stored entry of ``key`` (CacheMissError if absent)."""
+        try:
+            return await self._offload.run(self._entry_job, self.path_of(key))
+        except FileNotFoundError:
+            raise CacheMissError(f"cold tier has no entry {key!r}") from None
+
+    async def list(self) -> list[TierEntry]:
+        """Every valid stored entry (files that fail validation are skipped)."""
+        return await self._offload.run(self._list_job)
+
+    async def delete(self, key: str) -> int:
+        """Cancel queued saves of ``key``, let one in flight finish, delete the file;
+        return the bytes freed (0 when there was no file)."""
+        path = self.path_of(key)
+        self.spill.cancel_where(lambda t: t.item.key == key)
+        for ticket in self.spill.pending():
+            if ticket.item.key == key:
+                await ticket.wait()
+        return await self._offload.run(self._delete_job, path)
+
+    def statistics(self) -> ColdTierStatistics:
+        return ColdTierStatistics(
+            spill=self.spill.statistics(),
+            writer=self.writer.statistics(),
+            reader=self.reader.statistics(),
+            snapshots=self.ledger.statistics(),
+            loads=self._loads,
+            load_misses=self._load_misses,
+            load_failures=self._load_failures,
+            debris_removed=self._debris_removed,
+        )
+
+    def _entry_job(self, token: CancelToken, path: Path) -> TierEntry:
+        from kvtrio.storage.reader import read_header
+
+        token.check()
+        cache_file = read_header(str(path), file_ops=self.file_ops)
+        mtime = self.file_ops.stat(str(path)).st_mtime
+        return TierEntry(path.name[: -len(SUFFIX)], cache_file.header, cache_file.file_size, mtime)
+
+    def _list_job(self, token: CancelToken) -> builtins.list[TierEntry]:
+        entries: builtins.list[TierEntry] = []
+        for name in sorted(self.file_ops.listdir(str(self.cache_dir))):
+            if not name.endswith(SUFFIX) or KEY_RE.fullmatch(name[: -len(SUFFIX)]) is None:
+                continue
+            try:
+                entries.append(self._entry_job(token, self.cache_dir / name))
+            except (CorruptCacheError, FileNotFoundError):
+                continue
+        return entries
+
+    def _delete_job(self, token: CancelToken, path: Path) -> int:
+        try:
+            size = self.file_ops.stat(str(path)).st_size
+            self.file_ops.unlink(str(path))
+        except FileNotFoundError:
+            return 0
+        self.file_ops.fsync_dir(str(path.parent))
+        return size

@@ -1,0 +1,120 @@
+"""Writer: durable cache writes on worker threads, cancellable at tensor and block boundaries.
+
+The writer sees only immutable host bytes (memoryviews the owner materialized) and never
+imports MLX. Each write is one job on the runtime's :class:`~kvtrio.runtime.offload.Offload`
+(worker threads behind a capacity limit); trio cancellation sets the job's cancel token,
+the storage core stops at its next tensor, chunk or block boundary, removes its tmp file
+and returns, and only then does the caller see the cancellation (DESIGN.md invariant 6).
+No final file exists after a cancelled or failed write (invariant 4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import attrs
+import trio
+from kvtrio.runtime.offload import CancelToken, Offload
+from kvtrio.storage.blockstore import BlockStore
+from kvtrio.storage.fileops import OS_FILE_OPS, FileOps
+from kvtrio.storage.format import Header
+from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult, write_blocks, write_single
+
+__all__ = ["Writer", "WriterStatistics"]
+
+D = TypeVar("D")
+
+
+@attrs.frozen
+class WriterStatistics:
+    """Writes finished, cancelled and failed; bytes published; writes running now."""
+
+    running: int
+    written: int
+    cancelled: int
+    failed: int
+    bytes_written: int
+
+
+@attrs.define(eq=False)
+class Writer:
+    """Publishes cache files (``single``) and manifests over blocks (``blocks``)."""
+
+    offload: Offload
+    file_ops: FileOps = OS_FILE_OPS
+    block_store: BlockStore | None = None
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    _running: int = attrs.field(default=0, init=False)
+    _written: int = attrs.field(default=0, init=False)
+    _cancelled: int = attrs.field(default=0, init=False)
+    _failed: int = attrs.field(default=0, init=False)
+    _bytes: int = attrs.field(default=0, init=False)
+
+    async def write_single(
+        self, path: str, plan: Header, tensors: Sequence[memoryview]
+    ) -> WriteResult:
+        """Write one cache file: ``tensors[i]`` holds slot i of ``plan.slots()``."""
+        return await self._run(self._single_job, path, plan, tensors)
+
+    async def write_blocks(
+        self, path: str, plan: Header, pieces: Sequence[Sequence[memoryview]]
+    ) -> WriteResult:
+        """Store the pieces as content-addressed blocks, then publish the manifest."""
+        if self.block_store is None:
+            raise ValueError("this writer has no block store: the blocks layout needs one")
+        return await self._run(self._blocks_job, path, plan, pieces)
+
+    def statistics(self) -> WriterStatistics:
+        return WriterStatistics(
+            running=self._running,
+            written=self._written,
+            cancelled=self._cancelled,
+            failed=self._failed,
+            bytes_written=self._bytes,
+        )
+
+    def _single_job(
+        self, token: CancelToken, path: str, plan: Header, tensors: Sequence[memoryview]
+    ) -> WriteResult:
+        return write_single(path, plan, tensors, file_ops=self.file_ops, cancel=token)
+
+    def _blocks_job(
+        self,
+        token: CancelToken,
+        path: str,
+        plan: Header,
+        pieces: Sequence[Sequence[memoryview]],
+    ) -> WriteResult:
+        assert self.block_store is not None
+        return write_blocks(
+            path,
+            plan,
+            pieces,
+            self.block_store,
+            block_tokens=self.block_tokens,
+            file_ops=self.file_ops,
+            cancel=token,
+        )
+
+    async def _run(
+        self,
+        job: Callable[[CancelToken, str, Header, D], WriteResult],
+        path: str,
+        plan: Header,
+        data: D,
+    ) -> WriteResult:
+        self._running += 1
+        try:
+            result = await self.offload.run(job, path, plan, data)
+        except trio.Cancelled:
+            self._cancelled += 1
+            raise
+        except BaseException:
+            self._failed += 1
+            raise
+        finally:
+            self._running -= 1
+        self._written += 1
+        self._bytes += result.file_bytes + result.new_block_bytes
+        return result

@@ -1,0 +1,149 @@
+"""ColdTier, threaded, on the real file system with real mlx-lm caches of a tiny model."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.testing import mlx_thread_guard
+from kvtrio.actors.tier import ColdTier
+from kvtrio.errors import CacheMismatchError, CacheMissError, CorruptCacheError, ShuttingDown
+from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FaultyFileOps
+from kvtrio.storage.format import Header
+
+Prefill = Callable[[Sequence[int]], list[Any]]
+Dump = Callable[[Sequence[Any]], list[bytes]]
+
+TOKENS = list(range(1, 300))
+
+
+@pytest.mark.parametrize("layout", ["single", "blocks"])
+async def test_save_then_load_is_bit_exact_and_mlx_stays_on_the_owner(
+    tmp_path: Path, prefilled: Prefill, kv_bytes: Dump, layout: str
+) -> None:
+    """Invariant 2 too: no snapshot is left live after the tier closes."""
+    async with MlxOwner.dedicated() as owner:
+        with mlx_thread_guard(owner.is_owner_thread) as guard:
+            async with ColdTier.open(tmp_path, owner=owner, layout=layout) as tier:  # type: ignore[arg-type]
+                caches = await owner.run(prefilled, TOKENS)
+                want = await owner.run(kv_bytes, caches)
+                ticket = await tier.save("conv-1", TOKENS, caches, meta={"model_id": "tiny"})
+                result = await ticket.wait()
+                assert result.written and result.write is not None
+                loaded = await tier.load("conv-1")
+                got = await owner.run(kv_bytes, loaded.caches)
+                entries = await tier.list()
+            stats = tier.statistics()
+    assert got == want
+    assert loaded.tokens == tuple(TOKENS)
+    assert loaded.header.model_id == "tiny"
+    assert [e.key for e in entries] == ["conv-1"]
+    assert guard.violations == []
+    assert stats.snapshots.live == 0 and stats.snapshots.created == 1
+
+
+async def test_snapshot_is_immutable_until_written(
+    tmp_path: Path, prefilled: Prefill, kv_bytes: Dump
+) -> None:
+    """Invariant 1: after save returns and before the write happens, the live cache is
+    trimmed and appended to and overwritten with __setitem__; the file holds the snapshot."""
+    first_open = threading.Event()
+    release = threading.Event()
+    opens = 0
+
+    def hook(op: str) -> None:
+        nonlocal opens
+        if op == "open":
+            opens += 1
+            if opens == 1:
+                first_open.set()
+                release.wait(10)
+
+    ops = FaultyFileOps(OS_FILE_OPS, hook)
+    async with MlxOwner.dedicated() as owner:
+        async with ColdTier.open(tmp_path, owner=owner, file_ops=ops) as tier:
+            blocker = await owner.run(prefilled, [5, 6, 7])
+            await tier.save("blocker", [5, 6, 7], blocker)
+            await trio.to_thread.run_sync(first_open.wait, 10)
+            caches = await owner.run(prefilled, TOKENS)
+            want = await owner.run(kv_bytes, caches)
+            ticket = await tier.save("victim", TOKENS, caches)
+
+            def mutate() -> None:
+                import mlx.core as mx
+
+                for cache in caches:
+                    cache.trim(50)
+                    shape = list(cache.keys.shape)
+                    shape[2] = 20
+                    cache.update_and_fetch(mx.ones(shape, cache.keys.dtype), mx.ones(shape))
+                    cache.keys[..., 0:4, :] = 7
+                    cache.values[..., 0:4, :] = 7
+                    mx.eval(cache.keys, cache.values)
+
+            await owner.run(mutate)
+            assert await owner.run(kv_bytes, caches) != want
+            release.set()
+            assert (await ticket.wait()).written
+            loaded = await tier.load("victim")
+            assert await owner.run(kv_bytes, loaded.caches) == want
+    assert tier.statistics().snapshots.live == 0
+
+
+async def test_missing_entry_is_a_clean_miss(tmp_path: Path) -> None:
+    async with ColdTier.open(tmp_path) as tier:
+        with pytest.raises(CacheMissError, match=r"^cold tier has no entry 'nope'$"):
+            await tier.load("nope")
+    assert tier.statistics().load_misses == 1
+
+
+async def test_expect_mismatch_and_corrupt_file_are_refused(
+    tmp_path: Path, prefilled: Prefill
+) -> None:
+    class WantModel:
+        def check(self, header: Header) -> None:
+            if header.model_id != "other":
+                raise CacheMismatchError(f"model_id: cache is for {header.model_id!r}")
+
+    async with ColdTier.open(tmp_path) as tier:
+        caches = await tier.owner.run(prefilled, TOKENS)
+        await (await tier.save("k", TOKENS, caches, model_id="tiny")).wait()
+        with pytest.raises(CacheMismatchError, match=r"^model_id: cache is for 'tiny'$"):
+            await tier.load("k", expect=WantModel())
+        path = tier.path_of("k")
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF
+        path.write_bytes(bytes(data))
+        with pytest.raises(CorruptCacheError, match=r"xxh3: tensor bytes do not match"):
+            await tier.load("k")
+
+
+async def test_delete_and_debris_collection(tmp_path: Path, prefilled: Prefill) -> None:
+    async with ColdTier.open(tmp_path) as tier:
+        caches = await tier.owner.run(prefilled, TOKENS)
+        await (await tier.save("gone", TOKENS, caches)).wait()
+        size = os.path.getsize(tier.path_of("gone"))
+        assert await tier.delete("gone") == size
+        assert await tier.delete("gone") == 0
+        debris = tier.cache_dir / f".x.kvc.0123{TMP_SUFFIX}"
+        debris.write_bytes(b"torn")
+    async with ColdTier.open(tmp_path) as tier:
+        assert tier.statistics().debris_removed == 1
+        assert not debris.exists()
+        assert await tier.list() == []
+
+
+async def test_save_after_shutdown_began_is_refused(tmp_path: Path, prefilled: Prefill) -> None:
+    async with ColdTier.open(tmp_path) as tier:
+        caches = await tier.owner.run(prefilled, [1, 2, 3])
+        await tier.aclose()
+        with pytest.raises(ShuttingDown, match=r"^cold tier is shutting down: save refused$"):
+            await tier.save("late", [1, 2, 3], caches)
+    assert not tier.path_of("late").exists()
+    assert tier.statistics().snapshots.created == 0
