@@ -8,3 +8,4 @@ from __future__ import annotations
 
 __all__: list[str] = []
 import kvtrio.bench_redis  # noqa: F401  (kvtrio bench redis)
+import kvtrio.drill  # noqa: F401  (kvtrio drill)
