@@ -122,7 +122,8 @@ class LocalBlockStore:
     into place, then fsyncs the directory once: the blocks are durable on return. The
     caller names blocks by their sha256 (the writer computes it); the store does not
     re-hash on put. ``read_into`` opens with O_NOFOLLOW and requires a regular file of
-    exactly the buffer's size.
+    exactly the buffer's size. Putting a block that exists freshens its mtime, so GC's
+    grace period covers blocks a writer is about to name in a manifest.
     """
 
     directory: str
@@ -151,7 +152,10 @@ class LocalBlockStore:
         seen: set[str] = set()
         for name, data in blocks:
             path = self.path_of(name)
-            if name in seen or self._exists(path):
+            if name in seen:
+                continue
+            if self._exists(path):
+                self._freshen(path)
                 continue
             seen.add(name)
             tmp = os.path.join(self.directory, f".{name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
@@ -173,6 +177,13 @@ class LocalBlockStore:
         if seen:
             self.file_ops.fsync_dir(self.directory)
         return stored
+
+    def _freshen(self, path: str) -> None:
+        # A writer is about to reference this existing block: restart GC's grace period.
+        try:
+            os.utime(path, follow_symlinks=False)
+        except FileNotFoundError:
+            pass
 
     def has_many(self, names: Sequence[str]) -> list[bool]:
         return [self._exists(self.path_of(name)) for name in names]

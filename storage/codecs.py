@@ -659,9 +659,8 @@ def _assemble_entry(entry: CacheEntry, it: Any, path: str) -> Any:
     children = [
         _assemble_entry(c, it, f"{path}.children[{k}]") for k, c in enumerate(entry.children)
     ]
-    codec = codec_for_kind(entry.kind)
     try:
-        cache = codec.restore(entry, arrays, children)
+        cache = codec_for_kind(entry.kind).restore(entry, arrays, children)
     except CorruptCacheError as exc:
         raise CorruptCacheError(f"{path}.{exc}") from None
     if entry.min_reusable_offset:

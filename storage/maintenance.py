@@ -1,0 +1,186 @@
+"""Store maintenance: garbage collection of blocks and crash debris, and a full verify.
+
+CPU only; blocking; run on a worker thread or from the command line.
+
+GC theory of operation (git's prune expiry, rustic's two-phase prune):
+
+1. List the store's blocks (with mtimes) *before* reading any manifest.
+2. Mark: every block named by a readable manifest in ``manifest_dir`` is live.
+3. Sweep: delete a block only if it is unmarked AND older than ``grace_s``. A writer
+   stores (or, for a block that already exists, freshens the mtime of) every block
+   before publishing the manifest that names it, so a block a concurrent writer is about
+   to reference is younger than the grace period and survives.
+4. Tmp files (``*.kvtrio-tmp``: a crash between create and rename) older than
+   ``grace_s`` are removed from ``manifest_dir`` and from a local store's directory.
+
+A manifest that fails validation marks nothing (its blocks were unusable anyway) and is
+reported. A missing block is never an error here: a load that needs it is a clean miss.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import attrs
+from kvtrio.errors import CacheMissError, CorruptCacheError
+from kvtrio.storage.blockstore import BlockStore, LocalBlockStore, read_block_verified
+from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps
+from kvtrio.storage.reader import allocate_buffers, read_header, read_tensors
+
+__all__ = ["GcReport", "VerifyReport", "collect_garbage", "list_cache_files", "verify_tree"]
+
+
+@attrs.frozen
+class GcReport:
+    """What one GC pass found and did."""
+
+    manifests: int
+    live_blocks: int
+    deleted_blocks: int
+    deleted_bytes: int
+    young_unreferenced: int  # unreferenced but inside the grace period: kept
+    tmp_removed: int
+    unreadable: tuple[str, ...]  # manifests or cache files that failed validation
+
+
+@attrs.frozen
+class VerifyReport:
+    """The result of rechecking every cache file and block."""
+
+    files_ok: int
+    blocks_ok: int
+    bad_files: tuple[tuple[str, str], ...]  # (path, error)
+    bad_blocks: tuple[tuple[str, str], ...]  # (block name, error)
+    missing_blocks: tuple[tuple[str, str], ...]  # (manifest path, block name)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.bad_files or self.bad_blocks or self.missing_blocks)
+
+
+def list_cache_files(directory: str, *, file_ops: FileOps = OS_FILE_OPS) -> list[str]:
+    """Regular, non-hidden files directly in ``directory`` (cache files and manifests)."""
+    try:
+        names = file_ops.listdir(directory)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in sorted(names):
+        if name.startswith("."):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            info = file_ops.stat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(info.st_mode):
+            out.append(path)
+    return out
+
+
+def _remove_old_tmp(directory: str, cutoff: float, file_ops: FileOps) -> int:
+    removed = 0
+    try:
+        names = file_ops.listdir(directory)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        if not (name.startswith(".") and name.endswith(TMP_SUFFIX)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if file_ops.stat(path).st_mtime < cutoff:
+                file_ops.unlink(path)
+                removed += 1
+        except FileNotFoundError:
+            continue
+    return removed
+
+
+def collect_garbage(
+    manifest_dir: str,
+    store: BlockStore,
+    *,
+    grace_s: float = 3600.0,
+    now: float | None = None,
+    file_ops: FileOps = OS_FILE_OPS,
+) -> GcReport:
+    """One mark-and-sweep pass over ``store`` using the manifests in ``manifest_dir``."""
+    cutoff = (time.time() if now is None else now) - grace_s
+    blocks = list(store.iter_blocks())
+    live: set[str] = set()
+    unreadable: list[str] = []
+    manifests = 0
+    for path in list_cache_files(manifest_dir, file_ops=file_ops):
+        try:
+            header = read_header(path, file_ops=file_ops).header
+        except (CorruptCacheError, OSError):
+            unreadable.append(path)
+            continue
+        if header.layout != "blocks":
+            continue
+        manifests += 1
+        for slot in header.slots():
+            live.update(ref.sha256 for ref in slot.blocks or ())
+    doomed = [b for b in blocks if b.name not in live and b.mtime < cutoff]
+    young = sum(1 for b in blocks if b.name not in live and b.mtime >= cutoff)
+    deleted = store.delete_many([b.name for b in doomed]) if doomed else 0
+    tmp_removed = _remove_old_tmp(manifest_dir, cutoff, file_ops)
+    if isinstance(store, LocalBlockStore):
+        tmp_removed += _remove_old_tmp(store.directory, cutoff, file_ops)
+    return GcReport(
+        manifests=manifests,
+        live_blocks=len(live),
+        deleted_blocks=deleted,
+        deleted_bytes=sum(b.size for b in doomed),
+        young_unreferenced=young,
+        tmp_removed=tmp_removed,
+        unreadable=tuple(unreadable),
+    )
+
+
+def verify_tree(
+    manifest_dir: str,
+    store: BlockStore | None = None,
+    *,
+    file_ops: FileOps = OS_FILE_OPS,
+) -> VerifyReport:
+    """Recheck every cache file (all tensor hashes), every manifest and every stored block."""
+    files_ok = 0
+    bad_files: list[tuple[str, str]] = []
+    missing: list[tuple[str, str]] = []
+    for path in list_cache_files(manifest_dir, file_ops=file_ops):
+        try:
+            cache_file = read_header(path, file_ops=file_ops)
+            header = cache_file.header
+            if header.layout == "single":
+                bufs = allocate_buffers(header)
+                views = [[memoryview(b) for b in pieces] for pieces in bufs]
+                read_tensors(cache_file, views, verify=True, file_ops=file_ops)
+            elif store is not None:
+                refs = [r.sha256 for s in header.slots() for r in s.blocks or ()]
+                present = store.has_many(refs)
+                missing.extend((path, r) for r, ok in zip(refs, present, strict=True) if not ok)
+        except (CorruptCacheError, CacheMissError, OSError) as exc:
+            bad_files.append((path, str(exc)))
+            continue
+        files_ok += 1
+    blocks_ok = 0
+    bad_blocks: list[tuple[str, str]] = []
+    if store is not None:
+        for info in store.iter_blocks():
+            buffer = bytearray(info.size)
+            try:
+                if read_block_verified(store, info.name, memoryview(buffer)):
+                    blocks_ok += 1
+            except (CorruptCacheError, OSError) as exc:
+                bad_blocks.append((info.name, str(exc)))
+    return VerifyReport(
+        files_ok=files_ok,
+        blocks_ok=blocks_ok,
+        bad_files=tuple(bad_files),
+        bad_blocks=tuple(bad_blocks),
+        missing_blocks=tuple(missing),
+    )

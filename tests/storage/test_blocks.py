@@ -1,0 +1,149 @@
+"""The block layout: dedup of shared prefixes, durability order, GC and verify."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import kvtrio
+import mlx.core as mx
+import pytest
+from kvtrio.storage.blockstore import LocalBlockStore
+from kvtrio.storage.codecs import materialize, snapshot
+from kvtrio.storage.fileops import OS_FILE_OPS, FaultyFileOps
+from kvtrio.storage.maintenance import collect_garbage, verify_tree
+from kvtrio.storage.writer import write_blocks
+from mlx_lm.models import cache as _mlx_cache_module
+
+from .conftest import assert_same, kv, logical_state
+
+mlx_cache: Any = _mlx_cache_module
+
+
+def _disk_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+
+
+def _conversation(n_prefix: int, n_suffix: int, seed: int) -> Any:
+    cache = mlx_cache.KVCache()
+    cache.update_and_fetch(*kv(n_prefix, seed=1))  # the shared prefix
+    if n_suffix:
+        cache.update_and_fetch(*kv(n_suffix, seed=seed))
+    return cache
+
+
+def test_shared_prefix_blocks_are_stored_once(tmp_path: Path) -> None:
+    """Dedup: a cache extending another stores only its new token blocks."""
+    short = _conversation(512, 0, 0)
+    long = _conversation(512, 256, 2)
+    r1 = kvtrio.save_cache(tmp_path / "a.kvt", [], [short], layout="blocks", block_tokens=128)
+    r2 = kvtrio.save_cache(tmp_path / "b.kvt", [], [long], layout="blocks", block_tokens=128)
+    per_token = 2 * short.keys.shape[1] * short.keys.shape[3] * 2  # keys + values, fp16
+    assert r1.new_block_bytes == 512 * per_token
+    assert r2.new_block_bytes == 256 * per_token
+    assert _disk_bytes(tmp_path / "blocks") == 768 * per_token
+    for name, cache in (("a.kvt", short), ("b.kvt", long)):
+        assert_same(
+            logical_state(kvtrio.load_cache(tmp_path / name).caches[0]), logical_state(cache)
+        )
+
+
+def test_same_cache_twice_stores_nothing_new(tmp_path: Path) -> None:
+    cache = _conversation(300, 0, 0)
+    kvtrio.save_cache(tmp_path / "a.kvt", [], [cache], layout="blocks")
+    before = _disk_bytes(tmp_path / "blocks")
+    again = kvtrio.save_cache(tmp_path / "b.kvt", [], [cache], layout="blocks")
+    assert again.new_block_bytes == 0 and _disk_bytes(tmp_path / "blocks") == before
+
+
+def test_blocks_are_durable_before_the_manifest_is_published(tmp_path: Path) -> None:
+    """Invariant 5: every block put (and fsynced) precedes the manifest's rename."""
+    events: list[str] = []
+    ops = FaultyFileOps(OS_FILE_OPS, events.append)
+    store = LocalBlockStore(str(tmp_path / "blocks"), file_ops=ops)
+    snap = snapshot([_conversation(300, 0, 0)], [1])
+    host = materialize(snap, block_tokens=128)
+    write_blocks(
+        str(tmp_path / "m.kvt"),
+        snap.header,
+        [h.pieces for h in host],
+        store,
+        block_tokens=128,
+        file_ops=ops,
+    )
+    renames = [i for i, e in enumerate(events) if e == "rename"]
+    manifest_rename = renames[-1]
+    assert events[manifest_rename - 1] == "fsync"  # the manifest's own fsync
+    assert events[manifest_rename + 1] == "fsync_dir"
+    block_events = events[: manifest_rename - 3]
+    assert block_events.count("rename") == 6 and block_events[-1] == "fsync_dir"
+
+
+def test_gc_deletes_only_old_unreferenced_blocks(tmp_path: Path) -> None:
+    store = LocalBlockStore(str(tmp_path / "blocks"))
+    kvtrio.save_cache(tmp_path / "keep.kvt", [], [_conversation(256, 0, 0)], layout="blocks")
+    kvtrio.save_cache(tmp_path / "drop.kvt", [], [_conversation(256, 128, 5)], layout="blocks")
+    os.unlink(tmp_path / "drop.kvt")
+    young = collect_garbage(str(tmp_path), store, grace_s=3600)
+    assert young.deleted_blocks == 0 and young.young_unreferenced == 2
+    old = collect_garbage(str(tmp_path), store, grace_s=3600, now=time.time() + 7200)
+    assert old.deleted_blocks == 2 and old.live_blocks == 2
+    assert kvtrio.load_cache(tmp_path / "keep.kvt").caches[0].offset == 256
+
+
+def test_gc_removes_old_tmp_debris(tmp_path: Path) -> None:
+    store = LocalBlockStore(str(tmp_path / "blocks"))
+    (tmp_path / "blocks").mkdir()
+    debris = [tmp_path / ".x.kvt.0123.kvtrio-tmp", tmp_path / "blocks" / ".ab.01.kvtrio-tmp"]
+    for path in debris:
+        path.write_bytes(b"partial")
+    assert collect_garbage(str(tmp_path), store, grace_s=60).tmp_removed == 0
+    report = collect_garbage(str(tmp_path), store, grace_s=60, now=time.time() + 120)
+    assert report.tmp_removed == 2 and not any(p.exists() for p in debris)
+
+
+def test_putting_an_existing_block_restarts_its_grace_period(tmp_path: Path) -> None:
+    store = LocalBlockStore(str(tmp_path / "blocks"))
+    kvtrio.save_cache(tmp_path / "a.kvt", [], [_conversation(128, 0, 0)], layout="blocks")
+    os.unlink(tmp_path / "a.kvt")
+    for info in store.iter_blocks():
+        os.utime(store.path_of(info.name), (0, 0))
+    # A writer re-puts the same blocks before publishing its manifest: GC must spare them.
+    snap = snapshot([_conversation(128, 0, 0)], [])
+    host = materialize(snap, block_tokens=256)
+    for h in host:
+        store.put_many([(hashlib.sha256(p).hexdigest(), p) for p in h.pieces])
+    assert collect_garbage(str(tmp_path), store, grace_s=3600).deleted_blocks == 0
+
+
+def test_verify_reports_every_bad_file_and_block(tmp_path: Path) -> None:
+    store = LocalBlockStore(str(tmp_path / "blocks"))
+    kvtrio.save_cache(tmp_path / "s.kvt", [], [_conversation(64, 0, 0)])
+    kvtrio.save_cache(tmp_path / "m.kvt", [], [_conversation(300, 0, 0)], layout="blocks")
+    clean = verify_tree(str(tmp_path), store)
+    assert clean.ok and clean.files_ok == 2 and clean.blocks_ok == 4
+    raw = bytearray((tmp_path / "s.kvt").read_bytes())
+    raw[-1] ^= 1
+    (tmp_path / "s.kvt").write_bytes(bytes(raw))
+    names = sorted(i.name for i in store.iter_blocks())
+    (tmp_path / "blocks" / names[0]).write_bytes(b"x")
+    os.unlink(tmp_path / "blocks" / names[1])
+    report = verify_tree(str(tmp_path), store)
+    assert [p for p, _ in report.bad_files] == [str(tmp_path / "s.kvt")]
+    assert [n for n, _ in report.bad_blocks] == [names[0]]
+    assert [n for _, n in report.missing_blocks] == [names[1]]
+
+
+@pytest.mark.parametrize("block_tokens", [1, 100, 4096])
+def test_any_block_size_round_trips(tmp_path: Path, block_tokens: int) -> None:
+    cache = _conversation(250, 0, 0)
+    kvtrio.save_cache(tmp_path / "m.kvt", [], [cache], layout="blocks", block_tokens=block_tokens)
+    assert_same(
+        logical_state(kvtrio.load_cache(tmp_path / "m.kvt").caches[0]), logical_state(cache)
+    )
+    assert mx.array_equal(
+        kvtrio.load_cache(tmp_path / "m.kvt").caches[0].keys, cache.keys[..., :250, :]
+    )

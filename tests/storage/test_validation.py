@@ -1,0 +1,326 @@
+"""One named test per untrusted-header rule (DESIGN.md "Untrusted-header rules").
+
+Invariant 4: a reader never trusts a header field it has not bounds-checked, and never
+returns bytes it has not checked against the header's hashes when asked to verify.
+Every failure is a CorruptCacheError whose message names the field at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kvtrio
+import pytest
+from kvtrio.errors import CacheMissError, CorruptCacheError
+from kvtrio.storage.format import (
+    ALIGN,
+    MAGIC,
+    MAX_HEADER_BYTES,
+    PREAMBLE,
+    align_up,
+    encode_preamble,
+)
+
+from .conftest import BUILDERS
+
+Doc = dict[str, Any]
+
+
+@pytest.fixture
+def valid(tmp_path: Path) -> Path:
+    path = tmp_path / "valid.kvt"
+    kvtrio.save_cache(path, [1, 2, 3], [BUILDERS["kv"](), BUILDERS["arrays"]()])
+    return path
+
+
+def _split(path: Path) -> tuple[Doc, bytes]:
+    raw = path.read_bytes()
+    _, _, header_len, _ = PREAMBLE.unpack_from(raw)
+    body = raw[PREAMBLE.size : PREAMBLE.size + header_len]
+    data = raw[align_up(PREAMBLE.size + header_len) :]
+    doc: Doc = json.loads(body)
+    return doc, data
+
+
+def _write_body(path: Path, body: bytes, data: bytes) -> None:
+    prefix = encode_preamble(body) + body
+    path.write_bytes(prefix + bytes(align_up(len(prefix)) - len(prefix)) + data)
+
+
+def _rewrite(path: Path, mutate: Callable[[Doc], None]) -> None:
+    """Change the header and re-seal it with a correct hash: only validation can object."""
+    doc, data = _split(path)
+    mutate(doc)
+    _write_body(path, json.dumps(doc).encode(), data)
+
+
+def _load_fails(path: Path, match: str) -> None:
+    with pytest.raises(CorruptCacheError, match=match):
+        kvtrio.load_cache(path)
+
+
+def _slot(doc: Doc, i: int = 0, t: int = 0) -> Doc:
+    slot: Doc = doc["caches"][i]["tensors"][t]
+    return slot
+
+
+# --- rule: preamble length and header hash checked before JSON parsing
+
+
+def test_rule_preamble_shorter_than_its_fixed_size(valid: Path) -> None:
+    valid.write_bytes(valid.read_bytes()[:10])
+    _load_fails(valid, r"^preamble: file is 10 bytes, shorter than the 24-byte preamble$")
+
+
+def test_rule_preamble_magic(valid: Path) -> None:
+    raw = bytearray(valid.read_bytes())
+    raw[0:8] = b"NOTKVTRI"
+    valid.write_bytes(bytes(raw))
+    _load_fails(valid, r"^preamble\.magic: not a kvtrio cache file")
+
+
+def test_rule_preamble_unsupported_format_version(valid: Path) -> None:
+    raw = bytearray(valid.read_bytes())
+    struct.pack_into("<I", raw, 8, 99)
+    valid.write_bytes(bytes(raw))
+    _load_fails(valid, r"^preamble\.format_version: unsupported version 99 ")
+
+
+def test_rule_header_size_capped(valid: Path) -> None:
+    raw = bytearray(valid.read_bytes())
+    struct.pack_into("<I", raw, 12, MAX_HEADER_BYTES + 1)
+    valid.write_bytes(bytes(raw))
+    _load_fails(valid, r"^preamble\.header_length: \d+ bytes is over the \d+-byte cap$")
+
+
+def test_rule_header_inside_the_file(valid: Path) -> None:
+    valid.write_bytes(valid.read_bytes()[: PREAMBLE.size + 5])
+    _load_fails(valid, r"^preamble\.header_length: header of \d+ bytes runs past the end")
+
+
+def test_rule_header_hash_checked_before_json(valid: Path) -> None:
+    raw = bytearray(valid.read_bytes())
+    raw[PREAMBLE.size] = ord("[")  # would also break the JSON: the hash must object first
+    valid.write_bytes(bytes(raw))
+    _load_fails(valid, r"^header: xxh3 mismatch \(truncated or corrupt header\)$")
+
+
+def test_rule_header_utf8_only(valid: Path) -> None:
+    doc, data = _split(valid)
+    body = json.dumps(doc).encode().replace(b'"meta": {}', b'"meta": {"k": "\xff"}')
+    _write_body(valid, body, data)
+    _load_fails(valid, r"^header: not UTF-8 ")
+
+
+# --- rule: duplicate JSON keys rejected; JSON strict
+
+
+def test_rule_duplicate_json_keys(valid: Path) -> None:
+    doc, data = _split(valid)
+    body = json.dumps(doc).encode().replace(b'"meta": {}', b'"meta": {}, "meta": {}')
+    _write_body(valid, body, data)
+    _load_fails(valid, r"^header: duplicate JSON key 'meta'$")
+
+
+def test_rule_non_finite_numbers(valid: Path) -> None:
+    doc, data = _split(valid)
+    body = json.dumps(doc).encode()
+    body = body.replace(b'"created_at": ', b'"created_at": NaN, "x": ', 1)
+    _write_body(valid, body, data)
+    _load_fails(valid, r"^header: non-finite number NaN is not allowed$")
+
+
+def test_rule_json_nesting_bounded(valid: Path) -> None:
+    doc, data = _split(valid)
+    body = json.dumps(doc).encode().replace(b'"meta": {}', b'"meta": ' + b"[" * 100000)
+    _write_body(valid, body, data)
+    _load_fails(valid, r"^header: JSON nested deeper than 64$")
+
+
+def test_rule_unknown_fields_rejected(valid: Path) -> None:
+    _rewrite(valid, lambda d: d.update(pickle="cos\nsystem\n"))
+    _load_fails(valid, r"^\.pickle: unknown field$")
+
+
+# --- rule: dtypes from a closed list
+
+
+def test_rule_dtype_closed_list(valid: Path) -> None:
+    _rewrite(valid, lambda d: _slot(d).update(dtype="object"))
+    _load_fails(valid, r"^caches\[0\]\.tensors\[0\]\.dtype: 'object' is not in the dtype list$")
+
+
+# --- rule: shape products and offsets in checked arithmetic, inside the file, no overlap
+
+
+def test_rule_shape_product_matches_bytes(valid: Path) -> None:
+    _rewrite(valid, lambda d: _slot(d).update(shape=[2**40, 2**40, 2**40, 2**40]))
+    _load_fails(valid, r"^caches\[0\]\.tensors\[0\]\.bytes: \d+ != prod\(shape ")
+
+
+def test_rule_dims_bounded(valid: Path) -> None:
+    _rewrite(valid, lambda d: _slot(d).update(shape=[-1, 2]))
+    _load_fails(valid, r"^caches\[0\]\.tensors\[0\]\.shape\[0\]: -1 is outside \[0, \d+\]$")
+
+
+def test_rule_ndim_bounded(valid: Path) -> None:
+    _rewrite(valid, lambda d: _slot(d).update(shape=[1] * 9))
+    _load_fails(valid, r"^caches\[0\]\.tensors\[0\]\.shape: 9 items, over the cap 8$")
+
+
+def test_rule_offset_inside_the_file(valid: Path) -> None:
+    _rewrite(valid, lambda d: _slot(d).update(off=ALIGN * 10**6))
+    _load_fails(valid, r"^caches\[0\]\.tensors\[0\]\.off: tensor \[\d+, \d+\) runs past the data")
+
+
+def test_rule_offset_aligned(valid: Path) -> None:
+    _rewrite(valid, lambda d: _slot(d).update(off=_slot(d)["off"] + 1))
+    _load_fails(valid, r"^caches\[0\]\.tensors\[0\]\.off: \d+ is not a multiple of 16384$")
+
+
+def test_rule_tensors_do_not_overlap(valid: Path) -> None:
+    _rewrite(valid, lambda d: _slot(d, 0, 1).update(off=_slot(d, 0, 0)["off"]))
+    _load_fails(valid, r"^caches\[0\]\.tensors\[\d\]\.off: tensor at \d+ overlaps the previous")
+
+
+def test_rule_integers_are_not_booleans(valid: Path) -> None:
+    _rewrite(valid, lambda d: d["caches"][0].update(offset=True))
+    _load_fails(valid, r"^caches\[0\]\.offset: expected an integer$")
+
+
+# --- rule: counts, ndim and token values bounded
+
+
+def test_rule_token_values_bounded(valid: Path) -> None:
+    _rewrite(valid, lambda d: d.update(tokens=[1, -5]))
+    _load_fails(valid, r"^tokens\[1\]: -5 is outside \[0, 2147483647\]$")
+
+
+def test_rule_tensor_count_bounded(valid: Path) -> None:
+    _rewrite(valid, lambda d: d["caches"][0].update(tensors=[_slot(d)] * 65))
+    _load_fails(valid, r"^caches\[0\]\.tensors: 65 items, over the cap 64$")
+
+
+def test_rule_nesting_depth_bounded(valid: Path) -> None:
+    def nest(d: Doc) -> None:
+        entry = {k: v for k, v in d["caches"][1].items()}
+        for _ in range(5):
+            entry = {**entry, "kind": "list", "tensors": [], "children": [entry]}
+        d["caches"] = [entry]
+
+    _rewrite(valid, nest)
+    _load_fails(valid, r"^caches\[0\](\.children\[0\])*\.children: nested deeper than 4$")
+
+
+def test_rule_min_reusable_offset_within_offset(valid: Path) -> None:
+    _rewrite(valid, lambda d: d["caches"][0].update(min_reusable_offset=10**6))
+    _load_fails(valid, r"^caches\[0\]\.min_reusable_offset: 1000000 is past the offset \d+$")
+
+
+def test_rule_codec_fields_checked_against_tensors(valid: Path) -> None:
+    _rewrite(valid, lambda d: d["caches"][0].update(offset=5))
+    _load_fails(valid, r"^caches\[0\]\.tensors\[0\]: shape \[1, 2, 302, 64\] does not fit ")
+
+
+def test_rule_unknown_kind(valid: Path) -> None:
+    _rewrite(valid, lambda d: d["caches"][0].update(kind="pickle"))
+    _load_fails(valid, r"^caches\[0\]\.kind: no codec for cache kind 'pickle'$")
+
+
+# --- tensor bytes are verified against their hashes
+
+
+def test_rule_tensor_bytes_verified(valid: Path) -> None:
+    raw = bytearray(valid.read_bytes())
+    raw[-1] ^= 0x01
+    valid.write_bytes(bytes(raw))
+    _load_fails(valid, r"^caches\[\d\]\.tensors\[\d\]\.xxh3: tensor bytes do not match their hash$")
+
+
+def test_rule_truncated_data(valid: Path) -> None:
+    valid.write_bytes(valid.read_bytes()[:-1])
+    _load_fails(valid, r"^caches\[\d\]\.tensors\[\d\]\.off: tensor \[\d+, \d+\) runs past the data")
+
+
+def test_rule_bad_xxh3_field(valid: Path) -> None:
+    _rewrite(valid, lambda d: _slot(d).update(xxh3="../../etc/passwd"))
+    _load_fails(valid, r"^caches\[0\]\.tensors\[0\]\.xxh3: not 16 lowercase hex digits$")
+
+
+# --- block layout: names, paths, links, re-hash
+
+
+@pytest.fixture
+def manifest(tmp_path: Path) -> Path:
+    path = tmp_path / "m.kvt"
+    kvtrio.save_cache(path, [1, 2], [BUILDERS["kv"]()], layout="blocks", block_tokens=128)
+    return path
+
+
+def test_rule_block_name_path_traversal(manifest: Path) -> None:
+    _rewrite(manifest, lambda d: _slot(d)["blocks"][0].update(sha256="../../../etc/passwd"))
+    _load_fails(
+        manifest,
+        r"^caches\[0\]\.tensors\[0\]\.blocks\[0\]\.sha256: not 64 lowercase hex digits: "
+        r"'\.\./\.\./\.\./etc/passwd'$",
+    )
+
+
+def test_rule_block_name_uppercase_rejected(manifest: Path) -> None:
+    _rewrite(manifest, lambda d: _slot(d)["blocks"][0].update(sha256="A" * 64))
+    _load_fails(manifest, r"^caches\[0\]\.tensors\[0\]\.blocks\[0\]\.sha256: not 64 lowercase")
+
+
+def test_rule_block_sizes_match_token_blocks(manifest: Path) -> None:
+    _rewrite(manifest, lambda d: _slot(d)["blocks"].pop())
+    _load_fails(manifest, r"^caches\[0\]\.tensors\[0\]\.blocks: blocks hold \d+ bytes, slot has")
+
+
+def test_rule_symlinked_block_is_not_followed(manifest: Path, tmp_path: Path) -> None:
+    doc, _ = _split(manifest)
+    name = _slot(doc)["blocks"][0]["sha256"]
+    block = tmp_path / "blocks" / name
+    outside = tmp_path / "outside"
+    outside.write_bytes(block.read_bytes())
+    block.unlink()
+    os.symlink(outside, block)
+    _load_fails(manifest, rf"^block {name}: is a symbolic link$")
+
+
+def test_rule_block_content_rehashed(manifest: Path, tmp_path: Path) -> None:
+    doc, _ = _split(manifest)
+    name = _slot(doc)["blocks"][1]["sha256"]
+    block = tmp_path / "blocks" / name
+    raw = bytearray(block.read_bytes())
+    raw[0] ^= 0xFF
+    block.write_bytes(bytes(raw))
+    _load_fails(
+        manifest, r"^caches\[0\]\.tensors\[0\]\.blocks\[1\]\.sha256: block content does not hash"
+    )
+
+
+def test_rule_block_size_checked(manifest: Path, tmp_path: Path) -> None:
+    doc, _ = _split(manifest)
+    name = _slot(doc)["blocks"][0]["sha256"]
+    (tmp_path / "blocks" / name).write_bytes(b"short")
+    _load_fails(manifest, rf"^block {name}: stored size 5 != expected \d+$")
+
+
+def test_missing_block_is_a_clean_miss(manifest: Path, tmp_path: Path) -> None:
+    doc, _ = _split(manifest)
+    name = _slot(doc)["blocks"][0]["sha256"]
+    (tmp_path / "blocks" / name).unlink()
+    with pytest.raises(
+        CacheMissError, match=rf"^caches\[0\]\.tensors\[0\]\.blocks\[0\]: block {name} is missing$"
+    ):
+        kvtrio.load_cache(manifest)
+
+
+def test_magic_constant_is_stable() -> None:
+    """Changing the magic would orphan every file ever written."""
+    assert MAGIC == b"KVTRIO\r\n" and PREAMBLE.size == 24
