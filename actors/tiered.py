@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import os
 import shutil
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -39,6 +40,7 @@ from typing import Any, Protocol
 
 import attrs
 import trio
+from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import (
     DEFAULT_BLOCK_SIZE,
     ModelKey,
@@ -46,11 +48,15 @@ from kvtrio.actors.prefix import (
     PrefixIndex,
     PrefixMatch,
 )
-from kvtrio.errors import CacheMissError, CorruptCacheError, KvtrioError
+from kvtrio.actors.tier import ColdTier
+from kvtrio.errors import CacheMismatchError, CacheMissError, CorruptCacheError, KvtrioError
+from kvtrio.storage.blockstore import LocalBlockStore
+from kvtrio.storage.format import Header, Layout
 
 __all__ = [
     "ColdEntryInfo",
     "ColdStore",
+    "ColdTierStore",
     "Fetched",
     "OwnerLike",
     "StoreResult",
@@ -58,6 +64,7 @@ __all__ = [
     "TieredPromptCache",
     "TieredStatistics",
     "WritePolicy",
+    "open_tiered_cache",
 ]
 
 
@@ -110,7 +117,13 @@ class ColdStore(Protocol):
     def directory(self) -> Path: ...
 
     async def store(
-        self, key: str, tokens: Sequence[int], caches: list[Any], *, meta: Mapping[str, str]
+        self,
+        key: str,
+        model: ModelKey,
+        tokens: Sequence[int],
+        caches: list[Any],
+        *,
+        meta: Mapping[str, str],
     ) -> StoreResult:
         """Write ``caches`` under ``key``; return once it is durable or settled otherwise."""
         ...
@@ -254,8 +267,13 @@ class TieredPromptCache:
         policy: WritePolicy = WritePolicy.WRITE_BACK,
         min_free_bytes: int = 0,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        flush_on_close: bool = True,
     ) -> AsyncIterator[TieredPromptCache]:
-        """Rebuild the index from ``cold`` and serve; on exit wait for pending writes."""
+        """Rebuild the index from ``cold`` and serve.
+
+        Leaving the block normally writes the hot entries not yet on disk (with
+        ``flush_on_close``, so a graceful restart keeps them) and waits for every write.
+        """
         self = cls(
             owner,
             cold,
@@ -271,6 +289,8 @@ class TieredPromptCache:
             self._nursery = nursery
             try:
                 yield self
+                if flush_on_close:
+                    await self.flush()
                 await self.wait_writes_settled()
             finally:
                 self._nursery = None
@@ -409,7 +429,7 @@ class TieredPromptCache:
         key = record.entry.key
         try:
             caches, nbytes = await self.cold.fetch(key, model=self.model)
-        except (CacheMissError, CorruptCacheError):
+        except (CacheMissError, CorruptCacheError, CacheMismatchError):
             self._count("drops")
             self._forget_cold(record)
             self._maybe_forget(record)
@@ -511,7 +531,9 @@ class TieredPromptCache:
         key = record.entry.key
         try:
             try:
-                result = await self.cold.store(key, record.entry.tokens, caches, meta=meta)
+                result = await self.cold.store(
+                    key, record.entry.model, record.entry.tokens, caches, meta=meta
+                )
             except KvtrioError:
                 result = StoreResult(written=False)
             record.writing = False
@@ -547,3 +569,191 @@ class TieredPromptCache:
             self._count("cold_evictions")
             self._maybe_forget(record)
             await self._remove_cold_file(key)
+
+
+@attrs.frozen
+class _SameModel:
+    """A load expectation: the header names this model id and config fingerprint."""
+
+    model: ModelKey
+
+    def check(self, header: Header) -> None:
+        found = ModelKey(header.model_id or "", header.config_fingerprint or "")
+        if found != self.model:
+            raise CacheMismatchError(f"cache is for {found}, not {self.model}")
+
+
+@attrs.define(eq=False)
+class ColdTierStore:
+    """:class:`ColdStore` over the actors' :class:`~kvtrio.actors.tier.ColdTier`.
+
+    In the blocks layout, entries sharing a prefix share blocks, so deleting a manifest
+    frees only the blocks no other manifest names. The store keeps a reference count per
+    block (rebuilt from the manifests at :meth:`create`, when unreferenced blocks from
+    earlier runs are swept) and deletes a block when its count drops to zero. Writes and
+    sweeps take one lock: a write may re-reference a block a sweep is about to delete.
+    """
+
+    tier: ColdTier
+    _blocks: LocalBlockStore
+    _refs: dict[str, int] = attrs.field(factory=dict)
+    _block_sizes: dict[str, int] = attrs.field(factory=dict)
+    _entry_blocks: dict[str, tuple[str, ...]] = attrs.field(factory=dict)
+    _entry_bytes: dict[str, int] = attrs.field(factory=dict)
+    _lock: trio.Lock = attrs.field(factory=trio.Lock)
+    _usage: int = 0
+
+    @classmethod
+    async def create(cls, tier: ColdTier) -> ColdTierStore:
+        """Index the tier's files and sweep blocks that no manifest names."""
+        self = cls(tier, LocalBlockStore(str(tier.block_dir)))
+        for entry in await tier.list():
+            self._note(entry.key, entry.header, entry.disk_bytes)
+        stored = await trio.to_thread.run_sync(lambda: list(self._blocks.iter_blocks()))
+        orphans = [b.name for b in stored if b.name not in self._refs]
+        if orphans:
+            await trio.to_thread.run_sync(self._blocks.delete_many, orphans)
+        for info in stored:
+            if info.name in self._refs:
+                self._block_sizes[info.name] = info.size
+        self._usage = sum(self._entry_bytes.values()) + sum(self._block_sizes.values())
+        return self
+
+    @property
+    def directory(self) -> Path:
+        return self.tier.root
+
+    def _note(self, key: str, header: Header, file_bytes: int) -> list[str]:
+        names = tuple(ref.sha256 for slot in header.slots() for ref in slot.blocks or ())
+        fresh = []
+        for name, size in (
+            (ref.sha256, ref.nbytes) for slot in header.slots() for ref in slot.blocks or ()
+        ):
+            if name not in self._refs:
+                fresh.append(name)
+                self._refs[name] = 0
+                self._block_sizes[name] = size
+            self._refs[name] += 1
+        self._entry_blocks[key] = names
+        self._entry_bytes[key] = file_bytes
+        return fresh
+
+    async def store(
+        self,
+        key: str,
+        model: ModelKey,
+        tokens: Sequence[int],
+        caches: list[Any],
+        *,
+        meta: Mapping[str, str],
+    ) -> StoreResult:
+        async with self._lock:
+            if key in self._entry_bytes:
+                await self._remove_locked(key)
+            ticket = await self.tier.save(
+                key,
+                tokens,
+                caches,
+                meta=meta,
+                model_id=model.model_id,
+                config_fingerprint=model.fingerprint,
+            )
+            result = await ticket.wait()
+            if not result.written or result.write is None:
+                return StoreResult(written=False)
+            write = result.write
+            fresh = self._note(key, write.header, write.file_bytes)
+            new_bytes = write.file_bytes + sum(self._block_sizes[name] for name in fresh)
+            self._usage += new_bytes
+            dedup = 0
+            if write.header.layout == "blocks":
+                dedup = max(0, write.header.nbytes - write.new_block_bytes)
+            return StoreResult(
+                written=True,
+                disk_bytes=new_bytes,
+                bytes_written=write.file_bytes + write.new_block_bytes,
+                bytes_deduplicated=dedup,
+            )
+
+    async def fetch(self, key: str, *, model: ModelKey) -> tuple[list[Any], int]:
+        restored = await self.tier.load(key, expect=_SameModel(model))
+        return restored.caches, restored.header.nbytes
+
+    async def remove(self, key: str) -> int:
+        async with self._lock:
+            return await self._remove_locked(key)
+
+    async def _remove_locked(self, key: str) -> int:
+        freed = await self.tier.delete(key)
+        self._entry_bytes.pop(key, None)
+        orphans = []
+        for name in self._entry_blocks.pop(key, ()):
+            self._refs[name] -= 1
+            if self._refs[name] == 0:
+                del self._refs[name]
+                orphans.append(name)
+        if orphans:
+            await trio.to_thread.run_sync(self._blocks.delete_many, orphans)
+            freed += sum(self._block_sizes.pop(name) for name in orphans)
+        self._usage -= freed
+        return freed
+
+    async def usage(self) -> int:
+        return self._usage
+
+    async def entries(self) -> list[ColdEntryInfo]:
+        out = []
+        for entry in await self.tier.list():
+            header = entry.header
+            out.append(
+                ColdEntryInfo(
+                    key=entry.key,
+                    model=ModelKey(header.model_id or "", header.config_fingerprint or ""),
+                    tokens=header.tokens,
+                    trimmable=header.trimmable,
+                    min_reusable_offset=header.min_reusable_offset,
+                    mtime=entry.mtime,
+                )
+            )
+        return out
+
+
+@asynccontextmanager
+async def open_tiered_cache(
+    directory: str | os.PathLike[str],
+    model: ModelKey,
+    *,
+    owner: MlxOwner,
+    hot_budget: int,
+    cold_budget: int,
+    policy: WritePolicy = WritePolicy.WRITE_BACK,
+    layout: Layout = "blocks",
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    min_free_bytes: int = 0,
+    shutdown_grace: float = 10.0,
+) -> AsyncIterator[TieredPromptCache]:
+    """A :class:`TieredPromptCache` over a :class:`ColdTier` at ``directory``.
+
+    ``owner`` is the server's MLX owner (model steps and cache work share its thread).
+    The blocks layout stores a shared prefix once; ``block_size`` tokens are both the
+    index's hash-chain block and the layout's token block.
+    """
+    async with ColdTier.open(
+        directory,
+        layout=layout,
+        block_tokens=block_size,
+        owner=owner,
+        shutdown_grace=shutdown_grace,
+    ) as tier:
+        store = await ColdTierStore.create(tier)
+        async with TieredPromptCache.open(
+            owner,
+            store,
+            model,
+            hot_budget=hot_budget,
+            cold_budget=cold_budget,
+            policy=policy,
+            min_free_bytes=min_free_bytes,
+            block_size=block_size,
+        ) as cache:
+            yield cache

@@ -54,7 +54,13 @@ class FakeColdStore:
     sizes: dict[str, int] = attrs.field(factory=dict)
 
     async def store(
-        self, key: str, tokens: Sequence[int], caches: list[Any], *, meta: Mapping[str, str]
+        self,
+        key: str,
+        model: ModelKey,
+        tokens: Sequence[int],
+        caches: list[Any],
+        *,
+        meta: Mapping[str, str],
     ) -> StoreResult:
         if self.fail_stores:
             raise KvtrioError("disk full")
@@ -62,7 +68,7 @@ class FakeColdStore:
         self.clock += 1
         info = ColdEntryInfo(
             key=key,
-            model=self.model,
+            model=model,
             tokens=tuple(tokens),
             trimmable=all(c.is_trimmable() for c in caches),
             min_reusable_offset=max(c.min_reusable_offset for c in caches),

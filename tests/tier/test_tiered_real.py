@@ -1,0 +1,135 @@
+"""TieredPromptCache over the real ColdTier, with the tiny mlx-lm model: bit-exact hits
+from RAM and from disk, restart, shared-prefix dedup and the disk budget on real files."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.prefix import ModelKey
+from kvtrio.actors.tiered import (
+    Tier,
+    TieredPromptCache,
+    WritePolicy,
+    open_tiered_cache,
+)
+from kvtrio.tinymodel import TinyModel, build_tiny_model, make_caches, prefill
+
+BLOCK = 64
+
+
+@pytest.fixture(scope="module")
+def tiny() -> TinyModel:
+    return build_tiny_model(seed=5)
+
+
+def _key(tiny: TinyModel) -> ModelKey:
+    return ModelKey(tiny.model_id, tiny.fingerprint)
+
+
+@asynccontextmanager
+async def _open(
+    directory: Path,
+    tiny: TinyModel,
+    owner: MlxOwner,
+    *,
+    hot_budget: int = 1 << 30,
+    cold_budget: int = 1 << 40,
+    policy: WritePolicy = WritePolicy.WRITE_BACK,
+) -> AsyncIterator[TieredPromptCache]:
+    async with open_tiered_cache(
+        directory,
+        _key(tiny),
+        owner=owner,
+        hot_budget=hot_budget,
+        cold_budget=cold_budget,
+        policy=policy,
+        block_size=BLOCK,
+    ) as cache:
+        yield cache
+
+
+def _prompt(seed: int, n: int, prefix: list[int] | None = None) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    out = list(prefix or [])
+    return out + [rng.randrange(512) for _ in range(n - len(out))]
+
+
+def _disk_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+async def test_hits_from_ram_and_disk_are_bit_exact_and_survive_restart(
+    tmp_path: Path, tiny: TinyModel
+) -> None:
+    prompt = _prompt(1, 200)
+    follow = [*prompt, 7, 8, 9]
+    async with MlxOwner.inline() as owner:
+        live = make_caches(tiny)
+        prefill(tiny, live, prompt)
+        reference = prefill(tiny, copy.deepcopy(live), follow[len(prompt) :])
+        async with _open(tmp_path, tiny, owner) as cache:
+            await cache.insert(prompt, live)
+            hot = await cache.fetch_nearest(follow)
+            assert hot.tier is Tier.HOT and hot.caches is not None
+            assert mx.array_equal(prefill(tiny, hot.caches, hot.remaining), reference)
+        async with _open(tmp_path, tiny, owner) as cache:
+            cold = await cache.fetch_nearest(follow)
+            assert cold.tier is Tier.COLD and cold.caches is not None
+            assert cold.remaining == (7, 8, 9)
+            assert mx.array_equal(prefill(tiny, cold.caches, cold.remaining), reference)
+            assert cache.statistics().bytes_read > 0
+        other = ModelKey(tiny.model_id, "another-fingerprint")
+        async with open_tiered_cache(
+            tmp_path, other, owner=owner, hot_budget=1 << 30, cold_budget=1 << 40
+        ) as cache:
+            assert (await cache.fetch_nearest(follow)).caches is None
+
+
+async def test_shared_prefixes_are_stored_once(tmp_path: Path, tiny: TinyModel) -> None:
+    system = _prompt(2, 2 * BLOCK)
+    async with MlxOwner.inline() as owner:
+        async with _open(tmp_path, tiny, owner, policy=WritePolicy.WRITE_THROUGH) as cache:
+            for seed in (3, 4, 5):
+                tokens = _prompt(seed, 3 * BLOCK + 10, system)
+                caches = make_caches(tiny)
+                prefill(tiny, caches, tokens)
+                await cache.insert(tokens, caches)
+            await cache.wait_writes_settled()
+            stats = cache.statistics()
+        assert stats.bytes_deduplicated > 0
+        assert stats.bytes_written + stats.bytes_deduplicated > stats.bytes_written
+        assert stats.cold_bytes == _disk_bytes(tmp_path / "caches") + _disk_bytes(
+            tmp_path / "blocks"
+        )
+
+
+async def test_disk_budget_holds_on_real_files(tmp_path: Path, tiny: TinyModel) -> None:
+    """The cold tier's bytes on disk exceed the budget by at most the newest entry."""
+    entries: list[tuple[list[int], Any]] = []
+    async with MlxOwner.inline() as owner:
+        for seed in range(6):
+            tokens = _prompt(10 + seed, 150)
+            caches = make_caches(tiny)
+            prefill(tiny, caches, tokens)
+            entries.append((tokens, caches))
+        one = 150 * 2 * 2 * 64 * 4 + 16384  # tokens x layers x (k, v) x head_dim x f32 + header
+        budget = 3 * one
+        async with _open(tmp_path, tiny, owner, hot_budget=0, cold_budget=budget) as cache:
+            for tokens, caches in entries:
+                await cache.insert(tokens, caches)
+                await cache.wait_writes_settled()
+                on_disk = _disk_bytes(tmp_path)
+                assert on_disk <= budget + one
+                assert cache.statistics().cold_bytes == on_disk
+            assert cache.statistics().cold_evictions > 0
+        assert len(os.listdir(tmp_path / "caches")) < len(entries)
