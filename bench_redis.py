@@ -183,7 +183,7 @@ def _dedup(url: str, hosts: int, layers: int, system_tokens: int, user_tokens: i
                             for _ in range(layers))  # fmt: skip
             header = Header(layout="blocks", tokens=tuple(range(tokens)), caches=entries,
                             created_at=time.time())  # fmt: skip
-            pieces = [[memoryview(np.ascontiguousarray(a[:, :, s:e, :])).cast("B")
+            pieces = [[np.ascontiguousarray(a[:, :, s:e, :]).data.cast("B")
                        for s, e in piece_ranges(slot, block_tokens)] for a in arrays]  # fmt: skip
             result = write_blocks(os.path.join(directory, f"host{host}"), header, pieces,
                                   store, block_tokens=block_tokens)  # fmt: skip

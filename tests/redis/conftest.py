@@ -14,7 +14,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import attrs
@@ -96,7 +96,7 @@ class RedisServer:
         return redis.Redis(host="127.0.0.1", port=self.port, db=db)
 
 
-def _start(directory: Path, *extra: str) -> Iterator[RedisServer]:
+def _start(directory: Path, *extra: str) -> Generator[RedisServer, None, None]:
     pytest.importorskip("redis", reason="redis-py is not installed (pip install 'kvtrio[test]')")
     if REDIS_SERVER is None:
         pytest.skip("no redis-server binary on PATH (apt install redis-server)")

@@ -74,6 +74,7 @@ def test_redis_manifest_tampered_is_corrupt(redis_url: str) -> None:
     store = RedisManifestStore.open(redis_url)
     store.put("m", b"manifest bytes")
     raw = store.client.get(store.manifest_key("m"))
+    assert isinstance(raw, bytes)
     store.client.set(store.manifest_key("m"), raw[:-1] + b"X")
     with pytest.raises(CorruptCacheError, match=r"^manifest m: content does not match its sha256$"):
         store.get("m")
