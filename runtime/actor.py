@@ -250,7 +250,10 @@ class ActorRef(Generic[M]):
             await mailbox.send.send(msg)
         except trio.ClosedResourceError:
             raise mailbox.refusal() from None
-        mailbox.accepted()
+        depth = mailbox.depth + 1
+        mailbox.depth = depth
+        if depth > mailbox.peak:
+            mailbox.peak = depth
 
     def tell_nowait(self, msg: M) -> None:
         """Put ``msg`` in the mailbox or raise :class:`trio.WouldBlock` if it is full."""
