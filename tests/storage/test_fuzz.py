@@ -1,0 +1,134 @@
+"""Fuzzing untrusted input: only CorruptCacheError ever escapes, allocations stay bounded.
+
+Invariant 4: a reader never trusts a header field it has not bounds-checked. Mutations and
+truncations of valid files, structurally mutated headers re-sealed with a correct hash
+(so validation, not the hash, must catch them) and random headers. ~10 s here; the drills
+run the long version.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import kvtrio
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvtrio.errors import CacheMismatchError, CacheMissError, CorruptCacheError
+from kvtrio.storage.format import PREAMBLE, align_up, encode_preamble
+from kvtrio.storage.reader import read_header
+
+from .conftest import BUILDERS
+
+SETTINGS = settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@pytest.fixture(scope="module")
+def valid_files(tmp_path_factory: Any) -> dict[str, bytes]:
+    d = tmp_path_factory.mktemp("fuzz")
+    caches = [BUILDERS["kv"](), BUILDERS["rotating_wrapped"](), BUILDERS["list"]()]
+    kvtrio.save_cache(d / "s.kvt", [1, 2, 3], caches)
+    kvtrio.save_cache(d / "b.kvt", [1, 2, 3], caches, layout="blocks", block_tokens=128)
+    return {"single": (d / "s.kvt").read_bytes(), "blocks": (d / "b.kvt").read_bytes()}
+
+
+def _load_is_safe(path: Path, raw: bytes) -> None:
+    path.write_bytes(raw)
+    try:
+        cache_file = read_header(str(path))
+    except CorruptCacheError:
+        return
+    if cache_file.header.layout == "single":
+        # Everything the reader will allocate fits inside the file.
+        assert cache_file.header.nbytes <= len(raw)
+    try:
+        kvtrio.load_cache(path)
+    except (CorruptCacheError, CacheMissError, CacheMismatchError):
+        pass
+
+
+def _reseal(raw: bytes, doc: Any) -> bytes:
+    _, _, header_len, _ = PREAMBLE.unpack_from(raw)
+    data = raw[align_up(PREAMBLE.size + header_len) :]
+    body = json.dumps(doc).encode()
+    prefix = encode_preamble(body) + body
+    return prefix + bytes(align_up(len(prefix)) - len(prefix)) + data
+
+
+def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix]
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc[:3]):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+def _set(doc: Any, path: tuple[Any, ...], value: Any) -> Any:
+    if not path:
+        return value
+    parent = doc
+    for key in path[:-1]:
+        parent = parent[key]
+    parent[path[-1]] = value
+    return doc
+
+
+@SETTINGS
+@given(layout=st.sampled_from(["single", "blocks"]), data=st.data())
+def test_fuzz_byte_mutations(
+    tmp_path: Path, valid_files: dict[str, bytes], layout: str, data: st.DataObject
+) -> None:
+    raw = bytearray(valid_files[layout])
+    for _ in range(data.draw(st.integers(1, 4))):
+        pos = data.draw(st.integers(0, len(raw) - 1))
+        raw[pos] = data.draw(st.integers(0, 255))
+    _load_is_safe(tmp_path / "f.kvt", bytes(raw))
+
+
+@SETTINGS
+@given(layout=st.sampled_from(["single", "blocks"]), data=st.data())
+def test_fuzz_truncations(
+    tmp_path: Path, valid_files: dict[str, bytes], layout: str, data: st.DataObject
+) -> None:
+    raw = valid_files[layout]
+    _load_is_safe(tmp_path / "t.kvt", raw[: data.draw(st.integers(0, len(raw) - 1))])
+
+
+@SETTINGS
+@given(layout=st.sampled_from(["single", "blocks"]), data=st.data(), value=json_values)
+def test_fuzz_resealed_header_mutations(
+    tmp_path: Path, valid_files: dict[str, bytes], layout: str, data: st.DataObject, value: Any
+) -> None:
+    """A header changed anywhere and re-sealed: validation alone must hold the line."""
+    raw = valid_files[layout]
+    _, _, header_len, _ = PREAMBLE.unpack_from(raw)
+    doc = json.loads(raw[PREAMBLE.size : PREAMBLE.size + header_len])
+    path = data.draw(st.sampled_from(_paths(doc)))
+    _load_is_safe(tmp_path / "h.kvt", _reseal(raw, _set(doc, path, value)))
+
+
+@SETTINGS
+@given(doc=json_values)
+def test_fuzz_random_headers(tmp_path: Path, valid_files: dict[str, bytes], doc: Any) -> None:
+    _load_is_safe(tmp_path / "r.kvt", _reseal(valid_files["single"], doc))
