@@ -38,8 +38,18 @@ class WriterStatistics:
 
 
 @attrs.define(eq=False)
+class _Box:
+    result: WriteResult | None = None
+
+
+@attrs.define(eq=False)
 class Writer:
-    """Publishes cache files (``single``) and manifests over blocks (``blocks``)."""
+    """Publishes cache files (``single``) and manifests over blocks (``blocks``).
+
+    A write cancelled after its last boundary (fsync and rename already done) is
+    durable: ``write_*`` then returns its result instead of raising, so a caller never
+    calls a published file cancelled; the caller's next checkpoint raises Cancelled.
+    """
 
     offload: Offload
     file_ops: FileOps = OS_FILE_OPS
@@ -75,9 +85,15 @@ class Writer:
         )
 
     def _single_job(
-        self, token: CancelToken, path: str, plan: Header, tensors: Sequence[memoryview]
+        self,
+        token: CancelToken,
+        path: str,
+        plan: Header,
+        tensors: Sequence[memoryview],
+        box: _Box,
     ) -> WriteResult:
-        return write_single(path, plan, tensors, file_ops=self.file_ops, cancel=token)
+        box.result = write_single(path, plan, tensors, file_ops=self.file_ops, cancel=token)
+        return box.result
 
     def _blocks_job(
         self,
@@ -85,9 +101,10 @@ class Writer:
         path: str,
         plan: Header,
         pieces: Sequence[Sequence[memoryview]],
+        box: _Box,
     ) -> WriteResult:
         assert self.block_store is not None
-        return write_blocks(
+        box.result = write_blocks(
             path,
             plan,
             pieces,
@@ -96,20 +113,26 @@ class Writer:
             file_ops=self.file_ops,
             cancel=token,
         )
+        return box.result
 
     async def _run(
         self,
-        job: Callable[[CancelToken, str, Header, D], WriteResult],
+        job: Callable[[CancelToken, str, Header, D, _Box], WriteResult],
         path: str,
         plan: Header,
         data: D,
     ) -> WriteResult:
         self._running += 1
+        box = _Box()
         try:
-            result = await self.offload.run(job, path, plan, data)
+            result = await self.offload.run(job, path, plan, data, box)
         except trio.Cancelled:
-            self._cancelled += 1
-            raise
+            if box.result is None:
+                self._cancelled += 1
+                raise
+            # The job finished (durably) before it could see the cancel: report the truth.
+            # The caller's next checkpoint raises the cancellation again.
+            result = box.result
         except BaseException:
             self._failed += 1
             raise
