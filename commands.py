@@ -9,4 +9,5 @@ from __future__ import annotations
 __all__: list[str] = []
 import kvtrio.bench_redis  # noqa: F401  (kvtrio bench redis)
 import kvtrio.bench_runtime  # (kvtrio bench runtime)
+import kvtrio.showcase  # (kvtrio showcase, and kvtrio demo until the full demo lands)
 import kvtrio.drill  # noqa: F401  (kvtrio drill)

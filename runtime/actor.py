@@ -223,10 +223,13 @@ class Mailbox(Generic[M]):
         self.send.close()
 
     def accepted(self) -> None:
+        """Count a message into the mailbox. A sender woken from a full mailbox may count
+        before the receiver counts the message it took out, so clamp the peak to the size
+        (the true depth at that moment)."""
         depth = self.depth + 1
         self.depth = depth
         if depth > self.peak:
-            self.peak = depth
+            self.peak = min(depth, self.size)
 
 
 class ActorRef(Generic[M]):
@@ -250,10 +253,7 @@ class ActorRef(Generic[M]):
             await mailbox.send.send(msg)
         except trio.ClosedResourceError:
             raise mailbox.refusal() from None
-        depth = mailbox.depth + 1
-        mailbox.depth = depth
-        if depth > mailbox.peak:
-            mailbox.peak = depth
+        mailbox.accepted()
 
     def tell_nowait(self, msg: M) -> None:
         """Put ``msg`` in the mailbox or raise :class:`trio.WouldBlock` if it is full."""
