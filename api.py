@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 from kvtrio.errors import CacheMismatchError
@@ -39,7 +39,15 @@ from kvtrio.storage.format import Header, Layout
 from kvtrio.storage.reader import allocate_buffers, read_header, read_tensors
 from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult, write_blocks, write_single
 
-__all__ = ["Expect", "LoadedCache", "default_block_store", "load_cache", "save_cache"]
+__all__ = [
+    "Expect",
+    "LoadedCache",
+    "default_block_store",
+    "export_mlx_lm",
+    "import_mlx_lm",
+    "load_cache",
+    "save_cache",
+]
 
 LoadedCache = Restored
 
@@ -177,3 +185,52 @@ def load_cache(
     views = [[memoryview(b) for b in pieces] for pieces in buffers]
     read_tensors(cache_file, views, store=store, verify=verify)
     return restore(cache_file.header, buffers)
+
+
+def import_mlx_lm(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    tokens: Sequence[int] = (),
+    meta: Mapping[str, Any] | None = None,
+    layout: Layout = "single",
+) -> WriteResult:
+    """Convert an mlx-lm prompt-cache file (``save_prompt_cache``) into a kvtrio cache.
+
+    mlx-lm files carry no token list: pass ``tokens`` to make the result findable by
+    prefix. mlx-lm's string metadata is kept in the header's ``meta`` (``meta`` overrides).
+    """
+    from mlx_lm.models import cache as mlx_cache
+
+    caches, metadata = cast(Any, mlx_cache).load_prompt_cache(os.fspath(src), return_metadata=True)
+    merged: dict[str, Any] = {str(k): str(v) for k, v in dict(metadata or {}).items()}
+    merged.update(meta or {})
+    return save_cache(dst, tokens, caches, meta=merged, layout=layout)
+
+
+def export_mlx_lm(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+) -> LoadedCache:
+    """Write a kvtrio cache as an mlx-lm ``.safetensors`` prompt-cache file.
+
+    The header's ``meta`` becomes mlx-lm metadata, plus ``model_id``,
+    ``config_fingerprint`` and ``tokens`` (JSON) when present. Attachments have no place
+    in mlx-lm's format and are not exported. Returns the loaded cache.
+    """
+    import json
+
+    from mlx_lm.models.cache import save_prompt_cache
+
+    loaded = load_cache(src, verify=verify)
+    header = loaded.header
+    metadata = dict(header.meta)
+    if header.model_id is not None:
+        metadata["model_id"] = header.model_id
+    if header.config_fingerprint is not None:
+        metadata["config_fingerprint"] = header.config_fingerprint
+    metadata["tokens"] = json.dumps(list(header.tokens))
+    save_prompt_cache(os.fspath(dst), loaded.caches, metadata=metadata)
+    return loaded
