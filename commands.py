@@ -1,13 +1,29 @@
 """Imports the modules that register CLI subcommands and benchmarks in :mod:`kvtrio.cli`.
 
-Each listed module calls ``kvtrio.cli.COMMANDS[...] = ...`` or ``kvtrio.cli.BENCHES[...] = ...``
-at import time. Add a module here when it adds a command.
+Each listed module sets ``kvtrio.cli.COMMANDS[...]`` or ``kvtrio.cli.BENCHES[...]`` at import
+time. Add a module's name to :data:`COMMAND_MODULES` when it adds a command.
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
-import kvtrio.bench_redis  # noqa: F401  (kvtrio bench redis)
-import kvtrio.bench_runtime  # (kvtrio bench runtime)
-import kvtrio.showcase  # (kvtrio showcase, and kvtrio demo until the full demo lands)
-import kvtrio.drill  # noqa: F401  (kvtrio drill)
+import importlib
+
+__all__ = ["COMMAND_MODULES", "load_all"]
+
+COMMAND_MODULES: tuple[str, ...] = (
+    "kvtrio.showcase",  # kvtrio showcase
+    "kvtrio.demo",  # kvtrio demo (the main job)
+    "kvtrio.drill",  # kvtrio drill ...
+    "kvtrio.bench_runtime",  # kvtrio bench runtime
+    "kvtrio.bench_redis",  # kvtrio bench redis
+    "kvtrio.bench_attention",  # kvtrio bench attention
+)
+
+
+def load_all() -> None:
+    """Import every command module (each registers itself on import)."""
+    for name in COMMAND_MODULES:
+        importlib.import_module(name)
+
+
+load_all()
