@@ -289,6 +289,7 @@ class ActorSystem:
         mailbox.receive.close()
         mailbox.state = ActorState.STOPPED
         cell.stopped.set()
+        self._note_stopped()
 
     def _record(self, actor: str, event: str, message: object) -> None:
         if self.trace is not None:
@@ -334,21 +335,31 @@ class ActorSystem:
                 await cell.stopped.wait()
         self._stopped.set()
 
+    def request_shutdown(self, *, grace: float | None = None) -> None:
+        """Start :meth:`shutdown` in the background and return at once.
+
+        This is how an actor shuts the system down: awaiting ``shutdown`` inside a handler
+        would wait for that very handler to finish.
+        """
+        if self._nursery is None:
+            raise RuntimeError(f"actor system {self.name!r} is not running (use async with)")
+        self._nursery.start_soon(self._shutdown_task, grace)
+
+    async def _shutdown_task(self, grace: float | None) -> None:
+        await self.shutdown(grace=grace)
+
     def cancel(self) -> None:
         """Stop intake and cancel every actor now, without draining."""
         self._shutdown_started = True
         self._stop_intake()
         for cell in self._cells.values():
             cell.scope.cancel()
-        if all(cell.stopped.is_set() for cell in self._cells.values()):
-            self._stopped.set()
-        elif self._nursery is not None:
-            self._nursery.start_soon(self._wait_all_stopped)
+        self._note_stopped()
 
-    async def _wait_all_stopped(self) -> None:
-        for cell in list(self._cells.values()):
-            await cell.stopped.wait()
-        self._stopped.set()
+    def _note_stopped(self) -> None:
+        """Once shutdown began and every actor has stopped, wake ``wait_stopped``."""
+        if self._shutdown_started and all(c.stopped.is_set() for c in self._cells.values()):
+            self._stopped.set()
 
     def _stop_intake(self) -> None:
         self._intake.open = False

@@ -7,7 +7,7 @@ import math
 import pytest
 import trio
 import trio.testing
-from kvtrio.errors import ActorStopped, ShuttingDown
+from kvtrio.errors import ActorCrashed, ActorStopped, ShuttingDown
 from kvtrio.runtime.actor import ActorState
 from kvtrio.runtime.system import ActorSystem
 from kvtrio.runtime.testing import Trace
@@ -139,3 +139,44 @@ async def test_leaving_the_block_drains_and_cancel_skips_the_drain(
     stats = ref.statistics()
     assert (stats.processed, stats.dropped) == (0, 3)
     assert trio.current_time() == 3.0
+
+
+class _FailsToStart(Counter):
+    async def on_start(self) -> None:
+        raise OSError("no disk")
+
+
+async def test_spawn_raises_actor_crashed_when_the_first_on_start_fails() -> None:
+    """A failing on_start surfaces at spawn (with its cause), not later as a silent stop."""
+    async with ActorSystem() as system:
+        with pytest.raises(ActorCrashed, match=r"^actor 'bad' crashed$") as info:
+            await system.spawn(_FailsToStart(), name="bad")
+        assert isinstance(info.value.__cause__, OSError)
+        with pytest.raises(ActorStopped):
+            await system.lookup("bad").tell(Add(1))
+        ok = await system.spawn(Counter(), name="ok")  # the system itself is unharmed
+        assert await ok.ask(Get) == 0
+
+
+class _Quitter(Counter):
+    async def handle(self, msg: object) -> None:
+        await super().handle(msg)  # type: ignore[arg-type]
+        if isinstance(msg, Add) and msg.n < 0:
+            self.system.request_shutdown(grace=10.0)
+
+
+async def test_an_actor_can_request_shutdown_of_its_own_system(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """request_shutdown from a handler drains the system (awaiting shutdown there would
+    wait on the handler itself)."""
+    async with ActorSystem() as system:
+        worker = await system.spawn(Counter(), name="worker")
+        quitter = await system.spawn(_Quitter(), name="quitter")
+        worker.tell_nowait(Sleep(3.0))
+        worker.tell_nowait(Add(1))
+        quitter.tell_nowait(Add(-1))
+        await system.wait_stopped()
+        assert trio.current_time() == 3.0
+        assert worker.statistics().processed == 2
+        assert system.statistics().shutting_down
