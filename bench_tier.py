@@ -1,0 +1,320 @@
+"""``kvtrio bench tier``: the cold tier end to end, against the disk and against mlx-lm.
+
+One run, one directory, the same cache (``--size-mib`` of float16 KV tensors across
+``--tensors`` tensors, offsets off the 256-token allocation step like a real cache):
+
+- save: ``tier.save`` -> ticket WRITTEN (snapshot, materialize, hash, write, fsync,
+  rename, fsync dir) GB/s vs an O_DIRECT write + fsync of the same number of bytes in the
+  same directory, and vs mlx-lm's ``save_prompt_cache`` (+ fsync, so both are durable);
+- load: cold (the file's pages dropped with ``posix_fadvise(DONTNEED)`` first)
+  ``tier.load`` GB/s (verified, arrays built) vs an O_DIRECT read of the same bytes, and
+  vs mlx-lm's ``load_prompt_cache`` (arrays evaluated), also cold;
+- event-loop lag: a 1 ms heartbeat task's lateness p50/p99/max while the tier saves and
+  loads, next to the same heartbeat while mlx-lm's save and load run in the loop (how a
+  server calling mlx-lm from its event loop behaves), and idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import trio
+from kvtrio import cli
+from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.tier import ColdTier
+
+__all__ = ["run_bench"]
+
+T = TypeVar("T")
+HEADS, HEAD_DIM = 8, 128
+TOKEN_BYTES = HEADS * HEAD_DIM * 2  # float16
+_IO_CHUNK = 16 * 1024 * 1024
+
+
+def _make_caches(size_bytes: int, tensors: int) -> tuple[list[Any], list[int]]:
+    """KV caches of about ``size_bytes`` in ``tensors`` tensors (owner thread)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    layers = max(1, tensors // 2)
+    per_tensor = size_bytes // (2 * layers)
+    tokens = max(1, per_tensor // TOKEN_BYTES - 37)  # a real cache's offset is rarely aligned
+    allocated = -(-tokens // KVCache.step) * KVCache.step
+    mx.random.seed(0)
+    caches = []
+    for _ in range(layers):
+        cache = KVCache()  # type: ignore[no-untyped-call]
+        shape = (1, HEADS, allocated, HEAD_DIM)
+        cache.keys = mx.random.normal(shape).astype(mx.float16)
+        cache.values = mx.random.normal(shape).astype(mx.float16)
+        cache.offset = tokens
+        mx.eval(cache.keys, cache.values)
+        caches.append(cache)
+    return caches, list(range(tokens))
+
+
+def _drop_pages(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _odirect_write(path: str, nbytes: int) -> float:
+    buf = mmap.mmap(-1, _IO_CHUNK)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(_IO_CHUNK))
+    rounded = -(-nbytes // 4096) * 4096
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        done = 0
+        while done < rounded:
+            n = min(_IO_CHUNK, rounded - done)
+            done += os.pwrite(fd, memoryview(buf)[:n], done)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dir_fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    os.fsync(dir_fd)
+    os.close(dir_fd)
+    return time.perf_counter() - start
+
+
+def _odirect_read(path: str) -> float:
+    buf = mmap.mmap(-1, _IO_CHUNK)
+    _drop_pages(path)
+    start = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        offset = 0
+        while True:
+            n = os.preadv(fd, [buf], offset)
+            if n <= 0:
+                break
+            offset += n
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+class Heartbeat:
+    """A task that sleeps 1 ms at a time and records how late each wake-up was."""
+
+    def __init__(self, period: float = 0.001) -> None:
+        self.period = period
+        self.lateness: list[float] = []
+        self.active = False
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            due = trio.current_time() + self.period
+            await trio.sleep_until(due)
+            if self.active:
+                self.lateness.append(max(0.0, trio.current_time() - due))
+
+    async def measure(self, fn: Callable[[], Awaitable[T]]) -> tuple[T, float, list[float]]:
+        """Run ``fn`` with the heartbeat recording; return its result, seconds, lateness."""
+        self.lateness = []
+        self.active = True
+        await trio.sleep(0.01)
+        start = time.perf_counter()
+        try:
+            result = await fn()
+        finally:
+            elapsed = time.perf_counter() - start
+            await trio.sleep(0.01)  # one more beat: the one an inline call delayed
+            self.active = False
+        return result, elapsed, self.lateness
+
+
+def _lag(samples: list[float]) -> dict[str, float]:
+    if not samples:
+        return {"p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0, "beats": 0}
+    ordered = sorted(samples)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return {
+        "p50_ms": statistics.median(ordered) * 1e3,
+        "p99_ms": p99 * 1e3,
+        "max_ms": ordered[-1] * 1e3,
+        "beats": len(ordered),
+    }
+
+
+async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
+    size = int(args.size_mib) * 1024 * 1024
+    figures: dict[str, Any] = {"directory": str(directory)}
+    heartbeat = Heartbeat()
+    async with MlxOwner.dedicated() as owner, trio.open_nursery() as nursery:
+        await nursery.start(heartbeat.run)
+        made: tuple[list[Any], list[int]] = await owner.run(_make_caches, size, args.tensors)
+        caches, tokens = made
+        _, _, idle = await heartbeat.measure(lambda: trio.sleep(0.5))
+
+        # -- kvtrio ----------------------------------------------------------------------
+        async with ColdTier.open(directory / "tier", owner=owner) as tier:
+
+            async def save() -> Any:
+                ticket = await tier.save("bench", tokens, caches)
+                result = await ticket.wait()
+                if not result.written:
+                    raise RuntimeError(f"bench save did not write: {result}")
+                return ticket
+
+            ticket, save_s, save_lag = await heartbeat.measure(save)
+            path = tier.path_of("bench")
+            file_bytes = path.stat().st_size
+            await trio.to_thread.run_sync(_drop_pages, path)
+            loaded, load_s, load_lag = await heartbeat.measure(lambda: tier.load("bench"))
+            del loaded
+        nbytes = ticket.nbytes
+        figures["cache"] = {
+            "tensor_bytes": nbytes,
+            "tensors": 2 * len(caches),
+            "file_bytes": file_bytes,
+            "tokens": len(tokens),
+        }
+
+        # -- O_DIRECT, same size, same directory -----------------------------------------
+        raw = str(directory / "odirect.bin")
+        odirect_write_s = await trio.to_thread.run_sync(_odirect_write, raw, file_bytes)
+        odirect_read_s = await trio.to_thread.run_sync(_odirect_read, raw)
+        os.unlink(raw)
+
+        # -- mlx-lm, called in the event loop as a server would ---------------------------
+        from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+        st = str(directory / "mlx-lm.safetensors")
+
+        async def mlx_save() -> None:
+            save_prompt_cache(st, caches)
+            fd = os.open(st, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+            await trio.lowlevel.checkpoint()
+
+        async def mlx_load() -> None:
+            import mlx.core as mx
+
+            restored = load_prompt_cache(st)  # type: ignore[no-untyped-call]
+            mx.eval([c.state for c in restored])
+            await trio.lowlevel.checkpoint()
+
+        _, mlx_save_s, mlx_save_lag = await heartbeat.measure(mlx_save)
+        _drop_pages(st)
+        _, mlx_load_s, mlx_load_lag = await heartbeat.measure(mlx_load)
+        os.unlink(st)
+        caches.clear()
+        nursery.cancel_scope.cancel()
+
+    gb = nbytes / 1e9
+    figures["gb_per_s"] = {
+        "kvtrio_save": gb / save_s,
+        "odirect_write": gb / odirect_write_s,
+        "mlx_lm_save": gb / mlx_save_s,
+        "kvtrio_load": gb / load_s,
+        "odirect_read": gb / odirect_read_s,
+        "mlx_lm_load": gb / mlx_load_s,
+    }
+    g = figures["gb_per_s"]
+    figures["ratios"] = {
+        "save_vs_odirect": g["kvtrio_save"] / g["odirect_write"],
+        "save_vs_mlx_lm": g["kvtrio_save"] / g["mlx_lm_save"],
+        "load_vs_odirect": g["kvtrio_load"] / g["odirect_read"],
+        "load_vs_mlx_lm": g["kvtrio_load"] / g["mlx_lm_load"],
+    }
+    figures["heartbeat_lateness"] = {
+        "idle": _lag(idle),
+        "kvtrio_save_load": _lag(save_lag + load_lag),
+        "mlx_lm_save_load_inline": _lag(mlx_save_lag + mlx_load_lag),
+    }
+    return figures
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure and return the figures (see the module docstring)."""
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kvtrio-bench-tier-", dir=args.dir) as tmp:
+        return trio.run(_bench, args, Path(tmp))
+
+
+def _print(figures: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c, g, r = figures["cache"], figures["gb_per_s"], figures["ratios"]
+    console = Console()
+    table = Table(
+        title=f"kvtrio cold tier: {c['tensor_bytes'] / 2**30:.2f} GiB in {c['tensors']} "
+        f"tensors, {c['tokens']} tokens (GB/s; ratio = kvtrio / reference)"
+    )
+    for column in ("", "kvtrio", "O_DIRECT", "ratio", "mlx-lm", "ratio"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        "save (durable)",
+        f"{g['kvtrio_save']:.2f}",
+        f"{g['odirect_write']:.2f}",
+        f"{r['save_vs_odirect']:.2f}x",
+        f"{g['mlx_lm_save']:.2f}",
+        f"{r['save_vs_mlx_lm']:.2f}x",
+    )
+    table.add_row(
+        "load (cold)",
+        f"{g['kvtrio_load']:.2f}",
+        f"{g['odirect_read']:.2f}",
+        f"{r['load_vs_odirect']:.2f}x",
+        f"{g['mlx_lm_load']:.2f}",
+        f"{r['load_vs_mlx_lm']:.2f}x",
+    )
+    console.print(table)
+    lag = Table(title="1 ms heartbeat lateness during save + load (ms)")
+    for column in ("", "p50", "p99", "max", "beats"):
+        lag.add_column(column, justify="right")
+    for name, label in (
+        ("idle", "idle"),
+        ("kvtrio_save_load", "kvtrio tier"),
+        ("mlx_lm_save_load_inline", "mlx-lm in the loop"),
+    ):
+        row = figures["heartbeat_lateness"][name]
+        lag.add_row(
+            label,
+            f"{row['p50_ms']:.2f}",
+            f"{row['p99_ms']:.2f}",
+            f"{row['max_ms']:.1f}",
+            str(row["beats"]),
+        )
+    console.print(lag)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size-mib", type=int, default=1024, help="cache size, MiB (1024)")
+    parser.add_argument("--tensors", type=int, default=64, help="number of tensors (64)")
+    parser.add_argument("--dir", help="directory on the disk to measure (default: the tmp dir)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    figures = run_bench(args)
+    if args.json:
+        print(json.dumps(figures, indent=2))
+    else:
+        _print(figures)
+    return 0
+
+
+cli.BENCHES["tier"] = (
+    "cold tier: save/load GB/s vs O_DIRECT and mlx-lm; event-loop lag during both",
+    _add_arguments,
+    _run,
+)
