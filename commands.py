@@ -13,6 +13,7 @@ __all__ = ["COMMAND_MODULES", "load_all"]
 COMMAND_MODULES: tuple[str, ...] = (
     "kvtrio.showcase",  # kvtrio showcase
     "kvtrio.demo",  # kvtrio demo (the main job)
+    "kvtrio.cli_tools",  # kvtrio inspect / verify / gc
     "kvtrio.drill",  # kvtrio drill ...
     "kvtrio.bench_runtime",  # kvtrio bench runtime
     "kvtrio.bench_redis",  # kvtrio bench redis

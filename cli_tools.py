@@ -1,0 +1,382 @@
+"""Operator commands over cache files: ``kvtrio inspect``, ``kvtrio verify``, ``kvtrio gc``.
+
+They work on what kvtrio writes: a single cache file or manifest (``inspect``), and a
+directory that is either a cold tier's root (``caches/`` and ``blocks/`` inside) or a
+directory of cache files with an optional ``blocks/`` beside them (``verify``, ``gc``).
+The checking and collecting are the storage layer's routines
+(:func:`~kvtrio.storage.maintenance.verify_tree`,
+:func:`~kvtrio.storage.maintenance.collect_garbage`); these commands find the
+directories, show progress and print the results as tables (or ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+from kvtrio import cli
+from kvtrio.errors import CorruptCacheError
+from kvtrio.storage.blockstore import LocalBlockStore
+from kvtrio.storage.fileops import OS_FILE_OPS, OsFileOps
+from kvtrio.storage.format import CacheEntry, Header, TensorSlot
+from kvtrio.storage.maintenance import collect_garbage, verify_tree
+from kvtrio.storage.reader import read_header
+
+__all__ = ["TreeLayout", "find_tree", "header_json"]
+
+T = TypeVar("T")
+
+
+@attrs.frozen
+class TreeLayout:
+    """Where a directory keeps its cache files (or manifests) and its blocks."""
+
+    manifest_dir: Path
+    block_dir: Path | None
+
+
+def find_tree(directory: Path) -> TreeLayout:
+    """A cold tier root (``caches/`` inside) or a directory of cache files."""
+    caches = directory / "caches"
+    root = caches if caches.is_dir() else directory
+    for blocks in (directory / "blocks", root / "blocks"):
+        if blocks.is_dir():
+            return TreeLayout(root, blocks)
+    return TreeLayout(root, None)
+
+
+@contextmanager
+def _status(text: str, quiet: bool) -> Iterator[None]:
+    if quiet:
+        yield
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True
+    ) as progress:
+        progress.add_task(text, total=None)
+        yield
+
+
+def _timed(fn: Callable[[], T]) -> tuple[T, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+# -- inspect -----------------------------------------------------------------------------
+
+
+def _slot_json(slot: TensorSlot) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "shape": list(slot.shape),
+        "dtype": slot.dtype,
+        "bytes": slot.nbytes,
+    }
+    if slot.off is not None:
+        out["offset"] = slot.off
+    if slot.xxh3 is not None:
+        out["xxh3"] = slot.xxh3
+    if slot.blocks is not None:
+        out["blocks"] = [{"sha256": b.sha256, "bytes": b.nbytes} for b in slot.blocks]
+    return out
+
+
+def _entry_json(entry: CacheEntry) -> dict[str, Any]:
+    return {
+        "kind": entry.kind,
+        "offset": entry.offset,
+        "min_reusable_offset": entry.min_reusable_offset,
+        "trimmable": entry.trimmable,
+        "fields": {k: v for k, v in entry.fields.items()},
+        "tensors": [_slot_json(s) for s in entry.tensors],
+        "children": [_entry_json(c) for c in entry.children],
+    }
+
+
+def header_json(header: Header) -> dict[str, Any]:
+    """A header as plain JSON values (what ``kvtrio inspect --json`` prints)."""
+    return {
+        "format_version": header.format_version,
+        "codec": header.codec,
+        "layout": header.layout,
+        "model_id": header.model_id,
+        "config_fingerprint": header.config_fingerprint,
+        "created_at": header.created_at,
+        "tokens": len(header.tokens),
+        "block_tokens": header.block_tokens,
+        "trimmable": header.trimmable,
+        "min_reusable_offset": header.min_reusable_offset,
+        "tensor_bytes": header.nbytes,
+        "meta": dict(header.meta),
+        "caches": [_entry_json(e) for e in header.caches],
+        "attachments": [
+            {
+                "schema": a.schema,
+                "metadata": dict(a.metadata),
+                "tensors": [_slot_json(s) for s in a.tensors],
+            }
+            for a in header.attachments
+        ],
+    }
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} B"
+
+
+def _print_header(path: str, header: Header, file_size: int, tokens: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    summary = Table(title=path, show_header=False)
+    summary.add_column("field")
+    summary.add_column("value")
+    created = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(header.created_at))
+    for name, value in (
+        ("format version", str(header.format_version)),
+        ("codec", header.codec),
+        (
+            "layout",
+            header.layout
+            + (f" ({header.block_tokens} tokens a block)" if header.block_tokens else ""),
+        ),
+        ("model id", header.model_id or "-"),
+        ("config fingerprint", header.config_fingerprint or "-"),
+        ("created", created),
+        ("tokens", f"{len(header.tokens):,}"),
+        ("trimmable", "yes" if header.trimmable else "no"),
+        ("minimum reusable offset", str(header.min_reusable_offset)),
+        ("tensor bytes", _fmt_bytes(header.nbytes)),
+        ("file bytes", _fmt_bytes(file_size)),
+        *((f"meta {k}", v) for k, v in sorted(header.meta.items())),
+    ):
+        summary.add_row(name, value)
+    console.print(summary)
+    if tokens:
+        console.print(f"tokens: {list(header.tokens)}")
+
+    layers = Table(title="layers")
+    for column in ("#", "kind", "offset", "min reusable", "trimmable", "fields", "tensors"):
+        layers.add_column(column)
+
+    def add(entry: CacheEntry, label: str) -> None:
+        fields = ", ".join(f"{k}={v}" for k, v in entry.fields.items())
+        layers.add_row(
+            label,
+            entry.kind,
+            str(entry.offset),
+            str(entry.min_reusable_offset),
+            "yes" if entry.trimmable else "no",
+            fields,
+            str(len(entry.tensors)),
+        )
+        for k, child in enumerate(entry.children):
+            add(child, f"{label}.{k}")
+
+    for i, entry in enumerate(header.caches):
+        add(entry, str(i))
+    console.print(layers)
+
+    tensors = Table(title="tensors")
+    for column in ("slot", "shape", "dtype", "bytes", "where", "hash"):
+        tensors.add_column(column)
+    for index, slot in enumerate(header.slots()):
+        if slot.blocks is not None:
+            where = f"{len(slot.blocks)} blocks"
+            digest = slot.blocks[0].sha256[:16] + "..." if slot.blocks else "-"
+        else:
+            where = f"@{slot.off}"
+            digest = slot.xxh3 or "-"
+        tensors.add_row(
+            str(index), str(tuple(slot.shape)), slot.dtype, _fmt_bytes(slot.nbytes), where, digest
+        )
+    console.print(tensors)
+
+    if header.attachments:
+        attached = Table(title="attachments")
+        for column in ("schema", "metadata", "tensors"):
+            attached.add_column(column)
+        for a in header.attachments:
+            meta = ", ".join(f"{k}={v}" for k, v in sorted(a.metadata.items()))
+            attached.add_row(a.schema, meta, str(len(a.tensors)))
+        console.print(attached)
+
+
+def _inspect_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", type=Path, help="a cache file or manifest (.kvc)")
+    parser.add_argument("--json", action="store_true", help="print the header as JSON")
+    parser.add_argument("--tokens", action="store_true", help="also print the token ids")
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    try:
+        cache_file = read_header(str(args.file))
+    except (CorruptCacheError, OSError) as exc:
+        print(f"kvtrio inspect: {args.file}: {exc}", file=sys.stderr)
+        return 1
+    header = cache_file.header
+    if args.json:
+        body = header_json(header) | {"path": str(args.file), "file_bytes": cache_file.file_size}
+        if args.tokens:
+            body["token_ids"] = list(header.tokens)
+        print(json.dumps(body, indent=2))
+    else:
+        _print_header(str(args.file), header, cache_file.file_size, args.tokens)
+    return 0
+
+
+# -- verify ------------------------------------------------------------------------------
+
+
+def _tree_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "directory",
+        type=Path,
+        help="a cold tier's root (caches/ and blocks/ inside) or a directory of cache files",
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _verify(args: argparse.Namespace) -> int:
+    if not args.directory.is_dir():
+        print(f"kvtrio verify: {args.directory}: not a directory", file=sys.stderr)
+        return 2
+    tree = find_tree(args.directory)
+    store = LocalBlockStore(str(tree.block_dir)) if tree.block_dir else None
+    with _status(f"verifying {tree.manifest_dir}", args.json):
+        report, elapsed = _timed(lambda: verify_tree(str(tree.manifest_dir), store))
+    if args.json:
+        print(json.dumps(attrs.asdict(report) | {"ok": report.ok, "seconds": elapsed}, indent=2))
+        return 0 if report.ok else 1
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"kvtrio verify {args.directory}", show_header=False)
+    table.add_column("what")
+    table.add_column("count", justify="right")
+    table.add_row("cache files and manifests ok", str(report.files_ok))
+    table.add_row("blocks ok", str(report.blocks_ok))
+    table.add_row("bad files", str(len(report.bad_files)))
+    table.add_row("bad blocks", str(len(report.bad_blocks)))
+    table.add_row("missing blocks", str(len(report.missing_blocks)))
+    table.add_row("seconds", f"{elapsed:.2f}")
+    console.print(table)
+    for path, error in report.bad_files:
+        console.print(f"[red]BAD FILE[/] {path}: {error}", soft_wrap=True)
+    for name, error in report.bad_blocks:
+        where = tree.block_dir / name if tree.block_dir else name
+        console.print(f"[red]BAD BLOCK[/] {where}: {error}", soft_wrap=True)
+    for path, name in report.missing_blocks:
+        console.print(f"[red]MISSING BLOCK[/] {name} named by {path}", soft_wrap=True)
+    console.print("[green]all good[/]" if report.ok else "[red]corruption found[/]")
+    return 0 if report.ok else 1
+
+
+# -- gc ----------------------------------------------------------------------------------
+
+
+class _DryRunFileOps(OsFileOps):
+    """Reads as usual; records what would be deleted instead of deleting it."""
+
+    def __init__(self) -> None:
+        self.would_delete: list[str] = []
+
+    def unlink(self, path: str) -> None:
+        if not os.path.lexists(path):
+            raise FileNotFoundError(path)
+        self.would_delete.append(path)
+
+    def fsync_dir(self, path: str) -> None:
+        return None
+
+
+def _gc_args(parser: argparse.ArgumentParser) -> None:
+    _tree_args(parser)
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="keep unreferenced blocks and tmp files younger than this (default 3600)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="report what would be deleted; delete nothing"
+    )
+
+
+def _gc(args: argparse.Namespace) -> int:
+    if not args.directory.is_dir():
+        print(f"kvtrio gc: {args.directory}: not a directory", file=sys.stderr)
+        return 2
+    if args.grace < 0:
+        print("kvtrio gc: --grace must be >= 0", file=sys.stderr)
+        return 2
+    tree = find_tree(args.directory)
+    ops = _DryRunFileOps() if args.dry_run else OS_FILE_OPS
+    block_dir = tree.block_dir or (tree.manifest_dir / "blocks")
+    store = LocalBlockStore(str(block_dir), ops)
+    with _status(f"collecting garbage in {args.directory}", args.json):
+        report, elapsed = _timed(
+            lambda: collect_garbage(str(tree.manifest_dir), store, grace_s=args.grace, file_ops=ops)
+        )
+    if args.json:
+        body = attrs.asdict(report) | {"dry_run": args.dry_run, "seconds": elapsed}
+        if isinstance(ops, _DryRunFileOps):
+            body["would_delete"] = ops.would_delete
+        print(json.dumps(body, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    verb = "to delete (dry run)" if args.dry_run else "deleted"
+    table = Table(title=f"kvtrio gc {args.directory} (grace {args.grace:g} s)", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("manifests read", str(report.manifests))
+    table.add_row("live blocks", str(report.live_blocks))
+    table.add_row(f"blocks {verb}", str(report.deleted_blocks))
+    table.add_row(f"bytes {verb}", _fmt_bytes(report.deleted_bytes))
+    table.add_row("unreferenced, kept (younger than grace)", str(report.young_unreferenced))
+    table.add_row(f"tmp files {verb}", str(report.tmp_removed))
+    table.add_row("unreadable files", str(len(report.unreadable)))
+    table.add_row("seconds", f"{elapsed:.2f}")
+    console.print(table)
+    for path in report.unreadable:
+        console.print(f"[yellow]unreadable[/] {path}", soft_wrap=True)
+    if isinstance(ops, _DryRunFileOps):
+        for path in ops.would_delete:
+            console.print(f"would delete {path}", soft_wrap=True)
+    return 0
+
+
+cli.COMMANDS["inspect"] = (
+    "show a cache file's header, layers, tensors and attachments",
+    _inspect_args,
+    _inspect,
+)
+cli.COMMANDS["verify"] = (
+    "recheck every cache file and block in a directory; exit 1 on corruption",
+    _tree_args,
+    _verify,
+)
+cli.COMMANDS["gc"] = (
+    "delete unreferenced blocks and crash debris older than a grace period",
+    _gc_args,
+    _gc,
+)
