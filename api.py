@@ -29,14 +29,15 @@ from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
 from kvtrio.storage.codecs import (
     AttachmentData,
     Restored,
+    adopt,
+    allocate_load_buffers,
     cache_structure,
     header_structure,
     materialize,
-    restore,
     snapshot,
 )
 from kvtrio.storage.format import Header, Layout
-from kvtrio.storage.reader import allocate_buffers, read_header, read_tensors
+from kvtrio.storage.reader import read_header, read_tensors
 from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult, write_blocks, write_single
 
 __all__ = [
@@ -179,12 +180,12 @@ def load_cache(
     cache_file = read_header(target)
     if expect is not None:
         expect.check(cache_file.header)
-    buffers = allocate_buffers(cache_file.header)
     if cache_file.header.layout == "blocks" and store is None:
         store = default_block_store(target)
-    views = [[memoryview(b) for b in pieces] for pieces in buffers]
-    read_tensors(cache_file, views, store=store, verify=verify)
-    return restore(cache_file.header, buffers)
+    # Read straight into MLX-owned memory: no host-side copy of the tensor bytes.
+    buffers = allocate_load_buffers(cache_file.header)
+    read_tensors(cache_file, buffers.buffers, store=store, verify=verify)
+    return adopt(cache_file.header, buffers)
 
 
 def import_mlx_lm(

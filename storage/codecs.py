@@ -16,13 +16,17 @@ Save (owner thread, in steps the owner can interleave with decoding)::
     write_blocks(path, snap.header, [h.pieces for h in host], store, block_tokens=256)
     # drop ``host`` (and ``snap``) afterwards: the memoryviews borrow MLX memory.
 
-Load::
+Load (zero-copy: the reader fills MLX-owned memory)::
 
-    cf = read_header(path)                       # worker thread, validates everything
-    bufs = allocate_buffers(cf.header)           # any thread
-    read_tensors(cf, bufs, store=..., verify=True)   # worker thread
-    arrays = [restore_tensor(cf.header, i, bufs[i]) for i in range(n)]  # owner, one per step
-    restored = assemble(cf.header, arrays)       # owner: caches + attachments (cheap)
+    cf = read_header(path)                          # worker thread, validates everything
+    bufs = allocate_load_buffers(cf.header)         # owner (or allocate_slot(i) per step)
+    read_tensors(cf, bufs.buffers, store=..., verify=True)   # worker thread
+    restored = adopt(cf.header, bufs)               # owner: caches + attachments
+
+  or, from host buffers of your own (one MLX copy per tensor, holding the GIL)::
+
+    arrays = [restore_tensor(cf.header, i, pieces) for i, pieces in enumerate(host)]
+    restored = assemble(cf.header, arrays)
 
 Theory of operation:
 
@@ -78,11 +82,15 @@ __all__ = [
     "MIN_REUSABLE_ATTR",
     "AttachmentData",
     "CacheCodec",
+    "LoadBuffers",
     "CacheSnapshot",
     "CodecState",
     "HostTensor",
     "Restored",
     "TensorView",
+    "adopt",
+    "allocate_load_buffers",
+    "allocate_slot",
     "assemble",
     "cache_structure",
     "codec_for_kind",
@@ -121,6 +129,7 @@ _DTYPE_NAMES: dict[Any, str] = {
     mx.float64: "float64",
     mx.complex64: "complex64",
 }
+_MX_DTYPES: dict[str, Any] = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 _NP_DTYPES: dict[str, Any] = {
     "bool": np.bool_,
     "uint8": np.uint8,
@@ -688,6 +697,67 @@ def assemble(header: Header, arrays: Sequence[Any]) -> Restored:
 def restore(header: Header, buffers: Sequence[Sequence[Any]]) -> Restored:
     """:func:`restore_tensor` for every slot, then :func:`assemble` (owner thread)."""
     arrays = [restore_tensor(header, i, pieces) for i, pieces in enumerate(buffers)]
+    return assemble(header, arrays)
+
+
+@attrs.frozen(eq=False)
+class LoadBuffers:
+    """MLX arrays allocated for a load, and writable byte views of them for the reader.
+
+    ``buffers[i][j]`` views ``arrays[i][j]`` (slot ``i``, piece ``j``): the reader's
+    ``readinto`` fills MLX memory directly, and :func:`adopt` turns the arrays into caches
+    with no copy (block layout: one MLX concatenate per multi-piece tensor). Keep the
+    views only until :func:`adopt` returns.
+    """
+
+    arrays: tuple[tuple[Any, ...], ...]
+    buffers: tuple[tuple[memoryview, ...], ...]
+
+
+def allocate_slot(header: Header, index: int) -> tuple[tuple[Any, ...], tuple[memoryview, ...]]:
+    """Allocate (owner thread) the evaluated MLX arrays for slot ``index``'s pieces.
+
+    Sizes come from the validated header (single layout: bounded by the file size).
+    """
+    slot = _nth_slot(header, index)
+    block_tokens = header.block_tokens if header.layout == "blocks" else None
+    arrays = []
+    for start, stop in piece_ranges(slot, block_tokens):
+        shape = list(slot.shape)
+        if block_tokens is not None and slot.token_axis is not None:
+            shape[slot.token_axis] = stop - start
+        arrays.append(mx.zeros(shape, dtype=_MX_DTYPES[slot.dtype]))
+    mx.eval(*arrays)
+    views = tuple(_writable_bytes(a) for a in arrays)
+    return tuple(arrays), views
+
+
+def _writable_bytes(array: Any) -> memoryview:
+    view = memoryview(array)
+    if view.readonly or not view.c_contiguous:
+        raise AssertionError("MLX did not expose a writable contiguous buffer")
+    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+
+
+def allocate_load_buffers(header: Header) -> LoadBuffers:
+    """:func:`allocate_slot` for every slot (owner thread)."""
+    pairs = [allocate_slot(header, i) for i in range(sum(1 for _ in header.slots()))]
+    return LoadBuffers(
+        arrays=tuple(a for a, _ in pairs),
+        buffers=tuple(b for _, b in pairs),
+    )
+
+
+def adopt(header: Header, loaded: LoadBuffers) -> Restored:
+    """Build caches from arrays the reader filled (owner thread; no copy of tensor bytes)."""
+    arrays = []
+    for slot, pieces in zip(header.slots(), loaded.arrays, strict=True):
+        if len(pieces) == 1:
+            arrays.append(pieces[0])
+        else:
+            joined = mx.concatenate(list(pieces), axis=slot.token_axis or 0)
+            mx.eval(joined)
+            arrays.append(joined)
     return assemble(header, arrays)
 
 

@@ -58,8 +58,9 @@ def test_single_file_publication_order(tmp_path: Path) -> None:
     assert set(events[1:-3]) == {"write"}
 
 
+@pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("op", ["open", "write", "fsync", "rename", "fsync_dir"])
-def test_single_write_fault_leaves_no_partial_file(tmp_path: Path, op: str) -> None:
+def test_single_write_fault_leaves_no_partial_file(tmp_path: Path, op: str, direct: bool) -> None:
     """Invariant 4: a fault at any step leaves neither a final name nor a tmp file.
 
     A failed fsync_dir happens after the rename: the file is complete but not known
@@ -68,7 +69,13 @@ def test_single_write_fault_leaves_no_partial_file(tmp_path: Path, op: str) -> N
     snap, host, _ = _plan()
     target = tmp_path / "c.kvt"
     with pytest.raises(Boom, match=rf"^injected {op}$"):
-        write_single(str(target), snap.header, [h.pieces[0] for h in host], file_ops=_fail_on(op))
+        write_single(
+            str(target),
+            snap.header,
+            [h.pieces[0] for h in host],
+            file_ops=_fail_on(op),
+            direct=direct,
+        )
     left = os.listdir(tmp_path)
     if op == "fsync_dir":
         assert left == ["c.kvt"]
@@ -107,8 +114,11 @@ def _cancel_after(n: int) -> Any:
     return cancel
 
 
+@pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("after", [0, 1, 2, 4])
-def test_cancelled_single_write_removes_its_tmp_file(tmp_path: Path, after: int) -> None:
+def test_cancelled_single_write_removes_its_tmp_file(
+    tmp_path: Path, after: int, direct: bool
+) -> None:
     snap, host, _ = _plan()
     with pytest.raises(OperationCancelled, match=r"^write cancelled at a step boundary$"):
         write_single(
@@ -116,6 +126,7 @@ def test_cancelled_single_write_removes_its_tmp_file(tmp_path: Path, after: int)
             snap.header,
             [h.pieces[0] for h in host],
             cancel=_cancel_after(after),
+            direct=direct,
         )
     assert os.listdir(tmp_path) == []
 
@@ -159,3 +170,14 @@ def test_replaced_file_is_detected_between_header_and_data(tmp_path: Path) -> No
     bufs = [[memoryview(b) for b in p] for p in allocate_buffers(cache_file.header)]
     with pytest.raises(kvtrio.CorruptCacheError, match=r"^file: replaced or resized since"):
         read_tensors(cache_file, bufs)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_direct_and_buffered_writes_read_back_identically(tmp_path: Path, direct: bool) -> None:
+    snap, host, _ = _plan()
+    path = str(tmp_path / "c.kvt")
+    write_single(path, snap.header, [h.pieces[0] for h in host], direct=direct)
+    cache_file = read_header(path)
+    bufs = allocate_buffers(cache_file.header)
+    read_tensors(cache_file, [[memoryview(b) for b in p] for p in bufs])
+    assert [bytes(b[0]) for b in bufs] == [bytes(h.pieces[0]) for h in host]

@@ -235,15 +235,28 @@ def test_rule_unknown_kind(valid: Path) -> None:
 # --- tensor bytes are verified against their hashes
 
 
+def _last_tensor_end(path: Path) -> tuple[int, int]:
+    """(absolute offset, absolute end) of the last tensor of a single-layout file."""
+    doc, _ = _split(path)
+    raw = path.read_bytes()
+    _, _, header_len, _ = PREAMBLE.unpack_from(raw)
+    start = align_up(PREAMBLE.size + header_len)
+    slots = [s for e in doc["caches"] for s in e["tensors"]]
+    last = max(slots, key=lambda s: s["off"])
+    return start + last["off"], start + last["off"] + last["bytes"]
+
+
 def test_rule_tensor_bytes_verified(valid: Path) -> None:
+    _, end = _last_tensor_end(valid)
     raw = bytearray(valid.read_bytes())
-    raw[-1] ^= 0x01
+    raw[end - 1] ^= 0x01
     valid.write_bytes(bytes(raw))
     _load_fails(valid, r"^caches\[\d\]\.tensors\[\d\]\.xxh3: tensor bytes do not match their hash$")
 
 
 def test_rule_truncated_data(valid: Path) -> None:
-    valid.write_bytes(valid.read_bytes()[:-1])
+    _, end = _last_tensor_end(valid)
+    valid.write_bytes(valid.read_bytes()[: end - 1])
     _load_fails(valid, r"^caches\[\d\]\.tensors\[\d\]\.off: tensor \[\d+, \d+\) runs past the data")
 
 
