@@ -1,0 +1,289 @@
+"""A trio HTTP server (h11) that embeds kvtrio's tiered prompt cache.
+
+Run it::
+
+    python examples/tiered_server.py --port 8000 --data-dir /tmp/kvtrio-example
+
+and ask it to continue token sequences (the model is kvtrio's tiny random-weight llama,
+so the tokens mean nothing; the caching is real)::
+
+    curl -s localhost:8000/generate -d '{"conversation": "c1", "tokens": [5, 6, 7]}'
+    curl -s localhost:8000/stats
+
+Each reply says where its prompt cache came from: ``hot`` (RAM), ``cold`` (disk) or
+``miss``. Stop it with SIGTERM or Ctrl-C: it stops accepting, lets requests in flight
+finish (``--grace`` seconds at most), writes the cache's RAM entries to disk and exits 0,
+so the next start serves the same conversations from disk. A second signal cancels at
+once.
+
+Every loop is bounded: requests per connection, bytes per request, events per read,
+tokens per prompt and per reply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+import h11
+import trio
+from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.prefix import ModelKey
+from kvtrio.actors.tiered import TieredPromptCache, open_tiered_cache
+from kvtrio.tinymodel import TinyModel, build_tiny_model, make_caches, prefill
+
+MAX_REQUESTS_PER_CONNECTION = 100
+MAX_BODY_BYTES = 1 << 20
+MAX_EVENTS_PER_REQUEST = 10_000
+MAX_PROMPT_TOKENS = 8192
+MAX_REPLY_TOKENS = 64
+READ_TIMEOUT_S = 30.0
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _generate(tiny: TinyModel, caches: list[Any], rest: list[int], steps: int) -> list[int]:
+    """Owner thread: prefill ``rest`` into ``caches``, then greedy-decode ``steps`` tokens."""
+    import mlx.core as mx
+
+    logits = prefill(tiny, caches, rest)
+    out: list[int] = []
+    for _ in range(steps):
+        token = mx.argmax(logits).item()
+        assert isinstance(token, int)
+        out.append(token)
+        logits = prefill(tiny, caches, [token])
+    return out
+
+
+@attrs.define(eq=False)
+class App:
+    owner: MlxOwner
+    tiny: TinyModel
+    cache: TieredPromptCache
+    draining: bool = False
+    idle: set[trio.CancelScope] = attrs.field(factory=set)
+    lock: trio.Lock = attrs.field(factory=trio.Lock)
+
+    async def dispatch(self, method: str, target: str, body: bytes) -> tuple[int, Any]:
+        if method == "GET" and target == "/healthz":
+            return 200, {"ok": True}
+        if method == "GET" and target == "/stats":
+            return 200, attrs.asdict(self.cache.statistics())
+        if method == "POST" and target == "/generate":
+            return 200, await self.generate(_parse_generate(body, self.tiny.vocab_size))
+        raise HttpError(404, f"no route for {method} {target}")
+
+    async def generate(self, request: tuple[str | None, list[int], int]) -> dict[str, Any]:
+        conversation, tokens, max_tokens = request
+        async with self.lock:  # one model step at a time, like mlx-lm's server
+            start = time.perf_counter()
+            fetched = await self.cache.fetch_nearest(tokens)
+            caches = fetched.caches
+            if caches is None:
+                caches = await self.owner.run(make_caches, self.tiny)
+            rest = list(fetched.remaining)
+            reply = await self.owner.run(_generate, self.tiny, caches, rest, max_tokens)
+            elapsed = time.perf_counter() - start
+            await self.cache.insert(tokens + reply, caches, conversation=conversation)
+        return {
+            "reply": reply,
+            "cache": fetched.tier.value if fetched.tier is not None else "miss",
+            "reused": fetched.reused,
+            "prompt_tokens": len(tokens),
+            "seconds": round(elapsed, 6),
+        }
+
+
+def _parse_generate(body: bytes, vocab: int) -> tuple[str | None, list[int], int]:
+    try:
+        raw = json.loads(body)
+    except ValueError:
+        raise HttpError(400, "body is not JSON") from None
+    if not isinstance(raw, dict):
+        raise HttpError(400, "body must be a JSON object")
+    tokens = raw.get("tokens")
+    if (
+        not isinstance(tokens, list)
+        or not 1 <= len(tokens) <= MAX_PROMPT_TOKENS
+        or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens)
+    ):
+        raise HttpError(400, f"tokens: 1..{MAX_PROMPT_TOKENS} ints in [0, {vocab})")
+    max_tokens = raw.get("max_tokens", 8)
+    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_REPLY_TOKENS:
+        raise HttpError(400, f"max_tokens: an int in [1, {MAX_REPLY_TOKENS}]")
+    conversation = raw.get("conversation")
+    if conversation is not None and not isinstance(conversation, str):
+        raise HttpError(400, "conversation: a string")
+    return conversation, tokens, max_tokens
+
+
+# -- HTTP/1.1 over h11 ---------------------------------------------------------------------
+
+
+async def _next_event(stream: trio.SocketStream, conn: h11.Connection) -> Any:
+    for _ in range(MAX_EVENTS_PER_REQUEST):
+        event = conn.next_event()
+        if event is not h11.NEED_DATA:
+            return event
+        with trio.fail_after(READ_TIMEOUT_S):
+            data = await stream.receive_some(65536)
+        conn.receive_data(data)
+    raise HttpError(400, "request too fragmented")
+
+
+async def _read_request(
+    stream: trio.SocketStream, conn: h11.Connection, app: App
+) -> tuple[h11.Request, bytes] | None:
+    """The next request and its body; None when the client closed or we are draining."""
+    scope = trio.CancelScope()
+    app.idle.add(scope)
+    try:
+        with scope:
+            if app.draining:
+                return None
+            event = await _next_event(stream, conn)
+    finally:
+        app.idle.discard(scope)
+    if scope.cancelled_caught or isinstance(event, h11.ConnectionClosed):
+        return None
+    if not isinstance(event, h11.Request):
+        raise HttpError(400, "expected a request")
+    body = bytearray()
+    for _ in range(MAX_EVENTS_PER_REQUEST):
+        part = await _next_event(stream, conn)
+        if isinstance(part, h11.EndOfMessage):
+            return event, bytes(body)
+        if isinstance(part, h11.Data):
+            body += part.data
+            if len(body) > MAX_BODY_BYTES:
+                raise HttpError(413, "body too large")
+    raise HttpError(400, "request too fragmented")
+
+
+async def _send(stream: trio.SocketStream, conn: h11.Connection, status: int, body: Any) -> None:
+    payload = json.dumps(body).encode()
+    headers = [("content-type", "application/json"), ("content-length", str(len(payload)))]
+    await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers)))
+    await stream.send_all(conn.send(h11.Data(data=payload)))
+    await stream.send_all(conn.send(h11.EndOfMessage()))
+
+
+async def handle_connection(app: App, stream: trio.SocketStream) -> None:
+    conn = h11.Connection(h11.SERVER)
+    try:
+        for _ in range(MAX_REQUESTS_PER_CONNECTION):
+            try:
+                got = await _read_request(stream, conn, app)
+                if got is None:
+                    break
+                request, body = got
+                status, reply = await app.dispatch(
+                    request.method.decode(), request.target.decode(), body
+                )
+            except HttpError as exc:
+                if conn.our_state is not h11.SEND_RESPONSE:
+                    break
+                status, reply = exc.status, {"error": str(exc)}
+            except (h11.RemoteProtocolError, trio.TooSlowError):
+                break
+            await _send(stream, conn, status, reply)
+            if app.draining or conn.our_state is h11.MUST_CLOSE:
+                break
+            try:
+                conn.start_next_cycle()
+            except h11.LocalProtocolError:
+                break
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    finally:
+        await stream.aclose()
+
+
+# -- running it ----------------------------------------------------------------------------
+
+
+async def serve(args: argparse.Namespace) -> None:
+    async with MlxOwner.dedicated() as owner:
+        tiny = await owner.run(build_tiny_model)
+        async with open_tiered_cache(
+            args.data_dir,
+            ModelKey(tiny.model_id, tiny.fingerprint),
+            owner=owner,
+            hot_budget=int(args.hot_mb * (1 << 20)),
+            cold_budget=int(args.cold_mb * (1 << 20)),
+            block_size=64,
+        ) as cache:
+            app = App(owner, tiny, cache)
+            await _serve_until_signalled(app, args)
+        print("cache written; bye", flush=True)
+
+
+async def _serve_until_signalled(app: App, args: argparse.Namespace) -> None:
+    """Serve until SIGTERM/SIGINT, then drain: stop accepting, close idle connections,
+    let requests in flight finish within ``args.grace`` seconds. A second signal cancels
+    whatever is left."""
+    stop = trio.Event()
+    doomed: list[trio.CancelScope] = []
+
+    async def watch_signals(task_status: trio.TaskStatus[None]) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
+            async for signum in signals:
+                if not stop.is_set():
+                    print(f"{signal.Signals(signum).name}: draining", flush=True)
+                    stop.set()
+                else:
+                    for scope in doomed:
+                        scope.cancel()
+
+    async with trio.open_nursery() as outer:
+        await outer.start(watch_signals)
+        listeners = await trio.open_tcp_listeners(args.port, host=args.host)
+        port = listeners[0].socket.getsockname()[1]
+        handler: Callable[[trio.SocketStream], Awaitable[None]] = partial(handle_connection, app)
+        async with trio.open_nursery() as connections:
+            doomed.append(connections.cancel_scope)
+            async with trio.open_nursery() as accept:
+                accept.start_soon(
+                    partial(trio.serve_listeners, handler_nursery=connections), handler, listeners
+                )
+                print(f"listening on http://{args.host}:{port}", flush=True)
+                await stop.wait()
+                accept.cancel_scope.cancel()
+            for listener in listeners:
+                await listener.aclose()
+            app.draining = True
+            for scope in list(app.idle):
+                scope.cancel()
+            connections.cancel_scope.deadline = trio.current_time() + args.grace
+        outer.cancel_scope.cancel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--data-dir", type=Path, required=True)
+    parser.add_argument("--hot-mb", type=float, default=64.0)
+    parser.add_argument("--cold-mb", type=float, default=1024.0)
+    parser.add_argument("--grace", type=float, default=10.0, help="seconds to finish requests")
+    args = parser.parse_args(argv)
+    trio.run(serve, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""examples/tiered_server.py: a trio HTTP server embedding kvtrio, on loopback.
+
+It serves a conversation, exits 0 on SIGTERM with its cache written, and after a restart
+serves the next turn from the cold tier (disk).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+SERVER = Path(__file__).resolve().parents[2] / "examples" / "tiered_server.py"
+
+
+@contextmanager
+def _server(data_dir: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    proc = subprocess.Popen(
+        [sys.executable, str(SERVER), "--port", "0", "--data-dir", str(data_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = ""
+        for _ in range(50):  # bounded: the first lines are the listening address
+            line = proc.stdout.readline()
+            if line.startswith("listening on ") or not line:
+                break
+        assert line.startswith("listening on http://127.0.0.1:"), line
+        yield line.split()[-1], proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url + "/generate", data=json.dumps(body).encode(), method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        out: dict[str, Any] = json.loads(response.read())
+        return out
+
+
+def _get(url: str, path: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + path, timeout=60) as response:
+        out: dict[str, Any] = json.loads(response.read())
+        return out
+
+
+def _stop(proc: subprocess.Popen[str]) -> str:
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_restart_serves_the_conversation_from_disk(tmp_path: Path) -> None:
+    prompt = [(7 * i) % 500 + 2 for i in range(150)]
+    with _server(tmp_path) as (url, proc):
+        first = _post(url, {"conversation": "c1", "tokens": prompt, "max_tokens": 4})
+        assert first["cache"] == "miss" and len(first["reply"]) == 4
+        history = prompt + first["reply"] + [11, 12, 13]
+        second = _post(url, {"conversation": "c1", "tokens": history, "max_tokens": 4})
+        assert (second["cache"], second["reused"]) == ("hot", len(prompt) + 4)
+        assert _get(url, "/stats")["hits_hot"] == 1
+        try:
+            _post(url, {"tokens": [10**6]})
+            raise AssertionError("an out-of-vocabulary token was accepted")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 400
+        assert "cache written" in _stop(proc)
+    with _server(tmp_path) as (url, proc):
+        turn3 = history + second["reply"] + [14, 15]
+        third = _post(url, {"conversation": "c1", "tokens": turn3, "max_tokens": 4})
+        assert (third["cache"], third["reused"]) == ("cold", len(history) + 4)
+        stats = _get(url, "/stats")
+        assert stats["hits_cold"] == 1 and stats["cold_entries"] >= 1
+        _stop(proc)
