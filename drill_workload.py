@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import attrs
 from kvtrio.errors import CacheMissError, CorruptCacheError
@@ -209,15 +209,19 @@ def load_entry(cache_dir: CacheDir, name: str, layout: Layout) -> LoadOutcome:
     return LoadOutcome("ok", pieces=[[bytes(b) for b in slot] for slot in buffers])
 
 
-def scan_final_names(cache_dir: CacheDir, layout: Layout) -> Iterator[tuple[str, str]]:
+def scan_final_names(
+    cache_dir: CacheDir, layout: Layout, *, skip: Collection[str] = ()
+) -> Iterator[tuple[str, str]]:
     """Every file under a final name that fails its checks: (path, why).
+
+    Cache files and manifests named in ``skip`` are left out (the caller loads them).
 
     A cache file must read and verify; a manifest must parse (its blocks may be missing:
     that is a clean miss, not a torn file); a block must hash to its name.
     """
     directory = cache_dir.caches if layout == "single" else cache_dir.manifests
     for name in sorted(os.listdir(directory)):
-        if name.endswith(TMP_SUFFIX):
+        if name.endswith(TMP_SUFFIX) or name in skip:
             continue
         if layout == "single":
             outcome = load_entry(cache_dir, name, layout)

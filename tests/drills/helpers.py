@@ -1,0 +1,57 @@
+"""Run a ``kvtrio drill`` in a fresh process (the crash drill forks; a fresh interpreter
+has no threads to fork with) and return its figures.
+
+``KNOWN_FINDINGS`` lists violations the drills found in other areas that are reported
+and not yet fixed (docs/reliability.md, "Findings"). A test fails on any other
+violation; when only known findings remain it is marked xfail, naming them, so the
+suite stays green without hiding them. Remove a pattern once its fix lands.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = ["KNOWN_FINDINGS", "run_drill_cli"]
+
+KNOWN_FINDINGS = {
+    # storage/writer.py: an fsync_dir error after the rename leaves the (complete) file
+    # under its final name although the save raised.
+    "fsync_dir-after-rename": re.compile(
+        r".*fsync_dir #\d+: a (FAILED|failed) save left its final name"
+    ),
+    # storage/maintenance.py: an OSError reading a manifest during GC's mark counts it
+    # as unreadable, so the sweep deletes blocks a valid manifest still names.
+    "gc-mark-io-error": re.compile(
+        r"^delete\+gc blocks: (open|read) #\d+: an earlier entry no longer loads"
+    ),
+}
+
+
+def run_drill_cli(name: str, tmp_path: Path, *extra: str, timeout: float = 300) -> dict[str, Any]:
+    """``kvtrio drill NAME --json``: fails on any unknown violation, returns the figures."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtrio", "drill", name, "--json", "--dir", str(tmp_path), *extra],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.stdout, proc.stderr[-4000:]
+    (record,) = json.loads(proc.stdout)
+    violations: list[str] = record["violations"]
+    known = {key for v in violations for key, pattern in KNOWN_FINDINGS.items() if pattern.match(v)}
+    unknown = [v for v in violations if not any(p.match(v) for p in KNOWN_FINDINGS.values())]
+    assert unknown == [], "\n".join(unknown)
+    assert record["violation_count"] == len(violations), "more violations than were kept"
+    if known:
+        pytest.xfail(f"known findings, reported, not yet fixed: {sorted(known)}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures: dict[str, Any] = record["figures"]
+    return figures
