@@ -17,7 +17,6 @@ the view holds.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -30,7 +29,9 @@ if TYPE_CHECKING:
     from kvtrio.metal.pool import BlockPool
 
 __all__ = [
+    "DEFAULT_TUNING",
     "DIRECT_MAX_QUERIES",
+    "KernelTuning",
     "PagedAttentionView",
     "direct_backend",
     "scaled_dot_product_attention",
@@ -40,10 +41,22 @@ __all__ = [
 DIRECT_MAX_QUERIES = 8
 # Query rows (GQA group x queries) one thread block serves; more rows take more blocks.
 _ROWS_PER_BLOCK = 8
-_WARPS = 4
-# Thread blocks to aim for: a few per multiprocessor on current GPUs.
-_TARGET_BLOCKS = 1024
-_MIN_PART_TOKENS = 128
+# Partitions the merge kernel accepts (its shared weights); longer contexts get longer parts.
+_MAX_PARTS = 1024
+
+
+@attrs.frozen
+class KernelTuning:
+    """Launch shape of the direct kernel (``kvtrio bench attention --sweep`` compares them)."""
+
+    warps: int = 4  # warps per thread block
+    unroll: int = 4  # tokens each lane keeps in flight per step (2 when a block has > 4 rows)
+    pipeline: bool = True  # load the next step's keys and values before using this step's
+    target_blocks: int = 1024  # thread blocks to aim for: a few per multiprocessor
+    min_part_tokens: int = 128
+
+
+DEFAULT_TUNING = KernelTuning()
 _LOG2E = 1.4426950408889634
 
 
@@ -151,7 +164,12 @@ class PagedAttentionView:
         )
 
     def attend_direct(
-        self, queries: mx.array, scale: float, mask: Any, backend: ModuleType
+        self,
+        queries: mx.array,
+        scale: float,
+        mask: Any,
+        backend: ModuleType,
+        tuning: KernelTuning = DEFAULT_TUNING,
     ) -> mx.array:
         """The split-K kernel: partial softmax per partition, then a log-sum-exp merge."""
         _, q_heads, n, dim = queries.shape
@@ -159,15 +177,19 @@ class PagedAttentionView:
         rows = (q_heads // kv_heads) * n
         rows_per_block = min(rows, _ROWS_PER_BLOCK)
         chunks = -(-rows // rows_per_block)
-        per_step = _WARPS * (32 // (dim // 8)) * (4 if rows_per_block <= 4 else 2)
-        part = self._part_tokens(kv_heads * chunks, per_step)
+        unroll = tuning.unroll if rows_per_block <= 4 else min(tuning.unroll, 2)
+        per_step = tuning.warps * (32 // (dim // 8)) * unroll
+        part = self._part_tokens(kv_heads * chunks, per_step, tuning)
         parts = -(-self.length // part)
         template: list[tuple[str, Any]] = [
             ("HQ", q_heads), ("HK", kv_heads), ("G", q_heads // kv_heads), ("N", n),
-            ("D", dim), ("BS", self.block_size), ("RC", rows_per_block), ("WARPS", _WARPS),
-            ("U", 4 if rows_per_block <= 4 else 2), ("CAUSAL", n > 1 and mask is not None),
+            ("D", dim), ("BS", self.block_size), ("RC", rows_per_block),
+            ("WARPS", tuning.warps), ("U", unroll), ("PIPE", tuning.pipeline),
+            ("CAUSAL", n > 1 and mask is not None),
         ]
-        if self.bits is not None:
+        if self.bits is None:
+            template.append(("T", self.arrays[0].dtype))
+        else:
             template += [("BITS", self.bits), ("GS", self.group_size), ("T", self.arrays[2].dtype)]
         params = mx.array([self.length, part], dtype=mx.int32)
         scale_log2 = mx.array([scale * _LOG2E], dtype=mx.float32)
@@ -175,27 +197,29 @@ class PagedAttentionView:
         partial_out, normal = backend.partial(self.bits is not None)(
             inputs=inputs + list(self.arrays[2:]),
             template=template,
-            grid=(32 * _WARPS * parts, kv_heads * chunks, 1),
-            threadgroup=(32 * _WARPS, 1, 1),
+            grid=(32 * tuning.warps * parts, kv_heads * chunks, 1),
+            threadgroup=(32 * tuning.warps, 1, 1),
             output_shapes=[(q_heads * n, parts, dim), (q_heads * n, parts, 2)],
             output_dtypes=[mx.float32, mx.float32],
         )
-        width = min(dim, 128)
+        split = 1024 // dim  # threads of a merge block that share one output element
         (out,) = backend.merge()(
             inputs=[partial_out, normal],
-            template=[("D", dim), ("OutT", queries.dtype)],
-            grid=(math.ceil(dim / width) * width, q_heads * n, 1),
-            threadgroup=(width, 1, 1),
+            template=[("D", dim), ("J", split), ("MAX_PARTS", _MAX_PARTS), ("OutT", queries.dtype)],
+            grid=(dim, split * q_heads * n, 1),
+            threadgroup=(dim, split, 1),
             output_shapes=[(1, q_heads, n, dim)],
             output_dtypes=[queries.dtype],
         )
         result: mx.array = out
         return result
 
-    def _part_tokens(self, row_blocks: int, per_step: int) -> int:
+    def _part_tokens(self, row_blocks: int, per_step: int, tuning: KernelTuning) -> int:
         """Tokens per partition: enough partitions to fill the GPU, whole block steps each."""
-        wanted = max(1, _TARGET_BLOCKS // row_blocks)
-        tokens = max(-(-self.length // wanted), _MIN_PART_TOKENS)
+        wanted = max(1, tuning.target_blocks // row_blocks)
+        tokens = max(
+            -(-self.length // wanted), -(-self.length // _MAX_PARTS), tuning.min_part_tokens
+        )
         return -(-tokens // per_step) * per_step
 
 

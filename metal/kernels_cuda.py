@@ -55,58 +55,84 @@ __device__ __forceinline__ float kvt_weight(float m, float top) {
 }
 """
 
-# Eight consecutive elements of a float pool: one 16-byte load for 16-bit types.
+# A lane's share of a token row: 8 consecutive elements, kept packed in registers
+# (kvt_raw) until used; one 16-byte load for 16-bit types.
 HEADER = (
     _COMMON
     + """
+template <typename T, bool WIDE = (sizeof(T) > 2)>
+struct kvt_raw {
+  uint4 w;
+};
 template <typename T>
-__device__ __forceinline__ void kvt_load8(const T* p, float* out) {
+struct kvt_raw<T, true> {
+  float4 a;
+  float4 b;
+};
+template <typename T>
+__device__ __forceinline__ void kvt_fetch(const T* p, kvt_raw<T>& raw) {
   if constexpr (sizeof(T) == 2) {
-    uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const T* h = reinterpret_cast<const T*>(&raw);
+    raw.w = *reinterpret_cast<const uint4*>(p);
+  } else {
+    raw.a = reinterpret_cast<const float4*>(p)[0];
+    raw.b = reinterpret_cast<const float4*>(p)[1];
+  }
+}
+template <typename T>
+__device__ __forceinline__ void kvt_unpack(const kvt_raw<T>& raw, float* out) {
+  if constexpr (sizeof(T) == 2) {
+    const T* h = reinterpret_cast<const T*>(&raw.w);
 #pragma unroll
     for (int e = 0; e < 8; ++e) out[e] = to_f(h[e]);
   } else {
-    float4 a = reinterpret_cast<const float4*>(p)[0];
-    float4 b = reinterpret_cast<const float4*>(p)[1];
-    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
-    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+    out[0] = raw.a.x; out[1] = raw.a.y; out[2] = raw.a.z; out[3] = raw.a.w;
+    out[4] = raw.b.x; out[5] = raw.b.y; out[6] = raw.b.z; out[7] = raw.b.w;
   }
 }
-#define KVT_LOAD_K(row, out) kvt_load8(keys + (row) * D + sl * 8, out)
-#define KVT_LOAD_V(row, out) kvt_load8(values + (row) * D + sl * 8, out)
+#define KVT_RAW kvt_raw<T>
+#define KVT_LOAD_K(row, raw) kvt_fetch(keys + (row) * D + sl * 8, raw)
+#define KVT_LOAD_V(row, raw) kvt_fetch(values + (row) * D + sl * 8, raw)
 """
 )
 
-# Eight consecutive elements of an affine-quantized pool (mx.quantize layout, 4 or 8 bits):
-# rounded to T after scale * q + bias, as mx.dequantize produces them.
+# The same for an affine-quantized pool (mx.quantize layout, 4 or 8 bits): packed words plus
+# the group's scale and bias; unpacked as scale * q + bias in float32.
 HEADER_QUANTIZED = (
     _COMMON
     + """
+struct kvt_qraw {
+  uint2 w;
+  float s;
+  float b;
+};
 template <int BITS, int GS, typename T>
-__device__ __forceinline__ void kvt_load8q(
-    const uint32_t* packed, const T* scales, const T* biases, int elem, float* out) {
-  const float s = to_f(scales[elem / GS]);
-  const float b = to_f(biases[elem / GS]);
+__device__ __forceinline__ void kvt_fetchq(
+    const uint32_t* packed, const T* scales, const T* biases, int elem, kvt_qraw& raw) {
   if constexpr (BITS == 4) {
-    const uint32_t w = packed[elem / 8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) out[e] = to_f(from_f<T>(s * float((w >> (4 * e)) & 15u) + b));
+    raw.w.x = packed[elem / 8];
   } else {
-    const uint2 w = *reinterpret_cast<const uint2*>(packed + elem / 4);
+    raw.w = *reinterpret_cast<const uint2*>(packed + elem / 4);
+  }
+  raw.s = to_f(scales[elem / GS]);
+  raw.b = to_f(biases[elem / GS]);
+}
+template <int BITS>
+__device__ __forceinline__ void kvt_unpackq(const kvt_qraw& raw, float* out) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const uint32_t x = e < 4 ? w.x : w.y;
-      out[e] = to_f(from_f<T>(s * float((x >> (8 * (e % 4))) & 255u) + b));
-    }
+  for (int e = 0; e < 8; ++e) {
+    const uint32_t x = (BITS == 4 || e < 4) ? raw.w.x : raw.w.y;
+    const int shift = BITS == 4 ? 4 * e : 8 * (e % 4);
+    out[e] = raw.s * float((x >> shift) & ((1u << BITS) - 1u)) + raw.b;
   }
 }
-#define KVT_LOAD_K(row, out) kvt_load8q<BITS, GS, T>(keys, ks, kb, (row) * D + sl * 8, out)
-#define KVT_LOAD_V(row, out) kvt_load8q<BITS, GS, T>(values, vs, vb, (row) * D + sl * 8, out)
+#define KVT_RAW kvt_qraw
+#define KVT_LOAD_K(row, raw) kvt_fetchq<BITS, GS, T>(keys, ks, kb, (row) * D + sl * 8, raw)
+#define KVT_LOAD_V(row, raw) kvt_fetchq<BITS, GS, T>(values, vs, vb, (row) * D + sl * 8, raw)
+#define kvt_unpack(raw, out) kvt_unpackq<BITS>(raw, out)
 """
 )
 
-PARTIAL_SOURCE = """
+PARTIAL_SOURCE = r"""
   constexpr int TL = D / 8;
   constexpr int TPW = 32 / TL;
   constexpr int R = G * N;
@@ -141,54 +167,75 @@ PARTIAL_SOURCE = """
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[r][e] = 0.f;
   }
+  // Keys and values of U tokens per lane, loaded one block step ahead when PIPE is set.
+#define KVT_FETCH(first, kd, vd) \
+  for (int u = 0; u < U; ++u) { \
+    const int t = min((first) + u * WARPS * TPW + group, stop - 1); \
+    const int row = (table[t / BS] * HK + hk) * BS + t % BS; \
+    KVT_LOAD_K(row, kd[u]); \
+    KVT_LOAD_V(row, vd[u]); \
+  }
+  KVT_RAW kv[U];
+  KVT_RAW vv[U];
+  if (PIPE && start < stop) {
+    KVT_FETCH(start, kv, vv);
+  }
   for (int base = start; base < stop; base += WARPS * TPW * U) {
-    float kv[U][8];
-    float vv[U][8];
-    int tok[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      tok[u] = base + u * WARPS * TPW + group;
-      const int t = min(tok[u], stop - 1);
-      const int row = (table[t / BS] * HK + hk) * BS + t % BS;
-      KVT_LOAD_K(row, kv[u]);
-      KVT_LOAD_V(row, vv[u]);
+    KVT_RAW kn[U];
+    KVT_RAW vn[U];
+    if (!PIPE) {
+      KVT_FETCH(base, kv, vv);
+    } else if (base + WARPS * TPW * U < stop) {
+      KVT_FETCH(base + WARPS * TPW * U, kn, vn);
     }
     float s[U][RC];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
+      const int tok = base + u * WARPS * TPW + group;
+      float k8[8];
+      kvt_unpack(kv[u], k8);
 #pragma unroll
       for (int r = 0; r < RC; ++r) {
         float dot = 0.f;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) dot += qv[r][e] * kv[u][e];
+        for (int e = 0; e < 8; ++e) dot += qv[r][e] * k8[e];
 #pragma unroll
         for (int o = TL / 2; o > 0; o /= 2) dot += kvt_shfl_xor(dot, o);
-        s[u][r] = (tok[u] < stop && tok[u] < visible[r]) ? dot : KVT_NEG_INF;
+        s[u][r] = (tok < stop && tok < visible[r]) ? dot : KVT_NEG_INF;
       }
     }
+    // Branch-free online softmax: while a row's maximum is -inf its weights are all 0.
 #pragma unroll
     for (int r = 0; r < RC; ++r) {
       float top = m[r];
 #pragma unroll
       for (int u = 0; u < U; ++u) top = kvt_max(top, s[u][r]);
-      if (top != KVT_NEG_INF) {
-        const float corr = kvt_weight(m[r], top);
-        float p[U];
-        float total = 0.f;
+      const float corr = kvt_weight(m[r], top);
+      l[r] *= corr;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-          p[u] = kvt_exp2(s[u][r] - top);
-          total += p[u];
-        }
-        l[r] = l[r] * corr + total;
+      for (int u = 0; u < U; ++u) {
+        s[u][r] = kvt_weight(s[u][r], top);
+        l[r] += s[u][r];
+      }
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          float a = acc[r][e] * corr;
+      for (int e = 0; e < 8; ++e) acc[r][e] *= corr;
+      m[r] = top;
+    }
 #pragma unroll
-          for (int u = 0; u < U; ++u) a += p[u] * vv[u][e];
-          acc[r][e] = a;
-        }
-        m[r] = top;
+    for (int u = 0; u < U; ++u) {
+      float v8[8];
+      kvt_unpack(vv[u], v8);
+#pragma unroll
+      for (int r = 0; r < RC; ++r) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[r][e] += s[u][r] * v8[e];
+      }
+    }
+    if (PIPE) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        kv[u] = kn[u];
+        vv[u] = vn[u];
       }
     }
   }
@@ -246,20 +293,42 @@ PARTIAL_SOURCE = """
 """
 
 MERGE_SOURCE = """
-  const int d = blockIdx.x * blockDim.x + threadIdx.x;
-  const int row = blockIdx.y * blockDim.y + threadIdx.y;
-  if (d >= D) return;
+  constexpr int THREADS = D * J;
+  const int d = threadIdx.x;
+  const int j = threadIdx.y;
+  const int flat = j * D + d;
+  const int row = blockIdx.y;
   const int parts = normal_shape[1];
+  __shared__ float sm_weight[MAX_PARTS];
+  __shared__ float sm_reduce[THREADS / 32];
+  __shared__ float sm_acc[THREADS];
   float top = KVT_NEG_INF;
-  for (int p = 0; p < parts; ++p) top = kvt_max(top, normal[(row * parts + p) * 2]);
-  float a = 0.f;
+  for (int p = flat; p < parts; p += THREADS) top = kvt_max(top, normal[(row * parts + p) * 2]);
+  for (int o = 16; o > 0; o /= 2) top = kvt_max(top, kvt_shfl_xor(top, o));
+  if (flat % 32 == 0) sm_reduce[flat / 32] = top;
+  __syncthreads();
+  top = KVT_NEG_INF;
+  for (int w = 0; w < THREADS / 32; ++w) top = kvt_max(top, sm_reduce[w]);
+  __syncthreads();
   float total = 0.f;
-  for (int p = 0; p < parts; ++p) {
+  for (int p = flat; p < parts; p += THREADS) {
     const float weight = kvt_weight(normal[(row * parts + p) * 2], top);
-    a += weight * partials[(row * parts + p) * D + d];
+    sm_weight[p] = weight;
     total += weight * normal[(row * parts + p) * 2 + 1];
   }
-  out[row * D + d] = from_f<OutT>(a / total);
+  for (int o = 16; o > 0; o /= 2) total += kvt_shfl_xor(total, o);
+  if (flat % 32 == 0) sm_reduce[flat / 32] = total;
+  __syncthreads();
+  total = 0.f;
+  for (int w = 0; w < THREADS / 32; ++w) total += sm_reduce[w];
+  float a = 0.f;
+  for (int p = j; p < parts; p += J) a += sm_weight[p] * partials[(row * parts + p) * D + d];
+  sm_acc[flat] = a;
+  __syncthreads();
+  if (j == 0) {
+    for (int k = 1; k < J; ++k) a += sm_acc[k * D + d];
+    out[row * D + d] = from_f<OutT>(a / total);
+  }
 """
 
 _INPUTS = ["q", "keys", "values", "table", "params", "scale"]

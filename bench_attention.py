@@ -1,0 +1,267 @@
+"""``kvtrio bench attention``: decode attention over a paged cache vs contiguous sdpa.
+
+For each context length, one decode step (one query per head) is timed three ways on the
+same keys and values, in the same run:
+
+- ``sdpa``: ``mx.fast.scaled_dot_product_attention`` on contiguous ``[1, kv_heads, L, D]``
+  keys and values (the reference, what a ``KVCache`` gives);
+- ``gather+sdpa``: the paged reference path (gather by block table, then sdpa);
+- ``direct``: the split-K kernel reading the pool blocks in place (GPU only), plus its
+  affine-quantized variants when ``--bits`` is given (reading fewer bytes).
+
+A time is the median over ``--iters`` evaluations of 20 queued calls, divided by 20, after
+warm-up; effective
+bandwidth is the bytes of keys and values the step must read over that time. The physical
+blocks are shuffled, as a pool shared by many sequences leaves them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import mlx.core as mx
+from kvtrio.cli import BENCHES
+from kvtrio.metal.attention import (
+    DEFAULT_TUNING,
+    KernelTuning,
+    PagedAttentionView,
+    direct_backend,
+)
+from kvtrio.metal.pool import BlockPool
+
+__all__ = ["measure", "run"]
+
+_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def _median_us(fn: Callable[[], mx.array], iters: int, batch: int = 20) -> float:
+    """Median time of one call, over ``iters`` evaluations of ``batch`` calls queued together
+    (one evaluation per call would time the host round trip, not the GPU work)."""
+    mx.eval([fn() for _ in range(batch)])
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        mx.eval([fn() for _ in range(batch)])
+        times.append((time.perf_counter() - start) / batch)
+    return statistics.median(times) * 1e6
+
+
+def _paged_view(
+    keys: mx.array, values: mx.array, block_size: int, bits: int | None, group_size: int
+) -> PagedAttentionView:
+    """A pool holding ``keys``/``values`` in shuffled physical blocks, and its view."""
+    _, kv_heads, length, dim = keys.shape
+    blocks = -(-length // block_size)
+    pool = BlockPool(
+        blocks, kv_heads, block_size, dim, dtype=keys.dtype, bits=bits, group_size=group_size
+    )
+    table = list(range(blocks))
+    random.Random(length).shuffle(table)
+    for _ in table:
+        pool.allocate()
+    step = 8192  # write in slices so the index arrays stay small
+    for begin in range(0, length, step):
+        end = min(length, begin + step)
+        positions = range(begin, end)
+        pool.write(
+            [table[p // block_size] for p in positions],
+            [p % block_size for p in positions],
+            keys[:, :, begin:end],
+            values[:, :, begin:end],
+        )
+        mx.eval(pool.arrays())
+    return PagedAttentionView.capture(pool, table, length)
+
+
+def measure(
+    length: int,
+    *,
+    q_heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype: mx.Dtype,
+    block_size: int,
+    bits: list[int],
+    group_size: int,
+    iters: int,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> dict[str, float | int | str | None]:
+    """One context length's figures (times in microseconds, bandwidth in GB/s)."""
+    mx.random.seed(length)
+    keys = mx.random.normal((1, kv_heads, length, dim)).astype(dtype)
+    values = mx.random.normal((1, kv_heads, length, dim)).astype(dtype)
+    queries = mx.random.normal((1, q_heads, 1, dim)).astype(dtype)
+    mx.eval(keys, values, queries)
+    scale = dim**-0.5
+    kv_bytes = keys.nbytes + values.nbytes
+    view = _paged_view(keys, values, block_size, None, group_size)
+    sdpa_us = _median_us(
+        lambda: mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale),
+        iters,
+    )
+    gather_us = _median_us(lambda: view.attend_reference(queries, scale), iters)
+    row: dict[str, float | int | str | None] = {
+        "tokens": length,
+        "kv_bytes": kv_bytes,
+        "sdpa_us": sdpa_us,
+        "sdpa_gbs": kv_bytes / sdpa_us / 1e3,
+        "gather_us": gather_us,
+        "gather_vs_sdpa": gather_us / sdpa_us,
+        "direct_us": None,
+        "direct_gbs": None,
+        "direct_vs_sdpa": None,
+    }
+    backend = direct_backend()
+    if backend is not None:
+        direct_us = _median_us(
+            partial(view.attend_direct, queries, scale, None, backend, tuning), iters
+        )
+        row.update(
+            direct_us=direct_us,
+            direct_gbs=kv_bytes / direct_us / 1e3,
+            direct_vs_sdpa=direct_us / sdpa_us,
+        )
+        for b in bits:
+            qview = _paged_view(keys, values, block_size, b, group_size)
+            q_bytes = sum(a.nbytes for a in qview.arrays) * length // (
+                qview.arrays[0].shape[0] * block_size
+            )
+            q_us = _median_us(
+                partial(qview.attend_direct, queries, scale, None, backend, tuning), iters
+            )
+            row[f"direct_q{b}_us"] = q_us
+            row[f"direct_q{b}_gbs"] = q_bytes / q_us / 1e3
+            row[f"direct_q{b}_vs_sdpa"] = q_us / sdpa_us
+    return row
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lengths", default="4096,32768,131072", help="context lengths")
+    parser.add_argument("--q-heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float16")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--bits", default="", help="quantized direct variants, e.g. 4,8")
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument(
+        "--tuning", default="", help="direct kernel shape: warps,unroll,pipeline(0|1),blocks"
+    )
+    parser.add_argument(
+        "--sweep", action="store_true",
+        help="time the direct kernel's launch shapes instead; print the fastest as --tuning",
+    )
+
+
+def _parse_tuning(text: str) -> KernelTuning:
+    if not text:
+        return DEFAULT_TUNING
+    warps, unroll, pipeline, blocks = (int(x) for x in text.split(","))
+    return KernelTuning(warps=warps, unroll=unroll, pipeline=bool(pipeline), target_blocks=blocks)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    """Direct-kernel time per launch shape, summed over the lengths; the fastest is printed."""
+    backend = direct_backend()
+    if backend is None:
+        print("no GPU backend: nothing to sweep")
+        return 1
+    dtype = _DTYPES[args.dtype]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    shapes = [(4, u, p, t) for u in (2, 4, 8) for p in (0, 1) for t in (1024, 4096)]
+    shapes += [(8, 4, 0, 1024), (8, 4, 1, 1024)]
+    totals: dict[tuple[int, int, int, int], float] = {}
+    for length in lengths:
+        mx.random.seed(length)
+        keys = mx.random.normal((1, args.kv_heads, length, args.head_dim)).astype(dtype)
+        values = mx.random.normal((1, args.kv_heads, length, args.head_dim)).astype(dtype)
+        queries = mx.random.normal((1, args.q_heads, 1, args.head_dim)).astype(dtype)
+        view = _paged_view(keys, values, args.block_size, None, args.group_size)
+        scale = args.head_dim**-0.5
+        sdpa = _median_us(
+            partial(mx.fast.scaled_dot_product_attention, queries, keys, values, scale=scale),
+            args.iters,
+        )
+        for shape in shapes:
+            tuning = KernelTuning(
+                warps=shape[0], unroll=shape[1], pipeline=bool(shape[2]), target_blocks=shape[3]
+            )
+            us = _median_us(
+                partial(view.attend_direct, queries, scale, None, backend, tuning), args.iters
+            )
+            totals[shape] = totals.get(shape, 0.0) + us
+            print(f"{length:>7} warps,unroll,pipeline,blocks={shape} "
+                  f"{us:8.1f} us  {us / sdpa:5.2f}x sdpa ({sdpa:.1f} us)")
+    best = min(totals, key=lambda k: totals[k])
+    print("best --tuning " + ",".join(str(x) for x in best))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.sweep:
+        return _sweep(args)
+    tuning = _parse_tuning(args.tuning)
+    rows = [
+        measure(
+            int(length),
+            q_heads=args.q_heads,
+            kv_heads=args.kv_heads,
+            dim=args.head_dim,
+            dtype=_DTYPES[args.dtype],
+            block_size=args.block_size,
+            bits=[int(b) for b in args.bits.split(",") if b],
+            group_size=args.group_size,
+            iters=args.iters,
+            tuning=tuning,
+        )
+        for length in args.lengths.split(",")
+    ]
+    device = str(mx.default_device())
+    if args.json:
+        print(json.dumps({"device": device, "rows": rows}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"decode attention, {args.q_heads} q heads / {args.kv_heads} kv heads, "
+        f"head dim {args.head_dim}, {args.dtype}, block {args.block_size}, {device}"
+    )
+    columns = ["tokens", "sdpa us", "sdpa GB/s", "gather+sdpa us", "gather/sdpa",
+               "direct us", "direct GB/s", "direct/sdpa"]
+    for name in columns:
+        table.add_column(name, justify="right")
+    extra = sorted({k for r in rows for k in r if k.startswith("direct_q") and k.endswith("_us")})
+    for key in extra:
+        table.add_column(key.removesuffix("_us").replace("direct_", "") + " us", justify="right")
+        table.add_column(key.removesuffix("_us").replace("direct_", "") + "/sdpa", justify="right")
+
+    def fmt(value: object, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    for r in rows:
+        cells = [
+            str(r["tokens"]), fmt(r["sdpa_us"], ".1f"), fmt(r["sdpa_gbs"], ".0f"),
+            fmt(r["gather_us"], ".1f"), fmt(r["gather_vs_sdpa"], ".2f") + "x",
+            fmt(r["direct_us"], ".1f"), fmt(r["direct_gbs"], ".0f"),
+            fmt(r["direct_vs_sdpa"], ".2f") + "x",
+        ]
+        for key in extra:
+            cells += [fmt(r.get(key), ".1f"), fmt(r.get(key.replace("_us", "_vs_sdpa")), ".2f")]
+        table.add_row(*cells)
+    Console().print(table)
+    return 0
+
+
+BENCHES["attention"] = (
+    "decode attention over a paged cache: direct kernel and gather+sdpa vs contiguous sdpa",
+    _add_arguments,
+    run,
+)

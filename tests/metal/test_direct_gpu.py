@@ -1,0 +1,181 @@
+"""The direct split-K kernel against the reference path, on a GPU (skipped elsewhere).
+
+Tolerance, stated once: the direct output and a float32 reference (sdpa over the same
+gathered, dequantized keys and values, upcast) agree to a relative error
+``||direct - ref|| / ||ref||`` of at most 4e-3 for float16 and 2e-2 for bfloat16: the
+kernel accumulates in float32 and rounds once, so the bound is a few output ulps. For float
+pools the reference path (gather + sdpa in the pool dtype) must land within twice that bound
+(mlx-lm's quantized attention, which rounds scores to the query dtype, is looser).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import mlx.core as mx
+import pytest
+from kvtrio.metal.attention import PagedAttentionView, direct_backend
+from kvtrio.metal.pool import BlockPool
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = {mx.float16: 4e-3, mx.bfloat16: 2e-2}
+
+
+def _has_cuda() -> bool:
+    return bool(mx.cuda.is_available())
+
+
+def _has_metal() -> bool:
+    return bool(mx.metal.is_available())
+
+
+def _view(
+    kv_heads: int, dim: int, length: int, dtype: mx.Dtype, bits: int | None, block_size: int
+) -> PagedAttentionView:
+    """A pool with ``length`` random tokens in shuffled blocks (ragged last block)."""
+    blocks = -(-length // block_size)
+    pool = BlockPool(blocks + 3, kv_heads, block_size, dim, dtype=dtype, bits=bits, group_size=64)
+    table = [pool.allocate() for _ in range(blocks + 3)]
+    random.Random(length).shuffle(table)
+    table = table[:blocks]
+    step = 16384
+    for begin in range(0, length, step):
+        end = min(length, begin + step)
+        keys = mx.random.normal((1, kv_heads, end - begin, dim)).astype(dtype)
+        values = mx.random.normal((1, kv_heads, end - begin, dim)).astype(dtype)
+        positions = range(begin, end)
+        pool.write(
+            [table[p // block_size] for p in positions],
+            [p % block_size for p in positions],
+            keys,
+            values,
+        )
+        mx.eval(pool.arrays())
+    return PagedAttentionView.capture(pool, table, length)
+
+
+def _float32_reference(
+    view: PagedAttentionView, queries: mx.array, scale: float, mask: str | None
+) -> mx.array:
+    keys, values = view.gather()
+    if view.bits is not None:
+        keys = mx.dequantize(*keys, group_size=view.group_size, bits=view.bits)
+        values = mx.dequantize(*values, group_size=view.group_size, bits=view.bits)
+    return mx.fast.scaled_dot_product_attention(
+        queries.astype(mx.float32),
+        keys.astype(mx.float32),
+        values.astype(mx.float32),
+        scale=scale,
+        mask=mask,
+    )
+
+
+def _relative_error(got: mx.array, want: mx.array) -> float:
+    got32 = got.astype(mx.float32)
+    assert not mx.isnan(got32).any().item()
+    return float(mx.linalg.norm((got32 - want).reshape(-1)) / mx.linalg.norm(want.reshape(-1)))
+
+
+SHAPES = [  # kv heads, GQA ratio, head dim
+    (1, 1, 64),
+    (1, 8, 128),
+    (2, 4, 64),
+    (3, 2, 128),
+    (4, 1, 128),
+    (8, 4, 128),
+    (8, 2, 64),
+    (8, 8, 128),
+]
+LENGTHS = [1, 15, 16, 1000, 4097]
+CASES = [
+    (shape, length, dtype, bits)
+    for shape, length, (dtype, bits) in itertools.product(
+        SHAPES,
+        LENGTHS,
+        [(mx.float16, None), (mx.bfloat16, None), (mx.float16, 4), (mx.bfloat16, 8)],
+    )
+] + [
+    ((8, 4, 128), 32771, mx.float16, None),
+    ((8, 4, 128), 131075, mx.float16, None),
+    ((8, 4, 128), 131075, mx.bfloat16, None),
+    ((8, 4, 128), 131075, mx.float16, 4),
+    ((8, 4, 128), 131075, mx.bfloat16, 8),
+    ((2, 4, 64), 131075, mx.bfloat16, 4),
+]
+
+
+def _check(shape: tuple[int, int, int], length: int, dtype: mx.Dtype, bits: int | None,
+           queries_per_head: int = 1) -> None:
+    kv_heads, ratio, dim = shape
+    view = _view(kv_heads, dim, length, dtype, bits, block_size=16)
+    queries = mx.random.normal((1, kv_heads * ratio, queries_per_head, dim)).astype(dtype)
+    scale = dim**-0.5
+    mask = "causal" if queries_per_head > 1 else None
+    backend = direct_backend()
+    assert backend is not None
+    assert view.uses_direct(queries, mask)
+    got = view.attend_direct(queries, scale, mask, backend)
+    want = _float32_reference(view, queries, scale, mask)
+    # MLX's CUDA quantized matmul lacks some decode shapes: take the CPU's reference there.
+    with mx.stream(mx.cpu if view.bits is not None else mx.gpu):
+        reference = view.attend_reference(queries, scale, mask)
+        mx.eval(reference)
+    error = _relative_error(got, want)
+    reference_error = _relative_error(reference, want)
+    assert error <= TOLERANCE[dtype], (error, reference_error)
+    if view.bits is None:  # mlx-lm's quantized attention rounds scores to the query dtype
+        assert reference_error <= TOLERANCE[dtype] * 2
+
+
+@pytest.mark.skipif(not _has_cuda(), reason="needs MLX's CUDA backend and an NVIDIA GPU")
+@pytest.mark.parametrize(("shape", "length", "dtype", "bits"), CASES)
+def test_cuda_direct_matches_reference(
+    shape: tuple[int, int, int], length: int, dtype: mx.Dtype, bits: int | None
+) -> None:
+    _check(shape, length, dtype, bits)
+
+
+@pytest.mark.skipif(not _has_cuda(), reason="needs MLX's CUDA backend and an NVIDIA GPU")
+@pytest.mark.parametrize("queries_per_head", [2, 5, 8])
+@pytest.mark.parametrize("bits", [None, 4])
+def test_cuda_direct_causal_queries(queries_per_head: int, bits: int | None) -> None:
+    """A few queries per head (speculative decoding) with the causal mask."""
+    _check((4, 4, 128), 1037, mx.float16, bits, queries_per_head)
+
+
+@pytest.mark.skipif(not _has_metal(), reason="needs an Apple GPU (Metal)")
+@pytest.mark.parametrize(("shape", "length", "dtype", "bits"), CASES[:40])
+def test_metal_direct_matches_reference(
+    shape: tuple[int, int, int], length: int, dtype: mx.Dtype, bits: int | None
+) -> None:
+    _check(shape, length, dtype, bits)
+
+
+@pytest.mark.skipif(not (_has_cuda() or _has_metal()), reason="needs a GPU")
+def test_direct_view_is_immutable() -> None:
+    """A view taken before more appends and the sequence's release gives the same output."""
+    from kvtrio.metal.cache import PagedKVCache
+
+    pool = BlockPool(64, 2, 16, 64, dtype=mx.float16)
+    cache = PagedKVCache(pool)
+    cache.update_and_fetch(
+        mx.random.normal((1, 2, 100, 64)).astype(mx.float16),
+        mx.random.normal((1, 2, 100, 64)).astype(mx.float16),
+    )
+    view = cache.attention_view()
+    queries = mx.random.normal((1, 8, 1, 64)).astype(mx.float16)
+    before = view.attend(queries, 0.125)
+    mx.eval(before)
+    cache.update_and_fetch(
+        mx.random.normal((1, 2, 50, 64)).astype(mx.float16),
+        mx.random.normal((1, 2, 50, 64)).astype(mx.float16),
+    )
+    cache.release()
+    other = PagedKVCache(pool)
+    other.update_and_fetch(
+        mx.random.normal((1, 2, 200, 64)).astype(mx.float16),
+        mx.random.normal((1, 2, 200, 64)).astype(mx.float16),
+    )
+    assert mx.array_equal(view.attend(queries, 0.125), before).item()
