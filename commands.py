@@ -29,4 +29,3 @@ def load_all() -> None:
 
 
 load_all()
-from kvtrio import bench_attention  # noqa: F401  (kvtrio bench attention)
