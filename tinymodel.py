@@ -8,8 +8,6 @@ MLX owner thread (``await owner.run(prefill, model, caches, tokens)``).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,9 +41,10 @@ TINY_CONFIG: Mapping[str, Any] = {
 
 
 def config_fingerprint(config: Mapping[str, Any], *, seed: int) -> str:
-    """sha256 of the graph-shaping config and the weight seed: a change invalidates caches."""
-    raw = json.dumps({"config": dict(config), "seed": seed}, sort_keys=True).encode()
-    return hashlib.sha256(raw).hexdigest()
+    """The storage fingerprint of the config, with the weight seed as the weights' id."""
+    from kvtrio.storage.fingerprint import config_fingerprint as fingerprint
+
+    return fingerprint(config, weights_id=f"random-seed:{seed}")
 
 
 @attrs.frozen
