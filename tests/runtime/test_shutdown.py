@@ -75,8 +75,9 @@ async def test_intake_stops_for_outsiders_but_actors_may_still_talk_while_draini
 async def test_stuck_actor_is_cancelled_at_the_deadline_and_not_before(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Deadline: a handler that never finishes is cancelled exactly at `grace`; the message
-    queued behind it is counted as dropped and its asker gets ShuttingDown."""
+    """Deadline (Invariant 7: trio's clock): a handler that never finishes is cancelled
+    exactly at `grace`, not before; the message queued behind it is counted as dropped and
+    its asker gets ShuttingDown."""
     stuck = Counter()
     async with ActorSystem() as system:
         ref = await system.spawn(stuck, name="stuck")
