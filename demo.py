@@ -262,7 +262,7 @@ class _Server:
         opts = self.options
         cut = len(self.system)
         start = time.perf_counter()
-        fetched = await self.cache.fetch_nearest(prompt)
+        fetched = await self.cache.fetch_nearest(prompt, need_logits=True)
         fetch_s = time.perf_counter() - start
         reused = fetched.reused
         if fetched.caches is None:

@@ -43,6 +43,7 @@ import trio
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import (
     DEFAULT_BLOCK_SIZE,
+    MatchKind,
     ModelKey,
     PrefixEntry,
     PrefixIndex,
@@ -297,12 +298,19 @@ class TieredPromptCache:
 
     # -- the server's API ------------------------------------------------------------
 
-    async def fetch_nearest(self, tokens: Sequence[int]) -> Fetched:
+    async def fetch_nearest(self, tokens: Sequence[int], *, need_logits: bool = False) -> Fetched:
         """The caches of the longest reusable prefix of ``tokens`` (see mlx-lm's
-        ``LRUPromptCache.fetch_nearest_cache``), and the tokens still to process."""
+        ``LRUPromptCache.fetch_nearest_cache``), and the tokens still to process.
+
+        An exact hit leaves no token to process. With ``need_logits``, at least one is
+        left: the exact entry is trimmed by one token when it may be, else the lookup is
+        made for ``tokens[:-1]``.
+        """
         query = tuple(int(t) for t in tokens)
         for _ in range(8):  # bounded: each retry forgot a bad cold entry
             match = self._index.lookup(self.model, query)
+            if need_logits and match is not None and match.kind is MatchKind.EXACT:
+                match = self._leave_one(match, query)
             if match is None:
                 break
             record = self._records[match.entry.key]
@@ -320,6 +328,13 @@ class TieredPromptCache:
             return Fetched(caches, query[match.reuse :], Tier.COLD, match)
         self._count("misses")
         return Fetched(None, query, None, None)
+
+    def _leave_one(self, exact: PrefixMatch, query: tuple[int, ...]) -> PrefixMatch | None:
+        entry = exact.entry
+        keep = len(query) - 1
+        if entry.trimmable and keep >= max(1, entry.min_reusable_offset):
+            return PrefixMatch(entry, MatchKind.LONGER, keep)
+        return self._index.lookup(self.model, query[:-1]) if keep else None
 
     async def insert(
         self,

@@ -90,7 +90,7 @@ class App:
         conversation, tokens, max_tokens = request
         async with self.lock:  # one model step at a time, like mlx-lm's server
             start = time.perf_counter()
-            fetched = await self.cache.fetch_nearest(tokens)
+            fetched = await self.cache.fetch_nearest(tokens, need_logits=True)
             caches = fetched.caches
             if caches is None:
                 caches = await self.owner.run(make_caches, self.tiny)
@@ -199,6 +199,10 @@ async def handle_connection(app: App, stream: trio.SocketStream) -> None:
                 status, reply = exc.status, {"error": str(exc)}
             except (h11.RemoteProtocolError, trio.TooSlowError):
                 break
+            except Exception as exc:  # the HTTP boundary: one request fails, not the server
+                if conn.our_state is not h11.SEND_RESPONSE:
+                    break
+                status, reply = 500, {"error": f"{type(exc).__name__}: {exc}"}
             await _send(stream, conn, status, reply)
             if app.draining or conn.our_state is h11.MUST_CLOSE:
                 break

@@ -79,6 +79,8 @@ def test_restart_serves_the_conversation_from_disk(tmp_path: Path) -> None:
             raise AssertionError("an out-of-vocabulary token was accepted")
         except urllib.error.HTTPError as exc:
             assert exc.code == 400
+        again = _post(url, {"conversation": "c2", "tokens": history, "max_tokens": 4})
+        assert again["cache"] == "hot" and again["reused"] == len(history) - 1  # exact hit
         assert "cache written" in _stop(proc)
     with _server(tmp_path) as (url, proc):
         turn3 = history + second["reply"] + [14, 15]

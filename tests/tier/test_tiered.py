@@ -176,3 +176,15 @@ async def test_a_vanished_cold_file_is_a_clean_miss(tmp_path: Path) -> None:
         assert result.caches is None
         stats = cache.statistics()
         assert (stats.drops, stats.misses, stats.cold_entries) == (1, 1, 0)
+
+
+async def test_need_logits_leaves_one_token_on_an_exact_hit(tmp_path: Path) -> None:
+    async with _open(FakeColdStore(tmp_path, MODEL)) as cache:
+        await cache.insert(list(range(10)), fake_caches(10))
+        found = await cache.fetch_nearest(list(range(10)), need_logits=True)
+        assert found.remaining == (9,)
+        assert found.caches is not None and [c.offset for c in found.caches] == [9, 9]
+        await cache.insert(list(range(100, 110)), fake_caches(10, trimmable=False))
+        await cache.insert(list(range(100, 105)), fake_caches(5, trimmable=False))
+        fallback = await cache.fetch_nearest(list(range(100, 110)), need_logits=True)
+        assert fallback.remaining == tuple(range(105, 110))
