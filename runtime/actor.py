@@ -163,13 +163,13 @@ class ActorStatistics:
     name: str
     state: ActorState
     mailbox_size: int
-    mailbox_depth: int
-    peak_depth: int
-    senders_waiting: int
-    processed: int
-    failures: int
-    restarts: int
-    dropped: int
+    mailbox_depth: int  # messages accepted and waiting in the mailbox now
+    peak_depth: int  # the highest mailbox_depth seen
+    senders_waiting: int  # tasks blocked in tell because the mailbox is full
+    processed: int  # messages whose handler returned normally
+    failures: int  # handler (or on_start) crashes
+    restarts: int  # supervised restarts performed
+    dropped: int  # accepted messages never handled (cancelled at a deadline, escalation)
 
 
 @attrs.define(eq=False)
