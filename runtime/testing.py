@@ -45,7 +45,10 @@ T = TypeVar("T")
 
 @attrs.frozen
 class TraceEvent:
-    """One thing an actor did: ``event`` is handled, crashed, escalated, restarted or dropped."""
+    """One thing an actor did: ``event`` is handled, crashed, escalated, restarted or dropped.
+
+    ``at`` is ``trio.current_time()`` when it happened; for "handled", when the handler
+    started on the message."""
 
     actor: str
     event: str
