@@ -10,7 +10,8 @@ deadline, ``grace`` seconds after ``shutdown`` is called):
    side (blocked and later senders get ShuttingDown), let the actor handle every message
    it had accepted until the channel reports the end, run its ``on_stop``. Closing the
    *receive* side instead would silently discard buffered messages, so it is never done
-   before the drain.
+   before the drain. An actor spawned with ``stop_timeout`` is cancelled when that runs out
+   (never later than the deadline), and the next actor's turn begins.
 3. At the deadline, cancel every actor still running; messages they had accepted but not
    handled are counted as dropped and their replies fail with ShuttingDown.
 
@@ -78,6 +79,7 @@ class _Cell(Generic[M]):
     ref: ActorRef[M]
     make_actor: Callable[[], Actor[M]]
     tracker: RestartTracker | None
+    stop_timeout: float | None = None
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     stopped: trio.Event = attrs.field(factory=trio.Event)
     current: object = None  # the message being handled, if any
@@ -147,12 +149,15 @@ class ActorSystem:
         name: str,
         mailbox_size: int = 64,
         supervision: Supervision = ESCALATE,
+        stop_timeout: float | None = None,
     ) -> ActorRef[M]:
         """Start an actor and return its reference once its ``on_start`` has returned.
 
         Pass a zero-argument factory instead of an instance to get a fresh instance on each
-        supervised restart. Raises ShuttingDown once shutdown began, and ActorCrashed (with
-        the cause) if the first ``on_start`` raises.
+        supervised restart. ``stop_timeout`` bounds this actor's own drain during shutdown
+        (within the shutdown's deadline), so one slow actor cannot use up everyone's grace.
+        Raises ShuttingDown once shutdown began, and ActorCrashed (with the cause) if the
+        first ``on_start`` raises.
         """
         if self._nursery is None:
             raise RuntimeError(f"actor system {self.name!r} is not running (use async with)")
@@ -167,7 +172,13 @@ class ActorSystem:
         tracker = (
             RestartTracker(supervision, self.random) if isinstance(supervision, Restart) else None
         )
-        cell = _Cell(mailbox=mailbox, ref=ActorRef(mailbox), make_actor=make_actor, tracker=tracker)
+        cell = _Cell(
+            mailbox=mailbox,
+            ref=ActorRef(mailbox),
+            make_actor=make_actor,
+            tracker=tracker,
+            stop_timeout=stop_timeout,
+        )
         self._cells[name] = cell
         await self._nursery.start(self._run, cell)
         return cell.ref
@@ -301,7 +312,13 @@ class ActorSystem:
         """Drain and stop one actor; later tells to it raise ActorStopped."""
         cell = self._cells[ref.name]
         deadline = trio.current_time() + (self.grace if grace is None else grace)
-        await self._drain(cell, deadline)
+        await self._drain(cell, self._stop_deadline(cell, deadline))
+
+    @staticmethod
+    def _stop_deadline(cell: _Cell[Any], deadline: float) -> float:
+        if cell.stop_timeout is None:
+            return deadline
+        return min(deadline, trio.current_time() + cell.stop_timeout)
 
     async def _drain(self, cell: _Cell[Any], deadline: float) -> None:
         mailbox = cell.mailbox
@@ -327,7 +344,7 @@ class ActorSystem:
         cells = list(self._cells.values())
         with trio.move_on_at(deadline):
             for cell in reversed(cells):
-                await self._drain(cell, deadline)
+                await self._drain(cell, self._stop_deadline(cell, deadline))
         for cell in cells:
             cell.scope.cancel()
         with trio.CancelScope(shield=True):

@@ -181,3 +181,22 @@ async def test_an_actor_can_request_shutdown_of_its_own_system(
         assert trio.current_time() == 3.0
         assert worker.statistics().processed == 2
         assert system.statistics().shutting_down
+
+
+async def test_stop_timeout_cancels_one_stuck_actor_and_the_rest_still_drain(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Per-actor phase deadline: a stuck actor with stop_timeout=1 is cancelled after 1 s of
+    its own drain, and the actor started before it still gets to drain completely."""
+    stuck = Counter()
+    async with ActorSystem() as system:
+        steady = await system.spawn(Counter(), name="steady")
+        blocked = await system.spawn(stuck, name="stuck", stop_timeout=1.0)
+        blocked.tell_nowait(Sleep(math.inf))
+        for _ in range(3):
+            steady.tell_nowait(Sleep(1.0))
+        await trio.testing.wait_all_tasks_blocked()
+        await system.shutdown(grace=30.0)
+        assert stuck.cancelled_at == 1.0
+        assert steady.statistics().processed == 3
+        assert trio.current_time() == 3.0
