@@ -33,7 +33,7 @@ import enum
 import os
 import shutil
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -448,7 +448,7 @@ class TieredPromptCache:
             self._count("drops")
             self._forget_cold(record)
             self._maybe_forget(record)
-            await self._remove_cold_file(key)
+            self._spawn(self._remove_cold_file, key)
             return None
         self._count("bytes_read", nbytes)
         self._cold_lru.move_to_end(key)
@@ -522,7 +522,8 @@ class TieredPromptCache:
         self._drop_hot(record)
         if record.on_disk:
             self._forget_cold(record)
-            await self._remove_cold_file(record.entry.key)
+            # In the background: the store may be busy with a write (never on the request path).
+            self._spawn(self._remove_cold_file, record.entry.key)
         self._index.remove(record.entry.key)
         if not record.writing:
             self._records.pop(record.entry.key, None)
@@ -533,14 +534,26 @@ class TieredPromptCache:
         except KvtrioError:
             self._count("drops")
 
-    def _start_write(self, record: _Record, meta: Mapping[str, str]) -> None:
-        assert record.hot is not None
+    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run ``fn(*args)`` in the background; ``wait_writes_settled`` waits for it."""
         if self._nursery is None:
             raise RuntimeError("TieredPromptCache is not open")
-        record.writing = True
         self._writes_in_flight += 1
         self._idle = trio.Event()
-        self._nursery.start_soon(self._write, record, record.hot, dict(meta))
+        self._nursery.start_soon(self._settle, fn, *args)
+
+    async def _settle(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        try:
+            await fn(*args)
+        finally:
+            self._writes_in_flight -= 1
+            if not self._writes_in_flight:
+                self._idle.set()
+
+    def _start_write(self, record: _Record, meta: Mapping[str, str]) -> None:
+        assert record.hot is not None
+        record.writing = True
+        self._spawn(self._write, record, record.hot, dict(meta))
 
     async def _write(self, record: _Record, caches: list[Any], meta: dict[str, str]) -> None:
         key = record.entry.key
@@ -572,9 +585,6 @@ class TieredPromptCache:
                 self._maybe_forget(record)
         finally:
             record.writing = False
-            self._writes_in_flight -= 1
-            if not self._writes_in_flight:
-                self._idle.set()
 
     async def _enforce_cold_budget(self) -> None:
         while self._cold_bytes > self._effective_cold_budget() and len(self._cold_lru) > 1:
