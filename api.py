@@ -20,7 +20,9 @@ those blocks on disk.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
 import attrs
@@ -28,16 +30,17 @@ from kvtrio.errors import CacheMismatchError
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
 from kvtrio.storage.codecs import (
     AttachmentData,
+    LoadBuffers,
     Restored,
     adopt,
-    allocate_load_buffers,
+    allocate_slot,
     cache_structure,
     header_structure,
     materialize,
     snapshot,
 )
 from kvtrio.storage.format import Header, Layout
-from kvtrio.storage.reader import read_header, read_tensors
+from kvtrio.storage.reader import CacheFile, read_header, read_tensors
 from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult, write_blocks, write_single
 
 __all__ = [
@@ -52,6 +55,7 @@ __all__ = [
 
 LoadedCache = Restored
 
+_READ_THREADS = 2
 _HEADER_META_KEYS = frozenset({"model_id", "config_fingerprint", "attachments"})
 
 
@@ -182,10 +186,45 @@ def load_cache(
         expect.check(cache_file.header)
     if cache_file.header.layout == "blocks" and store is None:
         store = default_block_store(target)
-    # Read straight into MLX-owned memory: no host-side copy of the tensor bytes.
-    buffers = allocate_load_buffers(cache_file.header)
-    read_tensors(cache_file, buffers.buffers, store=store, verify=verify)
-    return adopt(cache_file.header, buffers)
+    return adopt(cache_file.header, _read_pipelined(cache_file, store, verify))
+
+
+def _read_pipelined(cache_file: CacheFile, store: BlockStore | None, verify: bool) -> LoadBuffers:
+    """Read straight into MLX-owned memory, allocating slot i+1 while slot i is read.
+
+    Allocation (page faults) runs on this thread, the MLX owner; reads and hash checks run
+    on worker threads, which touch only the byte views. No host-side copy of tensor bytes.
+    The pool is always joined (no thread is abandoned); the first failing slot, in slot
+    order, raises.
+    """
+    header = cache_file.header
+    stop = threading.Event()
+    arrays: list[tuple[Any, ...]] = []
+    views: list[tuple[memoryview, ...]] = []
+    futures: list[Future[None]] = []
+    with ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="kvtrio-read") as pool:
+        try:
+            for index in range(sum(1 for _ in header.slots())):
+                slot_arrays, slot_views = allocate_slot(header, index)
+                arrays.append(slot_arrays)
+                views.append(slot_views)
+                futures.append(
+                    pool.submit(
+                        read_tensors,
+                        cache_file,
+                        [slot_views],
+                        indices=[index],
+                        store=store,
+                        verify=verify,
+                        cancel=stop.is_set,
+                    )
+                )
+            for future in futures:
+                future.result()
+        except BaseException:
+            stop.set()
+            raise
+    return LoadBuffers(arrays=tuple(arrays), buffers=tuple(views))
 
 
 def import_mlx_lm(

@@ -17,6 +17,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvtrio.drill",  # kvtrio drill ...
     "kvtrio.bench_runtime",  # kvtrio bench runtime
     "kvtrio.bench_redis",  # kvtrio bench redis
+    "kvtrio.bench_storage",  # kvtrio bench storage
     "kvtrio.bench_attention",  # kvtrio bench attention
     "kvtrio.bench_tier",  # kvtrio bench tier
 )

@@ -33,6 +33,7 @@ from kvtrio.storage.fileops import OS_FILE_OPS, FileOps, pread_full
 from kvtrio.storage.format import (
     PREAMBLE,
     Header,
+    TensorSlot,
     parse_header,
     parse_preamble,
     piece_nbytes,
@@ -118,6 +119,7 @@ def read_tensors(
     cache_file: CacheFile,
     buffers: Sequence[Sequence[memoryview]],
     *,
+    indices: Sequence[int] | None = None,
     store: BlockStore | None = None,
     verify: bool = True,
     cancel: Cancel = None,
@@ -125,30 +127,40 @@ def read_tensors(
 ) -> None:
     """Fill ``buffers`` with the tensor bytes, verifying hashes when ``verify`` is true.
 
+    ``buffers[k]`` receives slot ``indices[k]`` (default: every slot, in order), so
+    callers may read a few tensors per call (one per step, or several threads at once).
     Single layout: reads the file of ``cache_file`` (which must still be the same file,
     same size). Block layout: reads each block from ``store`` (required), re-hashing it
     against its sha256 name when ``verify``; a missing block raises CacheMissError.
     """
     header = cache_file.header
-    names = list(slot_names(header))
-    sizes = piece_sizes(header)
-    if len(buffers) != len(sizes):
-        raise ValueError(f"header has {len(sizes)} slots, got {len(buffers)} buffer lists")
-    views: list[list[memoryview]] = []
-    for name, want, got in zip(names, sizes, buffers, strict=True):
+    all_slots = list(header.slots())
+    all_names = list(slot_names(header))
+    all_sizes = piece_sizes(header)
+    chosen = list(range(len(all_slots))) if indices is None else list(indices)
+    if len(buffers) != len(chosen):
+        raise ValueError(f"{len(chosen)} slots to read, got {len(buffers)} buffer lists")
+    slots, names, views = [], [], []
+    for index, got in zip(chosen, buffers, strict=True):
+        if not 0 <= index < len(all_slots):
+            raise IndexError(f"slot {index} out of range")
+        name, want = all_names[index], all_sizes[index]
         if len(got) != len(want):
             raise ValueError(f"{name}: {len(got)} buffers, needs {len(want)}")
+        slots.append(all_slots[index])
+        names.append(name)
         views.append([_flat(memoryview(b), name, n) for b, n in zip(got, want, strict=True)])
     if header.layout == "single":
-        _read_single(cache_file, names, views, verify, cancel, file_ops)
+        _read_single(cache_file, slots, names, views, verify, cancel, file_ops)
     else:
         if store is None:
             raise ValueError("the blocks layout needs a block store")
-        _read_blocks(header, names, views, store, verify, cancel)
+        _read_blocks(slots, names, views, store, verify, cancel)
 
 
 def _read_single(
     cache_file: CacheFile,
+    slots: list[TensorSlot],
     names: list[str],
     views: list[list[memoryview]],
     verify: bool,
@@ -166,7 +178,7 @@ def _read_single(
             raise CorruptCacheError("file: replaced or resized since its header was read")
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, cache_file.data_start, 0, os.POSIX_FADV_SEQUENTIAL)
-        for slot, name, (view,) in zip(cache_file.header.slots(), names, views, strict=True):
+        for slot, name, (view,) in zip(slots, names, views, strict=True):
             _check_cancel(cancel)
             base = cache_file.data_start + (slot.off or 0)
             hasher = xxhash.xxh3_64()
@@ -185,14 +197,14 @@ def _read_single(
 
 
 def _read_blocks(
-    header: Header,
+    slots: list[TensorSlot],
     names: list[str],
     views: list[list[memoryview]],
     store: BlockStore,
     verify: bool,
     cancel: Cancel,
 ) -> None:
-    for slot, name, pieces in zip(header.slots(), names, views, strict=True):
+    for slot, name, pieces in zip(slots, names, views, strict=True):
         refs = slot.blocks or ()
         if len(refs) != len(pieces):
             raise CorruptCacheError(

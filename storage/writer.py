@@ -176,21 +176,24 @@ def _address(buffer: memoryview) -> int:
 
 
 class _DirectWrites:
-    """O_DIRECT writes through aligned bounce buffers, pipelined on one helper thread.
+    """O_DIRECT writes through aligned bounce buffers, pipelined on helper threads.
 
     O_DIRECT needs aligned memory, offsets and lengths; MLX buffers are not page aligned,
     so each chunk is copied (ctypes.memmove, which releases the GIL) into one of a few
     page-aligned bounce buffers, hashed there while still in cache, and written by the
-    helper thread while the next chunk is prepared. The tail of a tensor is zero-padded
+    helper threads while the next chunk is prepared. The tail of a tensor is zero-padded
     to the 4 KiB boundary, inside the padding before the next 16 KiB-aligned tensor.
     """
 
-    DEPTH = 3
+    DEPTH = 4
+    THREADS = 2  # two writes in flight: the device sees a queue, not one request at a time
 
     def __init__(self, ops: FileOps, fd: int) -> None:
         self.ops = ops
         self.fd = fd
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtrio-direct-io")
+        self.pool = ThreadPoolExecutor(
+            max_workers=self.THREADS, thread_name_prefix="kvtrio-direct-io"
+        )
         self.bounce = [mmap.mmap(-1, _CHUNK) for _ in range(self.DEPTH)]
         self.views = [memoryview(b) for b in self.bounce]
         self.addresses = [_address(v) for v in self.views]

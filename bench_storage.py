@@ -1,0 +1,245 @@
+"""``kvtrio bench storage``: sync save and cold load GB/s, against O_DIRECT and mlx-lm.
+
+One run, one directory, the same bytes (a KV cache of ``--mib`` MiB: ``--layers`` layers of
+fp16 keys and values ``[1, heads, tokens, head_dim]``):
+
+- kvtrio save: ``kvtrio.save_cache`` end to end (snapshot, materialize, hash every tensor,
+  write, fsync, rename, fsync dir);
+- kvtrio cold load: ``kvtrio.load_cache`` with ``verify=True`` (every tensor's xxh3
+  checked) into evaluated MLX arrays;
+- reference: an O_DIRECT write (+ fsync) and an O_DIRECT read of the same byte count from
+  a page-aligned buffer, 8 MiB per call, in the same directory (``dd oflag=direct``);
+- mlx-lm: ``save_prompt_cache`` (+ fsync of the file, for the same durability) and
+  ``load_prompt_cache`` + ``mx.eval`` of every array; it verifies nothing.
+
+"Cold" means the file's pages were dropped (fsync, then ``posix_fadvise(DONTNEED)``)
+before the load. Rounds alternate the contenders; medians are reported, with ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvtrio import cli
+
+__all__ = ["run_bench"]
+
+_CHUNK = 8 * 1024 * 1024
+
+
+def _evict(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _make_caches(total_bytes: int, layers: int, heads: int, head_dim: int) -> tuple[list[Any], int]:
+    import mlx.core as mx
+    from mlx_lm.models import cache as mlx_cache_module
+
+    mlx_cache: Any = mlx_cache_module
+    per_token = 2 * heads * head_dim * 2  # keys + values, fp16
+    tokens = max(256, (total_bytes // (layers * per_token)) // 256 * 256)
+    caches = []
+    for layer in range(layers):
+        key = mx.random.key(layer)
+        k = mx.random.normal((1, heads, tokens, head_dim), key=key).astype(mx.float16)
+        v = (k * 0.5 + 1).astype(mx.float16)
+        mx.eval(k, v)
+        cache: Any = mlx_cache.KVCache()
+        cache.keys, cache.values, cache.offset = k, v, tokens
+        caches.append(cache)
+    return caches, tokens
+
+
+def _direct_write(path: str, source: mmap.mmap, nbytes: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+    try:
+        view = memoryview(source)
+        offset = 0
+        while offset < nbytes:
+            offset += os.pwrite(fd, view[offset : offset + _CHUNK], offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _direct_read(path: str, target: mmap.mmap, nbytes: int) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    try:
+        view = memoryview(target)
+        offset = 0
+        while offset < nbytes:
+            got = os.preadv(fd, [view[offset : offset + _CHUNK]], offset)
+            if got == 0:
+                raise OSError("short O_DIRECT read")
+            offset += got
+    finally:
+        os.close(fd)
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure everything; return the figures (GB/s medians and ratios)."""
+    import kvtrio
+    import mlx.core as mx
+    from mlx_lm.models import cache as mlx_cache_module
+
+    mlx_cache: Any = mlx_cache_module
+    total = args.mib * 2**20
+    caches, tokens = _make_caches(total, args.layers, args.heads, args.head_dim)
+    nbytes = sum(c.keys.nbytes + c.values.nbytes for c in caches)
+    parent = os.path.abspath(args.dir)
+    os.makedirs(parent, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix=".kvtrio-bench-storage-", dir=parent)
+    aligned = mmap.mmap(-1, (nbytes + _CHUNK - 1) // _CHUNK * _CHUNK)
+    aligned.write(os.urandom(1 << 20) * (len(aligned) >> 20))
+    names = ("kvtrio_save", "direct_write", "mlx_save", "kvtrio_load", "direct_read", "mlx_load")
+    times: dict[str, list[float]] = {k: [] for k in names}
+    kv_path = os.path.join(workdir, "cache.kvt")
+    direct_path = os.path.join(workdir, "direct.bin")
+    mlx_path = os.path.join(workdir, "cache.safetensors")
+    token_ids = list(range(tokens))
+
+    def mlx_save() -> None:
+        mlx_cache.save_prompt_cache(mlx_path, caches)
+        _fsync_file(mlx_path)
+
+    def kvtrio_load() -> None:
+        loaded = kvtrio.load_cache(kv_path, verify=True)
+        mx.eval([c.keys for c in loaded.caches] + [c.values for c in loaded.caches])
+
+    def mlx_load() -> None:
+        loaded: list[Any] = mlx_cache.load_prompt_cache(mlx_path)
+        mx.eval([c.keys for c in loaded] + [c.values for c in loaded])
+
+    try:
+        for _ in range(args.rounds):
+            for path in (kv_path, direct_path, mlx_path):
+                if os.path.exists(path):
+                    os.unlink(path)
+            times["kvtrio_save"].append(
+                _timed(lambda: kvtrio.save_cache(kv_path, token_ids, caches))
+            )
+            times["direct_write"].append(
+                _timed(lambda: _direct_write(direct_path, aligned, nbytes))
+            )
+            times["mlx_save"].append(_timed(mlx_save))
+            for path in (kv_path, direct_path, mlx_path):
+                _evict(path)
+            times["kvtrio_load"].append(_timed(kvtrio_load))
+            times["direct_read"].append(_timed(lambda: _direct_read(direct_path, aligned, nbytes)))
+            times["mlx_load"].append(_timed(mlx_load))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+    return {
+        "bytes": nbytes,
+        "layers": args.layers,
+        "tokens": tokens,
+        "rounds": args.rounds,
+        "directory": parent,
+        "gbps": gbps,
+        "ratios": {
+            "save_vs_direct": gbps["kvtrio_save"] / gbps["direct_write"],
+            "save_vs_mlx_lm": gbps["kvtrio_save"] / gbps["mlx_save"],
+            "load_vs_direct": gbps["kvtrio_load"] / gbps["direct_read"],
+            "load_vs_mlx_lm": gbps["kvtrio_load"] / gbps["mlx_load"],
+        },
+        "targets": {
+            "save_vs_direct": 0.85,
+            "save_vs_mlx_lm": 1.5,
+            "load_vs_direct": 0.85,
+            "load_vs_mlx_lm": 1.1,
+        },
+    }
+
+
+def _print(figures: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    g, r, t = figures["gbps"], figures["ratios"], figures["targets"]
+    table = Table(
+        title=(
+            f"kvtrio bench storage: {figures['bytes'] / 2**30:.2f} GiB KV cache "
+            f"({figures['layers']} layers x {figures['tokens']} tokens), "
+            f"median of {figures['rounds']} rounds, in {figures['directory']}"
+        )
+    )
+    for column in ("", "kvtrio GB/s", "O_DIRECT GB/s", "mlx-lm GB/s", "vs O_DIRECT", "vs mlx-lm"):
+        table.add_column(column, justify="right")
+
+    def mark(name: str) -> str:
+        ok = "ok" if r[name] >= t[name] else "MISS"
+        return f"{r[name]:.2f}x (>= {t[name]}x {ok})"
+
+    for label, ours, direct, mlx, op in (
+        ("save (durable)", "kvtrio_save", "direct_write", "mlx_save", "save"),
+        ("cold load (verified)", "kvtrio_load", "direct_read", "mlx_load", "load"),
+    ):
+        table.add_row(
+            label,
+            f"{g[ours]:.2f}",
+            f"{g[direct]:.2f}",
+            f"{g[mlx]:.2f}",
+            mark(f"{op}_vs_direct"),
+            mark(f"{op}_vs_mlx_lm"),
+        )
+    console = Console()
+    console.print(table)
+    console.print(
+        "kvtrio verifies every tensor's xxh3 on load; mlx-lm verifies nothing. mlx-lm's save "
+        "is followed by an fsync of its file so both saves are durable."
+    )
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mib", type=int, default=1024, help="cache size in MiB (1024)")
+    parser.add_argument("--layers", type=int, default=16, help="layers (16)")
+    parser.add_argument("--heads", type=int, default=8, help="KV heads (8)")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dim (128)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; median reported (3)")
+    parser.add_argument("--dir", default=".", help="directory to measure in (default: cwd)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    figures = run_bench(args)
+    if args.json:
+        print(json.dumps(figures, indent=2))
+    else:
+        _print(figures)
+    return 0
+
+
+cli.BENCHES["storage"] = (
+    "storage: sync save and cold load GB/s vs O_DIRECT and mlx-lm on the same bytes",
+    _add_arguments,
+    _run,
+)
