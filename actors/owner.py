@@ -10,12 +10,10 @@ Theory of operation (DESIGN.md "Threads, and who may touch what"):
 2. Work is cut into short jobs so the owner interleaves with the server's steps and the
    event loop never waits long: ``snapshot`` is one job (lazy views only, O(1) memory);
    ``materialize`` is one job per tensor; ``allocate`` is one job per tensor.
-3. Loads never copy on the owner: ``allocate`` makes each destination array on the owner
+3. Loads never copy tensor bytes: ``allocate`` makes each destination array on the owner
    and lends its memory (a writable, zero-copy memoryview) to a worker thread that reads
    the file straight into it; the caches are then built from those arrays on the owner
-   (``restore``). Where MLX cannot lend writable memory, ``allocate`` falls back to plain
-   host buffers and ``restore`` copies them in bounded chunks, one chunk per job, so the
-   GIL-holding copy never stalls the loop for long.
+   (``restore``; the block layout joins each tensor's token blocks, one job per tensor).
 4. A job whose caller was cancelled before it started never runs; a started job finishes
    and its result is dropped (the executor's rules).
 """
@@ -27,19 +25,13 @@ from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar, TypeVarTuple
 
-import attrs
 from kvtrio.actors.snapshot import Snapshot, SnapshotLedger
 from kvtrio.runtime.executor import DedicatedThreadExecutor, InlineExecutor
 from kvtrio.storage import codecs
-from kvtrio.storage.codecs import AttachmentData, HostTensor, Restored
-from kvtrio.storage.format import Header, TensorSlot, piece_ranges
-from kvtrio.storage.reader import piece_sizes
+from kvtrio.storage.codecs import AttachmentData, HostTensor, LoadBuffers, Restored
+from kvtrio.storage.format import Header
 
-__all__ = ["ADOPT_CHUNK_BYTES", "LoadBuffers", "MlxOwner"]
-
-#: Fallback adoption copies host bytes into MLX at most this many bytes per owner job
-#: (about 4 ms of GIL-holding copy at 2 GB/s), so the event loop never waits long.
-ADOPT_CHUNK_BYTES = 8 * 1024 * 1024
+__all__ = ["MlxOwner"]
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -118,132 +110,33 @@ class MlxOwner:
     async def allocate(self, header: Header) -> LoadBuffers:
         """Destination memory for a read of ``header``'s tensors, one owner job per tensor.
 
-        Each piece is an MLX byte array made here; its writable zero-copy memoryview goes
-        to the reader thread, so the read lands in MLX memory and nothing is copied again.
+        Each piece is an evaluated MLX array made here; its writable zero-copy memoryview
+        goes to the reader thread, so the read lands in MLX memory and nothing is copied.
         """
-        arrays: list[list[Any]] = []
-        views: list[list[memoryview]] = []
-        for sizes in piece_sizes(header):
-            slot_arrays, slot_views = await self.run(_allocate_pieces, sizes)
+        arrays: list[tuple[Any, ...]] = []
+        buffers: list[tuple[memoryview, ...]] = []
+        for index in range(sum(1 for _ in header.slots())):
+            slot_arrays, slot_buffers = await self.run(codecs.allocate_slot, header, index)
             arrays.append(slot_arrays)
-            views.append(slot_views)
-        return LoadBuffers(header, arrays, views)
+            buffers.append(slot_buffers)
+        return LoadBuffers(arrays=tuple(arrays), buffers=tuple(buffers))
 
-    async def restore(self, buffers: LoadBuffers) -> Restored:
-        """Build the caches from filled ``buffers`` (one owner job per tensor, then one more)."""
-        header = buffers.header
+    async def restore(self, header: Header, loaded: LoadBuffers) -> Restored:
+        """Build the caches from filled buffers: one owner job per multi-piece tensor (the
+        block layout joins its token blocks), then one to assemble the caches."""
         arrays: list[Any] = []
-        for slot, pieces, views in zip(header.slots(), buffers.arrays, buffers.views, strict=True):
-            ranges = _ranges(header, slot)
-            if any(piece is None for piece in pieces):
-                pieces = await self._adopt_copies(views)
-            arrays.append(await self.run(_restore_slot, slot, ranges, pieces))
-        buffers.release()
+        for slot, pieces in zip(header.slots(), loaded.arrays, strict=True):
+            if len(pieces) == 1:
+                arrays.append(pieces[0])
+            else:
+                axis = slot.token_axis if slot.token_axis is not None else 0
+                arrays.append(await self.run(_join, pieces, axis))
         return await self.run(codecs.assemble, header, arrays)
 
-    async def _adopt_copies(self, views: Sequence[memoryview]) -> list[Any]:
-        # Fallback when MLX could not lend writable memory: copy host bytes in bounded
-        # chunks (mx.array holds the GIL while it copies), then join them on the owner.
-        pieces: list[Any] = []
-        for view in views:
-            chunks = [
-                await self.run(_copy_chunk, view, start)
-                for start in range(0, len(view), ADOPT_CHUNK_BYTES)
-            ]
-            pieces.append(await self.run(_join_chunks, chunks))
-        return pieces
 
-
-@attrs.define(eq=False)
-class LoadBuffers:
-    """Where a load's bytes land: per slot, per piece, an MLX byte array (or None for a
-    plain host buffer) and the writable memoryview the reader fills."""
-
-    header: Header
-    arrays: list[list[Any]]
-    views: list[list[memoryview]]
-
-    def release(self) -> None:
-        """Drop every reference (after restore, or when the read failed)."""
-        self.arrays = []
-        self.views = []
-
-
-def _mlx_dtype(name: str) -> Any:
+def _join(pieces: Sequence[Any], axis: int) -> Any:
     import mlx.core as mx
 
-    return mx.bool_ if name == "bool" else getattr(mx, name)
-
-
-def _allocate_pieces(sizes: Sequence[int]) -> tuple[list[Any], list[memoryview]]:
-    import mlx.core as mx
-
-    arrays: list[Any] = []
-    views: list[memoryview] = []
-    for nbytes in sizes:
-        if nbytes == 0:
-            arrays.append(None)
-            views.append(memoryview(bytearray(0)))
-            continue
-        array: Any = mx.zeros((nbytes,), dtype=mx.uint8)
-        mx.eval(array)
-        view = memoryview(array)
-        if view.readonly or not view.c_contiguous or view.nbytes != nbytes:
-            arrays.append(None)
-            views.append(memoryview(bytearray(nbytes)))
-        else:
-            arrays.append(array)
-            views.append(view.cast("B") if view.format != "B" else view)
-    return arrays, views
-
-
-def _ranges(header: Header, slot: TensorSlot) -> list[tuple[int, int]] | None:
-    """The token ranges of the slot's pieces, or None when it is one whole piece."""
-    if header.layout != "blocks":
-        return None
-    ranges = piece_ranges(slot, header.block_tokens)
-    return ranges if len(ranges) > 1 else None
-
-
-def _restore_slot(
-    slot: TensorSlot, ranges: list[tuple[int, int]] | None, pieces: Sequence[Any]
-) -> Any:
-    import mlx.core as mx
-
-    dtype = _mlx_dtype(slot.dtype)
-    if ranges is None:
-        (piece,) = pieces
-        if piece is None:  # an empty tensor
-            out = mx.zeros(slot.shape, dtype=dtype)
-        else:
-            out = piece.view(dtype).reshape(slot.shape)
-    else:
-        axis = slot.token_axis if slot.token_axis is not None else 0
-        parts = []
-        for piece, (start, stop) in zip(pieces, ranges, strict=True):
-            shape = list(slot.shape)
-            shape[axis] = stop - start
-            parts.append(piece.view(dtype).reshape(shape))
-        out = mx.concatenate(parts, axis=axis)
-    mx.eval(out)
-    return out
-
-
-def _copy_chunk(view: memoryview, start: int) -> Any:
-    import mlx.core as mx
-    import numpy as np
-
-    chunk = np.frombuffer(view[start : start + ADOPT_CHUNK_BYTES], dtype=np.uint8)
-    array = mx.array(chunk)
-    mx.eval(array)
-    return array
-
-
-def _join_chunks(chunks: Sequence[Any]) -> Any:
-    import mlx.core as mx
-
-    if not chunks:
-        return None
-    out = chunks[0] if len(chunks) == 1 else mx.concatenate(list(chunks))
+    out = mx.concatenate(list(pieces), axis=axis)
     mx.eval(out)
     return out

@@ -25,7 +25,11 @@ keeps these rules, and :class:`SpillQueue` is the one place that keeps them:
 
 :class:`SpillQueue` is the pure state machine (synchronous, no I/O, no clock);
 :class:`Spill` drives it on trio: it runs the stores in one task, offers
-``drain`` / ``close`` / ``abort``, and hands out tickets to await.
+``drain`` / ``close`` / ``abort``, and hands out tickets to await. The store task is
+either ``Spill.run`` in any nursery, or a :class:`SpillActor` under an
+:class:`~kvtrio.runtime.system.ActorSystem`: each submission tells the actor a
+:class:`Kick`, and its handler stores until the queue is empty, so the system's phased
+shutdown drains the spill like any other actor.
 """
 
 from __future__ import annotations
@@ -39,9 +43,12 @@ from typing import Generic, TypeVar
 import attrs
 import trio
 from kvtrio.errors import ShuttingDown
+from kvtrio.runtime.actor import Actor, ActorRef
 
 __all__ = [
+    "Kick",
     "Spill",
+    "SpillActor",
     "SpillOutcome",
     "SpillQueue",
     "SpillResult",
@@ -252,6 +259,7 @@ class Spill(Generic[T]):
     _running: bool = attrs.field(default=False, init=False)
     _stopped: bool = attrs.field(default=False, init=False)
     _cancel_in_flight: trio.CancelScope | None = attrs.field(default=None, init=False)
+    _actor: ActorRef[Kick] | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._queue = SpillQueue(self.cap_bytes, self.release)
@@ -281,8 +289,16 @@ class Spill(Generic[T]):
         ticket = self._queue.enqueue(
             item, nbytes=nbytes, key=key, droppable=droppable, supersede=supersede
         )
-        self._wakeup.set()
+        self._wake()
         return ticket
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+        if self._actor is not None:
+            try:
+                self._actor.tell_nowait(KICK)
+            except trio.WouldBlock:
+                pass  # a kick is already waiting: its handler stores everything queued
 
     def cancel_where(self, pred: Callable[[SpillTicket[T]], bool]) -> int:
         """Cancel matching queued items, sparing the one in flight; return how many."""
@@ -314,24 +330,39 @@ class Spill(Generic[T]):
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Store items in order until closed and empty (or cancelled)."""
-        if self._running:
-            raise RuntimeError("Spill.run is already running")
+        if self._running or self._actor is not None:
+            raise RuntimeError("this spill already has a store task")
         self._running = True
         task_status.started()
         try:
             while True:
-                ticket = self._queue.start_next()
-                if ticket is None:
-                    if self._closed:
-                        return
-                    self._wakeup = trio.Event()
+                await self.store_pending()
+                if self._closed:
+                    return
+                self._wakeup = trio.Event()
+                if not self._queue.pending():
                     await self._wakeup.wait()
-                    continue
-                await self._store_one(ticket)
         finally:
-            self._stopped = True
-            # Cancelled (or closed): whatever is left never gets stored.
-            self._queue.cancel_all()
+            self.stop()
+
+    async def store_pending(self) -> None:
+        """Store queued items, in order, until none is left."""
+        while (ticket := self._queue.start_next()) is not None:
+            await self._store_one(ticket)
+
+    def stop(self) -> None:
+        """The store task is gone: refuse new items, cancel (and release) every one left,
+        the in-flight one included. Idempotent."""
+        self._stopped = True
+        self._queue.cancel_all()
+
+    def attach(self, ref: ActorRef[Kick]) -> None:
+        """Let the :class:`SpillActor` behind ``ref`` be the store task."""
+        if self._running or self._actor is not None:
+            raise RuntimeError("this spill already has a store task")
+        self._actor = ref
+        if self._queue.pending():
+            self._wake()
 
     async def _store_one(self, ticket: SpillTicket[T]) -> None:
         result: SpillResult
@@ -351,3 +382,23 @@ class Spill(Generic[T]):
             result = SpillResult(SpillOutcome.CANCELLED)
         self._queue.finish(ticket, result)
         await trio.lowlevel.checkpoint()
+
+
+@attrs.frozen
+class Kick:
+    """Tells a :class:`SpillActor` that items are queued."""
+
+
+KICK = Kick()
+
+
+class SpillActor(Actor[Kick], Generic[T]):
+    """Hosts a :class:`Spill`'s store task under an ActorSystem (spawn it, then
+    ``spill.attach(ref)``). Cancelling the actor settles nothing by itself: whoever owns the
+    spill calls ``spill.stop()`` once the system is done, releasing what is left."""
+
+    def __init__(self, spill: Spill[T]) -> None:
+        self.spill = spill
+
+    async def handle(self, msg: Kick) -> None:
+        await self.spill.store_pending()

@@ -10,6 +10,10 @@
 
 Theory of operation
 -------------------
+0. ``open`` starts the parts under one :class:`~kvtrio.runtime.system.ActorSystem`: the
+   MLX owner (its own thread, or the server's), the spill actor (the store task of the
+   spill queue), and the writer and reader on a thread offload (``io_threads`` jobs at
+   once).
 1. ``save`` costs the caller one short owner job: the snapshot (lazy views and a header
    plan, no bytes copied). It returns a ticket at once; the snapshot then waits in the
    spill queue (byte cap, shedding, supersession: :mod:`kvtrio.actors.spill`).
@@ -51,10 +55,11 @@ import trio
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.reader import Reader, ReaderStatistics
 from kvtrio.actors.snapshot import Snapshot, SnapshotLedger, SnapshotLedgerStatistics
-from kvtrio.actors.spill import Spill, SpillOutcome, SpillStatistics, SpillTicket
+from kvtrio.actors.spill import Spill, SpillActor, SpillOutcome, SpillStatistics, SpillTicket
 from kvtrio.actors.writer import Writer, WriterStatistics
 from kvtrio.errors import CacheMissError, CorruptCacheError, ShuttingDown
 from kvtrio.runtime.offload import CancelToken, InlineOffload, Offload, ThreadOffload
+from kvtrio.runtime.system import ActorSystem, SystemStatistics
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.codecs import AttachmentData, Restored
 from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps
@@ -145,6 +150,7 @@ class ColdTierStatistics:
     writer: WriterStatistics
     reader: ReaderStatistics
     snapshots: SnapshotLedgerStatistics
+    actors: SystemStatistics | None
     loads: int
     load_misses: int
     load_failures: int
@@ -191,6 +197,7 @@ class ColdTier:
             cap_bytes=cap_bytes,
             bytes_of=lambda snap: snap.nbytes,
         )
+        self.system: ActorSystem | None = None
         self._offload = offload
         self._closing = False
         self._loads = 0
@@ -242,15 +249,22 @@ class ColdTier:
                 file_ops=file_ops,
             )
             await offload.run(tier._prepare_directories)
-            async with trio.open_nursery() as nursery:
-                await nursery.start(tier.spill.run)
-                try:
-                    yield tier
-                except BaseException:
-                    tier._closing = True
-                    tier.spill.abort()
-                    raise
-                await tier.aclose(grace=shutdown_grace)
+            try:
+                async with ActorSystem(name="cold-tier", grace=shutdown_grace) as system:
+                    tier.system = system
+                    ref = await system.spawn(SpillActor(tier.spill), name="spill", mailbox_size=1)
+                    tier.spill.attach(ref)
+                    try:
+                        yield tier
+                    except BaseException:
+                        tier._closing = True
+                        tier.spill.abort()
+                        raise
+                    await tier.aclose(grace=shutdown_grace)
+            finally:
+                # The store task is gone (drained, or cancelled with the system): settle
+                # and release whatever is left (invariant 2).
+                tier.spill.stop()
 
     async def aclose(self, *, grace: float = 10.0) -> None:
         """Graceful shutdown: stop intake, write what is queued within ``grace`` seconds,
@@ -360,14 +374,11 @@ class ColdTier:
                 raise CacheMissError(f"cold tier has no entry {key!r}") from None
             if expect is not None:
                 expect.check(cache_file.header)
-            buffers = await self.owner.allocate(cache_file.header)
-            try:
-                await self.reader.read_tensors(
-                    cache_file, buffers.views, verify=self.verify if verify is None else verify
-                )
-                return await self.owner.restore(buffers)
-            finally:
-                buffers.release()
+            loaded = await self.owner.allocate(cache_file.header)
+            await self.reader.read_tensors(
+                cache_file, loaded.buffers, verify=self.verify if verify is None else verify
+            )
+            return await self.owner.restore(cache_file.header, loaded)
         except CacheMissError:
             raise
         except BaseException:
@@ -401,6 +412,7 @@ class ColdTier:
             writer=self.writer.statistics(),
             reader=self.reader.statistics(),
             snapshots=self.ledger.statistics(),
+            actors=None if self.system is None else self.system.statistics(),
             loads=self._loads,
             load_misses=self._load_misses,
             load_failures=self._load_failures,

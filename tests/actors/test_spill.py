@@ -10,8 +10,16 @@ import attrs
 import pytest
 import trio
 import trio.testing
-from kvtrio.actors.spill import Spill, SpillOutcome, SpillQueue, SpillResult, SpillTicket
+from kvtrio.actors.spill import (
+    Spill,
+    SpillActor,
+    SpillOutcome,
+    SpillQueue,
+    SpillResult,
+    SpillTicket,
+)
 from kvtrio.errors import ShuttingDown
+from kvtrio.runtime.system import ActorSystem
 
 
 @attrs.frozen
@@ -279,3 +287,39 @@ def test_queue_state_machine_without_a_loop() -> None:
     assert released == ["b", "a"]
     tickets: list[SpillTicket[str]] = queue.pending()
     assert tickets[0].seq == 2
+
+
+async def test_spill_actor_stores_and_drains_under_an_actor_system(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The system's phased shutdown drains the spill actor: every queued item is stored."""
+    rec = Recorder()
+    spill: Spill[Item] = Spill(rec.store, rec.release, cap_bytes=1000)
+    async with ActorSystem(grace=60) as system:
+        spill.attach(await system.spawn(SpillActor(spill), name="spill", mailbox_size=1))
+        tickets = [spill.submit_nowait(Item(f"a{i}")) for i in range(4)]
+        await trio.sleep(1.5)
+        assert rec.stored == ["a0"]
+    spill.stop()
+    assert [t.outcome for t in tickets] == [SpillOutcome.WRITTEN] * 4
+    assert rec.stored == ["a0", "a1", "a2", "a3"]
+    released_once(rec, ["a0", "a1", "a2", "a3"])
+
+
+async def test_spill_actor_cancelled_at_the_deadline_releases_the_rest(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Invariant 2: a shutdown deadline cancels the store in flight; stop() settles and
+    releases every item left."""
+    rec = Recorder(delay=10)
+    spill: Spill[Item] = Spill(rec.store, rec.release, cap_bytes=1000)
+    async with ActorSystem(grace=5) as system:
+        spill.attach(await system.spawn(SpillActor(spill), name="spill", mailbox_size=1))
+        tickets = [spill.submit_nowait(Item(f"b{i}")) for i in range(3)]
+    assert trio.current_time() == pytest.approx(5)
+    spill.stop()
+    assert [t.outcome for t in tickets] == [SpillOutcome.CANCELLED] * 3
+    assert rec.stored == []
+    released_once(rec, ["b0", "b1", "b2"])
+    with pytest.raises(ShuttingDown, match=r"^spill queue is closed$"):
+        spill.submit_nowait(Item("late"))

@@ -16,6 +16,7 @@ from kvtrio.actors.tier import ColdTier
 from kvtrio.errors import CacheMismatchError, CacheMissError, CorruptCacheError, ShuttingDown
 from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FaultyFileOps
 from kvtrio.storage.format import Header
+from kvtrio.storage.reader import read_header
 
 Prefill = Callable[[Sequence[int]], list[Any]]
 Dump = Callable[[Sequence[Any]], list[bytes]]
@@ -117,8 +118,9 @@ async def test_expect_mismatch_and_corrupt_file_are_refused(
         with pytest.raises(CacheMismatchError, match=r"^model_id: cache is for 'tiny'$"):
             await tier.load("k", expect=WantModel())
         path = tier.path_of("k")
+        data_start = read_header(str(path)).data_start
         data = bytearray(path.read_bytes())
-        data[-100] ^= 0xFF
+        data[data_start + 100] ^= 0xFF  # inside the first tensor
         path.write_bytes(bytes(data))
         with pytest.raises(CorruptCacheError, match=r"xxh3: tensor bytes do not match"):
             await tier.load("k")

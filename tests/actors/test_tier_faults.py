@@ -66,15 +66,33 @@ async def test_a_failed_write_is_followed_by_successful_ones(
     assert stats.snapshots.live == 0
 
 
+def kv_caches(layers: int, tokens: int) -> list[Any]:
+    """Plain mlx-lm KV caches with random contents (owner thread)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    caches = []
+    for _ in range(layers):
+        cache = KVCache()
+        shape = (1, 2, tokens, 64)
+        cache.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
+        caches.append(cache)
+    return caches
+
+
 async def test_cancel_mid_write_removes_the_tmp_file_and_publishes_nothing(
-    tmp_path: Path, prefilled: Prefill
+    tmp_path: Path,
 ) -> None:
     """Invariant 6: the worker stops at the next tensor boundary, removes its tmp file,
-    and only then does the ticket settle CANCELLED; no final file ever appears."""
-    gate = Gate("write", on_call=2)
+    and only then does the ticket settle CANCELLED; no final file ever appears.
+
+    The first data write is parked; the writer cannot get past the following tensors
+    (its write pipeline is a few chunks deep, and 8 tensors are more) until it is
+    released, after the cancel."""
+    gate = Gate("write", on_call=1)
     async with ColdTier.open(tmp_path, file_ops=FaultyFileOps(OS_FILE_OPS, gate)) as tier:
-        caches = await tier.owner.run(prefilled, TOKENS)
-        ticket = await tier.save("torn", TOKENS, caches)
+        caches = await tier.owner.run(kv_caches, 4, 300)
+        ticket = await tier.save("torn", list(range(300)), caches)
         await gate.wait_reached()
         assert len(leftovers(tier)) == 1  # the write is under way, in its tmp file
         tier.spill.abort()
