@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import pytest
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import MatchKind, ModelKey
 from kvtrio.actors.tiered import Tier, TieredPromptCache, WritePolicy
@@ -188,3 +189,27 @@ async def test_need_logits_leaves_one_token_on_an_exact_hit(tmp_path: Path) -> N
         await cache.insert(list(range(100, 105)), fake_caches(5, trimmable=False))
         fallback = await cache.fetch_nearest(list(range(100, 110)), need_logits=True)
         assert fallback.remaining == tuple(range(105, 110))
+
+
+async def test_a_filling_disk_shrinks_the_cold_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk budget is min(cold_budget, used + free - min_free_bytes)."""
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    free = {"bytes": 10**12}
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage(0, 0, free["bytes"]))
+    store = FakeColdStore(tmp_path, MODEL)
+    async with _open(store, hot_budget=0, policy=WritePolicy.WRITE_THROUGH) as cache:
+        for i in range(4):
+            await cache.insert([i + 1000, *range(9)], fake_caches(10))
+        await cache.wait_writes_settled()
+        assert len(store.disk) == 4
+        free["bytes"] = 0  # the disk is full: only what the tier holds may stay
+        cache.min_free_bytes = _bytes(20)  # and the tier must leave 2 entries' worth free
+        await cache.insert([2000, *range(9)], fake_caches(10))
+        await cache.wait_writes_settled()
+        assert store.disk_bytes <= 5 * _bytes(10) - _bytes(20) + _bytes(10)
+        assert cache.statistics().cold_evictions >= 2
