@@ -133,3 +133,20 @@ async def test_disk_budget_holds_on_real_files(tmp_path: Path, tiny: TinyModel) 
                 assert cache.statistics().cold_bytes == on_disk
             assert cache.statistics().cold_evictions > 0
         assert len(os.listdir(tmp_path / "caches")) < len(entries)
+
+
+async def test_open_sweeps_blocks_no_manifest_names(tmp_path: Path, tiny: TinyModel) -> None:
+    """A crash between storing blocks and publishing the manifest leaves orphans: the
+    next open deletes them, so the disk figure is what is really there."""
+    async with MlxOwner.inline() as owner:
+        async with _open(tmp_path, tiny, owner, policy=WritePolicy.WRITE_THROUGH) as cache:
+            tokens = _prompt(20, 100)
+            caches = make_caches(tiny)
+            prefill(tiny, caches, tokens)
+            await cache.insert(tokens, caches)
+        orphan = tmp_path / "blocks" / ("ab" * 32)
+        orphan.write_bytes(b"x" * 1000)
+        async with _open(tmp_path, tiny, owner) as cache:
+            assert not orphan.exists()
+            assert cache.statistics().cold_bytes == _disk_bytes(tmp_path)
+            assert cache.statistics().cold_entries == 1
