@@ -50,7 +50,7 @@ class KernelTuning:
     """Launch shape of the direct kernel (``kvtrio bench attention --sweep`` compares them)."""
 
     warps: int = 4  # warps per thread block
-    unroll: int = 4  # tokens each lane keeps in flight per step (2 when a block has > 4 rows)
+    unroll: int = 8  # tokens each lane keeps in flight per step (2 when a block has > 4 rows)
     pipeline: bool = True  # load the next step's keys and values before using this step's
     target_blocks: int = 1024  # thread blocks to aim for: a few per multiprocessor
     min_part_tokens: int = 128

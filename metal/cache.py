@@ -113,6 +113,8 @@ class PagedKVCache:
         for block in self.block_table[keep:]:
             self.pool.release(block)
         del self.block_table[keep:]
+        if self.offset % self.pool.block_size and self.pool.refcount(self.block_table[-1]) == 1:
+            self.pool.renew(self.block_table[-1])
         return n
 
     def make_mask(

@@ -14,11 +14,15 @@ Theory of operation:
    therefore keeps seeing the old contents (MLX copies only if such a holder is alive, and
    updates in place otherwise).
 4. The allocator hands out the lowest free block first, so layouts are deterministic.
+5. ``epoch(block)`` changes whenever a block's written slots may change meaning (it is
+   allocated again, or trimmed back while unshared): ``(pool_id, block, epoch)`` of a full
+   block names fixed contents, which lets a restore share blocks again safely.
 """
 
 from __future__ import annotations
 
 import heapq
+import uuid
 from collections.abc import Sequence
 
 import attrs
@@ -80,7 +84,9 @@ class BlockPool:
     key_biases: mx.array | None = attrs.field(init=False, default=None)
     value_scales: mx.array | None = attrs.field(init=False, default=None)
     value_biases: mx.array | None = attrs.field(init=False, default=None)
+    pool_id: str = attrs.field(init=False, factory=lambda: uuid.uuid4().hex)
     _refcounts: list[int] = attrs.field(init=False, factory=list)
+    _epochs: list[int] = attrs.field(init=False, factory=list)
     _free: list[int] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:
@@ -102,6 +108,7 @@ class BlockPool:
                 self.v_head_dim
             )
         self._refcounts = [0] * self.num_blocks
+        self._epochs = [0] * self.num_blocks
         self._free = list(range(self.num_blocks))
         mx.eval(self.arrays())
 
@@ -134,7 +141,17 @@ class BlockPool:
             raise BlockPoolExhausted(f"all {self.num_blocks} blocks are in use")
         block = heapq.heappop(self._free)
         self._refcounts[block] = 1
+        self._epochs[block] += 1
         return block
+
+    def claim(self, block: int) -> None:
+        """Take one particular free block (restoring a saved block table exactly)."""
+        if not 0 <= block < self.num_blocks or self._refcounts[block] != 0:
+            raise ValueError(f"block {block} is not a free block of this pool")
+        self._free.remove(block)
+        heapq.heapify(self._free)
+        self._refcounts[block] = 1
+        self._epochs[block] += 1
 
     def retain(self, block: int) -> None:
         """Add an owner to a block in use (a forked sequence sharing a prefix)."""
@@ -152,6 +169,13 @@ class BlockPool:
 
     def refcount(self, block: int) -> int:
         return self._refcounts[block]
+
+    def epoch(self, block: int) -> int:
+        return self._epochs[block]
+
+    def renew(self, block: int) -> None:
+        """Mark a block's slots as about to be rewritten (a sequence trimmed back into it)."""
+        self._epochs[block] += 1
 
     def copy_block(self, source: int) -> int:
         """Copy-on-write: a fresh block holding ``source``'s contents (caller releases source)."""
