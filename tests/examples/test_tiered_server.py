@@ -47,20 +47,20 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     request = urllib.request.Request(
         url + "/generate", data=json.dumps(body).encode(), method="POST"
     )
-    with urllib.request.urlopen(request, timeout=60) as response:
+    with urllib.request.urlopen(request, timeout=120) as response:
         out: dict[str, Any] = json.loads(response.read())
         return out
 
 
 def _get(url: str, path: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url + path, timeout=60) as response:
+    with urllib.request.urlopen(url + path, timeout=120) as response:
         out: dict[str, Any] = json.loads(response.read())
         return out
 
 
 def _stop(proc: subprocess.Popen[str]) -> str:
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     return out
 
