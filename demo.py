@@ -498,8 +498,16 @@ async def run_demo(opts: DemoOptions) -> DemoReport:
         server = _Server(opts, owner, tiny, root / "probes", system)
         nursery.start_soon(lag.run)
         totals: dict[str, int] = {}
+        returning = sum(1 for c in convs if c.tokens)
+        server._say(
+            f"kvtrio demo run {run}, cache in {root}: {returning} returning and "
+            f"{len(convs) - returning} new conversations; RAM {opts.hot_bytes >> 20} MiB, "
+            f"disk {opts.cold_bytes >> 20} MiB, {opts.policy.value}"
+        )
         for phase in ("serve", "restart"):
             server.phase = phase
+            if phase == "restart":
+                server._say("restart: cache closed (RAM entries written to disk); reopening")
             async with open_tiered_cache(
                 root / "cold",
                 model,
@@ -510,6 +518,8 @@ async def run_demo(opts: DemoOptions) -> DemoReport:
                 block_size=BLOCK_TOKENS,
             ) as cache:
                 server.cache = cache
+                if phase == "restart":
+                    server._say(f"reopened: {cache.statistics().cold_entries} entries on disk")
                 await _serve_phase(server, convs, system)
             stats = cache.statistics()
             for name in (
