@@ -110,6 +110,8 @@ __all__ = [
 # mlx-lm's cache classes are untyped; treat the module as Any.
 mlx_cache: Any = _mlx_cache_module
 
+_ALIGN = 4096  # allocate_slot's piece alignment, for O_DIRECT reads
+
 #: The attribute holding a cache's minimum reusable offset (absent means 0).
 MIN_REUSABLE_ATTR = "min_reusable_offset"
 
@@ -685,6 +687,8 @@ def assemble(header: Header, arrays: Sequence[Any]) -> Restored:
     for array, slot, name in zip(arrays, slots, slot_names(header), strict=True):
         if tuple(array.shape) != slot.shape:
             raise ValueError(f"{name}: array shape {array.shape} != slot shape {slot.shape}")
+    # Pieces from allocate_slot are lazy views of their backing arrays: make them concrete.
+    mx.eval(list(arrays))
     it = iter(arrays)
     caches = [_assemble_entry(e, it, f"caches[{i}]") for i, e in enumerate(header.caches)]
     attachments = [
@@ -715,21 +719,37 @@ class LoadBuffers:
 
 
 def allocate_slot(header: Header, index: int) -> tuple[tuple[Any, ...], tuple[memoryview, ...]]:
-    """Allocate (owner thread) the evaluated MLX arrays for slot ``index``'s pieces.
+    """Allocate (owner thread) MLX arrays for slot ``index``'s pieces, and byte views of them.
 
-    Sizes come from the validated header (single layout: bounded by the file size).
+    Each piece is a view into a slightly larger evaluated uint8 array, placed so that its
+    first byte is 4 KiB aligned: the reader can then fill it with O_DIRECT reads. The
+    arrays are lazy views; :func:`adopt` evaluates them after the bytes are in. Sizes come
+    from the validated header (single layout: bounded by the file size).
     """
     slot = _nth_slot(header, index)
     block_tokens = header.block_tokens if header.layout == "blocks" else None
     arrays = []
+    views = []
     for start, stop in piece_ranges(slot, block_tokens):
         shape = list(slot.shape)
         if block_tokens is not None and slot.token_axis is not None:
             shape[slot.token_axis] = stop - start
-        arrays.append(mx.zeros(shape, dtype=_MX_DTYPES[slot.dtype]))
-    mx.eval(*arrays)
-    views = tuple(_writable_bytes(a) for a in arrays)
-    return tuple(arrays), views
+        nbytes = DTYPE_SIZES[slot.dtype]
+        for d in shape:
+            nbytes *= d
+        if nbytes == 0:
+            empty = mx.zeros(shape, dtype=_MX_DTYPES[slot.dtype])
+            mx.eval(empty)
+            arrays.append(empty)
+            views.append(memoryview(b""))
+            continue
+        backing = mx.zeros((nbytes + _ALIGN,), dtype=mx.uint8)
+        mx.eval(backing)
+        raw = _writable_bytes(backing)
+        skip = -int(np.frombuffer(raw, dtype=np.uint8).ctypes.data) % _ALIGN
+        arrays.append(backing[skip : skip + nbytes].view(_MX_DTYPES[slot.dtype]).reshape(shape))
+        views.append(raw[skip : skip + nbytes])
+    return tuple(arrays), tuple(views)
 
 
 def _writable_bytes(array: Any) -> memoryview:
@@ -755,9 +775,8 @@ def adopt(header: Header, loaded: LoadBuffers) -> Restored:
         if len(pieces) == 1:
             arrays.append(pieces[0])
         else:
-            joined = mx.concatenate(list(pieces), axis=slot.token_axis or 0)
-            mx.eval(joined)
-            arrays.append(joined)
+            arrays.append(mx.concatenate(list(pieces), axis=slot.token_axis or 0))
+    mx.eval(arrays)
     return assemble(header, arrays)
 
 
