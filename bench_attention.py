@@ -152,7 +152,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument(
-        "--tuning", default="", help="direct kernel shape: warps,unroll,pipeline(0|1),blocks"
+        "--tuning", default="", help="direct kernel shape: warps,rows,unroll,pipeline(0|1),blocks"
     )
     parser.add_argument(
         "--sweep", action="store_true",
@@ -163,8 +163,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def _parse_tuning(text: str) -> KernelTuning:
     if not text:
         return DEFAULT_TUNING
-    warps, unroll, pipeline, blocks = (int(x) for x in text.split(","))
-    return KernelTuning(warps=warps, unroll=unroll, pipeline=bool(pipeline), target_blocks=blocks)
+    warps, rows, unroll, pipeline, blocks = (int(x) for x in text.split(","))
+    return KernelTuning(
+        warps=warps, rows=rows, unroll=unroll, pipeline=bool(pipeline), target_blocks=blocks
+    )
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -175,9 +177,14 @@ def _sweep(args: argparse.Namespace) -> int:
         return 1
     dtype = _DTYPES[args.dtype]
     lengths = [int(x) for x in args.lengths.split(",")]
-    shapes = [(4, u, p, t) for u in (2, 4, 8) for p in (0, 1) for t in (1024, 4096)]
-    shapes += [(8, 4, 0, 1024), (8, 4, 1, 1024)]
-    totals: dict[tuple[int, int, int, int], float] = {}
+    shapes = [
+        (4, rows, unroll, pipe, blocks)
+        for rows in (1, 2, 4)
+        for unroll in (4, 8, 16)
+        for pipe in (0, 1)
+        for blocks in (1024, 2048)
+    ]
+    totals: dict[tuple[int, ...], float] = {}
     for length in lengths:
         mx.random.seed(length)
         keys = mx.random.normal((1, args.kv_heads, length, args.head_dim)).astype(dtype)
@@ -190,14 +197,12 @@ def _sweep(args: argparse.Namespace) -> int:
             args.iters,
         )
         for shape in shapes:
-            tuning = KernelTuning(
-                warps=shape[0], unroll=shape[1], pipeline=bool(shape[2]), target_blocks=shape[3]
-            )
+            tuning = _parse_tuning(",".join(str(x) for x in shape))
             us = _median_us(
                 partial(view.attend_direct, queries, scale, None, backend, tuning), args.iters
             )
             totals[shape] = totals.get(shape, 0.0) + us
-            print(f"{length:>7} warps,unroll,pipeline,blocks={shape} "
+            print(f"{length:>7} warps,rows,unroll,pipeline,blocks={shape} "
                   f"{us:8.1f} us  {us / sdpa:5.2f}x sdpa ({sdpa:.1f} us)")
     best = min(totals, key=lambda k: totals[k])
     print("best --tuning " + ",".join(str(x) for x in best))

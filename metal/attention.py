@@ -17,6 +17,7 @@ the view holds.
 from __future__ import annotations
 
 import contextlib
+import struct
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -39,8 +40,6 @@ __all__ = [
 ]
 
 DIRECT_MAX_QUERIES = 8
-# Query rows (GQA group x queries) one thread block serves; more rows take more blocks.
-_ROWS_PER_BLOCK = 8
 # Partitions the merge kernel accepts (its shared weights); longer contexts get longer parts.
 _MAX_PARTS = 1024
 
@@ -50,6 +49,7 @@ class KernelTuning:
     """Launch shape of the direct kernel (``kvtrio bench attention --sweep`` compares them)."""
 
     warps: int = 4  # warps per thread block
+    rows: int = 8  # query rows (GQA group x queries) a block serves; more take more blocks
     unroll: int = 8  # tokens each lane keeps in flight per step (2 when a block has > 4 rows)
     pipeline: bool = True  # load the next step's keys and values before using this step's
     target_blocks: int = 1024  # thread blocks to aim for: a few per multiprocessor
@@ -80,7 +80,7 @@ class PagedAttentionView:
     """One sequence's keys and values at capture time, read through its block table."""
 
     arrays: tuple[mx.array, ...]  # keys, values (+ key scales, biases, value scales, biases)
-    table: mx.array
+    table: mx.array  # int32 [length, block numbers...]: the kernel's one argument array
     length: int
     block_size: int
     bits: int | None
@@ -95,7 +95,7 @@ class PagedAttentionView:
         # later writes rebind its own attributes, so these keep today's contents.
         return cls(
             arrays=tuple(mx.stop_gradient(a) for a in pool.arrays()),
-            table=mx.array(list(block_table), dtype=mx.int32),
+            table=mx.array([length, *block_table], dtype=mx.int32),
             length=length,
             block_size=pool.block_size,
             bits=pool.bits,
@@ -111,7 +111,7 @@ class PagedAttentionView:
         heads, width = array.shape[1], array.shape[3]
         if self.length == 0:
             return mx.zeros((1, heads, 0, width), dtype=array.dtype)
-        picked = mx.take(array, self.table, axis=0)
+        picked = mx.take(array, self.table[1:], axis=0)
         flat = picked.transpose(1, 0, 2, 3).reshape(heads, -1, width)
         return flat[None, :, : self.length, :]
 
@@ -175,25 +175,24 @@ class PagedAttentionView:
         _, q_heads, n, dim = queries.shape
         kv_heads = self.kv_heads
         rows = (q_heads // kv_heads) * n
-        rows_per_block = min(rows, _ROWS_PER_BLOCK)
+        rows_per_block = min(rows, tuning.rows)
         chunks = -(-rows // rows_per_block)
         unroll = tuning.unroll if rows_per_block <= 4 else min(tuning.unroll, 2)
         per_step = tuning.warps * (32 // (dim // 8)) * unroll
         part = self._part_tokens(kv_heads * chunks, per_step, tuning)
         parts = -(-self.length // part)
+        scale_bits = struct.unpack("<i", struct.pack("<f", scale * _LOG2E))[0]
         template: list[tuple[str, Any]] = [
             ("HQ", q_heads), ("HK", kv_heads), ("G", q_heads // kv_heads), ("N", n),
             ("D", dim), ("BS", self.block_size), ("RC", rows_per_block),
             ("WARPS", tuning.warps), ("U", unroll), ("PIPE", tuning.pipeline),
-            ("CAUSAL", n > 1 and mask is not None),
+            ("CAUSAL", n > 1 and mask is not None), ("SCALE_BITS", scale_bits),
         ]
         if self.bits is None:
             template.append(("T", self.arrays[0].dtype))
         else:
             template += [("BITS", self.bits), ("GS", self.group_size), ("T", self.arrays[2].dtype)]
-        params = mx.array([self.length, part], dtype=mx.int32)
-        scale_log2 = mx.array([scale * _LOG2E], dtype=mx.float32)
-        inputs = [queries, self.arrays[0], self.arrays[1], self.table, params, scale_log2]
+        inputs = [queries, self.arrays[0], self.arrays[1], self.table]
         partial_out, normal = backend.partial(self.bits is not None)(
             inputs=inputs + list(self.arrays[2:]),
             template=template,

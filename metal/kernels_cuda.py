@@ -11,7 +11,9 @@ Theory of operation (both languages):
    serves all query rows of its kv head in the chunk (grouped-query attention reads KV once).
 2. A token is read by ``TL = D / 8`` lanes, 8 elements each (16 bytes for 16-bit types), so a
    warp reads ``32 / TL`` tokens per load; each lane keeps ``U`` tokens' keys and values in
-   flight before using them. Scores are reduced across the TL lanes by xor shuffles.
+   flight before using them (with PIPE, the next step's too). Scores are reduced across the
+   TL lanes by xor shuffles. The table input is ``[length, block numbers...]`` and the scale
+   a template constant (its float bits), so a call allocates no argument arrays.
 3. Softmax is online in base 2 (queries are pre-scaled by ``scale * log2(e)``): per row a
    running maximum ``m``, normalizer ``l`` and unnormalized accumulator; masked tokens score
    -inf, and a weight whose maximum is still -inf is 0, never NaN.
@@ -48,6 +50,7 @@ __device__ __forceinline__ float kvt_shfl_xor(float x, int offset) {
   return __shfl_xor_sync(0xffffffffu, x, offset);
 }
 __device__ __forceinline__ float kvt_exp2(float x) { return exp2f(x); }
+__device__ __forceinline__ float kvt_int_as_float(int bits) { return __int_as_float(bits); }
 __device__ __forceinline__ float kvt_max(float a, float b) { return fmaxf(a, b); }
 // Weight of a running maximum m against a larger one: 0 while m is still -inf.
 __device__ __forceinline__ float kvt_weight(float m, float top) {
@@ -146,8 +149,11 @@ PARTIAL_SOURCE = r"""
   const int parts = gridDim.x;
   const int hk = blockIdx.y / CH;
   const int r0 = (blockIdx.y % CH) * RC;
-  const int length = params[0];
-  const int part_size = params[1];
+  // table = [length, block numbers...]; partitions split the length evenly, whole steps each.
+  const int length = table[0];
+  const int part_size = ((length + parts - 1) / parts + WARPS * TPW * U - 1) / (WARPS * TPW * U)
+      * (WARPS * TPW * U);
+  const float scale = kvt_int_as_float(SCALE_BITS);
   const int start = part * part_size;
   const int stop = min(length, start + part_size);
   float qv[RC][8];
@@ -160,7 +166,7 @@ PARTIAL_SOURCE = r"""
     const int lr = min(r0 + r, R - 1);
     const int row = hk * R + lr;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) qv[r][e] = to_f(q[row * D + sl * 8 + e]) * scale[0];
+    for (int e = 0; e < 8; ++e) qv[r][e] = to_f(q[row * D + sl * 8 + e]) * scale;
     visible[r] = CAUSAL ? length - N + lr % N + 1 : length;
     m[r] = KVT_NEG_INF;
     l[r] = 0.f;
@@ -171,7 +177,7 @@ PARTIAL_SOURCE = r"""
 #define KVT_FETCH(first, kd, vd) \
   for (int u = 0; u < U; ++u) { \
     const int t = min((first) + u * WARPS * TPW + group, stop - 1); \
-    const int row = (table[t / BS] * HK + hk) * BS + t % BS; \
+    const int row = (table[1 + t / BS] * HK + hk) * BS + t % BS; \
     KVT_LOAD_K(row, kd[u]); \
     KVT_LOAD_V(row, vd[u]); \
   }
@@ -331,7 +337,7 @@ MERGE_SOURCE = """
   }
 """
 
-_INPUTS = ["q", "keys", "values", "table", "params", "scale"]
+_INPUTS = ["q", "keys", "values", "table"]
 _QUANTIZED_INPUTS = [*_INPUTS, "ks", "kb", "vs", "vb"]
 
 

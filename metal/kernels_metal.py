@@ -23,6 +23,7 @@ template <typename T> inline T from_f(float x) { return T(x); }
 
 inline float kvt_shfl_xor(float x, int offset) { return simd_shuffle_xor(x, ushort(offset)); }
 inline float kvt_exp2(float x) { return metal::exp2(x); }
+inline float kvt_int_as_float(int bits) { return as_type<float>(bits); }
 inline float kvt_max(float a, float b) { return metal::max(a, b); }
 // Weight of a running maximum m against a larger one: 0 while m is still -inf.
 inline float kvt_weight(float m, float top) {
@@ -107,8 +108,11 @@ PARTIAL_SOURCE = r"""
   const int parts = threadgroups_per_grid.x;
   const int hk = threadgroup_position_in_grid.y / CH;
   const int r0 = (threadgroup_position_in_grid.y % CH) * RC;
-  const int length = params[0];
-  const int part_size = params[1];
+  // table = [length, block numbers...]; partitions split the length evenly, whole steps each.
+  const int length = table[0];
+  const int part_size = ((length + parts - 1) / parts + WARPS * TPW * U - 1) / (WARPS * TPW * U)
+      * (WARPS * TPW * U);
+  const float scale = kvt_int_as_float(SCALE_BITS);
   const int start = part * part_size;
   const int stop = metal::min(length, start + part_size);
   float qv[RC][8];
@@ -121,7 +125,7 @@ PARTIAL_SOURCE = r"""
     const int lr = metal::min(r0 + r, R - 1);
     const int row = hk * R + lr;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) qv[r][e] = to_f(q[row * D + sl * 8 + e]) * scale[0];
+    for (int e = 0; e < 8; ++e) qv[r][e] = to_f(q[row * D + sl * 8 + e]) * scale;
     visible[r] = CAUSAL ? length - N + lr % N + 1 : length;
     m[r] = KVT_NEG_INF;
     l[r] = 0.f;
@@ -132,7 +136,7 @@ PARTIAL_SOURCE = r"""
 #define KVT_FETCH(first, kd, vd) \
   for (int u = 0; u < U; ++u) { \
     const int t = metal::min((first) + u * WARPS * TPW + group, stop - 1); \
-    const int row = (table[t / BS] * HK + hk) * BS + t % BS; \
+    const int row = (table[1 + t / BS] * HK + hk) * BS + t % BS; \
     KVT_LOAD_K(row, kd[u]); \
     KVT_LOAD_V(row, vd[u]); \
   }
@@ -292,7 +296,7 @@ MERGE_SOURCE = """
   }
 """
 
-_INPUTS = ["q", "keys", "values", "table", "params", "scale"]
+_INPUTS = ["q", "keys", "values", "table"]
 _QUANTIZED_INPUTS = [*_INPUTS, "ks", "kb", "vs", "vb"]
 
 

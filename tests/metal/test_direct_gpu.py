@@ -11,16 +11,29 @@ pools the reference path (gather + sdpa in the pool dtype) must land within twic
 from __future__ import annotations
 
 import itertools
+import os
 import random
 
 import mlx.core as mx
 import pytest
-from kvtrio.metal.attention import PagedAttentionView, direct_backend
+from kvtrio.metal.attention import DEFAULT_TUNING, KernelTuning, PagedAttentionView, direct_backend
 from kvtrio.metal.pool import BlockPool
 
 pytestmark = pytest.mark.gpu
 
 TOLERANCE = {mx.float16: 4e-3, mx.bfloat16: 2e-2}
+
+
+def _tuning() -> KernelTuning:
+    """The launch shape under test: the default, or KVTRIO_TEST_TUNING=warps,rows,unroll,pipe,
+    blocks (to check a shape ``kvtrio bench attention --sweep`` picked before adopting it)."""
+    text = os.environ.get("KVTRIO_TEST_TUNING")
+    if not text:
+        return DEFAULT_TUNING
+    warps, rows, unroll, pipeline, blocks = (int(x) for x in text.split(","))
+    return KernelTuning(
+        warps=warps, rows=rows, unroll=unroll, pipeline=bool(pipeline), target_blocks=blocks
+    )
 
 
 def _has_cuda() -> bool:
@@ -116,7 +129,7 @@ def _check(shape: tuple[int, int, int], length: int, dtype: mx.Dtype, bits: int 
     backend = direct_backend()
     assert backend is not None
     assert view.uses_direct(queries, mask)
-    got = view.attend_direct(queries, scale, mask, backend)
+    got = view.attend_direct(queries, scale, mask, backend, _tuning())
     want = _float32_reference(view, queries, scale, mask)
     # MLX's CUDA quantized matmul lacks some decode shapes: take the CPU's reference there.
     with mx.stream(mx.cpu if view.bits is not None else mx.gpu):
