@@ -178,6 +178,23 @@ class LocalBlockStore:
             self.file_ops.fsync_dir(self.directory)
         return stored
 
+    def stored_size(self, name: str) -> int | None:
+        """The size of block ``name`` on disk, or None if it is absent.
+
+        Raises CorruptCacheError for a symbolic link or anything but a regular file.
+        """
+        from kvtrio.errors import CorruptCacheError
+
+        try:
+            info = self.file_ops.stat(self.path_of(name))
+        except FileNotFoundError:
+            return None
+        if stat.S_ISLNK(info.st_mode):
+            raise CorruptCacheError(f"block {name}: is a symbolic link")
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCacheError(f"block {name}: not a regular file")
+        return info.st_size
+
     def _freshen(self, path: str) -> None:
         # A writer is about to reference this existing block: restart GC's grace period.
         try:

@@ -94,6 +94,7 @@ MAX_NDIM: Final = 8
 MAX_DIM: Final = 1 << 40
 MAX_TENSOR_BYTES: Final = 1 << 44
 MAX_BLOCKS_PER_TENSOR: Final = 1 << 20
+MAX_BLOCK_BYTES: Final = 1 << 30
 MAX_FIELDS: Final = 64
 MAX_STRING: Final = 4096
 MAX_META: Final = 256
@@ -587,7 +588,7 @@ def _parse_slot(obj: Any, path: str, layout: Layout) -> TensorSlot:
             raise CorruptCacheError(
                 f"{b.name('sha256')}: not 64 lowercase hex digits: {name!r:.80}"
             )
-        size = b.f_int("bytes", 0, MAX_TENSOR_BYTES)
+        size = b.f_int("bytes", 0, MAX_BLOCK_BYTES)
         refs.append(BlockRef(name, size))
         total += size
     if total != nbytes:
@@ -770,6 +771,7 @@ def _check_placement(header: Header, data_start: int, file_size: int) -> None:
 
 def slot_names(header: Header) -> Iterator[str]:
     """The header path of every slot, in :meth:`Header.slots` order (for error messages)."""
+
     def entry(e: CacheEntry, path: str) -> Iterator[str]:
         for j in range(len(e.tensors)):
             yield f"{path}.tensors[{j}]"
