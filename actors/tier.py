@@ -35,7 +35,10 @@ Theory of operation
    tier is the single writer of its directory.
 
 Files: ``<root>/caches/<key>.kvc`` (a cache file, or a manifest in the blocks layout) and
-``<root>/blocks/<sha256>`` (blocks). Keys are 1-150 characters of ``[0-9A-Za-z._-]``,
+``<root>/blocks/<sha256>`` (blocks). Given a ``redis://`` (or ``rediss://``) URL instead
+of a directory, the tier keeps blocks and manifests in Redis through storage's
+:func:`~kvtrio.storage.openstore.open_store` (blocks layout only), so several hosts
+share one cold tier. Keys are 1-150 characters of ``[0-9A-Za-z._-]``,
 starting with a letter or digit.
 """
 
@@ -60,10 +63,12 @@ from kvtrio.actors.writer import Writer, WriterStatistics
 from kvtrio.errors import CacheMissError, CorruptCacheError, ShuttingDown
 from kvtrio.runtime.offload import CancelToken, InlineOffload, Offload, ThreadOffload
 from kvtrio.runtime.system import ActorSystem, SystemStatistics
-from kvtrio.storage.blockstore import LocalBlockStore
+from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
 from kvtrio.storage.codecs import AttachmentData, Restored
 from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps
 from kvtrio.storage.format import Header, Layout
+from kvtrio.storage.manifeststore import ManifestStore
+from kvtrio.storage.openstore import ManifestFileOps, is_redis_url, open_store
 from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult
 
 __all__ = [
@@ -157,6 +162,13 @@ class ColdTierStatistics:
     debris_removed: int
 
 
+def _open_shared(
+    token: CancelToken, url: str, file_ops: FileOps
+) -> tuple[BlockStore, ManifestStore]:
+    token.check()
+    return open_store(url, file_ops=file_ops)
+
+
 def check_key(key: str) -> str:
     """Return ``key`` if it is a valid tier key; raise ValueError otherwise."""
     if not isinstance(key, str) or KEY_RE.fullmatch(key) is None:
@@ -178,16 +190,21 @@ class ColdTier:
         cap_bytes: float,
         verify: bool,
         file_ops: FileOps,
+        block_store: BlockStore | None = None,
+        url: str | None = None,
     ) -> None:
         self.root = root
+        self.url = url
         self.owner = owner
         self.layout: Layout = layout
         self.block_tokens = block_tokens
         self.verify = verify
-        self.file_ops = file_ops
         self.cache_dir = root / "caches"
         self.block_dir = root / "blocks"
-        block_store = LocalBlockStore(str(self.block_dir), file_ops)
+        if block_store is None:
+            block_store = LocalBlockStore(str(self.block_dir), file_ops)
+        self.block_store = block_store
+        self.file_ops = file_ops
         self.ledger = SnapshotLedger()
         self.writer = Writer(offload, file_ops, block_store, block_tokens)
         self.reader = Reader(offload, file_ops, block_store)
@@ -238,17 +255,41 @@ class ColdTier:
                 factory = MlxOwner.inline() if inline else MlxOwner.dedicated()
                 owner = await stack.enter_async_context(factory)
             offload: Offload = InlineOffload() if inline else ThreadOffload(io_threads)
-            tier = cls(
-                Path(directory).absolute(),
-                owner=owner,
-                offload=offload,
-                layout=layout,
-                block_tokens=block_tokens,
-                cap_bytes=cap_bytes,
-                verify=verify,
-                file_ops=file_ops,
-            )
-            await offload.run(tier._prepare_directories)
+            target = os.fspath(directory)
+            if is_redis_url(target):
+                if layout != "blocks":
+                    raise ValueError("a Redis cold tier stores blocks: use layout='blocks'")
+                block_store, manifests = await offload.run(_open_shared, target, file_ops)
+                stack.callback(manifests.close)
+                stack.callback(block_store.close)
+                # Manifests live in Redis; a virtual directory maps them to the path-based
+                # writer and reader (storage's ManifestFileOps).
+                root = Path("/kvtrio-shared-tier")
+                file_ops = ManifestFileOps(manifests, str(root / "caches"), file_ops)
+                tier = cls(
+                    root,
+                    owner=owner,
+                    offload=offload,
+                    layout=layout,
+                    block_tokens=block_tokens,
+                    cap_bytes=cap_bytes,
+                    verify=verify,
+                    file_ops=file_ops,
+                    block_store=block_store,
+                    url=target,
+                )
+            else:
+                tier = cls(
+                    Path(target).absolute(),
+                    owner=owner,
+                    offload=offload,
+                    layout=layout,
+                    block_tokens=block_tokens,
+                    cap_bytes=cap_bytes,
+                    verify=verify,
+                    file_ops=file_ops,
+                )
+                await offload.run(tier._prepare_directories)
             try:
                 async with ActorSystem(name="cold-tier", grace=shutdown_grace) as system:
                     tier.system = system
@@ -277,6 +318,7 @@ class ColdTier:
         await trio.lowlevel.checkpoint()
 
     def _prepare_directories(self, token: CancelToken) -> None:
+        # Local tiers only: a shared (Redis) tier has neither directories nor tmp files.
         for directory in (self.cache_dir, self.block_dir):
             self.file_ops.mkdir(str(directory))
             for name in self.file_ops.listdir(str(directory)):
