@@ -9,7 +9,8 @@ Theory of operation (DESIGN.md "Threads, and who may touch what"):
    serialized with decoding instead of racing it.
 2. Work is cut into short jobs so the owner interleaves with the server's steps and the
    event loop never waits long: ``snapshot`` is one job (lazy views only, O(1) memory);
-   ``materialize`` is one job per tensor; ``allocate`` is one job per tensor.
+   ``materialize`` is one job per tensor (or per run of small tensors up to
+   :data:`STEP_BYTES`); ``allocate_slot`` is one job per tensor.
 3. Loads never copy tensor bytes: ``allocate`` makes each destination array on the owner
    and lends its memory (a writable, zero-copy memoryview) to a worker thread that reads
    the file straight into it; the caches are then built from those arrays on the owner
@@ -28,10 +29,19 @@ from typing import Any, TypeVar, TypeVarTuple
 from kvtrio.actors.snapshot import Snapshot, SnapshotLedger
 from kvtrio.runtime.executor import DedicatedThreadExecutor, InlineExecutor
 from kvtrio.storage import codecs
-from kvtrio.storage.codecs import AttachmentData, HostTensor, LoadBuffers, Restored
+from kvtrio.storage.codecs import (
+    AttachmentData,
+    CacheSnapshot,
+    HostTensor,
+    LoadBuffers,
+    Restored,
+)
 from kvtrio.storage.format import Header
 
-__all__ = ["MlxOwner"]
+__all__ = ["STEP_BYTES", "MlxOwner"]
+
+#: Work per owner job when materializing: one tensor, or a run of small ones up to this.
+STEP_BYTES = 32 * 1024 * 1024
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -95,35 +105,43 @@ class MlxOwner:
     async def materialize(
         self, snapshot: Snapshot, *, block_tokens: int | None = None
     ) -> list[HostTensor]:
-        """Evaluate every tensor of ``snapshot`` into host memoryviews, one owner job each."""
+        """Evaluate every tensor of ``snapshot`` into host memoryviews.
+
+        One owner job per tensor, or per run of small tensors up to :data:`STEP_BYTES`
+        (so a cache of many small layers does not pay one thread round trip per tensor).
+        """
         views = snapshot.views
         out: list[HostTensor] = []
-        for index in range(views.tensor_count):
-            job = functools.partial(
-                codecs.materialize_tensor, views, index, block_tokens=block_tokens
-            )
-            out.append(await self.run(job))
+        for group in _steps([slot.nbytes for slot in snapshot.plan.slots()]):
+            job = functools.partial(_materialize_group, views, group, block_tokens)
+            out.extend(await self.run(job))
         return out
 
     # -- load ------------------------------------------------------------------------------
 
     async def allocate(self, header: Header) -> LoadBuffers:
-        """Destination memory for a read of ``header``'s tensors, one owner job per tensor.
-
-        Each piece is an evaluated MLX array made here; its writable zero-copy memoryview
-        goes to the reader thread, so the read lands in MLX memory and nothing is copied.
-        """
+        """Destination memory for a read of ``header``'s tensors, one owner job per tensor
+        (see :meth:`allocate_slot`)."""
         arrays: list[tuple[Any, ...]] = []
         buffers: list[tuple[memoryview, ...]] = []
         for index in range(sum(1 for _ in header.slots())):
-            slot_arrays, slot_buffers = await self.run(codecs.allocate_slot, header, index)
+            slot_arrays, slot_buffers = await self.allocate_slot(header, index)
             arrays.append(slot_arrays)
             buffers.append(slot_buffers)
         return LoadBuffers(arrays=tuple(arrays), buffers=tuple(buffers))
 
+    async def allocate_slot(
+        self, header: Header, index: int
+    ) -> tuple[tuple[Any, ...], tuple[memoryview, ...]]:
+        """Destination memory for slot ``index`` (one owner job): MLX arrays made here, and
+        writable zero-copy views of them for the reader thread, so the read lands in MLX
+        memory and nothing is copied."""
+        return await self.run(codecs.allocate_slot, header, index)
+
     async def restore(self, header: Header, loaded: LoadBuffers) -> Restored:
         """Build the caches from filled buffers: one owner job per multi-piece tensor (the
-        block layout joins its token blocks), then one to assemble the caches."""
+        block layout joins its token blocks), then one that evaluates the (zero-copy)
+        views of the rest and assembles the caches."""
         arrays: list[Any] = []
         for slot, pieces in zip(header.slots(), loaded.arrays, strict=True):
             if len(pieces) == 1:
@@ -131,7 +149,35 @@ class MlxOwner:
             else:
                 axis = slot.token_axis if slot.token_axis is not None else 0
                 arrays.append(await self.run(_join, pieces, axis))
-        return await self.run(codecs.assemble, header, arrays)
+        return await self.run(_assemble, header, arrays)
+
+
+def _assemble(header: Header, arrays: list[Any]) -> Restored:
+    import mlx.core as mx
+
+    mx.eval(arrays)
+    return codecs.assemble(header, arrays)
+
+
+def _steps(sizes: Sequence[int]) -> list[range]:
+    """Consecutive index ranges, each one tensor or several adding up to <= STEP_BYTES."""
+    steps: list[range] = []
+    start = 0
+    total = 0
+    for index, size in enumerate(sizes):
+        if index > start and total + size > STEP_BYTES:
+            steps.append(range(start, index))
+            start, total = index, 0
+        total += size
+    if start < len(sizes):
+        steps.append(range(start, len(sizes)))
+    return steps
+
+
+def _materialize_group(
+    views: CacheSnapshot, group: range, block_tokens: int | None
+) -> list[HostTensor]:
+    return [codecs.materialize_tensor(views, i, block_tokens=block_tokens) for i in group]
 
 
 def _join(pieces: Sequence[Any], axis: int) -> Any:

@@ -51,12 +51,18 @@ class Reader:
         return await self.offload.run(self._header_job, path)
 
     async def read_tensors(
-        self, cache_file: CacheFile, buffers: Sequence[Sequence[memoryview]], *, verify: bool
+        self,
+        cache_file: CacheFile,
+        buffers: Sequence[Sequence[memoryview]],
+        *,
+        verify: bool,
+        indices: Sequence[int] | None = None,
     ) -> None:
-        """Fill ``buffers`` (per slot, per piece) with the file's tensors."""
+        """Fill ``buffers`` (per slot, per piece) with the file's tensors: every slot, or
+        slot ``indices[k]`` into ``buffers[k]``."""
         self._running += 1
         try:
-            await self.offload.run(self._tensors_job, cache_file, buffers, verify)
+            await self.offload.run(self._tensors_job, cache_file, buffers, verify, indices)
         except trio.Cancelled:
             self._cancelled += 1
             raise
@@ -66,7 +72,7 @@ class Reader:
         finally:
             self._running -= 1
         self._read += 1
-        self._bytes += cache_file.header.nbytes
+        self._bytes += sum(len(piece) for pieces in buffers for piece in pieces)
 
     def statistics(self) -> ReaderStatistics:
         return ReaderStatistics(
@@ -87,10 +93,12 @@ class Reader:
         cache_file: CacheFile,
         buffers: Sequence[Sequence[memoryview]],
         verify: bool,
+        indices: Sequence[int] | None,
     ) -> None:
         read_tensors(
             cache_file,
             buffers,
+            indices=indices,
             store=self.block_store,
             verify=verify,
             cancel=token,

@@ -64,11 +64,12 @@ from kvtrio.errors import CacheMissError, CorruptCacheError, ShuttingDown
 from kvtrio.runtime.offload import CancelToken, InlineOffload, Offload, ThreadOffload
 from kvtrio.runtime.system import ActorSystem, SystemStatistics
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
-from kvtrio.storage.codecs import AttachmentData, Restored
+from kvtrio.storage.codecs import AttachmentData, LoadBuffers, Restored
 from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps
 from kvtrio.storage.format import Header, Layout
 from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.openstore import ManifestFileOps, is_redis_url, open_store
+from kvtrio.storage.reader import CacheFile
 from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult
 
 __all__ = [
@@ -416,9 +417,8 @@ class ColdTier:
                 raise CacheMissError(f"cold tier has no entry {key!r}") from None
             if expect is not None:
                 expect.check(cache_file.header)
-            loaded = await self.owner.allocate(cache_file.header)
-            await self.reader.read_tensors(
-                cache_file, loaded.buffers, verify=self.verify if verify is None else verify
+            loaded = await self._read_pipelined(
+                cache_file, self.verify if verify is None else verify
             )
             return await self.owner.restore(cache_file.header, loaded)
         except CacheMissError:
@@ -426,6 +426,37 @@ class ColdTier:
         except BaseException:
             self._load_failures += 1
             raise
+
+    async def _read_pipelined(self, cache_file: CacheFile, verify: bool) -> LoadBuffers:
+        """Allocate slot i+1 on the owner while slot i is read on a worker thread (at most
+        ``io_threads`` reads at once). The first failing slot, in slot order, raises; the
+        other reads stop at their next boundary and are waited for."""
+        header = cache_file.header
+        arrays: list[tuple[Any, ...]] = []
+        buffers: list[tuple[memoryview, ...]] = []
+        errors: list[tuple[int, Exception]] = []
+
+        async def read(index: int, views: tuple[memoryview, ...]) -> None:
+            try:
+                await self.reader.read_tensors(cache_file, [views], verify=verify, indices=[index])
+            except Exception as exc:
+                errors.append((index, exc))
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for index in range(sum(1 for _ in header.slots())):
+                try:
+                    slot_arrays, slot_views = await self.owner.allocate_slot(header, index)
+                except Exception as exc:
+                    errors.append((index, exc))
+                    nursery.cancel_scope.cancel()
+                    break
+                arrays.append(slot_arrays)
+                buffers.append(slot_views)
+                nursery.start_soon(read, index, slot_views)
+        if errors:
+            raise min(errors, key=lambda e: e[0])[1]
+        return LoadBuffers(arrays=tuple(arrays), buffers=tuple(buffers))
 
     async def entry(self, key: str) -> TierEntry:
         """The stored entry of ``key`` (CacheMissError if absent)."""
