@@ -175,14 +175,29 @@ def _address(buffer: memoryview) -> int:
     return int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data)
 
 
-class _DirectWrites:
-    """O_DIRECT writes through aligned bounce buffers, pipelined on helper threads.
+def _pwrite_or_bounce(ops: FileOps, fd: int, data: memoryview, offset: int) -> None:
+    """O_DIRECT from ``data``; if this address is refused, through a one-off aligned copy."""
+    try:
+        pwrite_full(ops, fd, data, offset)
+        return
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    view = memoryview(mmap.mmap(-1, len(data)))  # freed with the view (never closed under it)
+    ctypes.memmove(_address(view), _address(data), len(data))
+    pwrite_full(ops, fd, view, offset)
 
-    O_DIRECT needs aligned memory, offsets and lengths; MLX buffers are not page aligned,
-    so each chunk is copied (ctypes.memmove, which releases the GIL) into one of a few
-    page-aligned bounce buffers, hashed there while still in cache, and written by the
-    helper threads while the next chunk is prepared. The tail of a tensor is zero-padded
-    to the 4 KiB boundary, inside the padding before the next 16 KiB-aligned tensor.
+
+class _DirectWrites:
+    """O_DIRECT writes, pipelined on helper threads, zero-copy where the device allows.
+
+    O_DIRECT needs aligned offsets and lengths, and memory aligned as the device requires.
+    When the device accepts the caller's (unaligned) memory, chunks are written from it
+    with no copy. Otherwise (MLX buffers are not page aligned) each chunk is copied
+    (ctypes.memmove, which releases the GIL) into one of a few page-aligned bounce
+    buffers, hashed there while still in cache, and written by the helper threads while
+    the next chunk is prepared. The tail of a tensor is zero-padded to the 4 KiB boundary,
+    inside the padding before the next 16 KiB-aligned tensor.
     """
 
     DEPTH = 4
@@ -199,6 +214,26 @@ class _DirectWrites:
         self.addresses = [_address(v) for v in self.views]
         self.pending: list[Future[None] | None] = [None] * self.DEPTH
         self.turn = 0
+        # Whether the device takes O_DIRECT from unaligned memory (NVMe on Linux >= 6.0
+        # needs only 4-byte alignment): None until probed on the first whole-block chunk.
+        self.zero_copy: bool | None = None
+
+    def _from_source(self, data: memoryview, offset: int, slot: int) -> bool:
+        """Write ``data`` straight from the caller's memory if the device allows it."""
+        if self.zero_copy is False or not len(data) or len(data) % _DIRECT_ALIGN:
+            return False
+        if self.zero_copy is None:
+            try:
+                pwrite_full(self.ops, self.fd, data, offset)  # a rejected write writes nothing
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.zero_copy = False
+                return False
+            self.zero_copy = True
+            return True
+        self.pending[slot] = self.pool.submit(_pwrite_or_bounce, self.ops, self.fd, data, offset)
+        return True
 
     def _submit(self, data: memoryview, offset: int) -> memoryview:
         slot = self.turn % self.DEPTH
@@ -207,6 +242,8 @@ class _DirectWrites:
         if previous is not None:
             self.pending[slot] = None
             previous.result()
+        if self._from_source(data, offset, slot):
+            return data
         n = len(data)
         padded = align_up(n, _DIRECT_ALIGN)
         if n:
