@@ -292,6 +292,8 @@ async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     figures["heartbeat_lateness"] = {
         "idle": _lag(idle),
         "kvtrio_save_load": _lag(save_lag + load_lag),
+        "kvtrio_save": _lag(save_lag),
+        "kvtrio_load": _lag(load_lag),
         "mlx_lm_save_load_inline": _lag(mlx_save_lag + mlx_load_lag),
     }
     pauses = heartbeat.gc.pauses

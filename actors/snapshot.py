@@ -79,6 +79,11 @@ class Snapshot:
     def released(self) -> bool:
         return self._released
 
+    def drop_views(self) -> None:
+        """Drop the views now (call it on the owner thread, so the MLX memory they may hold
+        last is freed there). The snapshot still counts as live until :meth:`release`."""
+        self._views = None
+
     def release(self) -> None:
         """Drop the views. Exactly once: a second call raises RuntimeError."""
         if self._released:

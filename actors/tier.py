@@ -64,7 +64,7 @@ from kvtrio.errors import CacheMissError, CorruptCacheError, ShuttingDown
 from kvtrio.runtime.offload import CancelToken, InlineOffload, Offload, ThreadOffload
 from kvtrio.runtime.system import ActorSystem, SystemStatistics
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
-from kvtrio.storage.codecs import AttachmentData, LoadBuffers, Restored
+from kvtrio.storage.codecs import AttachmentData, HostTensor, LoadBuffers, Restored
 from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps
 from kvtrio.storage.format import Header, Layout
 from kvtrio.storage.manifeststore import ManifestStore
@@ -161,6 +161,11 @@ class ColdTierStatistics:
     load_misses: int
     load_failures: int
     debris_removed: int
+
+
+def _free_on_owner(host: list[HostTensor], snap: Snapshot) -> None:
+    host.clear()
+    snap.drop_views()
 
 
 def _open_shared(
@@ -391,11 +396,18 @@ class ColdTier:
 
     async def _store(self, snap: Snapshot) -> WriteResult:
         path = str(self.path_of(str(snap.key)))
-        if self.layout == "single":
-            host = await self.owner.materialize(snap)
-            return await self.writer.write_single(path, snap.plan, [h.pieces[0] for h in host])
-        host = await self.owner.materialize(snap, block_tokens=self.block_tokens)
-        return await self.writer.write_blocks(path, snap.plan, [h.pieces for h in host])
+        block_tokens = None if self.layout == "single" else self.block_tokens
+        host: list[HostTensor] = []
+        try:
+            host = await self.owner.materialize(snap, block_tokens=block_tokens)
+            if block_tokens is None:
+                return await self.writer.write_single(path, snap.plan, [h.pieces[0] for h in host])
+            return await self.writer.write_blocks(path, snap.plan, [h.pieces for h in host])
+        finally:
+            # Free the materialized copies (and the views) on the owner: releasing a GiB of
+            # MLX buffers takes long enough to stall the event loop if done here.
+            with trio.CancelScope(shield=True):
+                await self.owner.run(_free_on_owner, host, snap)
 
     # -- loading ---------------------------------------------------------------------------
 
