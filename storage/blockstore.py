@@ -136,7 +136,10 @@ class LocalBlockStore:
 
     def _ensure_dir(self) -> None:
         if not self._made:
+            existed = os.path.isdir(self.directory)
             self.file_ops.mkdir(self.directory)
+            if not existed:  # the new directory's own entry must be durable too
+                self.file_ops.fsync_dir(os.path.dirname(os.path.abspath(self.directory)))
             self._made = True
 
     def _exists(self, path: str) -> bool:
