@@ -152,7 +152,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument(
-        "--tuning", default="", help="direct kernel shape: warps,rows,unroll,pipeline(0|1),blocks"
+        "--tuning", default="", help="kernel shape: warps,rows,unroll,pipeline,blocks,transpose"
     )
     parser.add_argument(
         "--sweep", action="store_true",
@@ -163,9 +163,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def _parse_tuning(text: str) -> KernelTuning:
     if not text:
         return DEFAULT_TUNING
-    warps, rows, unroll, pipeline, blocks = (int(x) for x in text.split(","))
+    warps, rows, unroll, pipeline, blocks, transpose = (int(x) for x in text.split(","))
     return KernelTuning(
-        warps=warps, rows=rows, unroll=unroll, pipeline=bool(pipeline), target_blocks=blocks
+        warps=warps, rows=rows, unroll=unroll, pipeline=bool(pipeline), target_blocks=blocks,
+        transpose=bool(transpose),
     )
 
 
@@ -178,11 +179,11 @@ def _sweep(args: argparse.Namespace) -> int:
     dtype = _DTYPES[args.dtype]
     lengths = [int(x) for x in args.lengths.split(",")]
     shapes = [
-        (4, rows, unroll, pipe, blocks)
-        for rows in (1, 2, 4)
-        for unroll in (4, 8, 16)
+        (4, 4, unroll, pipe, blocks, xpose)
+        for unroll in (4, 8)
         for pipe in (0, 1)
         for blocks in (1024, 2048)
+        for xpose in (0, 1)
     ]
     totals: dict[tuple[int, ...], float] = {}
     for length in lengths:
@@ -202,7 +203,7 @@ def _sweep(args: argparse.Namespace) -> int:
                 partial(view.attend_direct, queries, scale, None, backend, tuning), args.iters
             )
             totals[shape] = totals.get(shape, 0.0) + us
-            print(f"{length:>7} warps,rows,unroll,pipeline,blocks={shape} "
+            print(f"{length:>7} warps,rows,unroll,pipeline,blocks,transpose={shape} "
                   f"{us:8.1f} us  {us / sdpa:5.2f}x sdpa ({sdpa:.1f} us)")
     best = min(totals, key=lambda k: totals[k])
     print("best --tuning " + ",".join(str(x) for x in best))
