@@ -1,4 +1,10 @@
-"""File-operation wrappers for the drills: simulated power loss.
+"""File-operation wrappers for the drills: simulated power loss, and no-sync speed.
+
+:class:`NoSyncFileOps` is the real file operations with fsync skipped. A kill -9 does
+not lose the page cache, so fsync changes nothing a crash drill (or a fault or race
+drill) can observe; skipping it makes CI-sized drills fast on a shared disk. Durability
+against power loss is what :class:`LossyFileOps` simulates on top, and the ``--full``
+drills use the real fsync.
 
 :class:`LossyFileOps` wraps a :class:`~kvtrio.storage.fileops.FileOps` and remembers
 what the disk would not have kept if power failed now: file bytes written since the
@@ -19,11 +25,29 @@ import os
 import random
 
 import attrs
-from kvtrio.storage.fileops import FileOps
+from kvtrio.storage.fileops import OS_FILE_OPS, FileOps, OsFileOps
 
-__all__ = ["LossyFileOps"]
+__all__ = ["LossyFileOps", "NoSyncFileOps", "drill_file_ops"]
 
 _backup_names = itertools.count()
+
+
+class NoSyncFileOps(OsFileOps):
+    """The real file operations without fsync (see the module doc for why that is sound)."""
+
+    def fsync(self, fd: int) -> None:
+        return None
+
+    def fsync_dir(self, path: str) -> None:
+        return None
+
+
+NO_SYNC_FILE_OPS: FileOps = NoSyncFileOps()
+
+
+def drill_file_ops(*, full: bool) -> FileOps:
+    """The base file operations of a drill: real fsync with ``full``, none otherwise."""
+    return OS_FILE_OPS if full else NO_SYNC_FILE_OPS
 
 
 @attrs.define

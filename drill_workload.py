@@ -12,6 +12,7 @@ block layout dedups and GC has shared blocks to get wrong.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import random
@@ -106,21 +107,26 @@ def _piece_bytes(spec: EntrySpec, slot_index: int, start: int, stop: int, nbytes
     return random.Random(f"{spec.root}/{slot_index}/{start}/{stop}").randbytes(nbytes)
 
 
+@functools.lru_cache(maxsize=256)
+def _expected(spec: EntrySpec, layout: Layout) -> tuple[tuple[bytes, ...], ...]:
+    header = plan_header(spec)
+    out: list[tuple[bytes, ...]] = []
+    for i, slot in enumerate(header.slots()):
+        pieces = [
+            _piece_bytes(spec, i, a, b, piece_nbytes(slot, a, b))
+            for a, b in piece_ranges(slot, BLOCK_TOKENS)
+        ]
+        out.append(tuple(pieces) if layout == "blocks" else (b"".join(pieces),))
+    return tuple(out)
+
+
 def expected_pieces(spec: EntrySpec, layout: Layout) -> list[list[bytes]]:
     """The bytes of every piece of every slot (the single layout: one piece per slot).
 
     The single layout's tensor is the concatenation of its block-layout pieces, so both
     layouts hold the same bytes for the same spec.
     """
-    header = plan_header(spec)
-    out: list[list[bytes]] = []
-    for i, slot in enumerate(header.slots()):
-        pieces = [
-            _piece_bytes(spec, i, a, b, piece_nbytes(slot, a, b))
-            for a, b in piece_ranges(slot, BLOCK_TOKENS)
-        ]
-        out.append(pieces if layout == "blocks" else [b"".join(pieces)])
-    return out
+    return [list(pieces) for pieces in _expected(spec, layout)]
 
 
 @attrs.define
