@@ -163,11 +163,6 @@ class ColdTierStatistics:
     debris_removed: int
 
 
-def _free_on_owner(host: list[HostTensor], snap: Snapshot) -> None:
-    host.clear()
-    snap.drop_views()
-
-
 def _open_shared(
     token: CancelToken, url: str, file_ops: FileOps
 ) -> tuple[BlockStore, ManifestStore]:
@@ -404,10 +399,13 @@ class ColdTier:
                 return await self.writer.write_single(path, snap.plan, [h.pieces[0] for h in host])
             return await self.writer.write_blocks(path, snap.plan, [h.pieces for h in host])
         finally:
-            # Free the materialized copies (and the views) on the owner: releasing a GiB of
-            # MLX buffers takes long enough to stall the event loop if done here.
+            # Free the materialized copies (and the views) on the owner, one tensor per job:
+            # unmapping a GiB at once holds the kernel's memory-map lock long enough to
+            # stall every other thread that faults a page, the event loop's included.
             with trio.CancelScope(shield=True):
-                await self.owner.run(_free_on_owner, host, snap)
+                while host:
+                    await self.owner.run(host.pop)
+                await self.owner.run(snap.drop_views)
 
     # -- loading ---------------------------------------------------------------------------
 
