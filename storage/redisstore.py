@@ -100,13 +100,13 @@ class RedisTarget:
 
     @property
     def display(self) -> str:
-        """The URL without its password, for messages and logs."""
+        """The server's URL without password or options, for messages and logs."""
         parts = urlsplit(self.url)
         host = parts.hostname or ""
         netloc = f"{host}:{parts.port}" if parts.port else host
         if parts.password is not None:
             netloc = f"{parts.username or ''}:***@{netloc}"
-        return urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+        return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 def parse_redis_url(url: str) -> RedisTarget:

@@ -125,7 +125,11 @@ def test_tampered_manifest_is_corrupt(tmp_path: Path, redis_url: str) -> None:
     _save_in_process(redis_url, tmp_path / "a", "m", 32)
     manifests = RedisManifestStore.open(redis_url)
     key = manifests.manifest_key("m")
-    manifests.client.setrange(key, 200, b"9")
+    stored = manifests.client.get(key)
+    assert isinstance(stored, bytes)
+    tampered = bytearray(stored)
+    tampered[200] ^= 0x01
+    manifests.client.set(key, bytes(tampered))
     with pytest.raises(CorruptCacheError, match=r"^manifest m: content does not match its sha256$"):
         host.main("load", redis_url, str(tmp_path / "b"), "m", 0)
     manifests.close()

@@ -1,0 +1,132 @@
+"""The cold tier on Redis: ``ColdTier.open("redis://...")`` shared by hosts.
+
+Two hosts are two processes (``tier_host.py``) with separate local directories and one
+Redis; the failure tests run in-process with a redis-server of their own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from kvtrio.actors.spill import SpillOutcome
+from kvtrio.actors.tier import ColdTier
+from kvtrio.errors import CacheMissError, CorruptCacheError, StoreUnavailableError
+from kvtrio.storage.redisstore import RedisBlockStore
+
+_HOST_SCRIPT = Path(__file__).with_name("tier_host.py")
+
+
+def _host_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kvtrio_test_tier_host", _HOST_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+host = _host_module()
+
+
+def _run_host(url: str, local_dir: Path, *args: object) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, str(_HOST_SCRIPT), url, str(local_dir), *map(str, args)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.stdout.splitlines()[-1])
+    return result
+
+
+def test_two_hosts_share_one_tier(tmp_path: Path, redis_url: str) -> None:
+    """Host B loads bit-exact what host A saved; B's extension of it stores only new blocks
+    (measured by Redis's key count and value bytes)."""
+    counter = RedisBlockStore.open(redis_url)
+    saved = _run_host(redis_url, tmp_path / "host-a", "save", "conv1", 64)
+    keys_a, bytes_a = counter.count_blocks()
+    assert bytes_a == saved["new_block_bytes"] > 0
+
+    loaded = _run_host(redis_url, tmp_path / "host-b", "load", "conv1")
+    assert loaded["digest"] == saved["digest"]
+
+    extended = _run_host(redis_url, tmp_path / "host-b", "extend", "conv1", "conv2", 80)
+    keys_b, bytes_b = counter.count_blocks()
+    tensors = 2 * host.CONFIG["num_hidden_layers"]  # K and V per layer
+    assert keys_b - keys_a == tensors  # 64 -> 80 tokens: one new 16-token block per tensor
+    assert bytes_b - bytes_a == extended["new_block_bytes"] == bytes_a // 4
+    assert _run_host(redis_url, tmp_path / "host-a", "load", "conv2")["digest"] == (
+        extended["digest"]
+    )
+    counter.close()
+
+
+async def _tiny(tier: ColdTier) -> Any:
+    return await tier.owner.run(host._build)
+
+
+async def test_deleted_and_corrupted_blocks_behind_the_tiers_back(redis_url: str) -> None:
+    async with ColdTier.open(redis_url, layout="blocks", block_tokens=host.BLOCK_TOKENS) as tier:
+        tiny = await _tiny(tier)
+        tokens = list(range(1, 49))
+        caches = await tier.owner.run(host._fresh, tiny, tokens)
+        for key in ("a", "b"):
+            assert (await (await tier.save(key, tokens, caches)).wait()).written
+        store = RedisBlockStore.open(redis_url)
+        names = sorted(info.name for info in store.iter_blocks())
+        store.client.delete(store.block_key(names[0]))
+        with pytest.raises(CacheMissError, match=rf"block {names[0]} is missing$"):
+            await tier.load("a")
+        stored = store.client.get(store.block_key(names[1]))
+        assert isinstance(stored, bytes)
+        value = bytearray(stored)
+        value[0] ^= 1
+        store.client.set(store.block_key(names[1]), bytes(value))
+        with pytest.raises(CorruptCacheError, match=r"block content does not hash to its name$"):
+            await tier.load("b")
+        store.close()
+
+
+async def test_redis_restarted_mid_run(private_redis: Any) -> None:
+    """A save in flight when Redis dies settles FAILED; the tier goes on; after Redis is
+    back, saves succeed and load bit-exact."""
+    url = private_redis.url(0, prefix="kvtrio")
+    async with ColdTier.open(url, layout="blocks", block_tokens=host.BLOCK_TOKENS) as tier:
+        tiny = await _tiny(tier)
+        tokens = list(range(1, 33))
+        caches = await tier.owner.run(host._fresh, tiny, tokens)
+        want = await tier.owner.run(host.kv_digest, caches)
+        assert (await (await tier.save("before", tokens, caches)).wait()).written
+
+        gate = threading.Event()
+        tickets = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tier.owner.run, gate.wait, 30)  # the owner is busy...
+            await trio.testing.wait_all_tasks_blocked()
+
+            async def save() -> None:
+                tickets.append(await tier.save("during", tokens, caches))
+
+            nursery.start_soon(save)  # ...so this save is accepted but not yet written
+            await trio.testing.wait_all_tasks_blocked()
+            private_redis.kill()
+            gate.set()
+        result = await tickets[0].wait()
+        assert result.outcome is SpillOutcome.FAILED
+        assert isinstance(result.error, StoreUnavailableError)
+        with pytest.raises(StoreUnavailableError):
+            await tier.load("before")
+
+        private_redis.start()  # no persistence: Redis is back, empty
+        assert (await (await tier.save("after", tokens, caches)).wait()).written
+        restored = await tier.load("after")
+        assert await tier.owner.run(host.kv_digest, restored.caches) == want
+        assert tier.statistics().spill.failed == 1
