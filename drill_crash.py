@@ -44,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import attrs
-from kvtrio.drill_fileops import LossyFileOps
+from kvtrio.drill_fileops import LossyFileOps, drill_dir, drill_file_ops
 from kvtrio.drill_report import DrillResult, Tally
 from kvtrio.drill_workload import (
     CacheDir,
@@ -55,7 +55,7 @@ from kvtrio.drill_workload import (
     tmp_debris,
     write_entry,
 )
-from kvtrio.storage.fileops import OS_FILE_OPS, FaultyFileOps, FileOps
+from kvtrio.storage.fileops import FaultyFileOps, FileOps
 from kvtrio.storage.format import Layout
 from kvtrio.storage.manifeststore import LocalManifestStore
 
@@ -63,7 +63,7 @@ __all__ = ["collect_garbage", "run_crash_drill"]
 
 LAYOUTS: tuple[Layout, ...] = ("single", "blocks")
 MODES = ("op", "timed", "lossy")
-_MAX_LIVE = 10
+_MAX_LIVE = 6
 _CHILD_STEPS = 400
 
 
@@ -203,10 +203,12 @@ def _run_child(
         try:
             os.close(read_fd)
             child_rng = random.Random(child_seed)
-            ops: FileOps = OS_FILE_OPS
+            ops: FileOps = cache_dir.file_ops
             before_kill: Callable[[], object] = lambda: None  # noqa: E731
             if mode == "lossy":
-                lossy = LossyFileOps(OS_FILE_OPS, os.path.join(cache_dir.root, "backup"), child_rng)
+                lossy = LossyFileOps(
+                    cache_dir.file_ops, os.path.join(cache_dir.root, "backup"), child_rng
+                )
                 ops, before_kill = lossy, lossy.lose_unsynced
             if mode in ("op", "lossy"):
                 ops = FaultyFileOps(ops, _kill_hook(kill_at, write_fd, before_kill))
@@ -313,12 +315,12 @@ def _collect_debris(cache_dir: CacheDir, layout: Layout, tally: Tally, where: st
 
 def _calibrate(cache_dir: CacheDir, layout: Layout) -> tuple[int, float]:
     """File operations and seconds of a few child steps, for choosing crash points."""
-    counter = FaultyFileOps(OS_FILE_OPS, lambda op: None)
+    counter = FaultyFileOps(cache_dir.file_ops, lambda op: None)
     rng = random.Random(0)
     start = time.perf_counter()
     cd = cache_dir.with_ops(counter)
     names: list[str] = []
-    for step in range(6):
+    for step in range(4):
         spec = EntrySpec.random(f"cal{step}", rng)
         write_entry(cd, spec, layout)
         names.append(spec.name)
@@ -335,39 +337,46 @@ def run_crash_drill(*, full: bool, seed: int, workdir: Path) -> DrillResult:
     tally = Tally("crash")
     started = time.perf_counter()
     points = int(os.environ.get("KVTRIO_DRILL_POINTS", 0)) or (2000 if full else 210)
-    for layout in LAYOUTS:
-        root = workdir / layout
-        shutil.rmtree(root, ignore_errors=True)
-        cache_dir = CacheDir(str(root)).make()
-        os.makedirs(root / "backup", exist_ok=True)
-        ops_per_run, seconds_per_run = _calibrate(cache_dir, layout)
-        book = _Book()
-        rng = random.Random(f"{seed}/{layout}")
-        for point in range(points):
-            mode = MODES[point % len(MODES)]
-            where = f"{layout} point {point} ({mode})"
-            lines, killed = _run_child(
-                cache_dir,
-                layout,
-                book,
-                point,
-                mode,
-                rng,
-                rng.uniform(0, seconds_per_run),
-                ops_per_run,
-            )
-            for line in lines:
-                if line.startswith("E "):
-                    tally.violation(f"{where}: the child failed: {line[2:]}")
-                book.apply(line, tally)
-            if not killed:
-                tally.violation(f"{where}: the child was not killed")
-                continue
-            tally.add(f"crash points ({layout})")
-            tally.add(f"crash points ({mode})")
-            _check_after_crash(cache_dir, layout, book, tally, rng, where)
-            _evict(cache_dir, layout, book, rng)
-            shutil.rmtree(root / "backup")
-            os.makedirs(root / "backup")
+    with drill_dir(workdir, full=full) as where:
+        for layout in LAYOUTS:
+            _crash_layout(where, layout, points, full=full, seed=seed, tally=tally)
     tally.set("losses", tally.violation_count)
     return tally.result(time.perf_counter() - started)
+
+
+def _crash_layout(
+    workdir: Path, layout: Layout, points: int, *, full: bool, seed: int, tally: Tally
+) -> None:
+    root = workdir / layout
+    shutil.rmtree(root, ignore_errors=True)
+    cache_dir = CacheDir(str(root), drill_file_ops(full=full)).make()
+    os.makedirs(root / "backup", exist_ok=True)
+    ops_per_run, seconds_per_run = _calibrate(cache_dir, layout)
+    book = _Book()
+    rng = random.Random(f"{seed}/{layout}")
+    for point in range(points):
+        mode = MODES[point % len(MODES)]
+        where = f"{layout} point {point} ({mode})"
+        lines, killed = _run_child(
+            cache_dir,
+            layout,
+            book,
+            point,
+            mode,
+            rng,
+            rng.uniform(0, seconds_per_run),
+            ops_per_run,
+        )
+        for line in lines:
+            if line.startswith("E "):
+                tally.violation(f"{where}: the child failed: {line[2:]}")
+            book.apply(line, tally)
+        if not killed:
+            tally.violation(f"{where}: the child was not killed")
+            continue
+        tally.add(f"crash points ({layout})")
+        tally.add(f"crash points ({mode})")
+        _check_after_crash(cache_dir, layout, book, tally, rng, where)
+        _evict(cache_dir, layout, book, rng)
+        shutil.rmtree(root / "backup")
+        os.makedirs(root / "backup")

@@ -33,6 +33,7 @@ from typing import Any
 
 import attrs
 from kvtrio.drill_crash import collect_garbage, delete_entry
+from kvtrio.drill_fileops import drill_dir, drill_file_ops
 from kvtrio.drill_report import DrillResult, Tally
 from kvtrio.drill_workload import (
     CacheDir,
@@ -45,7 +46,7 @@ from kvtrio.drill_workload import (
 )
 from kvtrio.errors import KvtrioError
 from kvtrio.runtime.testing import FaultPlan
-from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FaultyFileOps, FileOps
+from kvtrio.storage.fileops import TMP_SUFFIX, FaultyFileOps, FileOps
 from kvtrio.storage.format import Layout
 
 __all__ = ["SITES", "run_faults_drill"]
@@ -99,7 +100,7 @@ def _run_path(path: _Path, cache_dir: CacheDir, spec: EntrySpec) -> object:
 
 
 def _count(path: _Path, cache_dir: CacheDir, spec: EntrySpec) -> dict[str, int]:
-    counter = FaultyFileOps(OS_FILE_OPS, lambda op: None)
+    counter = FaultyFileOps(cache_dir.file_ops, lambda op: None)
     _run_path(path, cache_dir.with_ops(counter), spec)
     return dict(counter.calls)
 
@@ -115,7 +116,7 @@ def _storage_trial(
 ) -> None:
     where = f"{path.name}: {op} #{call}"
     plan = FaultPlan().fail(op, on_call=call, error=OSError(5, f"injected EIO at {op}"))
-    faulty = cache_dir.with_ops(FaultyFileOps(OS_FILE_OPS, plan))
+    faulty = cache_dir.with_ops(FaultyFileOps(cache_dir.file_ops, plan))
     tally.add(f"faults injected: {op}")
     tally.add("faults injected")
     final = cache_dir.path_of(spec.name, path.layout)
@@ -166,11 +167,11 @@ def _reset(path: _Path, cache_dir: CacheDir, spec: EntrySpec) -> None:
         write_entry(cache_dir, spec, path.layout)
 
 
-def _storage_level(workdir: Path, tally: Tally) -> None:
+def _storage_level(workdir: Path, base_ops: FileOps, tally: Tally) -> None:
     for path in PATHS:
         root = workdir / path.name.replace(" ", "-").replace("+", "-")
         shutil.rmtree(root, ignore_errors=True)
-        cache_dir = CacheDir(str(root)).make()
+        cache_dir = CacheDir(str(root), base_ops).make()
         base = EntrySpec("base", 1, 40)  # shares a prefix with ``spec``: dedup paths run
         spec = EntrySpec("victim", 1, 60)
         write_entry(cache_dir, base, path.layout)
@@ -223,7 +224,7 @@ def _tier_gc(cache_dir: Path, block_dir: Path) -> None:
     storage_gc(str(cache_dir), LocalBlockStore(str(block_dir)), grace_s=0.0, now=time.time() + 1)
 
 
-async def _tier_level_async(workdir: Path, tally: Tally) -> None:
+async def _tier_level_async(workdir: Path, base_ops: FileOps, tally: Tally) -> None:
     from kvtrio.actors.spill import SpillOutcome
     from kvtrio.actors.tier import ColdTier
 
@@ -235,7 +236,7 @@ async def _tier_level_async(workdir: Path, tally: Tally) -> None:
         root = workdir / f"tier-{layout}"
         shutil.rmtree(root, ignore_errors=True)
         switch = _Switch()
-        ops: FileOps = FaultyFileOps(OS_FILE_OPS, switch)
+        ops: FileOps = FaultyFileOps(base_ops, switch)
         async with ColdTier.open(
             root, layout=layout, block_tokens=16, inline=True, file_ops=ops
         ) as tier:
@@ -291,18 +292,20 @@ async def _tier_level_async(workdir: Path, tally: Tally) -> None:
             tally.violation(f"tier {layout}: snapshots live after close")
 
 
-def _tier_level(workdir: Path, tally: Tally) -> None:
+def _tier_level(workdir: Path, base_ops: FileOps, tally: Tally) -> None:
     import trio
 
-    trio.run(_tier_level_async, workdir, tally)
+    trio.run(_tier_level_async, workdir, base_ops, tally)
 
 
 def run_faults_drill(*, full: bool, seed: int, workdir: Path) -> DrillResult:
-    """Inject an EIO at every file-operation site; ``full`` changes nothing (it is exhaustive)."""
-    del full, seed  # exhaustive and deterministic: every site of every path, once
+    """Inject an EIO at every file-operation site (exhaustive; ``full`` adds real fsyncs)."""
+    del seed  # exhaustive and deterministic: every site of every path, once
     tally = Tally("faults")
     started = time.perf_counter()
-    _storage_level(workdir, tally)
-    _tier_level(workdir, tally)
+    base_ops = drill_file_ops(full=full)
+    with drill_dir(workdir, full=full) as where:
+        _storage_level(where, base_ops, tally)
+        _tier_level(where, base_ops, tally)
     tally.set("losses", tally.violation_count)
     return tally.result(time.perf_counter() - started)

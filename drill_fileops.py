@@ -20,14 +20,18 @@ with SIGKILL, so the next process sees what a rebooted machine would.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import attrs
 from kvtrio.storage.fileops import OS_FILE_OPS, FileOps, OsFileOps
 
-__all__ = ["LossyFileOps", "NoSyncFileOps", "drill_file_ops"]
+__all__ = ["LossyFileOps", "NoSyncFileOps", "drill_dir", "drill_file_ops"]
 
 _backup_names = itertools.count()
 
@@ -48,6 +52,19 @@ NO_SYNC_FILE_OPS: FileOps = NoSyncFileOps()
 def drill_file_ops(*, full: bool) -> FileOps:
     """The base file operations of a drill: real fsync with ``full``, none otherwise."""
     return OS_FILE_OPS if full else NO_SYNC_FILE_OPS
+
+
+@contextlib.contextmanager
+def drill_dir(workdir: Path, *, full: bool) -> Iterator[Path]:
+    """Where a drill keeps its files: ``workdir`` (a real disk) with ``full``, otherwise a
+    tmpfs directory when there is one. kill -9, EIO and races behave the same on tmpfs
+    (the page cache outlives a killed process), and it keeps CI runs off a shared disk."""
+    shm = "/dev/shm"
+    if full or not os.access(shm, os.W_OK):
+        yield workdir
+        return
+    with tempfile.TemporaryDirectory(prefix="kvtrio-drill-", dir=shm) as tmp:
+        yield Path(tmp)
 
 
 @attrs.define

@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import attrs
 from kvtrio.drill_crash import delete_entry
-from kvtrio.drill_fileops import NoSyncFileOps
+from kvtrio.drill_fileops import NoSyncFileOps, drill_dir
 from kvtrio.drill_report import DrillResult, Tally
 from kvtrio.drill_workload import CacheDir, EntrySpec, write_entry
 from kvtrio.storage.fileops import OS_FILE_OPS, FaultyFileOps, FileOps
@@ -218,8 +217,7 @@ def run_gcrace_drill(*, full: bool, seed: int, workdir: Path) -> DrillResult:
     started = time.perf_counter()
     count = int(os.environ.get("KVTRIO_DRILL_INTERLEAVINGS", 0)) or (100_000 if full else 10_000)
     # tmpfs when there is one: an interleaving makes and removes ~20 files.
-    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryDirectory(prefix="kvtrio-gcrace-", dir=shm or workdir) as tmp:
+    with drill_dir(workdir, full=full) as tmp:
         template = Path(tmp) / "template"
         _template(template, NoSyncFileOps())
         with Turnstile(3) as turnstile:
