@@ -152,7 +152,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument(
-        "--tuning", default="", help="kernel shape: warps,rows,unroll,pipeline,blocks,transpose"
+        "--tuning", default="", help="kernel shape: warps,rows,unroll,pipeline(0|1),blocks"
     )
     parser.add_argument(
         "--sweep", action="store_true",
@@ -163,10 +163,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def _parse_tuning(text: str) -> KernelTuning:
     if not text:
         return DEFAULT_TUNING
-    warps, rows, unroll, pipeline, blocks, transpose = (int(x) for x in text.split(","))
+    warps, rows, unroll, pipeline, blocks = (int(x) for x in text.split(","))
     return KernelTuning(
-        warps=warps, rows=rows, unroll=unroll, pipeline=bool(pipeline), target_blocks=blocks,
-        transpose=bool(transpose),
+        warps=warps, rows=rows, unroll=unroll, pipeline=bool(pipeline), target_blocks=blocks
     )
 
 
@@ -179,11 +178,11 @@ def _sweep(args: argparse.Namespace) -> int:
     dtype = _DTYPES[args.dtype]
     lengths = [int(x) for x in args.lengths.split(",")]
     shapes = [
-        (4, 4, unroll, pipe, blocks, xpose)
+        (4, rows, unroll, pipe, blocks)
+        for rows in (1, 2, 4)
         for unroll in (4, 8)
         for pipe in (0, 1)
         for blocks in (1024, 2048)
-        for xpose in (0, 1)
     ]
     totals: dict[tuple[int, ...], float] = {}
     for length in lengths:
@@ -203,7 +202,7 @@ def _sweep(args: argparse.Namespace) -> int:
                 partial(view.attend_direct, queries, scale, None, backend, tuning), args.iters
             )
             totals[shape] = totals.get(shape, 0.0) + us
-            print(f"{length:>7} warps,rows,unroll,pipeline,blocks,transpose={shape} "
+            print(f"{length:>7} warps,rows,unroll,pipeline,blocks={shape} "
                   f"{us:8.1f} us  {us / sdpa:5.2f}x sdpa ({sdpa:.1f} us)")
     best = min(totals, key=lambda k: totals[k])
     print("best --tuning " + ",".join(str(x) for x in best))

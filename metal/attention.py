@@ -52,8 +52,6 @@ class KernelTuning:
     rows: int = 4  # query rows (GQA group x queries) a block serves; more take more blocks
     unroll: int = 4  # tokens each lane keeps in flight per step (2 when a block has > 4 rows)
     pipeline: bool = True  # load the next step's keys and values before using this step's
-    # reduce a step's dots by one reduce-scatter + gather when unroll x rows == head_dim / 8
-    transpose: bool = False
     target_blocks: int = 1024  # thread blocks to aim for: a few per multiprocessor
     min_part_tokens: int = 128
 
@@ -189,7 +187,6 @@ class PagedAttentionView:
             ("D", dim), ("BS", self.block_size), ("RC", rows_per_block),
             ("WARPS", tuning.warps), ("U", unroll), ("PIPE", tuning.pipeline),
             ("CAUSAL", n > 1 and mask is not None), ("SCALE_BITS", scale_bits),
-            ("XPOSE", tuning.transpose and unroll * rows_per_block == dim // 8),
         ]
         if self.bits is None:
             template.append(("T", self.arrays[0].dtype))

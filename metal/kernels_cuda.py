@@ -49,10 +49,6 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 __device__ __forceinline__ float kvt_shfl_xor(float x, int offset) {
   return __shfl_xor_sync(0xffffffffu, x, offset);
 }
-// Lane ``src`` of the ``width``-lane segment holding ``lane``.
-__device__ __forceinline__ float kvt_shfl_group(float x, int lane, int src, int width) {
-  return __shfl_sync(0xffffffffu, x, src, width);
-}
 __device__ __forceinline__ float kvt_exp2(float x) { return exp2f(x); }
 __device__ __forceinline__ float kvt_int_as_float(int bits) { return __int_as_float(bits); }
 __device__ __forceinline__ float kvt_max(float a, float b) { return fmaxf(a, b); }
@@ -208,30 +204,10 @@ PARTIAL_SOURCE = r"""
         float dot = 0.f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) dot += qv[r][e] * k8[e];
-        if (!XPOSE) {
 #pragma unroll
-          for (int o = TL / 2; o > 0; o /= 2) dot += kvt_shfl_xor(dot, o);
-        }
+        for (int o = TL / 2; o > 0; o /= 2) dot += kvt_shfl_xor(dot, o);
         s[u * RC + r] = dot;
       }
-    }
-    if (XPOSE) {
-      // U * RC == TL partial dots per lane: reduce-scatter (at offset o a lane keeps the half
-      // its bit o selects, plus its partner's copy of that half), so lane sl ends with dot
-      // number sl summed over the token's lanes; then every lane gathers all TL sums.
-#pragma unroll
-      for (int o = TL / 2; o > 0; o /= 2) {
-        const bool upper = (sl & o) != 0;
-#pragma unroll
-        for (int i = 0; i < o; ++i) {
-          const float send = upper ? s[i] : s[i + o];
-          const float keep = upper ? s[i + o] : s[i];
-          s[i] = keep + kvt_shfl_xor(send, o);
-        }
-      }
-      const float total = s[0];
-#pragma unroll
-      for (int i = 0; i < U * RC; ++i) s[i] = kvt_shfl_group(total, lane, i, TL);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {

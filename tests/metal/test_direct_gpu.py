@@ -26,14 +26,13 @@ TOLERANCE = {mx.float16: 4e-3, mx.bfloat16: 2e-2}
 
 def _tuning() -> KernelTuning:
     """The launch shape under test: the default, or KVTRIO_TEST_TUNING=warps,rows,unroll,pipe,
-    blocks,transpose (to check a shape ``kvtrio bench attention --sweep`` picked first)."""
+    blocks (to check a shape ``kvtrio bench attention --sweep`` picked before adopting it)."""
     text = os.environ.get("KVTRIO_TEST_TUNING")
     if not text:
         return DEFAULT_TUNING
-    warps, rows, unroll, pipeline, blocks, transpose = (int(x) for x in text.split(","))
+    warps, rows, unroll, pipeline, blocks = (int(x) for x in text.split(","))
     return KernelTuning(
-        warps=warps, rows=rows, unroll=unroll, pipeline=bool(pipeline), target_blocks=blocks,
-        transpose=bool(transpose),
+        warps=warps, rows=rows, unroll=unroll, pipeline=bool(pipeline), target_blocks=blocks
     )
 
 
