@@ -158,7 +158,7 @@ class PagedAttentionView:
             and (mask is None or isinstance(mask, str))
             and q_heads % self.kv_heads == 0
             and dim == k_dim == v_dim
-            and dim in (32, 64, 128, 256)
+            and dim in (64, 128)  # the head dims tested on hardware
             and (self.bits is None or (self.bits in (4, 8) and self.group_size % 8 == 0))
             and self.arrays[-1].dtype in (mx.float16, mx.bfloat16, mx.float32)
         )
