@@ -18,8 +18,8 @@ Theory of operation
 3. Policy ``write-back`` writes an entry to the cold tier when it leaves the hot tier;
    ``write-through`` writes every insert at once. Until a write is durable the entry is
    findable only while it is hot: an entry in neither tier is not in the index.
-4. A checkpoint supersedes the older entries of the same conversation that it extends:
-   they are removed from both tiers (a queued write of theirs is dropped).
+4. A checkpoint supersedes the older entry of the same conversation that it extends: the
+   older one leaves RAM at once and the disk once the newer one is durable there.
 5. The cold tier is best effort: a failed or dropped write, a missing or corrupt file is
    counted, the entry forgotten, and the lookup retried; it never fails a request.
 6. Lookups are namespaced by the model key (model id and config fingerprint); entries
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
 import os
 import shutil
 from collections import OrderedDict
@@ -50,11 +51,18 @@ from kvtrio.actors.prefix import (
     PrefixMatch,
 )
 from kvtrio.actors.tier import ColdTier
-from kvtrio.errors import CacheMismatchError, CacheMissError, CorruptCacheError, KvtrioError
+from kvtrio.errors import (
+    CacheMismatchError,
+    CacheMissError,
+    CorruptCacheError,
+    KvtrioError,
+    StoreUnavailableError,
+)
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.format import Header, Layout
 
 __all__ = [
+    "CONVERSATIONS_META",
     "ColdEntryInfo",
     "ColdStore",
     "ColdTierStore",
@@ -67,6 +75,11 @@ __all__ = [
     "WritePolicy",
     "open_tiered_cache",
 ]
+
+
+# Header meta key holding the JSON list of conversations an entry is the checkpoint of, so
+# supersession keeps working after a restart.
+CONVERSATIONS_META = "kvtrio.conversations"
 
 
 class WritePolicy(enum.Enum):
@@ -93,6 +106,7 @@ class ColdEntryInfo:
     trimmable: bool
     min_reusable_offset: int
     mtime: float
+    conversations: tuple[str, ...] = ()  # whose checkpoint it is (see CONVERSATIONS_META)
 
 
 @attrs.frozen
@@ -195,6 +209,8 @@ class _Record:
     on_disk: bool = False  # durable in the cold tier
     writing: bool = False
     removed: bool = False
+    retired: bool = False  # superseded: never promoted to RAM again
+    supersedes: list[_Record] = attrs.field(factory=list)  # deleted once this is durable
 
 
 def _cache_nbytes(caches: Sequence[Any]) -> int:
@@ -367,7 +383,7 @@ class TieredPromptCache:
         self._hot_lru[entry.key] = None
         if conversation is not None:
             await self._supersede(conversation, record)
-        if self.policy is WritePolicy.WRITE_THROUGH and not record.on_disk:
+        if self.policy is WritePolicy.WRITE_THROUGH and not (record.on_disk or record.writing):
             self._start_write(record, meta or {})
         await self._enforce_hot_budget(meta or {})
         return entry.key
@@ -422,16 +438,23 @@ class TieredPromptCache:
                 trimmable=info.trimmable,
                 min_reusable_offset=info.min_reusable_offset,
             )
-            record = _Record(entry, on_disk=True)
+            record = _Record(entry, on_disk=True, conversations=set(info.conversations))
             self._records[info.key] = record
             self._index.add(entry)
             self._cold_lru[info.key] = None
+            for conversation in info.conversations:  # the latest checkpoint is the longest
+                latest = self._records.get(self._conversations.get(conversation, ""))
+                if latest is None or len(latest.entry.tokens) < len(entry.tokens):
+                    self._conversations[conversation] = info.key
         self._cold_bytes = await self.cold.usage()
 
     def _touch_hot(self, record: _Record) -> None:
-        self._hot_lru.move_to_end(record.entry.key)
-        if record.on_disk:
-            self._cold_lru.move_to_end(record.entry.key)
+        """Mark a hit as most recent in both tiers (it may have left them while cloning)."""
+        key = record.entry.key
+        if key in self._hot_lru:
+            self._hot_lru.move_to_end(key)
+        if key in self._cold_lru:
+            self._cold_lru.move_to_end(key)
 
     def _effective_cold_budget(self) -> int:
         try:
@@ -450,12 +473,28 @@ class TieredPromptCache:
             self._maybe_forget(record)
             self._spawn(self._remove_cold_file, key)
             return None
+        except StoreUnavailableError:
+            # A shared store (Redis) out of reach: a miss for this request. The entry is
+            # forgotten here only; it stays in the store for every host (and this one's
+            # next open).
+            self._count("drops")
+            self._forget_cold(record)
+            self._maybe_forget(record)
+            return None
         self._count("bytes_read", nbytes)
-        self._cold_lru.move_to_end(key)
+        if key in self._cold_lru:  # it may have been superseded while loading
+            self._cold_lru.move_to_end(key)
         return caches
 
     async def _admit_hot(self, record: _Record, caches: list[Any]) -> None:
+        """Promote a disk hit to RAM, unless the entry changed while it was loading."""
         nbytes = await self.owner.run(_cache_nbytes, caches)
+        if (
+            record.hot is not None
+            or record.retired
+            or self._records.get(record.entry.key) is not record
+        ):
+            return
         record.hot, record.hot_bytes = caches, nbytes
         self._hot_bytes += nbytes
         self._hot_lru[record.entry.key] = None
@@ -514,8 +553,20 @@ class TieredPromptCache:
         n = len(old.entry.tokens)
         if old.conversations or record.entry.tokens[:n] != old.entry.tokens:
             return  # still another conversation's, or not a prefix of the new checkpoint
-        await self._remove(old)
         self._count("superseded")
+        old.retired = True
+        record.supersedes.extend(old.supersedes)
+        old.supersedes.clear()
+        if record.on_disk:
+            await self._remove(old)
+            return
+        # Rule 4: the old checkpoint leaves RAM now, and the disk once the new one is durable
+        # there (a crash in between keeps the old one; the new write shares its blocks).
+        self._drop_hot(old)
+        if old.on_disk or old.writing:
+            record.supersedes.append(old)
+        else:
+            await self._remove(old)
 
     async def _remove(self, record: _Record) -> None:
         record.removed = True
@@ -539,7 +590,8 @@ class TieredPromptCache:
         if self._nursery is None:
             raise RuntimeError("TieredPromptCache is not open")
         self._writes_in_flight += 1
-        self._idle = trio.Event()
+        if self._idle.is_set():  # keep the event waiters hold while work is in flight
+            self._idle = trio.Event()
         self._nursery.start_soon(self._settle, fn, *args)
 
     async def _settle(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
@@ -559,6 +611,8 @@ class TieredPromptCache:
         key = record.entry.key
         try:
             try:
+                if record.conversations:
+                    meta[CONVERSATIONS_META] = json.dumps(sorted(record.conversations))
                 result = await self.cold.store(
                     key, record.entry.model, record.entry.tokens, caches, meta=meta
                 )
@@ -578,6 +632,10 @@ class TieredPromptCache:
                     self._cold_lru[key] = None
                     if key not in self._index:
                         self._index.add(record.entry)
+                    for old in record.supersedes:
+                        if self._records.get(old.entry.key) is old:
+                            await self._remove(old)
+                    record.supersedes.clear()
                     await self._enforce_cold_budget()
             if record.removed:
                 self._records.pop(key, None)
@@ -594,6 +652,17 @@ class TieredPromptCache:
             self._count("cold_evictions")
             self._maybe_forget(record)
             await self._remove_cold_file(key)
+
+
+def _conversations_of(meta: Mapping[str, str]) -> tuple[str, ...]:
+    """The conversation ids a header's meta names (none when absent or malformed)."""
+    try:
+        names = json.loads(meta.get(CONVERSATIONS_META, "[]"))
+    except ValueError:
+        return ()
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return ()
+    return tuple(names)
 
 
 @attrs.frozen
@@ -738,6 +807,7 @@ class ColdTierStore:
                     trimmable=header.trimmable,
                     min_reusable_offset=header.min_reusable_offset,
                     mtime=entry.mtime,
+                    conversations=_conversations_of(header.meta),
                 )
             )
         return out

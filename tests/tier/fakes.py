@@ -4,13 +4,15 @@ cold store whose "disk" is a dict that outlives one TieredPromptCache (a restart
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
+import trio
 from kvtrio.actors.prefix import ModelKey
-from kvtrio.actors.tiered import ColdEntryInfo, StoreResult
+from kvtrio.actors.tiered import CONVERSATIONS_META, ColdEntryInfo, StoreResult
 from kvtrio.errors import CacheMissError, KvtrioError
 
 __all__ = ["FakeCache", "FakeColdStore", "fake_caches"]
@@ -52,6 +54,7 @@ class FakeColdStore:
     clock: float = 0.0
     stored: list[str] = attrs.field(factory=list)
     sizes: dict[str, int] = attrs.field(factory=dict)
+    gate: trio.Event | None = None  # fetches wait for it when set
 
     async def store(
         self,
@@ -73,6 +76,7 @@ class FakeColdStore:
             trimmable=all(c.is_trimmable() for c in caches),
             min_reusable_offset=max(c.min_reusable_offset for c in caches),
             mtime=self.clock,
+            conversations=tuple(json.loads(meta.get(CONVERSATIONS_META, "[]"))),
         )
         self.disk[key] = (info, copy.deepcopy(caches))
         self.sizes[key] = nbytes
@@ -83,7 +87,10 @@ class FakeColdStore:
         if key not in self.disk or self.disk[key][0].model != model:
             raise CacheMissError(key)
         _, caches = self.disk[key]
-        return copy.deepcopy(caches), self.sizes[key]
+        out = copy.deepcopy(caches), self.sizes[key]
+        if self.gate is not None:  # read, then stall: the file may go meanwhile
+            await self.gate.wait()
+        return out
 
     async def remove(self, key: str) -> int:
         self.disk.pop(key, None)

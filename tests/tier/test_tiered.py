@@ -213,3 +213,33 @@ async def test_a_filling_disk_shrinks_the_cold_budget(
         await cache.wait_writes_settled()
         assert store.disk_bytes <= 5 * _bytes(10) - _bytes(20) + _bytes(10)
         assert cache.statistics().cold_evictions >= 2
+
+
+async def test_supersession_survives_a_restart_and_a_racing_disk_hit(tmp_path: Path) -> None:
+    """A turn after a restart supersedes the conversation's checkpoint on disk, even while
+    a fetch of that checkpoint is still loading (the late load is not promoted to RAM);
+    the old file goes once the new checkpoint is durable."""
+    import trio
+
+    store = FakeColdStore(tmp_path, MODEL)
+    async with _open(store) as cache:
+        await cache.insert(list(range(12)), fake_caches(12), conversation="c1")
+    assert len(store.disk) == 1
+    store.gate = trio.Event()
+    async with _open(store) as cache:
+        async with trio.open_nursery() as nursery:
+            results = []
+
+            async def fetch() -> None:
+                results.append(await cache.fetch_nearest(list(range(14))))
+
+            nursery.start_soon(fetch)
+            await trio.testing.wait_all_tasks_blocked()
+            await cache.insert(list(range(16)), fake_caches(16), conversation="c1")
+            store.gate.set()
+        assert results[0].tier is Tier.COLD
+        await cache.wait_writes_settled()
+        stats = cache.statistics()
+        # The old checkpoint stays on disk until the new one is durable (at close here).
+        assert (stats.superseded, stats.hot_entries, stats.cold_entries) == (1, 1, 1)
+    assert [len(info.tokens) for info, _ in store.disk.values()] == [16]
