@@ -150,3 +150,27 @@ async def test_open_sweeps_blocks_no_manifest_names(tmp_path: Path, tiny: TinyMo
             assert not orphan.exists()
             assert cache.statistics().cold_bytes == _disk_bytes(tmp_path)
             assert cache.statistics().cold_entries == 1
+
+
+async def test_every_mlx_call_of_the_tiered_cache_runs_on_the_owner(
+    tmp_path: Path, tiny: TinyModel
+) -> None:
+    """DESIGN.md's thread rule, for the tiered cache: with a dedicated owner thread, a hot
+    hit, a write-back and a cold hit make no MLX call anywhere else."""
+    from kvtrio.actors.testing import mlx_thread_guard
+
+    prompt = _prompt(30, 120)
+    async with MlxOwner.dedicated() as owner:
+        with mlx_thread_guard(owner.is_owner_thread) as guard:
+            live = await owner.run(make_caches, tiny)
+            await owner.run(prefill, tiny, live, prompt)
+            async with _open(tmp_path, tiny, owner, hot_budget=0) as cache:
+                await cache.insert(prompt, live)
+                other = await owner.run(make_caches, tiny)
+                await owner.run(prefill, tiny, other, _prompt(31, 50))
+                await cache.insert(_prompt(31, 50), other)  # evicts the first: write-back
+                await cache.wait_writes_settled()
+                cold = await cache.fetch_nearest([*prompt, 5])
+                assert cold.tier is Tier.COLD
+            assert guard.calls > 0
+            assert guard.violations == []
