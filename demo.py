@@ -27,7 +27,7 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +147,9 @@ class DemoReport:
     hot_evictions: int
     cold_evictions: int
     cold_bytes_on_disk: int
+    ttft_hot_ms: float | None  # medians over the requests of each kind
+    ttft_cold_ms: float | None
+    ttft_miss_ms: float | None
     lag_p50_ms: float
     lag_p99_ms: float
     lag_max_ms: float
@@ -585,11 +588,19 @@ def _report(
         hot_evictions=totals.get("hot_evictions", 0),
         cold_evictions=totals.get("cold_evictions", 0),
         cold_bytes_on_disk=totals.get("cold_bytes", 0),
+        ttft_hot_ms=_median_ms(r.ttft_s for r in served if r.tier is Tier.HOT),
+        ttft_cold_ms=_median_ms(r.ttft_s for r in served if r.tier is Tier.COLD),
+        ttft_miss_ms=_median_ms(r.ttft_s for r in served if r.tier is None),
         lag_p50_ms=lag.percentile(0.5) * 1e3,
         lag_p99_ms=lag.percentile(0.99) * 1e3,
         lag_max_ms=max(lag.samples, default=0.0) * 1e3,
         elapsed_s=elapsed,
     )
+
+
+def _median_ms(seconds: Iterable[float]) -> float | None:
+    values = sorted(seconds)
+    return values[len(values) // 2] * 1e3 if values else None
 
 
 def _print_report(report: DemoReport) -> None:
@@ -607,6 +618,14 @@ def _print_report(report: DemoReport) -> None:
         ("hits from RAM (hot)", str(report.hits_hot)),
         ("hits from disk (cold)", str(report.hits_cold)),
         ("misses", str(report.misses)),
+        (
+            "median TTFT: hot hits / cold hits / misses",
+            " / ".join(
+                "-" if ms is None else f"{ms:,.0f}"
+                for ms in (report.ttft_hot_ms, report.ttft_cold_ms, report.ttft_miss_ms)
+            )
+            + " ms",
+        ),
         ("hits after the restart", str(report.hits_after_restart)),
         ("hits on an earlier run's entries", str(report.hits_on_previous_run)),
     ]
