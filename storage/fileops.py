@@ -37,6 +37,7 @@ O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 #: Suffix of every tmp file the library creates; GC removes old ones (crash debris).
 TMP_SUFFIX = ".kvtrio-tmp"
+_HAS_PREADV = hasattr(os, "preadv")
 # One pwrite/preadv call moves at most this much (Linux caps a call at ~2 GiB).
 _MAX_IO = 1 << 30
 
@@ -96,7 +97,12 @@ class OsFileOps:
         return os.pwrite(fd, data[:_MAX_IO], offset)
 
     def read(self, fd: int, buffer: memoryview, offset: int) -> int:
-        return os.preadv(fd, [buffer[:_MAX_IO]], offset)
+        if _HAS_PREADV:
+            return os.preadv(fd, [buffer[:_MAX_IO]], offset)
+        # Pythons without preadv (some macOS builds): seek + readv into the same buffer.
+        # Safe here because every reader opens its own descriptor.
+        os.lseek(fd, offset, os.SEEK_SET)
+        return os.readv(fd, [buffer[:_MAX_IO]])
 
     def fsync(self, fd: int) -> None:
         if sys.platform == "darwin":

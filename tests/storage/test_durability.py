@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import kvtrio
+import mlx.core as mx
 import pytest
 from kvtrio.errors import OperationCancelled
 from kvtrio.storage.blockstore import LocalBlockStore
@@ -206,3 +207,14 @@ def test_page_aligned_sources_are_written_without_a_copy(tmp_path: Path) -> None
         bufs = allocate_buffers(cache_file.header)
         read_tensors(cache_file, [[memoryview(b) for b in p] for p in bufs])
         assert [bytes(b[0]) for b in bufs] == [bytes(s) for s in sources]
+
+
+def test_reads_work_without_preadv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some macOS Pythons lack os.preadv: reads fall back to lseek + readv."""
+    from kvtrio.storage import fileops
+
+    monkeypatch.setattr(fileops, "_HAS_PREADV", False)
+    original = BUILDERS["kv"]()
+    kvtrio.save_cache(tmp_path / "c.kvt", [1], [original])
+    loaded = kvtrio.load_cache(tmp_path / "c.kvt").caches[0]
+    assert mx.array_equal(loaded.keys, original.keys[..., : original.offset, :]).item()
