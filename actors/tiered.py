@@ -24,6 +24,7 @@ Theory of operation
    counted, the entry forgotten, and the lookup retried; it never fails a request.
 6. Lookups are namespaced by the model key (model id and config fingerprint); entries
    of other models on the same disk count towards the disk budget but never match.
+7. Cold operations on one key (write, delete) run one at a time in the order started.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class StoreResult:
     """A cold write that settled: durable (``written``) or not (dropped or superseded)."""
 
     written: bool
-    disk_bytes: int = 0  # bytes the entry newly occupies on disk
+    disk_bytes: int = 0  # net change of the bytes on disk (a rewrite frees the old file)
     bytes_written: int = 0
     bytes_deduplicated: int = 0
 
@@ -261,6 +262,7 @@ class TieredPromptCache:
     _hot_lru: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)
     _cold_lru: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)
     _conversations: dict[str, str] = attrs.field(init=False, factory=dict)
+    _key_tail: dict[str, trio.Event] = attrs.field(init=False, factory=dict)
     _hot_bytes: int = attrs.field(init=False, default=0)
     _cold_bytes: int = attrs.field(init=False, default=0)
     _counts: dict[str, int] = attrs.field(init=False, factory=dict)
@@ -471,7 +473,7 @@ class TieredPromptCache:
             self._count("drops")
             self._forget_cold(record)
             self._maybe_forget(record)
-            self._spawn(self._remove_cold_file, key)
+            self._spawn_removal(key)
             return None
         except StoreUnavailableError:
             # A shared store (Redis) out of reach: a miss for this request. The entry is
@@ -513,9 +515,9 @@ class TieredPromptCache:
 
     def _maybe_forget(self, record: _Record) -> None:
         """Rule 3: an entry in neither tier leaves the index."""
-        if record.hot is None and not record.on_disk and not record.writing:
+        if record.hot is None and not record.on_disk and not record.writing and self._owns(record):
             self._index.remove(record.entry.key)
-            self._records.pop(record.entry.key, None)
+            del self._records[record.entry.key]
             for conversation in record.conversations:
                 if self._conversations.get(conversation) == record.entry.key:
                     del self._conversations[conversation]
@@ -568,20 +570,53 @@ class TieredPromptCache:
         else:
             await self._remove(old)
 
+    def _owns(self, record: _Record) -> bool:
+        """Whether ``record`` is still the live record of its key (not replaced)."""
+        return self._records.get(record.entry.key) is record
+
     async def _remove(self, record: _Record) -> None:
         record.removed = True
         self._drop_hot(record)
         if record.on_disk:
             self._forget_cold(record)
             # In the background: the store may be busy with a write (never on the request path).
-            self._spawn(self._remove_cold_file, record.entry.key)
-        self._index.remove(record.entry.key)
-        if not record.writing:
-            self._records.pop(record.entry.key, None)
+            self._spawn_removal(record.entry.key)
+        if self._owns(record):
+            self._index.remove(record.entry.key)
+            if not record.writing:
+                del self._records[record.entry.key]
+        await trio.lowlevel.checkpoint()
+
+    # Rule 7: cold operations on one key run one at a time, in the order they were started
+    # (a removal started before a rewrite of the same key must not delete the new file).
+
+    def _reserve(self, key: str) -> tuple[trio.Event | None, trio.Event]:
+        previous = self._key_tail.get(key)
+        done = self._key_tail[key] = trio.Event()
+        return previous, done
+
+    def _release(self, key: str, done: trio.Event) -> None:
+        done.set()
+        if self._key_tail.get(key) is done:
+            del self._key_tail[key]
+
+    def _spawn_removal(self, key: str) -> trio.Event:
+        previous, done = self._reserve(key)
+        self._spawn(self._removal, key, previous, done)
+        return done
+
+    async def _removal(self, key: str, previous: trio.Event | None, done: trio.Event) -> None:
+        try:
+            if previous is not None:
+                await previous.wait()
+            await self._remove_cold_file(key)
+        finally:
+            self._release(key, done)
 
     async def _remove_cold_file(self, key: str) -> None:
         try:
-            self._cold_bytes -= await self.cold.remove(key)
+            freed = await self.cold.remove(key)
+            self._cold_bytes -= freed  # not `-= await`: that reads the total before the await
         except KvtrioError:
             self._count("drops")
 
@@ -605,44 +640,62 @@ class TieredPromptCache:
     def _start_write(self, record: _Record, meta: Mapping[str, str]) -> None:
         assert record.hot is not None
         record.writing = True
-        self._spawn(self._write, record, record.hot, dict(meta))
+        previous, done = self._reserve(record.entry.key)
+        self._spawn(self._write, record, record.hot, dict(meta), previous, done)
 
-    async def _write(self, record: _Record, caches: list[Any], meta: dict[str, str]) -> None:
+    async def _write(
+        self,
+        record: _Record,
+        caches: list[Any],
+        meta: dict[str, str],
+        previous: trio.Event | None,
+        done: trio.Event,
+    ) -> None:
         key = record.entry.key
         try:
-            try:
-                if record.conversations:
-                    meta[CONVERSATIONS_META] = json.dumps(sorted(record.conversations))
-                result = await self.cold.store(
-                    key, record.entry.model, record.entry.tokens, caches, meta=meta
-                )
-            except KvtrioError:
-                result = StoreResult(written=False)
-            record.writing = False
-            if not result.written:
-                self._count("drops")
-            else:
-                self._count("bytes_written", result.bytes_written)
-                self._count("bytes_deduplicated", result.bytes_deduplicated)
-                self._cold_bytes += result.disk_bytes
-                if record.removed:
-                    await self._remove_cold_file(key)
-                else:
-                    record.on_disk = True
-                    self._cold_lru[key] = None
-                    if key not in self._index:
-                        self._index.add(record.entry)
-                    for old in record.supersedes:
-                        if self._records.get(old.entry.key) is old:
-                            await self._remove(old)
-                    record.supersedes.clear()
-                    await self._enforce_cold_budget()
-            if record.removed:
-                self._records.pop(key, None)
-            else:
-                self._maybe_forget(record)
+            if previous is not None:
+                await previous.wait()
+            written = await self._store(record, caches, meta)
         finally:
             record.writing = False
+            self._release(key, done)
+        if written:
+            for old in record.supersedes:
+                if self._owns(old):
+                    await self._remove(old)
+            record.supersedes.clear()
+            await self._enforce_cold_budget()
+        if record.removed:
+            if self._owns(record):
+                del self._records[key]
+        else:
+            self._maybe_forget(record)
+
+    async def _store(self, record: _Record, caches: list[Any], meta: dict[str, str]) -> bool:
+        """Write ``record`` (its key's turn held); True when it is now durable and live."""
+        key = record.entry.key
+        if record.conversations:
+            meta[CONVERSATIONS_META] = json.dumps(sorted(record.conversations))
+        try:
+            result = await self.cold.store(
+                key, record.entry.model, record.entry.tokens, caches, meta=meta
+            )
+        except KvtrioError:
+            result = StoreResult(written=False)
+        self._cold_bytes += result.disk_bytes  # a failed rewrite may still have freed bytes
+        if not result.written:
+            self._count("drops")
+            return False
+        self._count("bytes_written", result.bytes_written)
+        self._count("bytes_deduplicated", result.bytes_deduplicated)
+        if record.removed or not self._owns(record):
+            await self._remove_cold_file(key)
+            return False
+        record.on_disk = True
+        self._cold_lru[key] = None
+        if key not in self._index:
+            self._index.add(record.entry)
+        return True
 
     async def _enforce_cold_budget(self) -> None:
         while self._cold_bytes > self._effective_cold_budget() and len(self._cold_lru) > 1:
@@ -651,7 +704,7 @@ class TieredPromptCache:
             self._forget_cold(record)
             self._count("cold_evictions")
             self._maybe_forget(record)
-            await self._remove_cold_file(key)
+            await self._spawn_removal(key).wait()
 
 
 def _conversations_of(meta: Mapping[str, str]) -> tuple[str, ...]:
@@ -742,19 +795,21 @@ class ColdTierStore:
         meta: Mapping[str, str],
     ) -> StoreResult:
         async with self._lock:
-            if key in self._entry_bytes:
-                await self._remove_locked(key)
-            ticket = await self.tier.save(
-                key,
-                tokens,
-                caches,
-                meta=meta,
-                model_id=model.model_id,
-                config_fingerprint=model.fingerprint,
-            )
-            result = await ticket.wait()
+            freed = await self._remove_locked(key) if key in self._entry_bytes else 0
+            try:
+                ticket = await self.tier.save(
+                    key,
+                    tokens,
+                    caches,
+                    meta=meta,
+                    model_id=model.model_id,
+                    config_fingerprint=model.fingerprint,
+                )
+                result = await ticket.wait()
+            except KvtrioError:
+                return StoreResult(written=False, disk_bytes=-freed)
             if not result.written or result.write is None:
-                return StoreResult(written=False)
+                return StoreResult(written=False, disk_bytes=-freed)
             write = result.write
             fresh = self._note(key, write.header, write.file_bytes)
             new_bytes = write.file_bytes + sum(self._block_sizes[name] for name in fresh)
@@ -764,7 +819,7 @@ class ColdTierStore:
                 dedup = max(0, write.header.nbytes - write.new_block_bytes)
             return StoreResult(
                 written=True,
-                disk_bytes=new_bytes,
+                disk_bytes=new_bytes - freed,
                 bytes_written=write.file_bytes + write.new_block_bytes,
                 bytes_deduplicated=dedup,
             )

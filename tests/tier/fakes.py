@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,12 @@ class FakeColdStore:
     stored: list[str] = attrs.field(factory=list)
     sizes: dict[str, int] = attrs.field(factory=dict)
     gate: trio.Event | None = None  # fetches wait for it when set
+    jitter: random.Random | None = None  # when set, each operation yields a few times
+
+    async def _yield(self) -> None:
+        if self.jitter is not None:
+            for _ in range(self.jitter.randrange(4)):
+                await trio.sleep(0)
 
     async def store(
         self,
@@ -65,6 +72,7 @@ class FakeColdStore:
         *,
         meta: Mapping[str, str],
     ) -> StoreResult:
+        await self._yield()
         if self.fail_stores:
             raise KvtrioError("disk full")
         nbytes = sum(c.nbytes for c in caches)
@@ -79,11 +87,13 @@ class FakeColdStore:
             conversations=tuple(json.loads(meta.get(CONVERSATIONS_META, "[]"))),
         )
         self.disk[key] = (info, copy.deepcopy(caches))
+        freed = self.sizes.get(key, 0)
         self.sizes[key] = nbytes
         self.stored.append(key)
-        return StoreResult(written=True, disk_bytes=nbytes, bytes_written=nbytes)
+        return StoreResult(written=True, disk_bytes=nbytes - freed, bytes_written=nbytes)
 
     async def fetch(self, key: str, *, model: ModelKey) -> tuple[list[Any], int]:
+        await self._yield()
         if key not in self.disk or self.disk[key][0].model != model:
             raise CacheMissError(key)
         _, caches = self.disk[key]
@@ -93,6 +103,7 @@ class FakeColdStore:
         return out
 
     async def remove(self, key: str) -> int:
+        await self._yield()
         self.disk.pop(key, None)
         return self.sizes.pop(key, 0)
 

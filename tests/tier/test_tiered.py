@@ -243,3 +243,59 @@ async def test_supersession_survives_a_restart_and_a_racing_disk_hit(tmp_path: P
         # The old checkpoint stays on disk until the new one is durable (at close here).
         assert (stats.superseded, stats.hot_entries, stats.cold_entries) == (1, 1, 1)
     assert [len(info.tokens) for info, _ in store.disk.values()] == [16]
+
+
+def _check_consistent(cache: TieredPromptCache) -> None:
+    """Every indexed entry is in RAM, on disk or being written; the LRUs agree."""
+    records = cache._records
+    for entry in cache._index:
+        record = records[entry.key]
+        assert record.hot is not None or record.on_disk or record.writing
+    assert all(records[k].hot is not None for k in cache._hot_lru)
+    assert all(records[k].on_disk for k in cache._cold_lru)
+    assert cache._hot_bytes == sum(records[k].hot_bytes for k in cache._hot_lru)
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_random_operations_keep_the_invariants(tmp_path: Path, seed: int) -> None:
+    """Random inserts (shared prefixes, conversations), lookups and restarts, checked
+    against the budgets and against what the store really holds."""
+    rng = random.Random(seed)
+    store = FakeColdStore(tmp_path, MODEL, jitter=random.Random(seed))
+    policy = rng.choice(list(WritePolicy))
+    hot_budget, cold_budget = _bytes(rng.randrange(20, 80)), _bytes(rng.randrange(40, 200))
+    base = [rng.randrange(6) for _ in range(40)]
+    history: dict[str, list[int]] = {}
+    for _restart in range(3):
+        async with _open(
+            store, hot_budget=hot_budget, cold_budget=cold_budget, policy=policy
+        ) as cache:
+            for _ in range(40):
+                if rng.random() < 0.5:
+                    conv = rng.choice(["a", "b", "c", None])
+                    if conv is not None and conv in history and rng.random() < 0.7:
+                        tokens = history[conv] + [rng.randrange(6) for _ in range(3)]
+                    else:
+                        tokens = [*base[: rng.randrange(1, 40)], rng.randrange(6)]
+                    if conv is not None:
+                        history[conv] = tokens
+                    await cache.insert(tokens, fake_caches(len(tokens)), conversation=conv)
+                    stats = cache.statistics()
+                    assert stats.hot_bytes <= hot_budget or stats.hot_entries == 1
+                else:
+                    query = [*base[: rng.randrange(1, 40)], rng.randrange(6)]
+                    found = await cache.fetch_nearest(query, need_logits=rng.random() < 0.5)
+                    if found.match is not None:
+                        assert found.caches is not None
+                        assert [c.offset for c in found.caches] == [found.reused] * LAYERS
+                        assert found.match.entry.tokens[: found.reused] == tuple(
+                            query[: found.reused]
+                        )
+                        assert tuple(query[found.reused :]) == found.remaining
+                _check_consistent(cache)
+                if rng.random() < 0.2:
+                    await cache.wait_writes_settled()
+                    assert set(cache._cold_lru) == set(store.disk)
+                    assert cache.statistics().cold_bytes == store.disk_bytes
+                    assert store.disk_bytes <= cold_budget or len(store.disk) == 1
+        assert cache.statistics().cold_bytes == store.disk_bytes
