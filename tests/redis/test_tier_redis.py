@@ -18,8 +18,11 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.prefix import ModelKey
 from kvtrio.actors.spill import SpillOutcome
 from kvtrio.actors.tier import ColdTier
+from kvtrio.actors.tiered import Tier, open_tiered_cache
 from kvtrio.errors import CacheMissError, CorruptCacheError, StoreUnavailableError
 from kvtrio.storage.redisstore import RedisBlockStore
 
@@ -130,3 +133,33 @@ async def test_redis_restarted_mid_run(private_redis: Any) -> None:
         restored = await tier.load("after")
         assert await tier.owner.run(host.kv_digest, restored.caches) == want
         assert tier.statistics().spill.failed == 1
+
+
+async def test_tiered_cache_on_redis_keeps_serving(private_redis: Any) -> None:
+    """TieredPromptCache, unchanged, over the shared tier: host B's cold hit is host A's
+    entry, bit-exact; with Redis down a cold lookup is a miss, never an error."""
+    url = private_redis.url(0, prefix="kvtrio")
+    tokens = list(range(1, 65))
+    query = [*tokens, 999]
+    async with MlxOwner.dedicated() as owner:
+        tiny = await owner.run(host._build)
+        model = ModelKey(tiny.model_id, tiny.fingerprint)
+        caches = await owner.run(host._fresh, tiny, tokens)
+        want = await owner.run(host.kv_digest, caches)
+        options: dict[str, Any] = {
+            "owner": owner, "hot_budget": 1 << 30, "cold_budget": 1 << 40,
+            "block_size": host.BLOCK_TOKENS,
+        }  # fmt: skip
+        async with open_tiered_cache(url, model, **options) as host_a:
+            await host_a.insert(tokens, caches)
+            await host_a.flush()
+        async with open_tiered_cache(url, model, **options) as host_b:
+            fetched = await host_b.fetch_nearest(query)
+            assert (fetched.tier, fetched.remaining) == (Tier.COLD, (999,))
+            assert fetched.caches is not None
+            assert await owner.run(host.kv_digest, fetched.caches) == want
+        async with open_tiered_cache(url, model, **options) as host_c:
+            private_redis.kill()
+            missed = await host_c.fetch_nearest(query)
+            assert (missed.caches, missed.remaining) == (None, tuple(query))
+            private_redis.start()
