@@ -7,11 +7,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from kvtrio.actors.spill import SpillOutcome
 from kvtrio.actors.tier import ColdTier
+from kvtrio.errors import CorruptCacheError
 from kvtrio.runtime.testing import FaultPlan
 from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FaultyFileOps
+from kvtrio.storage.reader import read_header
 
 Prefill = Callable[[Sequence[int]], list[Any]]
 TOKENS = list(range(1, 300))
@@ -170,3 +173,43 @@ async def test_graceful_shutdown_writes_until_the_deadline_then_cancels(
                 await tier.load(ticket.key)
         assert leftovers(tier) == []
         assert tier.statistics().debris_removed == 0
+
+
+async def test_cancel_mid_write_in_the_blocks_layout_publishes_no_manifest(
+    tmp_path: Path,
+) -> None:
+    """Invariant 6, blocks layout: the writer stops at the next block boundary; the
+    manifest is never published (the blocks already stored wait for GC)."""
+    gate = Gate("write", on_call=1)
+    async with ColdTier.open(
+        tmp_path, layout="blocks", block_tokens=64, file_ops=FaultyFileOps(OS_FILE_OPS, gate)
+    ) as tier:
+        caches = await tier.owner.run(kv_caches, 4, 300)
+        ticket = await tier.save("torn", list(range(300)), caches)
+        await gate.wait_reached()
+        tier.spill.abort()
+        gate.release.set()
+        assert (await ticket.wait()).outcome is SpillOutcome.CANCELLED
+        assert not tier.path_of("torn").exists()
+        assert leftovers(tier) == []
+        assert await tier.list() == []
+    assert tier.statistics().snapshots.live == 0
+
+
+async def test_loads_verify_on_request(tmp_path: Path) -> None:
+    """Invariant 4: a verified load never returns bytes that fail their hash; verify=False
+    (for callers who re-verify elsewhere) skips the check."""
+    async with ColdTier.open(tmp_path) as tier:
+        caches = await tier.owner.run(kv_caches, 1, 100)
+        assert (await (await tier.save("k", list(range(100)), caches)).wait()).written
+        path = tier.path_of("k")
+        data_start = read_header(str(path)).data_start
+        data = bytearray(path.read_bytes())
+        data[data_start] ^= 0x01
+        path.write_bytes(bytes(data))
+        with pytest.raises(CorruptCacheError, match=r"xxh3: tensor bytes do not match"):
+            await tier.load("k")
+        loaded = await tier.load("k", verify=False)
+        assert loaded.tokens == tuple(range(100))
+    stats = tier.statistics()
+    assert (stats.loads, stats.load_failures) == (2, 1)
