@@ -49,16 +49,18 @@ from kvtrio.drill_report import DrillResult, Tally
 from kvtrio.drill_workload import CacheDir, EntrySpec, write_entry
 from kvtrio.errors import CacheMissError, CorruptCacheError
 from kvtrio.storage.format import PREAMBLE, Layout, align_up, parse_header, parse_preamble
-from kvtrio.storage.reader import allocate_buffers, read_header, read_tensors
 
 __all__ = ["CorpusCase", "build_corpus", "load_hostile", "run_hostile_drill"]
 
 _MEMORY_FACTOR = 8
 _MEMORY_ALLOWANCE = 2 * 1024 * 1024
+#: Growth of the drill process's peak RSS (MLX allocations included) over the whole run.
+_RSS_ALLOWANCE = 256 * 1024 * 1024
 _FILE_EVERY = 50
-#: A load whose header claims more tensor bytes than this for a small file is refused by
-#: the drill before allocating (and reported): it would exhaust memory, not just fail.
-_ALLOC_LIMIT = 256 * 1024 * 1024
+#: The ColdTier child's address-space limit: a load that tries to allocate what a hostile
+#: header claims fails inside it instead of taking the machine's memory.
+_TIER_CHILD_AS = 3 * 1024**3
+_TIER_SAMPLES = 200
 
 
 def seal(doc_bytes: bytes, *, version: int = 1) -> bytes:
@@ -84,6 +86,9 @@ def _dumps(doc: Any) -> bytes:
 # --------------------------------------------------------------------------- loading
 
 
+_CODE_SUFFIXES = (".py", ".pyc", ".so", ".pth")
+
+
 @attrs.define
 class _Audit:
     """An audit hook that records opens outside ``root`` or of links inside it."""
@@ -100,6 +105,8 @@ class _Audit:
         if not isinstance(path, str | bytes):
             return  # an fd
         text = os.fsdecode(path)
+        if text.endswith(_CODE_SUFFIXES):
+            return  # a lazy import of library code, not a path taken from the file
         self.opened += 1
         real = os.path.abspath(text)
         if not real.startswith(self.root + os.sep):
@@ -121,30 +128,15 @@ def _install_audit() -> _Audit:
 
 
 def load_hostile(path: str, cache_dir: CacheDir) -> tuple[str, str]:
-    """Load ``path`` end to end with verification: ("ok" | "corrupt" | "miss", message).
+    """Load ``path`` through the public :func:`kvtrio.load_cache` (verify on, the cache
+    directory's block store): ("ok" | "corrupt" | "miss", message).
 
-    Whatever else escapes propagates (the drill counts it as a violation). A manifest
-    whose header would make the reader allocate far more than is on disk is refused with
-    AssertionError before the allocation, since making it would exhaust memory.
+    Whatever else escapes propagates (the drill counts it as a violation).
     """
+    from kvtrio.api import load_cache
+
     try:
-        cache_file = read_header(path)
-        header = cache_file.header
-        if (
-            header.nbytes > max(_ALLOC_LIMIT, 64 * cache_file.file_size)
-            and header.layout == "blocks"
-        ):
-            raise AssertionError(
-                f"manifest of {cache_file.file_size} bytes makes the reader allocate "
-                f"{header.nbytes} bytes before any block is checked"
-            )
-        buffers = allocate_buffers(header)
-        read_tensors(
-            cache_file,
-            [[memoryview(b) for b in slot] for slot in buffers],
-            store=cache_dir.block_store(),
-            verify=True,
-        )
+        load_cache(path, store=cache_dir.block_store(), verify=True)
     except CorruptCacheError as exc:
         return "corrupt", str(exc)
     except CacheMissError as exc:
@@ -663,8 +655,116 @@ def _pad(body_len: int, base_len: int) -> bytes:
     return bytes(max(0, start - PREAMBLE.size - body_len))
 
 
-def _run_corpus(cache_dir: CacheDir, tally: Tally) -> None:
+# --------------------------------------------------------------------------- through ColdTier
+
+
+def _tier_child(cases_dir: str, tier_root: str, start: int) -> int:
+    """``python -m kvtrio.drill_hostile tier-child``: load every case file of ``cases_dir``
+    from index ``start`` through a ColdTier, printing ``B name`` before and
+    ``R name outcome`` after each; the parent learns which case crashed the process."""
+    import trio
+    from kvtrio.actors.tier import ColdTier
+
+    names = sorted(os.listdir(cases_dir))[start:]
+
+    async def main() -> None:
+        async with ColdTier.open(tier_root, layout="blocks", inline=True) as tier:
+            for name in names:
+                print(f"B {name}", flush=True)
+                shutil.copyfile(os.path.join(cases_dir, name), tier.path_of("hostile"))
+                try:
+                    await tier.load("hostile")
+                    outcome = "ok"
+                except CorruptCacheError:
+                    outcome = "corrupt"
+                except CacheMissError:
+                    outcome = "miss"
+                except Exception as exc:
+                    outcome = f"escaped {type(exc).__name__}: {str(exc)[:120]}"
+                print(f"R {name} {outcome}", flush=True)
+
+    trio.run(main)
+    return 0
+
+
+def _run_tier(
+    cases: list[tuple[str, bytes]], cache_dir: CacheDir, workdir: Path, tally: Tally
+) -> None:
+    """Load ``cases`` through ColdTier in a child process with an address-space limit;
+    a case that kills the process is a violation, and the child restarts after it."""
+    import resource
+    import subprocess
+
+    cases_dir = workdir / "tier-cases"
+    tier_root = workdir / "tier"
+    shutil.rmtree(cases_dir, ignore_errors=True)
+    shutil.rmtree(tier_root, ignore_errors=True)
+    cases_dir.mkdir(parents=True)
+    shutil.copytree(cache_dir.blocks, tier_root / "blocks")
+    for name, data in cases:
+        (cases_dir / name).write_bytes(data)
+    names = sorted(n for n, _ in cases)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (_TIER_CHILD_AS, _TIER_CHILD_AS))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash here is expected news
+
+    start = 0
+    while start < len(names):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvtrio.drill_hostile",
+                "tier-child",
+                str(cases_dir),
+                str(tier_root),
+                str(start),
+            ],
+            capture_output=True,
+            text=True,
+            preexec_fn=limit,
+            timeout=600,
+            check=False,
+        )
+        began = None
+        for line in proc.stdout.splitlines():
+            kind, _, rest = line.partition(" ")
+            if kind == "B":
+                began = rest
+            elif kind == "R":
+                name, _, outcome = rest.partition(" ")
+                tally.add("tier loads")
+                tally.add(f"tier outcome: {outcome.split(':')[0]}")
+                if outcome.startswith("escaped"):
+                    tally.violation(f"tier {name.removesuffix('.case')}: {outcome}")
+                began = None
+                start += 1
+        if proc.returncode != 0:
+            if began is None:
+                tally.violation(f"tier child failed: {proc.returncode}: {proc.stderr[-300:]}")
+                return
+            tally.add("tier loads")
+            tally.violation(
+                f"tier {began.removesuffix('.case')}: the process died "
+                f"({_signal_name(proc.returncode)}) loading it through ColdTier"
+            )
+            start += 1
+
+
+def _signal_name(returncode: int) -> str:
+    import signal
+
+    if returncode < 0:
+        return signal.Signals(-returncode).name
+    return f"exit {returncode}"
+
+
+def _run_corpus(cache_dir: CacheDir, tally: Tally) -> list[tuple[str, bytes]]:
+    """Load every corpus file; return them as (case file name, bytes) for the tier run."""
+    out: list[tuple[str, bytes]] = []
     for case in build_corpus(cache_dir):
+        out.append((f"corpus-{case.name}.case", case.data))
         path = os.path.join(
             cache_dir.caches if case.layout == "single" else cache_dir.manifests,
             f"corpus-{case.name}",
@@ -677,6 +777,7 @@ def _run_corpus(cache_dir: CacheDir, tally: Tally) -> None:
         if outcome != want:
             tally.violation(f"corpus {case.name} ({case.rule}): {outcome}, expected {want}")
         os.unlink(path)
+    return out
 
 
 # --------------------------------------------------------------------------- the drill
@@ -689,8 +790,10 @@ def run_hostile_drill(*, full: bool, seed: int, workdir: Path) -> DrillResult:
     root = workdir / "cache"
     shutil.rmtree(root, ignore_errors=True)
     cache_dir = CacheDir(str(root)).make()
-    _run_corpus(cache_dir, tally)
     single, manifest = _base_files(cache_dir)
+    _warm_up(cache_dir)
+    base_rss = _max_rss()
+    tier_cases = _run_corpus(cache_dir, tally)
     _bitflips(single, "single", cache_dir, tally)
     _bitflips(manifest, "blocks", cache_dir, tally)
     rng = random.Random(f"hostile/{seed}")
@@ -719,6 +822,8 @@ def run_hostile_drill(*, full: bool, seed: int, workdir: Path) -> DrillResult:
         tally.add("hostile cases")
         tally.add(f"hostile cases: {kind}")
         if case % _FILE_EVERY == 0:
+            if len(tier_cases) < 52 + _TIER_SAMPLES:
+                tier_cases.append((f"m{case:07d}.case", data))
             layout: Layout = "single" if base.layout == "single" else "blocks"
             path = cache_dir.path_of(f"m{case}", layout)
             with open(path, "wb") as f:
@@ -729,8 +834,28 @@ def run_hostile_drill(*, full: bool, seed: int, workdir: Path) -> DrillResult:
             outcome = _memory_case(data, len(data), tally, where)
         if outcome != "escaped":
             tally.add(f"outcome: {outcome}")
+    growth = _max_rss() - base_rss
+    tally.set("peak RSS growth (bytes)", growth)
+    if growth > _RSS_ALLOWANCE:
+        tally.violation(f"the drill's peak RSS grew {growth} bytes over {_RSS_ALLOWANCE}")
+    tally.set("seconds: in-process cases", round(time.perf_counter() - started, 1))
+    tier_started = time.perf_counter()
+    _run_tier(tier_cases, cache_dir, workdir, tally)
+    tally.set("seconds: ColdTier loads", round(time.perf_counter() - tier_started, 1))
     tally.set("losses", tally.violation_count)
     return tally.result(time.perf_counter() - started)
+
+
+def _max_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _warm_up(cache_dir: CacheDir) -> None:
+    """Load valid files once, so lazy imports and MLX start-up are not charged to a case."""
+    for layout in ("single", "blocks"):
+        load_hostile(cache_dir.path_of("base", layout), cache_dir)
 
 
 def _bitflips(raw: bytes, layout: str, cache_dir: CacheDir, tally: Tally) -> None:
@@ -746,3 +871,9 @@ def _bitflips(raw: bytes, layout: str, cache_dir: CacheDir, tally: Tally) -> Non
         if outcome == "ok":
             tally.violation(f"bitflip {layout} bit {bit}: undetected")
     tally.add("hostile cases", end * 8)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "tier-child":
+        sys.exit(_tier_child(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+    sys.exit("usage: python -m kvtrio.drill_hostile tier-child CASES_DIR TIER_ROOT START")

@@ -31,9 +31,11 @@ KNOWN_FINDINGS = {
     "gc-mark-io-error": re.compile(
         r"^delete\+gc blocks: (open|read) #\d+: an earlier entry no longer loads"
     ),
-    # storage/reader.py: a manifest's header alone decides how much a load allocates, so a
-    # 600-byte manifest can demand 256 GiB before any block is looked at.
-    "manifest-declared-size": re.compile(r"^corpus huge-declared"),
+    # actors/tier.py: ColdTier.load allocates (on the owner) what a manifest's header
+    # claims before checking its blocks exist with those sizes (load_cache checks first):
+    # a 25 KB manifest claiming 256 GiB kills the process (SIGSEGV under the drill's
+    # address-space limit; the OOM killer without one).
+    "tier-manifest-declared-size": re.compile(r"^tier corpus-huge-declared: the process died"),
     # storage/maintenance.py: GC sweeps by the mtimes it listed before reading manifests;
     # a writer that freshens an old block (dedup) and publishes its manifest after GC
     # listed the manifests loses that block (git's prune has the same window).
