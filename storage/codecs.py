@@ -66,6 +66,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 from kvtrio.errors import CacheMismatchError, CorruptCacheError
+from kvtrio.storage.fileops import byte_view
 from kvtrio.storage.format import (
     DTYPE_SIZES,
     Attachment,
@@ -600,7 +601,7 @@ def _host_view(array: Any) -> memoryview:
     view = memoryview(array)
     if not view.c_contiguous:
         raise AssertionError("materialized array is not C-contiguous")
-    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+    return byte_view(view)
 
 
 def materialize_tensor(
@@ -741,7 +742,7 @@ def allocate_slot(header: Header, index: int) -> tuple[tuple[Any, ...], tuple[me
             empty = mx.zeros(shape, dtype=_MX_DTYPES[slot.dtype])
             mx.eval(empty)
             arrays.append(empty)
-            views.append(memoryview(b""))
+            views.append(memoryview(bytearray()))
             continue
         backing = mx.zeros((nbytes + _ALIGN,), dtype=mx.uint8)
         mx.eval(backing)
@@ -756,7 +757,7 @@ def _writable_bytes(array: Any) -> memoryview:
     view = memoryview(array)
     if view.readonly or not view.c_contiguous:
         raise AssertionError("MLX did not expose a writable contiguous buffer")
-    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+    return byte_view(view)
 
 
 def allocate_load_buffers(header: Header) -> LoadBuffers:

@@ -28,6 +28,7 @@ __all__ = [
     "TMP_SUFFIX",
     "FaultyFileOps",
     "FileOps",
+    "byte_view",
     "OsFileOps",
     "pread_full",
     "pwrite_full",
@@ -203,9 +204,20 @@ class FaultyFileOps:
         return self.inner.stat(path)
 
 
+def byte_view(buffer: memoryview) -> memoryview:
+    """A flat unsigned-byte view of a C-contiguous buffer, no copy (empty buffers too)."""
+    if buffer.nbytes == 0:
+        return memoryview(bytearray())  # a 0 in the shape makes cast() refuse
+    if buffer.format == "B" and buffer.ndim == 1:
+        return buffer
+    if not buffer.c_contiguous:
+        raise ValueError("buffer is not C-contiguous")
+    return buffer.cast("B")
+
+
 def pwrite_full(ops: FileOps, fd: int, data: memoryview, offset: int) -> None:
     """Write all of ``data`` at ``offset``, looping over short writes."""
-    view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+    view = byte_view(data)
     done = 0
     while done < len(view):
         n = ops.write(fd, view[done:], offset + done)
@@ -216,7 +228,7 @@ def pwrite_full(ops: FileOps, fd: int, data: memoryview, offset: int) -> None:
 
 def pread_full(ops: FileOps, fd: int, buffer: memoryview, offset: int) -> int:
     """Fill ``buffer`` from ``offset``; return the bytes read (short only at EOF)."""
-    view = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
+    view = byte_view(buffer)
     done = 0
     while done < len(view):
         n = ops.read(fd, view[done:], offset + done)

@@ -31,7 +31,7 @@ import numpy as np
 import xxhash
 from kvtrio.errors import CacheMissError, CorruptCacheError, OperationCancelled
 from kvtrio.storage.blockstore import BlockStore
-from kvtrio.storage.fileops import OS_FILE_OPS, FileOps, pread_full
+from kvtrio.storage.fileops import OS_FILE_OPS, FileOps, byte_view, pread_full
 from kvtrio.storage.format import (
     PREAMBLE,
     Header,
@@ -111,7 +111,7 @@ def allocate_buffers(header: Header) -> list[list[bytearray]]:
 
 
 def _flat(buffer: memoryview, name: str, expected: int) -> memoryview:
-    view = buffer if buffer.format == "B" and buffer.ndim == 1 else buffer.cast("B")
+    view = byte_view(buffer)
     if view.readonly:
         raise ValueError(f"{name}: buffer is read-only")
     if len(view) != expected:

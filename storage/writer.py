@@ -41,7 +41,7 @@ import numpy as np
 import xxhash
 from kvtrio.errors import OperationCancelled
 from kvtrio.storage.blockstore import BlockStore
-from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps, pwrite_full
+from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps, byte_view, pwrite_full
 from kvtrio.storage.format import (
     BlockRef,
     Header,
@@ -88,11 +88,7 @@ class WriteResult:
 
 def as_bytes(buffer: memoryview) -> memoryview:
     """A flat unsigned-byte view of a C-contiguous buffer (no copy)."""
-    if buffer.format == "B" and buffer.ndim == 1:
-        return buffer
-    if not buffer.c_contiguous:
-        raise ValueError("tensor buffer is not C-contiguous")
-    return buffer.cast("B")
+    return byte_view(buffer)
 
 
 def tmp_path_for(path: str) -> str:

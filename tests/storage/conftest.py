@@ -59,6 +59,13 @@ def make_arrays() -> Any:
     return cache
 
 
+def make_trimmed_to_zero() -> Any:
+    """Arrays allocated but holding no token: zero-size tensors on disk."""
+    cache = make_kv([5])
+    cache.trim(5)
+    return cache
+
+
 def make_list() -> Any:
     return mlx_cache.CacheList(make_kv([20]), make_arrays())
 
@@ -68,6 +75,7 @@ BUILDERS: dict[str, Callable[[], Any]] = {
     "kv": make_kv,
     "kv_bf16": lambda: make_kv([33], dtype=mx.bfloat16),
     "kv_f32": lambda: make_kv([7], dtype=mx.float32),
+    "kv_trimmed_to_zero": make_trimmed_to_zero,
     "rotating": lambda: make_rotating(False),
     "rotating_wrapped": lambda: make_rotating(True),
     "quantized": make_quantized,
