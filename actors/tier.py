@@ -236,7 +236,7 @@ class ColdTier:
         cap_bytes: float = math.inf,
         owner: MlxOwner | None = None,
         inline: bool = False,
-        io_threads: int = 2,
+        io_threads: int | None = None,
         verify: bool = True,
         shutdown_grace: float = 10.0,
         file_ops: FileOps = OS_FILE_OPS,
@@ -247,7 +247,8 @@ class ColdTier:
         share one thread); by default the tier starts its own. ``inline=True`` runs the
         owner and the I/O on the trio thread, for deterministic tests. ``cap_bytes``
         bounds the bytes queued for writing (soft for the newest save). ``io_threads``
-        bounds concurrent worker-thread I/O jobs.
+        bounds concurrent worker-thread I/O jobs; by default 1 on a machine of two CPUs or
+        fewer (more busy threads there delay the event loop's own wake-ups), else 2.
         """
         if layout not in ("single", "blocks"):
             raise ValueError(f"layout must be 'single' or 'blocks', not {layout!r}")
@@ -255,6 +256,8 @@ class ColdTier:
             if owner is None:
                 factory = MlxOwner.inline() if inline else MlxOwner.dedicated()
                 owner = await stack.enter_async_context(factory)
+            if io_threads is None:
+                io_threads = 1 if (os.cpu_count() or 1) <= 2 else 2
             offload: Offload = InlineOffload() if inline else ThreadOffload(io_threads)
             target = os.fspath(directory)
             if is_redis_url(target):
