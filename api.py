@@ -80,11 +80,26 @@ class Expect:
         model_id: str | None = None,
         config_fingerprint: str | None = None,
         max_kv_size: int | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ) -> Expect:
-        """Expect the cache structure ``make_prompt_cache(model)`` produces."""
-        from mlx_lm.models.cache import make_prompt_cache
+        """Expect the cache structure ``make_prompt_cache(model)`` produces.
 
-        structure = cache_structure(make_prompt_cache(model, max_kv_size=max_kv_size))
+        ``kv_bits`` / ``kv_group_size``: the server quantizes its KV caches (mlx-lm's
+        ``kv_bits`` option), so plain KV layers are expected as quantized ones.
+        """
+        from mlx_lm.models import cache as mlx_cache_module
+
+        mlx_cache: Any = mlx_cache_module
+        template = mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
+        if kv_bits is not None:
+            template = [
+                mlx_cache.QuantizedKVCache(group_size=kv_group_size, bits=kv_bits)
+                if type(c) is mlx_cache.KVCache
+                else c
+                for c in template
+            ]
+        structure = cache_structure(template)
         return cls(model_id=model_id, config_fingerprint=config_fingerprint, structure=structure)
 
     def check(self, header: Header) -> None:

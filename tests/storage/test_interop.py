@@ -95,3 +95,18 @@ def test_config_fingerprint_covers_graph_fields_and_kv_quantization() -> None:
     assert config_fingerprint(base, kv_bits=4, kv_group_size=64) != config_fingerprint(
         base, kv_bits=8, kv_group_size=64
     )
+
+
+def test_expect_for_a_server_that_quantizes_its_kv_cache(tmp_path: Path) -> None:
+    model = _model(hidden_size=128, num_attention_heads=2)
+    caches = [
+        mlx_cache.QuantizedKVCache(group_size=32, bits=8)
+        for _ in mlx_cache.make_prompt_cache(model)
+    ]
+    kvtrio.save_cache(tmp_path / "q.kvt", [], caches)
+    quantized = Expect.for_model(model, kv_bits=8, kv_group_size=32)
+    assert len(kvtrio.load_cache(tmp_path / "q.kvt", expect=quantized).caches) == 2
+    with pytest.raises(CacheMismatchError, match=r"^structure: layer 0 is \('quantized', "):
+        kvtrio.load_cache(tmp_path / "q.kvt", expect=Expect.for_model(model))
+    with pytest.raises(CacheMismatchError, match=r"^structure: layer 0 is "):
+        kvtrio.load_cache(tmp_path / "q.kvt", expect=Expect.for_model(model, kv_bits=4))
