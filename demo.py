@@ -700,6 +700,20 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    defaults = DemoOptions(data_dir=Path())
+    shortest = defaults.system_tokens + defaults.question_tokens + 1
+    problem = (
+        "--chats must be >= 0"
+        if args.chats < 0
+        else f"--doc-tokens must be >= {shortest}"
+        if args.doc_tokens < shortest
+        else "--hot-mb and --cold-mb must be > 0"
+        if min(args.hot_mb, args.cold_mb) <= 0
+        else None
+    )
+    if problem:
+        print(f"kvtrio demo: {problem}", file=sys.stderr)
+        return 2
     data_dir: Path = args.data_dir or default_data_dir()
     if args.fresh:
         shutil.rmtree(data_dir / "demo", ignore_errors=True)

@@ -70,3 +70,10 @@ def test_the_command_prints_json_and_exits_zero(tmp_path: Path) -> None:
     report = json.loads(out.stdout)
     assert report["ok"] is True and report["hits_after_restart"] > 0
     assert (tmp_path / "demo" / "cold" / "caches").is_dir()
+
+
+def test_the_command_refuses_impossible_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtrio.cli import main
+
+    assert main(["demo", "--doc-tokens", "10"]) == 2
+    assert capsys.readouterr().err == "kvtrio demo: --doc-tokens must be >= 321\n"
