@@ -152,15 +152,15 @@ class LocalBlockStore:
     def put_many(self, blocks: Sequence[tuple[str, memoryview]]) -> int:
         self._ensure_dir()
         stored = 0
+        created = False
         seen: set[str] = set()
         for name, data in blocks:
             path = self.path_of(name)
             if name in seen:
                 continue
-            if self._exists(path):
-                self._freshen(path)
-                continue
             seen.add(name)
+            if self._freshen(path):
+                continue
             tmp = os.path.join(self.directory, f".{name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
             fd = self.file_ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW, 0o600)
             try:
@@ -177,9 +177,46 @@ class LocalBlockStore:
                 _unlink_quietly(self.file_ops, tmp)
                 raise
             stored += data.nbytes
-        if seen:
+            created = True
+        if created:
             self.file_ops.fsync_dir(self.directory)
         return stored
+
+    def delete_stale(self, names: Sequence[str], cutoff: float) -> tuple[int, int]:
+        """Delete the named blocks not freshened since ``cutoff``; return (count, bytes).
+
+        Two phases, so a concurrent :meth:`put_many` never loses a block it is about to
+        reference: the block is first renamed to a quarantine name, then its mtime is read
+        there. A writer that freshened it before the rename left a recent mtime, and the
+        block is renamed back; a writer that comes after the rename finds no block and
+        writes it again. Only a block still stale in quarantine is unlinked.
+        """
+        deleted = 0
+        freed = 0
+        changed = False
+        for name in names:
+            path = self.path_of(name)
+            doomed = os.path.join(
+                self.directory, f".{name}.{secrets.token_hex(6)}.doomed{TMP_SUFFIX}"
+            )
+            try:
+                self.file_ops.rename(path, doomed)
+            except FileNotFoundError:
+                continue
+            changed = True
+            try:
+                info = self.file_ops.stat(doomed)
+                if info.st_mtime >= cutoff:
+                    self.file_ops.rename(doomed, path)
+                    continue
+                self.file_ops.unlink(doomed)
+            except FileNotFoundError:  # another GC's debris sweep took it: deleted anyway
+                continue
+            deleted += 1
+            freed += info.st_size
+        if changed:
+            self.file_ops.fsync_dir(self.directory)
+        return deleted, freed
 
     def stored_size(self, name: str) -> int | None:
         """The size of block ``name`` on disk, or None if it is absent.
@@ -198,12 +235,13 @@ class LocalBlockStore:
             raise CorruptCacheError(f"block {name}: not a regular file")
         return info.st_size
 
-    def _freshen(self, path: str) -> None:
-        # A writer is about to reference this existing block: restart GC's grace period.
+    def _freshen(self, path: str) -> bool:
+        """Restart GC's grace period of an existing block; False if there is none."""
         try:
             os.utime(path, follow_symlinks=False)
         except FileNotFoundError:
-            pass
+            return False
+        return True
 
     def has_many(self, names: Sequence[str]) -> list[bool]:
         return [self._exists(self.path_of(name)) for name in names]

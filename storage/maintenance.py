@@ -9,7 +9,9 @@ GC theory of operation (git's prune expiry, rustic's two-phase prune):
 3. Sweep: delete a block only if it is unmarked AND older than ``grace_s``. A writer
    stores (or, for a block that already exists, freshens the mtime of) every block
    before publishing the manifest that names it, so a block a concurrent writer is about
-   to reference is younger than the grace period and survives.
+   to reference is younger than the grace period and survives. The local store checks
+   the mtime again after moving the block aside (``LocalBlockStore.delete_stale``), so a
+   freshen that lands after step 1's listing is seen too.
 4. Tmp files (``*.kvtrio-tmp``: a crash between create and rename) older than
    ``grace_s`` are removed from ``manifest_dir`` and from a local store's directory.
 
@@ -126,7 +128,13 @@ def collect_garbage(
             live.update(ref.sha256 for ref in slot.blocks or ())
     doomed = [b for b in blocks if b.name not in live and b.mtime < cutoff]
     young = sum(1 for b in blocks if b.name not in live and b.mtime >= cutoff)
-    deleted = store.delete_many([b.name for b in doomed]) if doomed else 0
+    if isinstance(store, LocalBlockStore):
+        # Re-checks each block's mtime after moving it aside (see delete_stale): a writer
+        # that freshened a block after the listing above keeps it.
+        deleted, deleted_bytes = store.delete_stale([b.name for b in doomed], cutoff)
+    else:
+        deleted = store.delete_many([b.name for b in doomed]) if doomed else 0
+        deleted_bytes = sum(b.size for b in doomed)
     tmp_removed = _remove_old_tmp(manifest_dir, cutoff, file_ops)
     if isinstance(store, LocalBlockStore):
         tmp_removed += _remove_old_tmp(store.directory, cutoff, file_ops)
@@ -134,7 +142,7 @@ def collect_garbage(
         manifests=manifests,
         live_blocks=len(live),
         deleted_blocks=deleted,
-        deleted_bytes=sum(b.size for b in doomed),
+        deleted_bytes=deleted_bytes,
         young_unreferenced=young,
         tmp_removed=tmp_removed,
         unreadable=tuple(unreadable),

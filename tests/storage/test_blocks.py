@@ -147,3 +147,45 @@ def test_any_block_size_round_trips(tmp_path: Path, block_tokens: int) -> None:
     assert mx.array_equal(
         kvtrio.load_cache(tmp_path / "m.kvt").caches[0].keys, cache.keys[..., :250, :]
     )
+
+
+def _old_orphan(tmp_path: Path) -> tuple[LocalBlockStore, str, memoryview]:
+    store = LocalBlockStore(str(tmp_path / "blocks"))
+    data = memoryview(b"orphaned block bytes")
+    name = hashlib.sha256(data).hexdigest()
+    store.put_many([(name, data)])
+    os.utime(store.path_of(name), (0, 0))
+    return store, name, data
+
+
+def test_gc_keeps_a_block_freshened_after_its_listing(tmp_path: Path) -> None:
+    """GC race (found by the gcrace drill): GC lists an old orphan, a writer then
+    freshens it and publishes a manifest naming it; the sweep must not delete it."""
+    store, name, data = _old_orphan(tmp_path)
+    listed = [b.name for b in store.iter_blocks() if b.mtime < time.time() - 3600]
+    assert listed == [name]
+    store.put_many([(name, data)])  # the writer's dedup path: freshen only
+    assert store.delete_stale(listed, time.time() - 3600) == (0, 0)
+    assert store.has_many([name]) == [True]
+
+
+def test_gc_and_a_writer_racing_on_a_moved_aside_block(tmp_path: Path) -> None:
+    """A writer that comes after GC moved the block aside writes it again."""
+    store, name, data = _old_orphan(tmp_path)
+    writer = LocalBlockStore(str(tmp_path / "blocks"))
+
+    def hook(op: str) -> None:
+        return None
+
+    class WriterAfterRename(FaultyFileOps):
+        def rename(self, src: str, dst: str) -> None:
+            super().rename(src, dst)
+            if dst.endswith(".kvtrio-tmp"):  # GC just moved the block aside
+                assert writer.put_many([(name, data)]) == len(data)
+
+    gc_store = LocalBlockStore(
+        str(tmp_path / "blocks"), file_ops=WriterAfterRename(OS_FILE_OPS, hook)
+    )
+    assert gc_store.delete_stale([name], time.time() - 3600) == (1, len(data))
+    assert store.has_many([name]) == [True]
+    assert [n for n in os.listdir(tmp_path / "blocks") if n.startswith(".")] == []
