@@ -231,5 +231,3 @@ COMMANDS["showcase"] = (
     _add_arguments,
     _run,
 )
-# `kvtrio demo` shows this until the full cold-tier demo registers itself under "demo".
-COMMANDS.setdefault("demo", COMMANDS["showcase"])
