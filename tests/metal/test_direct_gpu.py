@@ -74,8 +74,14 @@ def _float32_reference(
 ) -> mx.array:
     keys, values = view.gather()
     if view.bits is not None:
-        keys = mx.dequantize(*keys, group_size=view.group_size, bits=view.bits)
-        values = mx.dequantize(*values, group_size=view.group_size, bits=view.bits)
+        k_packed, k_scales, k_biases = keys
+        v_packed, v_scales, v_biases = values
+        keys = mx.dequantize(
+            k_packed, k_scales, k_biases, group_size=view.group_size, bits=view.bits
+        )
+        values = mx.dequantize(
+            v_packed, v_scales, v_biases, group_size=view.group_size, bits=view.bits
+        )
     return mx.fast.scaled_dot_product_attention(
         queries.astype(mx.float32),
         keys.astype(mx.float32),

@@ -14,6 +14,7 @@ from kvtrio.metal import (
     BlockPool,
     BlockPoolExhausted,
     PagedKVCache,
+    QuantizedPagedKVCache,
     make_paged_cache,
     use_paged_attention,
 )
@@ -94,6 +95,7 @@ def test_quantized_pool_bit_exact_with_quantized_kvcache(bits: int) -> None:
         model, [QuantizedKVCache(group_size=32, bits=bits) for _ in range(LAYERS)], PROMPT
     )
     caches = [make_paged_cache(p) for p in _pools(mx.float32, 4, bits=bits)]
+    assert isinstance(caches[0], QuantizedPagedKVCache)
     assert caches[0].bits == bits
     got = _generate(model, caches, PROMPT)
     assert _same(got, want)
