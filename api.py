@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
 import attrs
-from kvtrio.errors import CacheMismatchError, CacheMissError, CorruptCacheError
+from kvtrio.errors import CacheMismatchError
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
 from kvtrio.storage.codecs import (
     AttachmentData,
@@ -39,8 +39,8 @@ from kvtrio.storage.codecs import (
     materialize,
     snapshot,
 )
-from kvtrio.storage.format import Header, Layout, slot_names
-from kvtrio.storage.reader import CacheFile, read_header, read_tensors
+from kvtrio.storage.format import Header, Layout
+from kvtrio.storage.reader import CacheFile, check_blocks, read_header, read_tensors
 from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult, write_blocks, write_single
 
 __all__ = [
@@ -201,22 +201,9 @@ def load_cache(
         expect.check(cache_file.header)
     if cache_file.header.layout == "blocks" and store is None:
         store = default_block_store(target)
-    if isinstance(store, LocalBlockStore) and cache_file.header.layout == "blocks":
-        _check_local_blocks(cache_file.header, store)
+    if store is not None and cache_file.header.layout == "blocks":
+        check_blocks(cache_file.header, store)  # before allocating what the manifest claims
     return adopt(cache_file.header, _read_pipelined(cache_file, store, verify))
-
-
-def _check_local_blocks(header: Header, store: LocalBlockStore) -> None:
-    """Before allocating anything: every block is there, with the size the manifest says."""
-    for slot, name in zip(header.slots(), slot_names(header), strict=True):
-        for j, ref in enumerate(slot.blocks or ()):
-            size = store.stored_size(ref.sha256)
-            if size is None:
-                raise CacheMissError(f"{name}.blocks[{j}]: block {ref.sha256} is missing")
-            if size != ref.nbytes:
-                raise CorruptCacheError(
-                    f"block {ref.sha256}: stored size {size} != expected {ref.nbytes}"
-                )
 
 
 def _read_pipelined(cache_file: CacheFile, store: BlockStore | None, verify: bool) -> LoadBuffers:

@@ -43,7 +43,14 @@ from kvtrio.storage.format import (
     slot_names,
 )
 
-__all__ = ["CacheFile", "allocate_buffers", "piece_sizes", "read_header", "read_tensors"]
+__all__ = [
+    "CacheFile",
+    "allocate_buffers",
+    "check_blocks",
+    "piece_sizes",
+    "read_header",
+    "read_tensors",
+]
 
 _CHUNK = 8 * 1024 * 1024
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -93,6 +100,34 @@ def read_header(path: str, *, file_ops: FileOps = OS_FILE_OPS) -> CacheFile:
         st_dev=info.st_dev,
         st_ino=info.st_ino,
     )
+
+
+def check_blocks(header: Header, store: BlockStore) -> None:
+    """Before allocating for a block-layout load: every block is present (CacheMissError).
+
+    Stores that can tell a block's size without reading it (``stored_size(name)``, as
+    :class:`~kvtrio.storage.blockstore.LocalBlockStore` does) also have each size checked
+    against the manifest (CorruptCacheError), so a crafted manifest cannot make the
+    caller allocate more than the store holds.
+    """
+    names = list(slot_names(header))
+    sized = getattr(store, "stored_size", None)
+    for slot, name in zip(header.slots(), names, strict=True):
+        refs = slot.blocks or ()
+        present = store.has_many([r.sha256 for r in refs]) if sized is None else None
+        for j, ref in enumerate(refs):
+            if sized is not None:
+                size = sized(ref.sha256)
+                if size is not None and size != ref.nbytes:
+                    raise CorruptCacheError(
+                        f"block {ref.sha256}: stored size {size} != expected {ref.nbytes}"
+                    )
+                missing = size is None
+            else:
+                assert present is not None
+                missing = not present[j]
+            if missing:
+                raise CacheMissError(f"{name}.blocks[{j}]: block {ref.sha256} is missing")
 
 
 def piece_sizes(header: Header) -> list[list[int]]:
