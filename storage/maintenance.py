@@ -16,7 +16,8 @@ GC theory of operation (git's prune expiry, rustic's two-phase prune):
    ``grace_s`` are removed from ``manifest_dir`` and from a local store's directory.
 
 A manifest that fails validation marks nothing (its blocks were unusable anyway) and is
-reported. A missing block is never an error here: a load that needs it is a clean miss.
+reported; a manifest that cannot be *read* (an I/O error) aborts the pass before anything
+is deleted. A missing block is never an error here: a load that needs it is a clean miss.
 """
 
 from __future__ import annotations
@@ -118,9 +119,13 @@ def collect_garbage(
     for path in list_cache_files(manifest_dir, file_ops=file_ops):
         try:
             header = read_header(path, file_ops=file_ops).header
-        except (CorruptCacheError, OSError):
+        except FileNotFoundError:  # deleted since the listing: it references nothing now
+            continue
+        except CorruptCacheError:
             unreadable.append(path)
             continue
+        # Any other OSError (EIO, EMFILE, ...) propagates: a manifest that could not be
+        # read may still reference blocks, so this pass must delete nothing.
         if header.layout != "blocks":
             continue
         manifests += 1

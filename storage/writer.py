@@ -18,7 +18,9 @@ Theory of operation (DESIGN.md invariants 4, 5 and 6):
    chunk is still in cache); the header's fixed-width hash fields are patched in place
    afterwards, so the header's length never changes.
 3. Publication is fsync(file) -> rename(tmp, final) -> fsync(dir) (F_FULLFSYNC on macOS);
-   a final name never names a partial file. The result returns only after all three.
+   a final name never names a partial file. The result returns only after all three; if
+   the directory fsync fails, the final name is removed again before the error propagates
+   (a save that failed leaves nothing behind it).
 4. ``cancel()`` is polled at every tensor, chunk and block boundary. When it returns True
    the tmp file is removed and :class:`~kvtrio.errors.OperationCancelled` is raised; on
    any other error the tmp file is removed too and the error propagates.
@@ -128,7 +130,15 @@ class _TmpFile:
         self.ops.close(fd)
         self.ops.rename(self.tmp, self.final)
         self.tmp = ""
-        self.ops.fsync_dir(os.path.dirname(self.final))
+        try:
+            self.ops.fsync_dir(os.path.dirname(self.final))
+        except BaseException:
+            # Not durable, so not acknowledged: a failed save leaves no final name.
+            try:
+                self.ops.unlink(self.final)
+            except OSError:
+                pass
+            raise
 
     def discard(self) -> None:
         if self.fd is not None:

@@ -189,3 +189,21 @@ def test_gc_and_a_writer_racing_on_a_moved_aside_block(tmp_path: Path) -> None:
     assert gc_store.delete_stale([name], time.time() - 3600) == (1, len(data))
     assert store.has_many([name]) == [True]
     assert [n for n in os.listdir(tmp_path / "blocks") if n.startswith(".")] == []
+
+
+@pytest.mark.parametrize("op", ["open", "read"])
+def test_gc_deletes_nothing_when_a_manifest_cannot_be_read(tmp_path: Path, op: str) -> None:
+    """An I/O error reading a manifest aborts the pass: its blocks may still be live."""
+    kvtrio.save_cache(tmp_path / "live.kvt", [], [_conversation(256, 0, 0)], layout="blocks")
+    for info in LocalBlockStore(str(tmp_path / "blocks")).iter_blocks():
+        os.utime(tmp_path / "blocks" / info.name, (0, 0))
+
+    def hook(name: str) -> None:
+        if name == op:
+            raise OSError(5, "injected EIO")
+
+    store = LocalBlockStore(str(tmp_path / "blocks"))
+    with pytest.raises(OSError, match=r"injected EIO"):
+        collect_garbage(str(tmp_path), store, grace_s=60, file_ops=FaultyFileOps(OS_FILE_OPS, hook))
+    assert len(list(store.iter_blocks())) == 2
+    assert kvtrio.load_cache(tmp_path / "live.kvt").caches[0].offset == 256
