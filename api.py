@@ -35,6 +35,7 @@ from kvtrio.storage.codecs import (
     adopt,
     allocate_slot,
     cache_structure,
+    check_allocatable,
     header_structure,
     materialize,
     snapshot,
@@ -203,6 +204,7 @@ def load_cache(
         store = default_block_store(target)
     if store is not None and cache_file.header.layout == "blocks":
         check_blocks(cache_file.header, store)  # before allocating what the manifest claims
+    check_allocatable(cache_file.header.nbytes)
     return adopt(cache_file.header, _read_pipelined(cache_file, store, verify))
 
 

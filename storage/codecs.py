@@ -58,6 +58,7 @@ paged cache of :mod:`kvtrio.metal`):
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -93,6 +94,7 @@ __all__ = [
     "allocate_load_buffers",
     "allocate_slot",
     "assemble",
+    "check_allocatable",
     "cache_structure",
     "codec_for_kind",
     "expect_shape",
@@ -719,6 +721,25 @@ class LoadBuffers:
     buffers: tuple[tuple[memoryview, ...], ...]
 
 
+def _physical_memory() -> int | None:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_allocatable(nbytes: int) -> None:
+    """Raise MemoryError if ``nbytes`` exceeds the machine's physical memory.
+
+    Allocating what a header claims is bounded by validation (single layout: the file's
+    size; blocks: :func:`kvtrio.storage.reader.check_blocks`); this is the last guard,
+    since MLX crashes the process (SIGSEGV) instead of raising when an allocation fails.
+    """
+    limit = _physical_memory()
+    if limit is not None and nbytes > limit:
+        raise MemoryError(f"loading needs {nbytes} bytes, more than the machine's {limit}")
+
+
 def allocate_slot(header: Header, index: int) -> tuple[tuple[Any, ...], tuple[memoryview, ...]]:
     """Allocate (owner thread) MLX arrays for slot ``index``'s pieces, and byte views of them.
 
@@ -728,6 +749,7 @@ def allocate_slot(header: Header, index: int) -> tuple[tuple[Any, ...], tuple[me
     from the validated header (single layout: bounded by the file size).
     """
     slot = _nth_slot(header, index)
+    check_allocatable(slot.nbytes)
     block_tokens = header.block_tokens if header.layout == "blocks" else None
     arrays = []
     views = []
@@ -762,6 +784,7 @@ def _writable_bytes(array: Any) -> memoryview:
 
 def allocate_load_buffers(header: Header) -> LoadBuffers:
     """:func:`allocate_slot` for every slot (owner thread)."""
+    check_allocatable(header.nbytes)
     pairs = [allocate_slot(header, i) for i in range(sum(1 for _ in header.slots()))]
     return LoadBuffers(
         arrays=tuple(a for a, _ in pairs),

@@ -337,3 +337,12 @@ def test_missing_block_is_a_clean_miss(manifest: Path, tmp_path: Path) -> None:
 def test_magic_constant_is_stable() -> None:
     """Changing the magic would orphan every file ever written."""
     assert MAGIC == b"KVTRIO\r\n" and PREAMBLE.size == 24
+
+
+def test_allocation_beyond_physical_memory_is_refused_not_crashed() -> None:
+    """MLX kills the process (SIGSEGV) when an allocation fails: refuse it first."""
+    from kvtrio.storage.codecs import check_allocatable
+
+    check_allocatable(1 << 20)
+    with pytest.raises(MemoryError, match=r"^loading needs 1000000000000000000 bytes, more "):
+        check_allocatable(10**18)
