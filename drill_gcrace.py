@@ -4,13 +4,14 @@ Theory of operation
 -------------------
 Each interleaving starts from the same directory: a live manifest ``keep``, and the
 blocks of a deleted entry left as orphans whose mtime is far past the grace period
-(exactly what GC is for). Then three real threads run the storage layer's own code:
+(exactly what GC is for). Then real threads run the storage layer's own code:
 
 - writer A saves an entry whose blocks are exactly those orphans (the dedup path: the
   blocks exist, so ``put_many`` only freshens them);
 - writer B saves an entry sharing a prefix with ``keep``, and then deletes ``keep``;
-- GC (:func:`kvtrio.storage.maintenance.collect_garbage`) runs one pass with a grace
-  period of an hour.
+- a GC pass (:func:`kvtrio.storage.maintenance.collect_garbage`, a grace period of an
+  hour); in every other interleaving a second GC pass runs too, as a tier's own GC and
+  ``kvtrio gc`` from cron might.
 
 A :class:`Turnstile` lets exactly one of them run at a time: every file operation is a
 yield point (through :class:`~kvtrio.storage.fileops.FaultyFileOps`), where a seeded
@@ -185,9 +186,15 @@ def _interleaving(
     def gc() -> None:
         collect_garbage(cache_dir.manifests, cache_dir.block_store(), grace_s=_GRACE, file_ops=ops)
 
-    errors = turnstile.run([writer_a, writer_b, gc], random.Random(seed))
+    def idle() -> None:
+        return None
+
+    two_gcs = seed % 2 == 1
+    jobs = [writer_a, writer_b, gc, gc if two_gcs else idle]
+    errors = turnstile.run(jobs, random.Random(seed))
     tally.add("interleavings")
-    for name, error in zip(("writer A", "writer B", "GC"), errors, strict=True):
+    tally.add("interleavings with two GCs", int(two_gcs))
+    for name, error in zip(("writer A", "writer B", "GC 1", "GC 2"), errors, strict=True):
         if error is not None:
             tally.violation(f"seed {seed}: {name} raised {type(error).__name__}: {error}")
     _check(CacheDir(str(root), OS_FILE_OPS), acked, seed, tally)
@@ -220,7 +227,7 @@ def run_gcrace_drill(*, full: bool, seed: int, workdir: Path) -> DrillResult:
     with drill_dir(workdir, full=full) as tmp:
         template = Path(tmp) / "template"
         _template(template, NoSyncFileOps())
-        with Turnstile(3) as turnstile:
+        with Turnstile(4) as turnstile:
             for i in range(count):
                 _interleaving(turnstile, template, Path(tmp) / "run", seed * 10**6 + i, tally)
             tally.set("yield points", turnstile.points)
