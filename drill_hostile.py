@@ -56,11 +56,11 @@ _MEMORY_FACTOR = 8
 _MEMORY_ALLOWANCE = 2 * 1024 * 1024
 #: Growth of the drill process's peak RSS (MLX allocations included) over the whole run.
 _RSS_ALLOWANCE = 256 * 1024 * 1024
-_FILE_EVERY = 50
+_FILE_EVERY = 100
 #: The ColdTier child's address-space limit: a load that tries to allocate what a hostile
 #: header claims fails inside it instead of taking the machine's memory.
 _TIER_CHILD_AS = 3 * 1024**3
-_TIER_SAMPLES = 200
+_TIER_SAMPLES = 100
 
 
 def seal(doc_bytes: bytes, *, version: int = 1) -> bytes:

@@ -4,7 +4,8 @@ has no threads to fork with) and return its figures.
 ``KNOWN_FINDINGS`` lists violations the drills found in other areas that are reported
 and not yet fixed (docs/reliability.md, "Findings"). A test fails on any other
 violation; when only known findings remain it is marked xfail, naming them, so the
-suite stays green without hiding them. Remove a pattern once its fix lands.
+suite stays green without hiding them. A pattern is removed as soon as its fix lands,
+so a regression fails loudly.
 """
 
 from __future__ import annotations
@@ -21,16 +22,6 @@ import pytest
 __all__ = ["KNOWN_FINDINGS", "run_drill_cli"]
 
 KNOWN_FINDINGS = {
-    # storage/writer.py: an fsync_dir error after the rename leaves the (complete) file
-    # under its final name although the save raised.
-    "fsync_dir-after-rename": re.compile(
-        r".*fsync_dir #\d+: a (FAILED|failed) save left its final name"
-    ),
-    # storage/maintenance.py: an OSError reading a manifest during GC's mark counts it
-    # as unreadable, so the sweep deletes blocks a valid manifest still names.
-    "gc-mark-io-error": re.compile(
-        r"^delete\+gc blocks: (open|read) #\d+: an earlier entry no longer loads"
-    ),
     # actors/tier.py: ColdTier.load allocates (on the owner) what a manifest's header
     # claims before checking its blocks exist with those sizes (load_cache checks first):
     # a 25 KB manifest claiming 256 GiB kills the process (SIGSEGV under the drill's

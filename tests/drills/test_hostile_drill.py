@@ -41,7 +41,7 @@ def test_mutation_drill_only_corrupt_cache_errors_escape(tmp_path: Path) -> None
     assert figures["hostile cases"] >= 100_000 + figures["header bit flips (single)"]
     assert figures["header bit flips (single)"] > 0
     assert figures["header bit flips (blocks)"] > 0
-    assert figures["end-to-end loads"] >= 2_000
+    assert figures["end-to-end loads"] >= 1_000
     assert figures["corpus cases"] == len(EXPECTED)
     assert figures["tier loads"] >= len(EXPECTED)
     assert figures["losses"] == 0
