@@ -27,10 +27,6 @@ KNOWN_FINDINGS = {
     # a 25 KB manifest claiming 256 GiB kills the process (SIGSEGV under the drill's
     # address-space limit; the OOM killer without one).
     "tier-manifest-declared-size": re.compile(r"^tier corpus-huge-declared: the process died"),
-    # storage/maintenance.py: GC sweeps by the mtimes it listed before reading manifests;
-    # a writer that freshens an old block (dedup) and publishes its manifest after GC
-    # listed the manifests loses that block (git's prune has the same window).
-    "gc-freshen-race": re.compile(r"^seed \d+: manifest \S+ names \d+ deleted block"),
 }
 
 
