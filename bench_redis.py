@@ -95,7 +95,8 @@ def _throughput(url: str, block_size: int, total: int, batch: int, rounds: int) 
     client = store.client
     count = max(1, total // block_size)
     nbytes = count * block_size
-    names = ("put", "raw_set", "get", "raw_get", "get1", "raw_get1")
+    names = ["put", "raw_set", "get", "raw_get", "get1", "raw_get1"]
+    names += ["raw_get_copy", "raw_get1_copy"]
     times: dict[str, list[float]] = {name: [] for name in names}
     # Filled once so page faults of fresh memory are not charged to whichever op runs first.
     buffers = [memoryview(bytearray(b"\x01" * block_size)) for _ in range(count)]
@@ -131,7 +132,23 @@ def _throughput(url: str, block_size: int, total: int, batch: int, rounds: int) 
         for key in raw_keys:
             assert client.get(key) is not None
 
-    pairs = [(put, raw_set), (get, raw_get), (get1, raw_get1)]
+    # Context: raw GET followed by the copy into the same buffers that read_into makes
+    # (redis-py hands back bytes; any caller wanting the bytes in a tensor copies them).
+    def raw_get_copy(blocks: Blocks, raw_keys: list[str]) -> None:
+        for chunk in _batched(range(count), batch):
+            pipe = client.pipeline(transaction=False)
+            for i in chunk:
+                pipe.get(raw_keys[i])
+            for i, value in zip(chunk, pipe.execute(), strict=True):
+                buffers[i][:] = value
+
+    def raw_get1_copy(blocks: Blocks, raw_keys: list[str]) -> None:
+        for i, key in enumerate(raw_keys):
+            value = client.get(key)
+            assert isinstance(value, bytes)
+            buffers[i][:] = value
+
+    pairs = [(put, raw_set), (get, raw_get), (get1, raw_get1), (raw_get_copy, raw_get1_copy)]
     for r in range(rounds):
         blocks = _blocks(count, block_size, salt=f"{block_size}:{r}".encode())
         raw_keys = [f"bench:raw:{name}" for name, _ in blocks]
@@ -154,6 +171,8 @@ def _throughput(url: str, block_size: int, total: int, batch: int, rounds: int) 
         "ratio_put": gbps["put"] / gbps["raw_set"],
         "ratio_get": gbps["get"] / gbps["raw_get"],
         "ratio_get_per_block": gbps["get1"] / gbps["raw_get1"],
+        "ratio_get_vs_raw_copy": gbps["get"] / gbps["raw_get_copy"],
+        "ratio_get_per_block_vs_raw_copy": gbps["get1"] / gbps["raw_get1_copy"],
     }
 
 
@@ -242,6 +261,8 @@ def _print(figures: dict[str, Any]) -> None:
         ("put", "raw_set", "ratio_put", "put_many vs pipelined SET"),
         ("get", "raw_get", "ratio_get", "read_many_into vs pipelined GET"),
         ("get1", "raw_get1", "ratio_get_per_block", "read_into vs GET, per block"),
+        ("get", "raw_get_copy", "ratio_get_vs_raw_copy", "context: vs pipelined GET + copy"),
+        ("get1", "raw_get1_copy", "ratio_get_per_block_vs_raw_copy", "context: vs GET + copy"),
     )
     for row in figures["throughput"]:
         g = row["gb_per_s"]
