@@ -10,7 +10,7 @@ Theory of operation (DESIGN.md "Threads, and who may touch what"):
 2. Work is cut into short jobs so the owner interleaves with the server's steps and the
    event loop never waits long: ``snapshot`` is one job (lazy views only, O(1) memory);
    ``materialize`` is one job per tensor (or per run of small tensors up to
-   :data:`STEP_BYTES`); ``allocate_slot`` is one job per tensor.
+   :data:`STEP_BYTES`); ``allocate_slots`` likewise.
 3. Loads never copy tensor bytes: ``allocate`` makes each destination array on the owner
    and lends its memory (a writable, zero-copy memoryview) to a worker thread that reads
    the file straight into it; the caches are then built from those arrays on the owner
@@ -38,7 +38,7 @@ from kvtrio.storage.codecs import (
 )
 from kvtrio.storage.format import Header
 
-__all__ = ["STEP_BYTES", "MlxOwner"]
+__all__ = ["STEP_BYTES", "MlxOwner", "steps"]
 
 #: Work per owner job when materializing: one tensor, or a run of small ones up to this.
 STEP_BYTES = 32 * 1024 * 1024
@@ -112,7 +112,7 @@ class MlxOwner:
         """
         views = snapshot.views
         out: list[HostTensor] = []
-        for group in _steps([slot.nbytes for slot in snapshot.plan.slots()]):
+        for group in steps([slot.nbytes for slot in snapshot.plan.slots()]):
             job = functools.partial(_materialize_group, views, group, block_tokens)
             out.extend(await self.run(job))
         return out
@@ -138,6 +138,13 @@ class MlxOwner:
         memory and nothing is copied."""
         return await self.run(codecs.allocate_slot, header, index)
 
+    async def allocate_slots(
+        self, header: Header, indices: Sequence[int]
+    ) -> list[tuple[tuple[Any, ...], tuple[memoryview, ...]]]:
+        """:meth:`allocate_slot` for several slots in one owner job (a step of
+        :func:`steps`)."""
+        return await self.run(_allocate_group, header, indices)
+
     async def restore(self, header: Header, loaded: LoadBuffers) -> Restored:
         """Build the caches from filled buffers: one owner job per multi-piece tensor (the
         block layout joins its token blocks), then one that evaluates the (zero-copy)
@@ -159,7 +166,7 @@ def _assemble(header: Header, arrays: list[Any]) -> Restored:
     return codecs.assemble(header, arrays)
 
 
-def _steps(sizes: Sequence[int]) -> list[range]:
+def steps(sizes: Sequence[int]) -> list[range]:
     """Consecutive index ranges, each one tensor or several adding up to <= STEP_BYTES."""
     steps: list[range] = []
     start = 0
@@ -172,6 +179,12 @@ def _steps(sizes: Sequence[int]) -> list[range]:
     if start < len(sizes):
         steps.append(range(start, len(sizes)))
     return steps
+
+
+def _allocate_group(
+    header: Header, indices: Sequence[int]
+) -> list[tuple[tuple[Any, ...], tuple[memoryview, ...]]]:
+    return [codecs.allocate_slot(header, i) for i in indices]
 
 
 def _materialize_group(

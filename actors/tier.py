@@ -55,7 +55,7 @@ from typing import Any, Protocol
 
 import attrs
 import trio
-from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.owner import MlxOwner, steps
 from kvtrio.actors.reader import Reader, ReaderStatistics
 from kvtrio.actors.snapshot import Snapshot, SnapshotLedger, SnapshotLedgerStatistics
 from kvtrio.actors.spill import Spill, SpillActor, SpillOutcome, SpillStatistics, SpillTicket
@@ -236,7 +236,7 @@ class ColdTier:
         cap_bytes: float = math.inf,
         owner: MlxOwner | None = None,
         inline: bool = False,
-        io_threads: int | None = None,
+        io_threads: int = 2,
         verify: bool = True,
         shutdown_grace: float = 10.0,
         file_ops: FileOps = OS_FILE_OPS,
@@ -247,8 +247,7 @@ class ColdTier:
         share one thread); by default the tier starts its own. ``inline=True`` runs the
         owner and the I/O on the trio thread, for deterministic tests. ``cap_bytes``
         bounds the bytes queued for writing (soft for the newest save). ``io_threads``
-        bounds concurrent worker-thread I/O jobs; by default 1 on a machine of two CPUs or
-        fewer (more busy threads there delay the event loop's own wake-ups), else 2.
+        bounds concurrent worker-thread I/O jobs.
         """
         if layout not in ("single", "blocks"):
             raise ValueError(f"layout must be 'single' or 'blocks', not {layout!r}")
@@ -256,8 +255,6 @@ class ColdTier:
             if owner is None:
                 factory = MlxOwner.inline() if inline else MlxOwner.dedicated()
                 owner = await stack.enter_async_context(factory)
-            if io_threads is None:
-                io_threads = 1 if (os.cpu_count() or 1) <= 2 else 2
             offload: Offload = InlineOffload() if inline else ThreadOffload(io_threads)
             target = os.fspath(directory)
             if is_redis_url(target):
@@ -441,32 +438,35 @@ class ColdTier:
             raise
 
     async def _read_pipelined(self, cache_file: CacheFile, verify: bool) -> LoadBuffers:
-        """Allocate slot i+1 on the owner while slot i is read on a worker thread (at most
-        ``io_threads`` reads at once). The first failing slot, in slot order, raises; the
-        other reads stop at their next boundary and are waited for."""
+        """Allocate the next step's tensors on the owner while the previous step's are read
+        on worker threads (at most ``io_threads`` reads at once). A step is one tensor, or
+        several small ones up to :data:`~kvtrio.actors.owner.STEP_BYTES`. The first failing
+        slot, in slot order, raises; the other reads stop at their next boundary and are
+        waited for."""
         header = cache_file.header
         arrays: list[tuple[Any, ...]] = []
         buffers: list[tuple[memoryview, ...]] = []
         errors: list[tuple[int, Exception]] = []
 
-        async def read(index: int, views: tuple[memoryview, ...]) -> None:
+        async def read(step: range, views: list[tuple[memoryview, ...]]) -> None:
             try:
-                await self.reader.read_tensors(cache_file, [views], verify=verify, indices=[index])
+                await self.reader.read_tensors(cache_file, views, verify=verify, indices=step)
             except Exception as exc:
-                errors.append((index, exc))
+                errors.append((step.start, exc))
                 nursery.cancel_scope.cancel()
 
         async with trio.open_nursery() as nursery:
-            for index in range(sum(1 for _ in header.slots())):
+            for step in steps([slot.nbytes for slot in header.slots()]):
                 try:
-                    slot_arrays, slot_views = await self.owner.allocate_slot(header, index)
+                    allocated = await self.owner.allocate_slots(header, step)
                 except Exception as exc:
-                    errors.append((index, exc))
+                    errors.append((step.start, exc))
                     nursery.cancel_scope.cancel()
                     break
-                arrays.append(slot_arrays)
-                buffers.append(slot_views)
-                nursery.start_soon(read, index, slot_views)
+                arrays.extend(a for a, _ in allocated)
+                views = [v for _, v in allocated]
+                buffers.extend(views)
+                nursery.start_soon(read, step, views)
         if errors:
             raise min(errors, key=lambda e: e[0])[1]
         return LoadBuffers(arrays=tuple(arrays), buffers=tuple(buffers))
