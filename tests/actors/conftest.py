@@ -43,7 +43,7 @@ def kv_bytes() -> Snapshot:
         out: list[bytes] = []
         for cache in caches:
             for array in (cache.keys, cache.values):
-                live = mx.contiguous(array[..., : cache.offset, :])
+                live: Any = mx.contiguous(array[..., : cache.offset, :])
                 mx.eval(live)
                 out.append(bytes(memoryview(live)))
         return out

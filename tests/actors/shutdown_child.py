@@ -30,15 +30,15 @@ def make_layer(seed: int, layer: int, digest: Any) -> Any:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    keys = mx.random.split(mx.random.key(seed * 1000 + layer), 2)
-    cache = KVCache()
+    keys: Any = mx.random.split(mx.random.key(seed * 1000 + layer), 2)
+    cache: Any = KVCache()
     shape = (1, HEADS, TOKENS, HEAD_DIM)
     cache.update_and_fetch(
         mx.random.normal(shape, key=keys[0]).astype(mx.float16),
         mx.random.normal(shape, key=keys[1]).astype(mx.float16),
     )
     for array in (cache.keys, cache.values):
-        live = mx.contiguous(array[..., : cache.offset, :])
+        live: Any = mx.contiguous(array[..., : cache.offset, :])
         mx.eval(live)
         digest.update(memoryview(live))
     return cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import trio
@@ -16,7 +17,8 @@ def _library_eval(value: int) -> tuple[int, str]:
 
     arr = mx.array([value, value])
     mx.eval(arr)
-    return int(arr.sum().item()), threading.current_thread().name
+    total: Any = arr.sum().item()
+    return int(total), threading.current_thread().name
 
 
 async def test_dedicated_owner_runs_jobs_on_its_own_thread() -> None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import trio
 from kvtrio.actors.tier import ColdTier
@@ -67,7 +68,7 @@ def _digest(caches: list[object]) -> str:
     digest = hashlib.sha256()
     for cache in caches:
         for array in (cache.keys, cache.values):  # type: ignore[attr-defined]
-            live = mx.contiguous(array)
+            live: Any = mx.contiguous(array)
             mx.eval(live)
             digest.update(memoryview(live))
     return digest.hexdigest()
