@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import tempfile
+import time
 from pathlib import Path
 from typing import Protocol
 
 from kvtrio import cli
-from kvtrio.drill_report import DrillResult, print_results
+from kvtrio.drill_report import DrillResult, Tally, print_results
 
 __all__ = ["DRILLS", "run_drill"]
 
@@ -45,12 +46,22 @@ DRILLS: dict[str, str] = {
 
 
 def run_drill(name: str, *, full: bool, seed: int, workdir: Path) -> DrillResult:
-    """Run one drill in its own subdirectory of ``workdir``."""
+    """Run one drill in its own subdirectory of ``workdir``.
+
+    A drill that raises (a bug in the drill or in what it drives) is reported as a result
+    with that one violation, so ``drill all`` still runs and prints the others.
+    """
     sub = workdir / name
     sub.mkdir(parents=True, exist_ok=True)
-    module = importlib.import_module(DRILLS[name])
-    runner: DrillFn = getattr(module, f"run_{name}_drill")
-    return runner(full=full, seed=seed, workdir=sub)
+    started = time.perf_counter()
+    try:
+        module = importlib.import_module(DRILLS[name])
+        runner: DrillFn = getattr(module, f"run_{name}_drill")
+        return runner(full=full, seed=seed, workdir=sub)
+    except Exception as exc:
+        tally = Tally(name)
+        tally.violation(f"the drill raised {type(exc).__name__}: {exc}")
+        return tally.result(time.perf_counter() - started)
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
