@@ -291,15 +291,35 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 class _DryRunFileOps(OsFileOps):
-    """Reads as usual; records what would be deleted instead of deleting it."""
+    """Reads as usual; simulates renames and unlinks, recording what would be deleted.
+
+    GC may move a block aside before deleting it (to re-check its mtime there); here the
+    move is only remembered, so later calls on the new name reach the real file.
+    """
 
     def __init__(self) -> None:
         self.would_delete: list[str] = []
+        self._moved: dict[str, str] = {}  # simulated name -> the real path
+
+    def _real(self, path: str) -> str:
+        real = self._moved.get(path, path)
+        if not os.path.lexists(real) or real in self.would_delete:
+            raise FileNotFoundError(path)
+        return real
+
+    def rename(self, src: str, dst: str) -> None:
+        real = self._real(src)
+        self._moved.pop(src, None)
+        if dst != real:
+            self._moved[dst] = real
+
+    def stat(self, path: str) -> os.stat_result:
+        return super().stat(self._real(path))
 
     def unlink(self, path: str) -> None:
-        if not os.path.lexists(path):
-            raise FileNotFoundError(path)
-        self.would_delete.append(path)
+        real = self._real(path)
+        self._moved.pop(path, None)
+        self.would_delete.append(real)
 
     def fsync_dir(self, path: str) -> None:
         return None

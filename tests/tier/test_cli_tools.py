@@ -101,6 +101,7 @@ def test_gc_dry_run_deletes_nothing_and_gc_respects_the_grace_period(
     assert main(["gc", str(tree), "--grace", "0", "--dry-run", "--json"]) == 0
     dry = json.loads(capsys.readouterr().out)
     assert dry["deleted_blocks"] > 0 and len(dry["would_delete"]) == dry["deleted_blocks"]
+    assert {Path(p).name for p in dry["would_delete"]} <= set(before)
     assert sorted(p.name for p in (tree / "blocks").iterdir()) == before
     assert main(["gc", str(tree), "--grace", "3600", "--json"]) == 0
     young = json.loads(capsys.readouterr().out)
