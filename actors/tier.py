@@ -163,6 +163,11 @@ class ColdTierStatistics:
     debris_removed: int
 
 
+def _drop_last(items: builtins.list[Any]) -> None:
+    # On the owner thread: the last reference goes here (a pop would hand it back).
+    del items[-1]
+
+
 def _open_shared(
     token: CancelToken, url: str, file_ops: FileOps
 ) -> tuple[BlockStore, ManifestStore]:
@@ -404,7 +409,7 @@ class ColdTier:
             # stall every other thread that faults a page, the event loop's included.
             with trio.CancelScope(shield=True):
                 while host:
-                    await self.owner.run(host.pop)
+                    await self.owner.run(_drop_last, host)
                 await self.owner.run(snap.drop_views)
 
     # -- loading ---------------------------------------------------------------------------

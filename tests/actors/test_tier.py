@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -149,3 +150,43 @@ async def test_save_after_shutdown_began_is_refused(tmp_path: Path, prefilled: P
             await tier.save("late", [1, 2, 3], caches)
     assert not tier.path_of("late").exists()
     assert tier.statistics().snapshots.created == 0
+
+
+async def test_a_saves_materialized_copies_are_freed_on_the_owner(tmp_path: Path) -> None:
+    """Regression: dropping a GiB of MLX copies on the trio thread stalled the event loop
+    for 130 ms; the last reference to each materialized tensor must go on the owner."""
+    freed_on: list[str] = []
+    async with MlxOwner.dedicated(name="mlx-owner") as owner:
+        async with ColdTier.open(tmp_path, owner=owner) as tier:
+            materialize = owner.materialize
+
+            async def tracked(snap: Any, **options: Any) -> Any:
+                host = await materialize(snap, **options)
+                for tensor in host:
+                    weakref.finalize(
+                        tensor, lambda: freed_on.append(threading.current_thread().name)
+                    )
+                return host
+
+            owner.materialize = tracked  # type: ignore[method-assign]
+            # 8 tensors of 8 MiB: more than one owner step, so the trio thread would hold
+            # the last reference to some of them if the tier did not free them itself.
+            caches = await owner.run(big_caches, 4, 2048)
+            tokens = list(range(2048))
+            assert (await (await tier.save("k", tokens, caches)).wait()).written
+    assert len(freed_on) == 8
+    assert set(freed_on) == {"mlx-owner"}
+
+
+def big_caches(layers: int, tokens: int) -> list[Any]:
+    """KV caches of [1, 8, tokens, 128] float32 tensors (owner thread)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    caches = []
+    for _ in range(layers):
+        cache: Any = KVCache()
+        shape = (1, 8, tokens, 128)
+        cache.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
+        caches.append(cache)
+    return caches
