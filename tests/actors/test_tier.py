@@ -168,7 +168,7 @@ async def test_a_saves_materialized_copies_are_freed_on_the_owner(tmp_path: Path
                     )
                 return host
 
-            owner.materialize = tracked  # type: ignore[method-assign]
+            owner.materialize = tracked  # type: ignore[method-assign,assignment]
             # 8 tensors of 8 MiB: more than one owner step, so the trio thread would hold
             # the last reference to some of them if the tier did not free them itself.
             caches = await owner.run(big_caches, 4, 2048)
