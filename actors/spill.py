@@ -42,7 +42,7 @@ from typing import Generic, TypeVar
 
 import attrs
 import trio
-from kvtrio.errors import ShuttingDown
+from kvtrio.errors import ActorStopped, ShuttingDown
 from kvtrio.runtime.actor import Actor, ActorRef
 
 __all__ = [
@@ -299,6 +299,8 @@ class Spill(Generic[T]):
                 self._actor.tell_nowait(KICK)
             except trio.WouldBlock:
                 pass  # a kick is already waiting: its handler stores everything queued
+            except (ShuttingDown, ActorStopped):
+                pass  # the actor is draining or gone; stop() settles whatever it leaves
 
     def cancel_where(self, pred: Callable[[SpillTicket[T]], bool]) -> int:
         """Cancel matching queued items, sparing the one in flight; return how many."""

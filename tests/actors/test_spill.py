@@ -323,3 +323,20 @@ async def test_spill_actor_cancelled_at_the_deadline_releases_the_rest(
     released_once(rec, ["b0", "b1", "b2"])
     with pytest.raises(ShuttingDown, match=r"^spill queue is closed$"):
         spill.submit_nowait(Item("late"))
+
+
+async def test_a_submission_the_stopped_actor_cannot_take_is_settled_by_stop(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Invariant 2: an item queued after the spill actor stopped is not lost in limbo:
+    stop() cancels and releases it."""
+    rec = Recorder()
+    spill: Spill[Item] = Spill(rec.store, rec.release, cap_bytes=1000)
+    async with ActorSystem(grace=5) as system:
+        spill.attach(await system.spawn(SpillActor(spill), name="spill", mailbox_size=1))
+        await system.shutdown()
+        orphan = spill.submit_nowait(Item("orphan"))
+        assert orphan.outcome is None
+    spill.stop()
+    assert orphan.outcome is SpillOutcome.CANCELLED
+    released_once(rec, ["orphan"])
