@@ -17,7 +17,8 @@ import trio
 from kvtrio.runtime.offload import CancelToken, Offload
 from kvtrio.storage.blockstore import BlockStore
 from kvtrio.storage.fileops import OS_FILE_OPS, FileOps
-from kvtrio.storage.reader import CacheFile, read_header, read_tensors
+from kvtrio.storage.format import Header
+from kvtrio.storage.reader import CacheFile, check_blocks, read_header, read_tensors
 
 __all__ = ["Reader", "ReaderStatistics"]
 
@@ -49,6 +50,19 @@ class Reader:
     async def read_header(self, path: str) -> CacheFile:
         """The validated header of the file at ``path`` (FileNotFoundError when absent)."""
         return await self.offload.run(self._header_job, path)
+
+    async def check_blocks(self, cache_file: CacheFile) -> None:
+        """Before allocating for a block-layout load: every block the manifest names is in
+        the store (CacheMissError), with its size where the store can tell it
+        (CorruptCacheError). A crafted manifest thus cannot size an allocation."""
+        if cache_file.header.layout != "blocks" or self.block_store is None:
+            return
+        await self.offload.run(self._check_blocks_job, cache_file.header, self.block_store)
+
+    @staticmethod
+    def _check_blocks_job(token: CancelToken, header: Header, store: BlockStore) -> None:
+        token.check()
+        check_blocks(header, store)
 
     async def read_tensors(
         self,

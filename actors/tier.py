@@ -64,7 +64,13 @@ from kvtrio.errors import CacheMissError, CorruptCacheError, ShuttingDown
 from kvtrio.runtime.offload import CancelToken, InlineOffload, Offload, ThreadOffload
 from kvtrio.runtime.system import ActorSystem, SystemStatistics
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
-from kvtrio.storage.codecs import AttachmentData, HostTensor, LoadBuffers, Restored
+from kvtrio.storage.codecs import (
+    AttachmentData,
+    HostTensor,
+    LoadBuffers,
+    Restored,
+    check_allocatable,
+)
 from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps
 from kvtrio.storage.format import Header, Layout
 from kvtrio.storage.manifeststore import ManifestStore
@@ -432,6 +438,9 @@ class ColdTier:
                 raise CacheMissError(f"cold tier has no entry {key!r}") from None
             if expect is not None:
                 expect.check(cache_file.header)
+            # Nothing is allocated from what a manifest claims before its blocks are seen.
+            await self.reader.check_blocks(cache_file)
+            check_allocatable(cache_file.header.nbytes)
             loaded = await self._read_pipelined(
                 cache_file, self.verify if verify is None else verify
             )
