@@ -169,13 +169,13 @@ def save_cache(
     target = os.fspath(path)
     if layout == "single":
         host = materialize(snap)
-        return write_single(target, snap.header, [h.pieces[0] for h in host])
+        return write_single(target, snap.header, [h.segments[0] for h in host])
     if layout == "blocks":
         host = materialize(snap, block_tokens=block_tokens)
         return write_blocks(
             target,
             snap.header,
-            [h.pieces for h in host],
+            [h.segments for h in host],
             store if store is not None else default_block_store(target),
             block_tokens=block_tokens,
         )

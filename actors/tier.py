@@ -407,8 +407,10 @@ class ColdTier:
         try:
             host = await self.owner.materialize(snap, block_tokens=block_tokens)
             if block_tokens is None:
-                return await self.writer.write_single(path, snap.plan, [h.pieces[0] for h in host])
-            return await self.writer.write_blocks(path, snap.plan, [h.pieces for h in host])
+                return await self.writer.write_single(
+                    path, snap.plan, [h.segments[0] for h in host]
+                )
+            return await self.writer.write_blocks(path, snap.plan, [h.segments for h in host])
         finally:
             # Free the materialized copies (and the views) on the owner, one tensor per job:
             # unmapping a GiB at once holds the kernel's memory-map lock long enough to

@@ -19,7 +19,13 @@ from kvtrio.runtime.offload import CancelToken, Offload
 from kvtrio.storage.blockstore import BlockStore
 from kvtrio.storage.fileops import OS_FILE_OPS, FileOps
 from kvtrio.storage.format import Header
-from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult, write_blocks, write_single
+from kvtrio.storage.writer import (
+    DEFAULT_BLOCK_TOKENS,
+    Segmented,
+    WriteResult,
+    write_blocks,
+    write_single,
+)
 
 __all__ = ["Writer", "WriterStatistics"]
 
@@ -62,13 +68,14 @@ class Writer:
     _bytes: int = attrs.field(default=0, init=False)
 
     async def write_single(
-        self, path: str, plan: Header, tensors: Sequence[memoryview]
+        self, path: str, plan: Header, tensors: Sequence[Segmented]
     ) -> WriteResult:
-        """Write one cache file: ``tensors[i]`` holds slot i of ``plan.slots()``."""
+        """Write one cache file: ``tensors[i]`` holds slot i of ``plan.slots()`` (a buffer, or
+        its contiguous segments)."""
         return await self._run(self._single_job, path, plan, tensors)
 
     async def write_blocks(
-        self, path: str, plan: Header, pieces: Sequence[Sequence[memoryview]]
+        self, path: str, plan: Header, pieces: Sequence[Sequence[Segmented]]
     ) -> WriteResult:
         """Store the pieces as content-addressed blocks, then publish the manifest."""
         if self.block_store is None:
@@ -89,7 +96,7 @@ class Writer:
         token: CancelToken,
         path: str,
         plan: Header,
-        tensors: Sequence[memoryview],
+        tensors: Sequence[Segmented],
         box: _Box,
     ) -> WriteResult:
         box.result = write_single(path, plan, tensors, file_ops=self.file_ops, cancel=token)
@@ -100,7 +107,7 @@ class Writer:
         token: CancelToken,
         path: str,
         plan: Header,
-        pieces: Sequence[Sequence[memoryview]],
+        pieces: Sequence[Sequence[Segmented]],
         box: _Box,
     ) -> WriteResult:
         assert self.block_store is not None

@@ -10,10 +10,11 @@ Save (owner thread, in steps the owner can interleave with decoding)::
                     attachments=[AttachmentData(schema, metadata, arrays)])
     # O(1): snap.header is the plan (no bytes), snap.views are lazy MLX views.
     host = [materialize_tensor(snap, i, block_tokens=None) for i in range(snap.tensor_count)]
-    # each call evals ONE tensor and returns HostTensor(pieces=(memoryview, ...)).
+    # each call evals ONE tensor and returns HostTensor(segments=((memoryview, ...), ...)):
+    # per piece, contiguous byte segments of the live buffer (zero-copy where possible).
     # then, on a worker thread (no MLX):
-    write_single(path, snap.header, [h.pieces[0] for h in host])        # or
-    write_blocks(path, snap.header, [h.pieces for h in host], store, block_tokens=256)
+    write_single(path, snap.header, [h.segments[0] for h in host])      # or
+    write_blocks(path, snap.header, [h.segments for h in host], store, block_tokens=256)
     # drop ``host`` (and ``snap``) afterwards: the memoryviews borrow MLX memory.
 
 Load (zero-copy: the reader fills MLX-owned memory)::
@@ -58,6 +59,8 @@ paged cache of :mod:`kvtrio.metal`):
 
 from __future__ import annotations
 
+import ctypes
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -216,14 +219,28 @@ class CacheSnapshot:
 
 @attrs.frozen(eq=False)
 class HostTensor:
-    """One materialized tensor: its pieces as host memoryviews, and the arrays they borrow."""
+    """One materialized tensor, and the arrays its host memory belongs to.
 
-    pieces: tuple[memoryview, ...]
+    ``segments[i]`` is piece ``i`` (one piece in the single layout, one per token block
+    in the block layout) as an ordered list of C-contiguous byte memoryviews whose
+    concatenation is the piece's bytes in C order. Where the snapshot's view allows it
+    they point straight into the live (immutable) MLX buffer, one segment per run of
+    leading indices, so nothing is copied; each segment's exporter also holds the array
+    it reads, and ``keepalive`` holds them too until the caller drops the HostTensor.
+    """
+
+    segments: tuple[tuple[memoryview, ...], ...]
     keepalive: tuple[Any, ...]
 
     @property
+    def pieces(self) -> tuple[memoryview, ...]:
+        """Each piece as one contiguous memoryview: zero-copy for a one-segment piece,
+        a joined copy otherwise (for tests and scripts; the save paths use ``segments``)."""
+        return tuple(s[0] if len(s) == 1 else memoryview(b"".join(s)) for s in self.segments)
+
+    @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.pieces)
+        return sum(seg.nbytes for piece in self.segments for seg in piece)
 
 
 @attrs.frozen(eq=False)
@@ -606,25 +623,136 @@ def _host_view(array: Any) -> memoryview:
     return byte_view(view)
 
 
+class _PyBuffer(ctypes.Structure):
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.py_object),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("strides", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("suboffsets", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+_PyObject_GetBuffer = ctypes.pythonapi.PyObject_GetBuffer
+_PyObject_GetBuffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_PyObject_GetBuffer.restype = ctypes.c_int
+_PyBuffer_Release = ctypes.pythonapi.PyBuffer_Release
+_PyBuffer_Release.argtypes = [ctypes.POINTER(_PyBuffer)]
+_PyBuffer_Release.restype = None
+_PYBUF_STRIDED_RO = 0x0010 | 0x0008  # PyBUF_STRIDES (includes ND); read-only
+
+
+def _buffer_address(view: memoryview) -> int:
+    """The address of ``view``'s first element (any strides; numpy cannot parse bfloat16)."""
+    raw = _PyBuffer()
+    if _PyObject_GetBuffer(view, ctypes.byref(raw), _PYBUF_STRIDED_RO) != 0:
+        raise AssertionError("memoryview refused its own buffer")
+    try:
+        return int(raw.buf or 0)
+    finally:
+        _PyBuffer_Release(ctypes.byref(raw))
+
+
+def _segment_plan(view: memoryview) -> tuple[int, list[int]] | None:
+    """``(segment bytes, byte offsets)`` of ``view``'s C-order contiguous runs, or None
+    when its strides are not a non-overlapping, ascending, row-major layout."""
+    shape = list(view.shape or ())
+    strides = list(view.strides or ())
+    run = view.itemsize
+    k = len(shape)
+    while k > 0 and (shape[k - 1] == 1 or strides[k - 1] == run):
+        run *= shape[k - 1]
+        k -= 1
+    if run < _MIN_SEGMENT:  # tiny runs (e.g. a strided last axis): one copy is cheaper
+        return None
+    lead = [(n, st) for n, st in zip(shape[:k], strides[:k], strict=True) if n != 1]
+    inner = run
+    for n, st in reversed(lead):
+        if st < inner:  # negative, zero or overlapping: not a set of disjoint ordered runs
+            return None
+        inner = st * n
+    if math.prod(n for n, _ in lead) > _MAX_SEGMENTS:
+        return None
+    offsets = [0]
+    for n, st in lead:
+        offsets = [o + i * st for o in offsets for i in range(n)]
+    return run, offsets
+
+
+def _zero_copy_segments(array: Any) -> tuple[memoryview, ...] | None:
+    """``array``'s (evaluated) bytes as contiguous segments of its own buffer, or None."""
+    view = memoryview(array)
+    if view.c_contiguous:
+        return (byte_view(view),)
+    plan = _segment_plan(view)
+    if plan is None:
+        return None
+    run, offsets = plan
+    span = offsets[-1] + run
+    flat_type = ctypes.c_ubyte * span
+    flat = flat_type.from_address(_buffer_address(view))
+    flat._kvtrio_owner = (array, view)  # type: ignore[attr-defined]  # lives as long as flat
+    base = memoryview(flat).cast("B")
+    # Merge runs that touch (e.g. a leading dim of size 1 already folded, or full rows).
+    out: list[memoryview] = []
+    start, stop = offsets[0], offsets[0] + run
+    for off in offsets[1:]:
+        if off == stop:
+            stop += run
+            continue
+        out.append(base[start:stop])
+        start, stop = off, off + run
+    out.append(base[start:stop])
+    return tuple(out)
+
+
+def _materialize_part(array: Any) -> tuple[tuple[memoryview, ...], Any]:
+    """Evaluate ``array``; its segments (zero-copy where its strides allow) and owner."""
+    mx.eval(array)
+    segments = _zero_copy_segments(array) if _ZERO_COPY else None
+    if segments is not None:
+        return segments, array
+    dense = mx.contiguous(array)
+    mx.eval(dense)
+    return (_host_view(dense),), dense
+
+
+_MIN_SEGMENT = 64
+_MAX_SEGMENTS = 1 << 16
+
+#: Whether materialize may hand out segments of the live buffer (off: always copy).
+_ZERO_COPY = os.environ.get("KVTRIO_SAVE_COPY", "") != "1"
+
+
 def materialize_tensor(
     snap: CacheSnapshot, index: int, *, block_tokens: int | None = None
 ) -> HostTensor:
-    """Evaluate tensor ``index`` of ``snap`` (owner thread) into host memoryviews.
+    """Evaluate tensor ``index`` of ``snap`` (owner thread) into host byte segments.
 
     ``block_tokens=None``: one piece (single layout). Otherwise the pieces of
-    :func:`~kvtrio.storage.format.piece_ranges`, each contiguous (block layout).
+    :func:`~kvtrio.storage.format.piece_ranges` (block layout). Each piece is the
+    evaluated view's own memory, described as contiguous segments (no copy), unless its
+    strides are not an ordered non-overlapping layout: then it is copied contiguous.
     """
     view = snap.views[index]
     slot = _nth_slot(snap.header, index)
     if block_tokens is None or view.token_axis is None:
-        parts = [mx.contiguous(view.array)]
+        arrays = [view.array]
     else:
-        parts = [
-            mx.contiguous(_view_tokens(view.array, view.token_axis, stop, start))
+        arrays = [
+            _view_tokens(view.array, view.token_axis, stop, start)
             for start, stop in piece_ranges(slot, block_tokens)
         ]
-    mx.eval(*parts)
-    return HostTensor(pieces=tuple(_host_view(p) for p in parts), keepalive=tuple(parts))
+    parts = [_materialize_part(a) for a in arrays]
+    return HostTensor(
+        segments=tuple(segs for segs, _ in parts), keepalive=tuple(owner for _, owner in parts)
+    )
 
 
 def _nth_slot(header: Header, index: int) -> TensorSlot:

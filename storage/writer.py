@@ -4,11 +4,14 @@ No trio, no MLX: these run on worker threads over immutable host bytes (the MLX 
 produced them with :func:`kvtrio.storage.codecs.materialize_tensor`).
 
 - :func:`write_single` writes the single-file layout. ``tensors[i]`` is the bytes of the
-  i-th slot of ``header.slots()`` (C-contiguous, exactly ``slot.nbytes``).
+  i-th slot of ``header.slots()`` (exactly ``slot.nbytes``): one C-contiguous buffer, or
+  a :data:`Segmented` list of contiguous segments whose concatenation is those bytes
+  (what :func:`~kvtrio.storage.codecs.materialize_tensor` hands out: segments of the
+  live MLX buffer, so a save copies nothing before the write).
 - :func:`write_blocks` writes the block layout: ``pieces[i]`` are the i-th slot's pieces
-  as :func:`kvtrio.storage.format.piece_ranges` cuts them (KV tensors token-block-major,
-  so a shared prefix is shared blocks). Blocks go to ``store`` and are durable before the
-  manifest naming them is published.
+  (each a buffer or segments) as :func:`kvtrio.storage.format.piece_ranges` cuts them
+  (KV tensors token-block-major, so a shared prefix is shared blocks). Blocks go to
+  ``store`` and are durable before the manifest naming them is published.
 
 Theory of operation (DESIGN.md invariants 4, 5 and 6):
 
@@ -60,6 +63,7 @@ from kvtrio.storage.format import (
 __all__ = [
     "DEFAULT_BLOCK_TOKENS",
     "TMP_SUFFIX",
+    "Segmented",
     "WriteResult",
     "as_bytes",
     "publish_bytes",
@@ -76,6 +80,41 @@ _DIRECT_ALIGN = 4096
 _DIRECT_DEFAULT = sys.platform.startswith("linux")
 
 Cancel = Callable[[], bool] | None
+
+#: One tensor's (or block's) bytes: a C-contiguous buffer, or ordered contiguous segments.
+Segmented = memoryview | Sequence[memoryview]
+
+
+def _segments(data: Segmented) -> list[memoryview]:
+    """``data`` as flat byte views, empty segments dropped (no copy)."""
+    if isinstance(data, memoryview):
+        views = [as_bytes(data)]
+    else:
+        views = [as_bytes(seg) for seg in data]
+    return [v for v in views if len(v)]
+
+
+def _chunks(segments: Sequence[memoryview], size: int) -> list[tuple[int, list[memoryview]]]:
+    """Cut the concatenation of ``segments`` into ``size``-byte chunks (the last may be
+    short): ``(offset, the segment slices that make it)`` each, no copy."""
+    out: list[tuple[int, list[memoryview]]] = []
+    parts: list[memoryview] = []
+    fill = 0
+    pos = 0
+    for seg in segments:
+        start = 0
+        while start < len(seg):
+            take = min(size - fill, len(seg) - start)
+            parts.append(seg[start : start + take])
+            fill += take
+            start += take
+            if fill == size:
+                out.append((pos, parts))
+                pos += fill
+                parts, fill = [], 0
+    if parts:
+        out.append((pos, parts))
+    return out
 
 
 @attrs.frozen
@@ -167,13 +206,18 @@ def publish_bytes(path: str, data: bytes, *, file_ops: FileOps = OS_FILE_OPS) ->
         raise
 
 
-def _write_hashed(ops: FileOps, fd: int, data: memoryview, offset: int, cancel: Cancel) -> str:
+def _write_hashed(
+    ops: FileOps, fd: int, segments: Sequence[memoryview], offset: int, cancel: Cancel
+) -> str:
+    """Buffered: hash and write each chunk straight from the segments (no copy)."""
     hasher = xxhash.xxh3_64()
-    for start in range(0, len(data), _CHUNK):
+    for start, parts in _chunks(segments, _CHUNK):
         _check_cancel(cancel)
-        chunk = data[start : start + _CHUNK]
-        hasher.update(chunk)
-        pwrite_full(ops, fd, chunk, offset + start)
+        where = offset + start
+        for part in parts:
+            hasher.update(part)
+            pwrite_full(ops, fd, part, where)
+            where += len(part)
     return hasher.hexdigest()
 
 
@@ -241,19 +285,25 @@ class _DirectWrites:
         self.pending[slot] = self.pool.submit(_pwrite_or_bounce, self.ops, self.fd, data, offset)
         return True
 
-    def _submit(self, data: memoryview, offset: int) -> memoryview:
+    def _submit(self, data: memoryview | list[memoryview], offset: int) -> memoryview:
+        """Write one chunk (one buffer, or the segment slices that make it) at ``offset``;
+        return bytes of it to hash: the source, or the bounce buffer it was gathered into."""
         slot = self.turn % self.DEPTH
         self.turn += 1
         previous = self.pending[slot]
         if previous is not None:
             self.pending[slot] = None
             previous.result()
-        if self._from_source(data, offset, slot):
+        if isinstance(data, list) and len(data) == 1:
+            data = data[0]
+        if isinstance(data, memoryview) and self._from_source(data, offset, slot):
             return data
-        n = len(data)
+        n = 0
+        for part in [data] if isinstance(data, memoryview) else data:
+            if len(part):  # gathered by memmove, which releases the GIL
+                ctypes.memmove(self.addresses[slot] + n, _address(part), len(part))
+            n += len(part)
         padded = align_up(n, _DIRECT_ALIGN)
-        if n:
-            ctypes.memmove(self.addresses[slot], _address(data), n)
         if padded > n:
             ctypes.memset(self.addresses[slot] + n, 0, padded - n)
         out = self.views[slot][:padded]
@@ -264,11 +314,11 @@ class _DirectWrites:
         for start in range(0, len(data), _CHUNK):
             self._submit(data[start : start + _CHUNK], offset + start)
 
-    def write_hashed(self, data: memoryview, offset: int, cancel: Cancel) -> str:
+    def write_hashed(self, segments: Sequence[memoryview], offset: int, cancel: Cancel) -> str:
         hasher = xxhash.xxh3_64()
-        for start in range(0, len(data), _CHUNK):
+        for start, parts in _chunks(segments, _CHUNK):
             _check_cancel(cancel)
-            hasher.update(self._submit(data[start : start + _CHUNK], offset + start))
+            hasher.update(self._submit(parts, offset + start))
         return hasher.hexdigest()
 
     def drain(self) -> None:
@@ -295,7 +345,7 @@ class _DirectWrites:
 def write_single(
     path: str,
     header: Header,
-    tensors: Sequence[memoryview],
+    tensors: Sequence[Segmented],
     *,
     file_ops: FileOps = OS_FILE_OPS,
     cancel: Cancel = None,
@@ -306,16 +356,19 @@ def write_single(
     ``direct`` (default: on where the OS has O_DIRECT) writes the tensor data with
     O_DIRECT through pipelined bounce buffers, bypassing the page cache: faster to
     durable, and it does not evict the server's working set. A filesystem without
-    O_DIRECT falls back to buffered writes.
+    O_DIRECT falls back to buffered writes. A segmented tensor is gathered chunk by
+    chunk into the (warm, reused) bounce buffers; buffered writes go straight from the
+    segments.
     """
     placed = place_single(header)
     slots = list(placed.slots())
     if len(slots) != len(tensors):
         raise ValueError(f"header has {len(slots)} tensor slots, got {len(tensors)} buffers")
-    views = [as_bytes(t) for t in tensors]
+    views = [_segments(t) for t in tensors]
     for i, (slot, view) in enumerate(zip(slots, views, strict=True)):
-        if len(view) != slot.nbytes:
-            raise ValueError(f"tensor {i}: {len(view)} bytes, slot says {slot.nbytes}")
+        size = sum(len(seg) for seg in view)
+        if size != slot.nbytes:
+            raise ValueError(f"tensor {i}: {size} bytes, slot says {slot.nbytes}")
     prefix, data_start = encode_file_prefix(placed)
     _check_cancel(cancel)
     tmp = _TmpFile(path, file_ops, direct=_DIRECT_DEFAULT if direct is None else direct)
@@ -361,7 +414,7 @@ def write_single(
 def write_blocks(
     path: str,
     header: Header,
-    pieces: Sequence[Sequence[memoryview]],
+    pieces: Sequence[Sequence[Segmented]],
     store: BlockStore,
     *,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
@@ -372,27 +425,51 @@ def write_blocks(
 
     Blocks are put (and durable: ``put_many`` returns after fsync) before the manifest is
     written. On cancel or failure the manifest is not published; blocks already stored
-    are unreferenced and GC collects them after its grace period.
+    are unreferenced and GC collects them after its grace period. Each block's sha256 is
+    computed over its segments; a segmented block is gathered (memmove, GIL released)
+    into a staging buffer reused from tensor to tensor, so it is warm after the first.
     """
     slots = list(header.slots())
     if len(slots) != len(pieces):
         raise ValueError(f"header has {len(slots)} tensor slots, got {len(pieces)} piece lists")
     new_bytes = 0
     blocked: list[TensorSlot] = []
+    staging = memoryview(bytearray())
     for i, (slot, slot_pieces) in enumerate(zip(slots, pieces, strict=True)):
         ranges = piece_ranges(slot, block_tokens)
         if len(ranges) != len(slot_pieces):
             raise ValueError(f"tensor {i}: {len(slot_pieces)} pieces, expected {len(ranges)}")
         batch: list[tuple[str, memoryview]] = []
         refs: list[BlockRef] = []
+        used = 0
         for (start, stop), piece in zip(ranges, slot_pieces, strict=True):
             _check_cancel(cancel)
-            view = as_bytes(piece)
-            if len(view) != piece_nbytes(slot, start, stop):
-                raise ValueError(f"tensor {i}: piece [{start}, {stop}) has {len(view)} bytes")
-            name = hashlib.sha256(view).hexdigest()
+            segments = _segments(piece)
+            size = sum(len(seg) for seg in segments)
+            if size != piece_nbytes(slot, start, stop):
+                raise ValueError(f"tensor {i}: piece [{start}, {stop}) has {size} bytes")
+            hasher = hashlib.sha256()
+            for seg in segments:
+                hasher.update(seg)
+            name = hasher.hexdigest()
+            if len(segments) == 1:
+                view = segments[0]
+            elif not segments:
+                view = memoryview(b"")
+            else:
+                if len(staging) < used + size:
+                    grown = max(slot.nbytes, used + size)
+                    staging = memoryview(mmap.mmap(-1, grown)) if not used else staging
+                    if len(staging) < used + size:  # pieces bigger than the slot says
+                        raise ValueError(f"tensor {i}: pieces exceed {slot.nbytes} bytes")
+                view = staging[used : used + size]
+                where = _address(view)
+                for seg in segments:
+                    ctypes.memmove(where, _address(seg), len(seg))
+                    where += len(seg)
+                used += size
             batch.append((name, view))
-            refs.append(BlockRef(name, len(view)))
+            refs.append(BlockRef(name, size))
         _check_cancel(cancel)
         new_bytes += store.put_many(batch)
         blocked.append(attrs.evolve(slot, off=None, xxh3=None, blocks=tuple(refs)))

@@ -1,0 +1,108 @@
+"""Zero-copy saves: materialize hands out segments of the live buffer, and the files
+written from them are byte-identical to those written from contiguous copies."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from kvtrio.storage import codecs
+from kvtrio.storage.blockstore import LocalBlockStore
+from kvtrio.storage.codecs import materialize, snapshot
+from kvtrio.storage.writer import write_blocks, write_single
+
+from .conftest import H, make_kv
+
+
+def _contiguous_bytes(array: Any) -> bytes:
+    dense: Any = mx.contiguous(array)
+    mx.eval(dense)
+    return bytes(memoryview(dense))
+
+
+def _file_bytes(path: Path) -> bytes:
+    return path.read_bytes()
+
+
+def _tree_bytes(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.name.startswith(".")
+    }
+
+
+def test_strided_snapshot_is_segments_of_the_live_buffer() -> None:
+    live = make_kv([300, 1, 1])  # 302 tokens in a longer buffer: strided along tokens
+    (host_k, host_v) = materialize(snapshot([live], [1]))
+    for host, full in ((host_k, live.keys), (host_v, live.values)):
+        (segments,) = host.segments
+        assert len(segments) == H  # one run per (batch, head) row
+        whole = np.asarray(memoryview(full)).view(np.uint8)  # float16: numpy can parse it
+        assert all(np.shares_memory(np.frombuffer(s, np.uint8), whole) for s in segments)
+        expected = _contiguous_bytes(full[..., :302, :])
+        assert b"".join(segments) == expected == bytes(host.pieces[0])
+
+
+def test_strides_that_are_not_ordered_runs_fall_back_to_a_copy() -> None:
+    base = mx.arange(4 * 64, dtype=mx.float32).reshape(1, 4, 64)
+    mx.eval(base)
+    for strided in (base[:, ::-1, :], base[..., ::2]):
+        segments, owner = codecs._materialize_part(strided)
+        assert len(segments) == 1 and owner is not strided
+        assert bytes(segments[0]) == _contiguous_bytes(strided)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_written_bytes_equal_the_copying_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    live = make_kv([300, 1, 1])
+    snap = snapshot([live], [1, 2, 3])  # one header plan (it carries created_at)
+    outputs: list[bytes] = []
+    for zero_copy in (False, True):
+        monkeypatch.setattr(codecs, "_ZERO_COPY", zero_copy)
+        host = materialize(snap)
+        assert max(len(h.segments[0]) for h in host) == (H if zero_copy else 1)
+        path = tmp_path / f"single-{zero_copy}.kvt"
+        write_single(str(path), snap.header, [h.segments[0] for h in host], direct=direct)
+        outputs.append(_file_bytes(path))
+    assert outputs[0] == outputs[1]
+
+
+def test_block_layout_bytes_equal_the_copying_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    live = make_kv([300, 1, 1])
+    snap = snapshot([live], [1, 2, 3])  # one header plan (it carries created_at)
+    trees: list[dict[str, bytes]] = []
+    for zero_copy in (False, True):
+        monkeypatch.setattr(codecs, "_ZERO_COPY", zero_copy)
+        root = tmp_path / f"z{zero_copy}"
+        os.makedirs(root)
+        host = materialize(snap, block_tokens=128)
+        write_blocks(
+            str(root / "m.kvt"),
+            snap.header,
+            [h.segments for h in host],
+            LocalBlockStore(str(root / "blocks")),
+            block_tokens=128,
+        )
+        trees.append(_tree_bytes(root))
+    assert trees[0] == trees[1] and len(trees[0]) > 1
+
+
+def test_setitem_after_materialize_cannot_reach_the_segments() -> None:
+    """Invariant 1: an in-place write into the live cache after a zero-copy materialize
+    lands in a new buffer (MLX donates only a buffer with one owner)."""
+    live = make_kv([300, 1, 1])
+    host: list[Any] = materialize(snapshot([live], [1]))
+    before = [b"".join(h.segments[0]) for h in host]
+    live.keys[..., :10, :] = mx.zeros_like(live.keys[..., :10, :])
+    live.values[..., :10, :] = mx.zeros_like(live.values[..., :10, :])
+    mx.eval(live.keys, live.values)
+    assert [b"".join(h.segments[0]) for h in host] == before
