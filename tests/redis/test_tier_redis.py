@@ -85,9 +85,8 @@ async def test_deleted_and_corrupted_blocks_behind_the_tiers_back(redis_url: str
             assert (await (await tier.save(key, tokens, caches)).wait()).written
         store = RedisBlockStore.open(redis_url)
         names = sorted(info.name for info in store.iter_blocks())
-        store.client.delete(store.block_key(names[0]))
-        with pytest.raises(CacheMissError, match=rf"block {names[0]} is missing$"):
-            await tier.load("a")
+        # "a" and "b" share every block: corrupt one first (all present: a hash failure),
+        # then delete another (a clean miss, found before anything is allocated).
         stored = store.client.get(store.block_key(names[1]))
         assert isinstance(stored, bytes)
         value = bytearray(stored)
@@ -95,6 +94,9 @@ async def test_deleted_and_corrupted_blocks_behind_the_tiers_back(redis_url: str
         store.client.set(store.block_key(names[1]), bytes(value))
         with pytest.raises(CorruptCacheError, match=r"block content does not hash to its name$"):
             await tier.load("b")
+        store.client.delete(store.block_key(names[0]))
+        with pytest.raises(CacheMissError, match=rf"block {names[0]} is missing$"):
+            await tier.load("a")
         store.close()
 
 
