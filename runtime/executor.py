@@ -14,6 +14,9 @@ Theory of operation (DedicatedThreadExecutor):
 4. Each job moves PENDING -> STARTED -> DONE, or PENDING -> SKIPPED, or STARTED -> ABANDONED,
    under one lock shared by the owner thread and the trio thread; whoever makes a transition
    decides alone what happens next, so no result is delivered twice or to a task that left.
+5. Nothing outlives its job: the owner thread drops the job's function and arguments once
+   it has run (or was skipped), and ``run`` clears the result from the job record as it
+   hands it over, so a large result lives exactly as long as the caller keeps it.
 """
 
 from __future__ import annotations
@@ -73,6 +76,10 @@ class _Job(Generic[T]):
     state: _State = _State.PENDING
     value: T | None = None
     error: BaseException | None = None
+
+
+def _released() -> Any:
+    raise AssertionError("a job runs at most once")
 
 
 _CLOSE = object()  # queue sentinel: the owner thread exits after the jobs before it
@@ -172,10 +179,15 @@ class DedicatedThreadExecutor:
             return trio.lowlevel.Abort.FAILED
 
         await trio.lowlevel.wait_task_rescheduled(abort)
-        error, job.error = job.error, None
+        # Rule 5: the job record keeps nothing once the result is handed over.
+        value, error = job.value, job.error
+        job.value = job.error = None
         if error is not None:
-            raise error
-        return job.value  # type: ignore[return-value]
+            try:
+                raise error
+            finally:
+                del error
+        return value  # type: ignore[return-value]
 
     def statistics(self) -> ExecutorStatistics:
         return ExecutorStatistics(
@@ -195,8 +207,10 @@ class DedicatedThreadExecutor:
                 return
             assert isinstance(item, _Job)
             self._run_job(item)
+            del item  # rule 5: do not hold the settled job until the next one arrives
 
     def _run_job(self, job: _Job[Any]) -> None:
+        fn, job.fn = job.fn, _released  # rule 5: the closure holds the job's arguments
         with self._lock:
             if job.state is not _State.PENDING:
                 return  # skipped: its caller left before we got here
@@ -205,9 +219,10 @@ class DedicatedThreadExecutor:
         value: Any = None
         error: BaseException | None = None
         try:
-            value = job.fn()
+            value = fn()
         except BaseException as exc:
             error = exc
+        del fn
         with self._lock:
             self._completed += 1
             if job.state is _State.ABANDONED:

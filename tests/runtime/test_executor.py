@@ -143,3 +143,47 @@ async def test_inline_executor_runs_on_the_calling_thread_and_skips_when_cancell
         scope.cancel()
         await ex.run(ran.append, 1)
     assert ran == []
+
+
+class _Payload:
+    pass
+
+
+async def test_result_and_arguments_are_released_once_delivered() -> None:
+    """Rule 5: once ``run`` returned and the caller dropped the result, neither the result
+    nor the job's arguments stay alive in the executor (no waiting for the next job)."""
+
+    def make(arg: _Payload) -> _Result:
+        return _Result()
+
+    async with DedicatedThreadExecutor(name="release") as ex:
+        arg = _Payload()
+        arg_ref = weakref.ref(arg)
+        result = await ex.run(make, arg)
+        result_ref = weakref.ref(result)
+        del result, arg
+        gc.collect()
+        assert result_ref() is None
+        assert arg_ref() is None
+        assert ex.statistics().completed == 1
+
+
+async def test_failed_job_arguments_are_released_once_delivered() -> None:
+    """Rule 5: a job that raised keeps neither its arguments nor its error alive."""
+
+    class _Boom(Exception):
+        pass
+
+    def fail(arg: _Payload) -> None:
+        raise _Boom("boom")
+
+    async with DedicatedThreadExecutor(name="release-error") as ex:
+        arg = _Payload()
+        arg_ref = weakref.ref(arg)
+        with pytest.raises(_Boom, match=r"^boom$") as info:
+            await ex.run(fail, arg)
+        error_ref = weakref.ref(info.value)
+        del arg, info
+        gc.collect()
+        assert arg_ref() is None
+        assert error_ref() is None
