@@ -16,7 +16,9 @@ Invariant 4: a reader never returns bytes it has not checked against the header'
 when asked to verify, and never trusts a header field it has not bounds-checked. Every
 validation failure is a CorruptCacheError naming the field; a missing block is a
 CacheMissError (a clean miss). ``cancel()`` is polled at every tensor, chunk and block
-boundary; when it returns True, :class:`~kvtrio.errors.OperationCancelled` is raised.
+boundary (between batches of blocks for stores with a batched ``read_many_into``, such
+as Redis: at most :data:`BLOCK_BATCH_BYTES` per round trip); when it returns True,
+:class:`~kvtrio.errors.OperationCancelled` is raised.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -44,6 +46,7 @@ from kvtrio.storage.format import (
 )
 
 __all__ = [
+    "BLOCK_BATCH_BYTES",
     "CacheFile",
     "allocate_buffers",
     "check_blocks",
@@ -56,7 +59,13 @@ _CHUNK = 8 * 1024 * 1024
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _DIRECT_ALIGN = 4096
 
+# Block-layout reads from a store with ``read_many_into`` go this many bytes per call
+# (one pipelined round trip on Redis): enough to amortize the round trip, bounded so
+# cancellation is polled often and the store buffers little.
+BLOCK_BATCH_BYTES = 16 * 1024 * 1024
+
 Cancel = Callable[[], bool] | None
+ReadMany = Callable[[Sequence[tuple[str, memoryview]]], list[bool]]
 
 
 @attrs.frozen
@@ -105,28 +114,35 @@ def read_header(path: str, *, file_ops: FileOps = OS_FILE_OPS) -> CacheFile:
 def check_blocks(header: Header, store: BlockStore) -> None:
     """Before allocating for a block-layout load: every block is present (CacheMissError).
 
-    Stores that can tell a block's size without reading it (``stored_size(name)``, as
+    Stores that can tell a block's size without reading it (``stored_sizes(names)``, one
+    round trip on Redis, or ``stored_size(name)``, as
     :class:`~kvtrio.storage.blockstore.LocalBlockStore` does) also have each size checked
     against the manifest (CorruptCacheError), so a crafted manifest cannot make the
     caller allocate more than the store holds.
     """
     names = list(slot_names(header))
-    sized = getattr(store, "stored_size", None)
+    sizes_of: Callable[[list[str]], list[int | None]] | None = getattr(
+        store, "stored_sizes", None
+    )
+    sized: Callable[[str], int | None] | None = getattr(store, "stored_size", None)
+    if sizes_of is None and sized is not None:
+        one = sized
+        sizes_of = lambda batch: [one(n) for n in batch]  # noqa: E731
     for slot, name in zip(header.slots(), names, strict=True):
         refs = slot.blocks or ()
-        present = store.has_many([r.sha256 for r in refs]) if sized is None else None
-        for j, ref in enumerate(refs):
-            if sized is not None:
-                size = sized(ref.sha256)
+        shas = [r.sha256 for r in refs]
+        if sizes_of is not None:
+            sizes = sizes_of(shas) if shas else []
+            for ref, size in zip(refs, sizes, strict=True):
                 if size is not None and size != ref.nbytes:
                     raise CorruptCacheError(
                         f"block {ref.sha256}: stored size {size} != expected {ref.nbytes}"
                     )
-                missing = size is None
-            else:
-                assert present is not None
-                missing = not present[j]
-            if missing:
+            present = [size is not None for size in sizes]
+        else:
+            present = store.has_many(shas)
+        for j, (ref, ok) in enumerate(zip(refs, present, strict=True)):
+            if not ok:
                 raise CacheMissError(f"{name}.blocks[{j}]: block {ref.sha256} is missing")
 
 
@@ -284,6 +300,8 @@ def _read_blocks(
     verify: bool,
     cancel: Cancel,
 ) -> None:
+    # Every block to read, in order, checked against the header before any I/O.
+    wanted: list[tuple[str, str, memoryview]] = []  # (label, sha256, buffer)
     for slot, name, pieces in zip(slots, names, views, strict=True):
         refs = slot.blocks or ()
         if len(refs) != len(pieces):
@@ -291,14 +309,38 @@ def _read_blocks(
                 f"{name}.blocks: {len(refs)} blocks, the tensor has {len(pieces)} token blocks"
             )
         for j, (ref, piece) in enumerate(zip(refs, pieces, strict=True)):
-            _check_cancel(cancel)
             if ref.nbytes != len(piece):
                 raise CorruptCacheError(
                     f"{name}.blocks[{j}].bytes: {ref.nbytes}, the token block has {len(piece)}"
                 )
-            if not store.read_into(ref.sha256, piece):
-                raise CacheMissError(f"{name}.blocks[{j}]: block {ref.sha256} is missing")
-            if verify and hashlib.sha256(piece).hexdigest() != ref.sha256:
+            wanted.append((f"{name}.blocks[{j}]", ref.sha256, piece))
+    # Stores with a batched read (RedisBlockStore: one pipelined round trip per batch) get
+    # up to BLOCK_BATCH_BYTES per call; the others are read one block per call.
+    read_many: ReadMany | None = getattr(store, "read_many_into", None)
+    for batch in _block_batches([len(piece) for _, _, piece in wanted], read_many is not None):
+        _check_cancel(cancel)
+        items = [wanted[i] for i in batch]
+        if read_many is not None:
+            found = read_many([(sha, piece) for _, sha, piece in items])
+        else:
+            found = [store.read_into(sha, piece) for _, sha, piece in items]
+        for (label, sha, piece), ok in zip(items, found, strict=True):
+            if not ok:
+                raise CacheMissError(f"{label}: block {sha} is missing")
+            if verify and hashlib.sha256(piece).hexdigest() != sha:
                 raise CorruptCacheError(
-                    f"{name}.blocks[{j}].sha256: block content does not hash to its name"
+                    f"{label}.sha256: block content does not hash to its name"
                 )
+
+
+def _block_batches(sizes: Sequence[int], batched: bool) -> Iterator[range]:
+    """Index ranges of about BLOCK_BATCH_BYTES (one block each when not ``batched``)."""
+    start = 0
+    while start < len(sizes):
+        end = start + 1
+        total = sizes[start]
+        while batched and end < len(sizes) and total + sizes[end] <= BLOCK_BATCH_BYTES:
+            total += sizes[end]
+            end += 1
+        yield range(start, end)
+        start = end

@@ -331,6 +331,33 @@ class RedisBlockStore:
                     found.append(self._fill(targets[i][0], targets[i][1], reply))
         return found
 
+    def stored_size(self, name: str) -> int | None:
+        """The size of block ``name`` in Redis (STRLEN), or None if it is absent."""
+        return self.stored_sizes([name])[0]
+
+    def stored_sizes(self, names: Sequence[str]) -> list[int | None]:
+        """Sizes of the named blocks, None for each absent one (one pipelined round trip).
+
+        STRLEN answers 0 for a missing key; only those zeros are asked again with EXISTS
+        (an empty block is stored as an empty value).
+        """
+        keys = [self.block_key(check_block_name(name)) for name in names]
+        if not keys:
+            return []
+        with self._io():
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.strlen(key)
+            sizes: list[int | None] = [int(reply) for reply in pipe.execute()]
+            zeros = [i for i, size in enumerate(sizes) if size == 0]
+            if zeros:
+                pipe = self.client.pipeline(transaction=False)
+                for i in zeros:
+                    pipe.exists(keys[i])
+                for i, exists in zip(zeros, pipe.execute(), strict=True):
+                    sizes[i] = 0 if exists else None
+        return sizes
+
     def delete_many(self, names: Sequence[str]) -> int:
         """Delete the named blocks that exist; return how many were deleted."""
         checked = [check_block_name(name) for name in names]
