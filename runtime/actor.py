@@ -143,7 +143,9 @@ class Actor(Generic[M]):
         raise NotImplementedError
 
     async def on_stop(self) -> None:
-        """Runs when this instance retires: after a drain, or after a crash. Not on cancel."""
+        """Runs once when this instance retires, if its ``on_start`` returned: after a drain,
+        after a crash (before a restart or escalation), or when it is cancelled. Off the drain
+        path it is shielded but bounded by the system's ``on_stop_timeout``."""
 
 
 class ActorState(enum.Enum):

@@ -18,6 +18,13 @@ deadline, ``grace`` seconds after ``shutdown`` is called):
 Leaving ``async with ActorSystem()`` normally runs ``shutdown()`` with the system's default
 grace; leaving it with an exception cancels everything at once, as a nursery does.
 
+``on_stop`` runs once for every actor instance whose ``on_start`` returned, whichever way
+it stops: after its drain; after a crash (before the restart's backoff, or before the crash
+escalates); when it is cancelled (at a deadline, by :meth:`ActorSystem.cancel`, or because a
+sibling escalated). Off the drain path it runs shielded from the cancellation but for at
+most ``on_stop_timeout`` seconds, and an error it raises is traced (``stop_failed``) and
+dropped: the crash or cancellation already decides what happens next.
+
 Supervision (see :mod:`kvtrio.runtime.supervision`): a crash under :class:`Escalate`
 stops the actor (its queued replies fail with ActorCrashed) and raises
 :class:`~kvtrio.errors.ActorCrashed` into the system's nursery, cancelling the rest.
@@ -89,7 +96,9 @@ class ActorSystem:
     """Runs actors in one nursery: ``async with ActorSystem() as system:``.
 
     ``grace`` is the default shutdown deadline in seconds; ``seed`` seeds the backoff
-    jitter (for exact tests); ``trace`` receives every actor event.
+    jitter (for exact tests); ``trace`` receives every actor event. ``on_stop_timeout``
+    bounds an ``on_stop`` that runs after a crash or a cancellation (it is shielded from
+    the cancellation, so without a bound a hanging one would hang shutdown).
     """
 
     def __init__(
@@ -99,9 +108,11 @@ class ActorSystem:
         grace: float = 5.0,
         seed: int | None = None,
         trace: Tracer | None = None,
+        on_stop_timeout: float = 1.0,
     ) -> None:
         self.name = name
         self.grace = grace
+        self.on_stop_timeout = on_stop_timeout
         self.random = random.Random(seed)
         self.trace = trace
         self._intake = Intake(owner=self)
@@ -210,17 +221,29 @@ class ActorSystem:
         while True:
             actor = cell.make_actor()
             actor.ref, actor.name, actor.system = cell.ref, mailbox.name, self
+            # on_stop runs once per instance whose on_start returned, on every path out.
+            needs_stop = False
             try:
                 await actor.on_start()
+                needs_stop = True
                 mailbox.state = ActorState.DRAINING if mailbox.closed else ActorState.RUNNING
                 if not started:
                     started = True
                     task_status.started()
                 await self._handle_until_closed(cell, actor)
+                needs_stop = False
                 await actor.on_stop()
                 return
             except Exception as exc:
-                delay = self._on_crash(cell, exc, first_start=not started)
+                try:
+                    delay = self._on_crash(cell, exc, first_start=not started)
+                finally:
+                    if needs_stop:
+                        await self._final_on_stop(actor)
+            except BaseException:
+                if needs_stop:  # cancelled: at the deadline, by cancel(), or by a sibling
+                    await self._final_on_stop(actor)
+                raise
             mailbox.state = ActorState.RESTARTING
             await trio.sleep(delay)
             mailbox.restarts += 1
@@ -258,6 +281,20 @@ class ActorSystem:
             if not budget:
                 budget = _NOWAIT_BUDGET
                 await trio.lowlevel.checkpoint()
+
+    async def _final_on_stop(self, actor: Actor[Any]) -> None:
+        """Run ``on_stop`` of an instance that crashed or was cancelled: shielded from the
+        cancellation, but at most ``on_stop_timeout`` seconds; an error it raises is traced
+        (event ``stop_failed``) and dropped, as the crash or cancellation already wins."""
+        with trio.CancelScope(
+            shield=True, deadline=trio.current_time() + self.on_stop_timeout
+        ) as scope:
+            try:
+                await actor.on_stop()
+            except Exception as exc:
+                self._record(actor.name, "stop_failed", exc)
+        if scope.cancelled_caught:
+            self._record(actor.name, "stop_timed_out", None)
 
     def _on_crash(self, cell: _Cell[M], exc: Exception, *, first_start: bool) -> float:
         """Count a crash, fail the reply it leaves hanging; the backoff, or raise to escalate."""

@@ -45,7 +45,8 @@ T = TypeVar("T")
 
 @attrs.frozen
 class TraceEvent:
-    """One thing an actor did: ``event`` is handled, crashed, escalated, restarted or dropped.
+    """One thing an actor did: ``event`` is handled, crashed, escalated, restarted, dropped,
+    or stop_failed / stop_timed_out (an ``on_stop`` after a crash or cancel raised / ran out).
 
     ``at`` is ``trio.current_time()`` when it happened; for "handled", when the handler
     started on the message."""
