@@ -8,7 +8,12 @@ See docs/runtime.md.
 from __future__ import annotations
 
 from kvtrio.runtime.actor import Actor, ActorRef, ActorState, ActorStatistics, Reply
-from kvtrio.runtime.executor import DedicatedThreadExecutor, Executor, InlineExecutor
+from kvtrio.runtime.executor import (
+    DedicatedThreadExecutor,
+    Executor,
+    ExecutorCloseTimeout,
+    InlineExecutor,
+)
 from kvtrio.runtime.offload import CancelToken, InlineOffload, Offload, ThreadOffload
 from kvtrio.runtime.signals import shutdown_on_signals
 from kvtrio.runtime.supervision import ESCALATE, Escalate, Restart, Supervision
@@ -25,6 +30,7 @@ __all__ = [
     "DedicatedThreadExecutor",
     "Escalate",
     "Executor",
+    "ExecutorCloseTimeout",
     "InlineExecutor",
     "InlineOffload",
     "Offload",

@@ -17,11 +17,17 @@ Theory of operation (DedicatedThreadExecutor):
 5. Nothing outlives its job: the owner thread drops the job's function and arguments once
    it has run (or was skipped), and ``run`` clears the result from the job record as it
    hands it over, so a large result lives exactly as long as the caller keeps it.
+6. A started job cannot be interrupted (Python has no way to stop a thread). ``close`` and
+   ``aclose`` wait for the queued jobs to finish; given a ``timeout``, they stop waiting
+   when it runs out, leave the owner thread running as a daemon thread (it does not keep
+   the interpreter alive), log a warning and raise :class:`ExecutorCloseTimeout`. The
+   thread then exits on its own once its current job (and any queued behind it) returns.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -30,8 +36,17 @@ from typing import Any, Generic, Protocol, TypeVar, TypeVarTuple, Unpack
 
 import attrs
 import trio
+from kvtrio.errors import KvtrioError
 
-__all__ = ["DedicatedThreadExecutor", "Executor", "ExecutorStatistics", "InlineExecutor"]
+__all__ = [
+    "DedicatedThreadExecutor",
+    "Executor",
+    "ExecutorCloseTimeout",
+    "ExecutorStatistics",
+    "InlineExecutor",
+]
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -49,6 +64,19 @@ class Executor(Protocol):
         ...
 
 
+class ExecutorCloseTimeout(KvtrioError):
+    """``close``/``aclose`` gave up waiting for a job that did not return; the owner thread
+    was left running as a daemon thread (rule 6)."""
+
+    def __init__(self, name: str, timeout: float) -> None:
+        self.name = name
+        self.timeout = timeout
+        super().__init__(
+            f"executor {name!r}: a job was still running {timeout:g}s after close; "
+            "its thread was left running as a daemon thread"
+        )
+
+
 @attrs.frozen
 class ExecutorStatistics:
     """A snapshot of an executor's counters."""
@@ -57,7 +85,8 @@ class ExecutorStatistics:
     started: int
     completed: int
     skipped: int
-    abandoned: int
+    abandoned: int  # started jobs whose caller left before they returned
+    thread_abandoned: bool = False  # close gave up waiting for the owner thread (rule 6)
 
 
 class _State(enum.Enum):
@@ -90,10 +119,16 @@ class DedicatedThreadExecutor:
 
     Use as ``async with DedicatedThreadExecutor(name="mlx-owner") as ex:``, or call
     :meth:`start` and :meth:`close` yourself. Jobs queued before ``close`` still run.
+    ``close_timeout`` is the timeout leaving the ``async with`` block passes to
+    :meth:`aclose` (None: wait as long as the jobs take).
     """
 
-    def __init__(self, *, name: str = "kvtrio-executor") -> None:
+    def __init__(
+        self, *, name: str = "kvtrio-executor", close_timeout: float | None = None
+    ) -> None:
         self.name = name
+        self.close_timeout = close_timeout
+        self._thread_abandoned = False
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -114,18 +149,38 @@ class DedicatedThreadExecutor:
             self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
             self._thread.start()
 
-    def close(self) -> None:
-        """Stop accepting jobs, let the queued ones run, and join the thread (blocking)."""
+    def close(self, *, timeout: float | None = None) -> None:
+        """Stop accepting jobs, let the queued ones run, and join the thread (blocking).
+
+        With ``timeout`` (seconds), stop waiting when it runs out and raise
+        :class:`ExecutorCloseTimeout`, leaving the thread running as a daemon (rule 6).
+        """
         thread = self._begin_close()
         if thread is not None:
-            thread.join()
+            thread.join(timeout)
+            self._check_joined(thread, timeout)
 
-    async def aclose(self) -> None:
-        """Like :meth:`close`, but waits for the thread from a worker thread."""
+    async def aclose(self, *, timeout: float | None = None) -> None:
+        """Like :meth:`close`, but waits for the thread from a worker thread (shielded from
+        cancellation: the jobs cannot be interrupted; bound the wait with ``timeout``)."""
         thread = self._begin_close()
         if thread is not None:
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(thread.join)
+                await trio.to_thread.run_sync(thread.join, timeout)
+            self._check_joined(thread, timeout)
+
+    def _check_joined(self, thread: threading.Thread, timeout: float | None) -> None:
+        if not thread.is_alive():
+            return
+        assert timeout is not None and thread.daemon
+        self._thread_abandoned = True
+        logger.warning(
+            "executor %r: a job was still running %gs after close; "
+            "leaving its thread running as a daemon thread",
+            self.name,
+            timeout,
+        )
+        raise ExecutorCloseTimeout(self.name, timeout)
 
     def _begin_close(self) -> threading.Thread | None:
         if self._closed:
@@ -144,7 +199,7 @@ class DedicatedThreadExecutor:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.aclose()
+        await self.aclose(timeout=self.close_timeout)
 
     # -- the trio side ---------------------------------------------------------------------
 
@@ -196,6 +251,7 @@ class DedicatedThreadExecutor:
             completed=self._completed,
             skipped=self._skipped,
             abandoned=self._abandoned,
+            thread_abandoned=self._thread_abandoned,
         )
 
     # -- the owner thread ------------------------------------------------------------------
@@ -254,10 +310,10 @@ class InlineExecutor:
     def start(self) -> None:
         """Nothing to start; present for interface parity."""
 
-    def close(self) -> None:
+    def close(self, *, timeout: float | None = None) -> None:
         """Nothing to close; present for interface parity."""
 
-    async def aclose(self) -> None:
+    async def aclose(self, *, timeout: float | None = None) -> None:
         await trio.lowlevel.checkpoint()
 
     async def __aenter__(self) -> InlineExecutor:

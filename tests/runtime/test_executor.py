@@ -12,7 +12,12 @@ import weakref
 import pytest
 import trio
 import trio.testing
-from kvtrio.runtime.executor import DedicatedThreadExecutor, Executor, InlineExecutor
+from kvtrio.runtime.executor import (
+    DedicatedThreadExecutor,
+    Executor,
+    ExecutorCloseTimeout,
+    InlineExecutor,
+)
 
 WAIT = 10.0  # seconds; only reached if the code under test is broken
 
@@ -187,3 +192,82 @@ async def test_failed_job_arguments_are_released_once_delivered() -> None:
         gc.collect()
         assert arg_ref() is None
         assert error_ref() is None
+
+
+async def test_aclose_timeout_gives_up_on_a_job_that_never_returns() -> None:
+    """Rule 6: a started job cannot be interrupted; aclose(timeout=...) stops waiting,
+    leaves the owner thread running as a daemon and raises ExecutorCloseTimeout. The
+    thread exits on its own once the job returns."""
+    entered = threading.Event()
+    release = threading.Event()
+
+    def stuck() -> None:
+        entered.set()
+        release.wait(WAIT)
+
+    ex = DedicatedThreadExecutor(name="stuck")
+    ex.start()
+    thread = ex._thread
+    assert thread is not None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ex.run, stuck)
+            await trio.to_thread.run_sync(entered.wait, WAIT)
+            with pytest.raises(
+                ExecutorCloseTimeout,
+                match=r"^executor 'stuck': a job was still running 0\.2s after close; "
+                r"its thread was left running as a daemon thread$",
+            ):
+                await ex.aclose(timeout=0.2)
+            assert thread.is_alive() and thread.daemon
+            assert ex.statistics().thread_abandoned
+            release.set()  # the job returns; its caller gets the result
+    finally:
+        release.set()
+    await trio.to_thread.run_sync(thread.join, WAIT)
+    assert not thread.is_alive()
+    await ex.aclose(timeout=0.2)  # already closed: returns at once
+
+
+def test_sync_close_timeout_and_async_with_close_timeout() -> None:
+    """Rule 6 for close(timeout=...) and for ``async with`` given ``close_timeout``; a
+    close that is in time returns normally and abandons nothing."""
+    release = threading.Event()
+    entered = threading.Event()
+
+    def stuck() -> None:
+        entered.set()
+        release.wait(WAIT)
+
+    async def main() -> None:
+        ex = DedicatedThreadExecutor(name="sync-stuck")
+        ex.start()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ex.run, stuck)
+            await trio.to_thread.run_sync(entered.wait, WAIT)
+            with pytest.raises(ExecutorCloseTimeout, match=r"^executor 'sync-stuck': "):
+                ex.close(timeout=0.1)
+            release.set()
+        assert ex.statistics().thread_abandoned
+
+        entered.clear()
+        release.clear()
+        with pytest.raises(ExecutorCloseTimeout, match=r"^executor 'with-stuck': ") as info:
+            async with (
+                DedicatedThreadExecutor(name="with-stuck", close_timeout=0.1) as ex2,
+                trio.open_nursery() as nursery,
+            ):
+                nursery.start_soon(ex2.run, stuck)
+                await trio.to_thread.run_sync(entered.wait, WAIT)
+                nursery.cancel_scope.cancel()  # the caller leaves; the job keeps running
+        assert info.value.timeout == 0.1
+        release.set()
+
+        async with DedicatedThreadExecutor(name="prompt", close_timeout=5.0) as ex3:
+            assert await ex3.run(int, "7") == 7
+        assert not ex3.statistics().thread_abandoned
+
+    try:
+        trio.run(main)
+    finally:
+        release.set()
