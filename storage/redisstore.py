@@ -14,7 +14,9 @@ Rules this module keeps:
 2. Many blocks travel in one pipeline (one round trip per batch of up to
    :data:`PIPELINE_BYTES`), in both directions; block bytes are sent from the caller's
    memoryviews without a Python-level copy (redis-py writes memoryviews as separate
-   chunks).
+   chunks), and received into the caller's buffers with ``recv_into`` (the GET replies
+   are parsed here, on a connection checked out of redis-py's pool, so no ``bytes``
+   object is built per block and copied again).
 3. The store is untrusted: sizes are checked here, content is re-hashed by the caller
    (``read_into`` does not hash, like every :class:`~kvtrio.storage.blockstore.BlockStore`).
    A block that is absent -- never stored, deleted, or evicted by ``maxmemory`` +
@@ -75,6 +77,8 @@ DEFAULT_PREFIX = "kvtrio"
 PIPELINE_BYTES = 64 * 1024 * 1024
 PIPELINE_BLOCKS = 512
 _SCAN_COUNT = 1000
+_READ_AHEAD = 64 * 1024  # bytes read at once outside reply headers (a reply's CRLF)
+_HEADER_READ = 32  # bytes read at once for a reply header such as "$65536\r\n"
 # Connection defaults chosen so an unreachable server fails a save in about a second
 # instead of redis-py's ten retries; each is overridable in the URL's query string.
 _DEFAULT_OPTIONS = {
@@ -228,6 +232,82 @@ def _batches(sizes: Sequence[int]) -> Iterator[range]:
         start = end
 
 
+class _ReplyReader:
+    """RESP replies read from a socket; bulk strings land in the caller's buffers.
+
+    Small reads (reply headers) go through a little read-ahead buffer; a block's bytes
+    beyond what was read ahead are received with ``recv_into`` straight into its buffer.
+    """
+
+    __slots__ = ("_buf", "_pos", "_sock")
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._buf = bytearray()
+        self._pos = 0
+
+    def drained(self) -> bool:
+        """Whether nothing was read past the last reply (the connection is reusable)."""
+        return self._pos == len(self._buf)
+
+    def _more(self, small: bool = False) -> None:
+        chunk = self._sock.recv(_HEADER_READ if small else _READ_AHEAD)
+        if not chunk:
+            raise ConnectionError("connection closed by the server mid-reply")
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
+        self._buf += chunk
+
+    def _line(self) -> bytes:
+        while True:
+            end = self._buf.find(b"\r\n", self._pos)
+            if end >= 0:
+                line = bytes(self._buf[self._pos : end])
+                self._pos = end + 2
+                return line
+            if len(self._buf) - self._pos > 64 * 1024:
+                raise ConnectionError("redis reply header too long")
+            # A header is read in small pieces, so the block after it is not read ahead
+            # (and copied) but received into its buffer.
+            self._more(small=True)
+
+    def _skip(self, count: int) -> bytes:
+        while len(self._buf) - self._pos < count:
+            self._more()
+        tail = bytes(self._buf[self._pos : self._pos + min(count, 2)])
+        self._pos += count
+        return tail
+
+    def bulk_into(self, name: str, view: memoryview) -> bool:
+        """Read one GET reply into ``view``; False for a missing key."""
+        from redis.exceptions import InvalidResponse, ResponseError
+
+        line = self._line()
+        if line in (b"$-1", b"_"):
+            return False
+        if line[:1] == b"-":
+            raise ResponseError(line[1:].decode(errors="replace"))
+        if line[:1] != b"$" or not line[1:].isdigit():
+            raise InvalidResponse(f"unexpected reply to GET: {line[:40]!r}")
+        size = int(line[1:])
+        if size != len(view):
+            raise CorruptCacheError(f"block {name}: stored size {size} != expected {len(view)}")
+        have = min(len(self._buf) - self._pos, size)
+        if have:
+            with memoryview(self._buf) as ahead:
+                view[:have] = ahead[self._pos : self._pos + have]
+            self._pos += have
+        while have < size:
+            got = self._sock.recv_into(view[have:])
+            if got == 0:
+                raise ConnectionError("connection closed by the server mid-reply")
+            have += got
+        if self._skip(2) != b"\r\n":
+            raise InvalidResponse("bulk reply not terminated by CRLF")
+        return True
+
+
 def glob_escape(text: str) -> str:
     """``text`` with the glob characters of Redis MATCH patterns escaped."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
@@ -307,28 +387,27 @@ class RedisBlockStore:
 
     def read_into(self, name: str, buffer: memoryview) -> bool:
         """Fill ``buffer`` with the block; False if it is absent (deleted or evicted)."""
-        key = self.block_key(check_block_name(name))
-        view = _as_bytes_view(buffer)
-        with self._io():
-            reply = self.client.get(key)
-        return self._fill(name, view, reply)
+        return self.read_many_into([(name, buffer)])[0]
 
     def read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
         """Fill each buffer with its block, pipelined; False for each absent block.
 
         Raises CorruptCacheError when a stored size differs from its buffer's size.
-        Does not hash: the caller verifies against the name.
+        Does not hash: the caller verifies against the name. Each block's bytes go from
+        the socket straight into its buffer (``recv_into``; rule 2): no ``bytes`` reply
+        is built and copied, which is what a GET through redis-py's parser costs.
         """
         targets = [(check_block_name(name), _as_bytes_view(buf)) for name, buf in items]
         found: list[bool] = []
         with self._io():
             for batch in _batches([len(view) for _, view in targets]):
-                pipe = self.client.pipeline(transaction=False)
-                for i in batch:
-                    pipe.get(self.block_key(targets[i][0]))
-                replies = pipe.execute()
-                for i, reply in zip(batch, replies, strict=True):
-                    found.append(self._fill(targets[i][0], targets[i][1], reply))
+                chunk = [targets[i] for i in batch]
+                found.extend(self._with_retries(self._get_into, chunk))
+        self._count(
+            blocks_read=sum(found),
+            bytes_read=sum(len(view) for ok, (_, view) in zip(found, targets, strict=True) if ok),
+            misses=len(found) - sum(found),
+        )
         return found
 
     def stored_size(self, name: str) -> int | None:
@@ -418,18 +497,49 @@ class RedisBlockStore:
             for name, delta in deltas.items():
                 self._counts[name] = self._counts.get(name, 0) + delta
 
-    def _fill(self, name: str, view: memoryview, reply: Any) -> bool:
-        if reply is None:
-            self._count(misses=1)
-            return False
-        data = cast(bytes, reply)
-        if len(data) != len(view):
-            raise CorruptCacheError(
-                f"block {name}: stored size {len(data)} != expected {len(view)}"
+    def _with_retries(
+        self, fn: Callable[[list[tuple[str, memoryview]]], list[bool]],
+        chunk: list[tuple[str, memoryview]],
+    ) -> list[bool]:  # fmt: skip
+        """Run an idempotent read again on a fresh connection when the connection failed."""
+        from redis.exceptions import ConnectionError as RedisConnectionError
+
+        for attempt in range(self.target.retries + 1):
+            try:
+                return fn(chunk)
+            except (RedisConnectionError, ConnectionError):
+                if attempt == self.target.retries:
+                    raise
+                time.sleep(min(0.25, 0.01 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    def _get_into(self, chunk: list[tuple[str, memoryview]]) -> list[bool]:
+        """One pipelined round trip of GETs whose replies are read into the buffers.
+
+        The replies are parsed here (RESP bulk strings: ``$<n>`` CRLF, the bytes, CRLF;
+        ``$-1`` or RESP3's ``_`` for a missing key) so their bytes can be received straight
+        into each buffer. The connection is checked out of the client's pool (which
+        reconnects one the server closed), and dropped on any error or size mismatch, so
+        a half-read reply never reaches the next command.
+        """
+        pool = self.client.connection_pool
+        conn: Any = pool.get_connection()  # redis-py's Connection is untyped
+        clean = False
+        try:
+            conn.send_packed_command(
+                conn.pack_commands([("GET", self.block_key(name)) for name, _ in chunk])
             )
-        view[:] = data
-        self._count(blocks_read=1, bytes_read=len(data))
-        return True
+            sock = getattr(conn, "_sock", None)
+            if sock is None:
+                raise ConnectionError("redis connection has no socket after sending")
+            replies = _ReplyReader(sock)
+            found = [replies.bulk_into(name, view) for name, view in chunk]
+            clean = replies.drained()
+            return found
+        finally:
+            if not clean:
+                conn.disconnect()
+            pool.release(conn)
 
     def _infos(self, names: list[str]) -> Iterator[BlockInfo]:
         valid = [name for name in names if BLOCK_NAME_RE.fullmatch(name)]

@@ -7,6 +7,7 @@ CacheMissError and a corrupted or resized one a CorruptCacheError.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from collections.abc import Iterator, Sequence
@@ -14,7 +15,12 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from kvtrio.errors import CacheMissError, CorruptCacheError, OperationCancelled
+from kvtrio.errors import (
+    CacheMissError,
+    CorruptCacheError,
+    OperationCancelled,
+    StoreUnavailableError,
+)
 from kvtrio.storage import reader
 from kvtrio.storage.blockstore import BlockInfo
 from kvtrio.storage.openstore import ManifestFileOps, open_store
@@ -188,4 +194,41 @@ def test_stored_sizes(redis_url: str) -> None:
     assert store.stored_sizes([present, absent, empty]) == [3, None, 0]
     assert (store.stored_size(present), store.stored_size(absent)) == (3, None)
     assert store.stored_sizes([]) == []
+    store.close()
+
+
+def test_replies_received_into_buffers_across_reads(redis_url: str) -> None:
+    """Blocks larger than the read-ahead, tiny ones and misses in one pipeline, bit-exact;
+    the connection stays usable for the next command, and after a size mismatch too."""
+    store = RedisBlockStore.open(redis_url)
+    blobs = [os.urandom(n) for n in (3 * 1024 * 1024 + 7, 1, 70_000, 5)]
+    names = [hashlib.sha256(b).hexdigest() for b in blobs]
+    store.put_many([(n, memoryview(b)) for n, b in zip(names, blobs, strict=True)])
+    absent = hashlib.sha256(b"never stored").hexdigest()
+    order = [names[0], absent, names[1], names[2], absent, names[3]]
+    sizes = [len(blobs[0]), 9, 1, len(blobs[2]), 9, 5]
+    buffers = [bytearray(n) for n in sizes]
+    found = store.read_many_into([(n, memoryview(b)) for n, b in zip(order, buffers, strict=True)])
+    assert found == [True, False, True, True, False, True]
+    assert [bytes(b) for b, ok in zip(buffers, found, strict=True) if ok] == blobs
+    resized = bytearray(len(blobs[2]) - 1)
+    with pytest.raises(CorruptCacheError, match=rf"^block {names[2]}: stored size 70000 != "):
+        store.read_many_into([(names[0], memoryview(bytearray(len(blobs[0])))),
+                              (names[2], memoryview(resized)),
+                              (names[3], memoryview(bytearray(5)))])  # fmt: skip
+    one = bytearray(5)
+    assert store.read_into(names[3], memoryview(one)) and bytes(one) == blobs[3]
+    assert store.client.ping()
+    stats = store.statistics()
+    assert (stats.blocks_read, stats.misses) == (5, 2)
+    store.close()
+
+
+def test_a_key_of_another_type_is_store_unavailable(redis_url: str) -> None:
+    store = RedisBlockStore.open(redis_url)
+    name = "4" * 64
+    store.client.rpush(store.block_key(name), b"x")
+    with pytest.raises(StoreUnavailableError, match=r"^redis .*WRONGTYPE"):
+        store.read_into(name, memoryview(bytearray(1)))
+    assert store.client.ping()
     store.close()
