@@ -6,8 +6,8 @@ same bytes, over the same client connection:
 - put: :meth:`RedisBlockStore.put_many` (SET NX + the put-time index, pipelined) vs raw
   pipelined ``SET`` of the same blocks, in the same batch sizes;
 - get: :meth:`RedisBlockStore.read_many_into` (pipelined GET into preallocated buffers,
-  sizes checked) vs raw pipelined ``GET``; and the per-block ``read_into`` (one round trip
-  per block, as the reader calls it) vs raw single ``GET``s;
+  sizes checked; the block reader's path) vs raw pipelined ``GET``; and the per-block
+  ``read_into`` (one round trip per block) vs raw single ``GET``s;
 - dedup: N hosts (N clients, each its own connection) save caches that share a system
   prompt through the real block layout (``storage.writer.write_blocks``); bytes the hosts
   asked to save vs bytes Redis stores (key count and value bytes, read back by SCAN).
