@@ -124,10 +124,17 @@ class DedicatedThreadExecutor:
     """
 
     def __init__(
-        self, *, name: str = "kvtrio-executor", close_timeout: float | None = None
+        self,
+        *,
+        name: str = "kvtrio-executor",
+        close_timeout: float | None = None,
+        on_thread_exit: Callable[[], object] | None = None,
     ) -> None:
         self.name = name
         self.close_timeout = close_timeout
+        # Runs on the owner thread after its last job, before the thread ends: libraries
+        # with thread-local state (MLX streams) must release it there, not at process exit.
+        self.on_thread_exit = on_thread_exit
         self._thread_abandoned = False
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -260,10 +267,19 @@ class DedicatedThreadExecutor:
         while True:
             item = self._queue.get()
             if item is _CLOSE:
+                self._thread_exit()
                 return
             assert isinstance(item, _Job)
             self._run_job(item)
             del item  # rule 5: do not hold the settled job until the next one arrives
+
+    def _thread_exit(self) -> None:
+        if self.on_thread_exit is None:
+            return
+        try:
+            self.on_thread_exit()
+        except Exception:
+            logger.exception("executor %r: on_thread_exit failed", self.name)
 
     def _run_job(self, job: _Job[Any]) -> None:
         fn, job.fn = job.fn, _released  # rule 5: the closure holds the job's arguments
