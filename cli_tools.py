@@ -67,6 +67,37 @@ def _status(text: str, quiet: bool) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def _progress_bar(text: str, quiet: bool) -> Iterator[Callable[[int, int], None]]:
+    """A rich bar of ``done / total`` items; yields the ``progress(done, total)`` callback."""
+    if quiet:
+        yield lambda done, total: None
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(text, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
 def _timed(fn: Callable[[], T]) -> tuple[T, float]:
     start = time.perf_counter()
     out = fn()
@@ -257,8 +288,10 @@ def _verify(args: argparse.Namespace) -> int:
         return 2
     tree = find_tree(args.directory)
     store = LocalBlockStore(str(tree.block_dir)) if tree.block_dir else None
-    with _status(f"verifying {tree.manifest_dir}", args.json):
-        report, elapsed = _timed(lambda: verify_tree(str(tree.manifest_dir), store))
+    with _progress_bar(f"verifying {tree.manifest_dir}", args.json) as progress:
+        report, elapsed = _timed(
+            lambda: verify_tree(str(tree.manifest_dir), store, progress=progress)
+        )
     if args.json:
         print(json.dumps(attrs.asdict(report) | {"ok": report.ok, "seconds": elapsed}, indent=2))
         return 0 if report.ok else 1

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import stat
 import time
+from collections.abc import Callable
 
 import attrs
 from kvtrio.errors import CacheMissError, CorruptCacheError
@@ -159,12 +160,31 @@ def verify_tree(
     store: BlockStore | None = None,
     *,
     file_ops: FileOps = OS_FILE_OPS,
+    progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
-    """Recheck every cache file (all tensor hashes), every manifest and every stored block."""
+    """Recheck every cache file (all tensor hashes), every manifest and every stored block.
+
+    Files and blocks are listed first, so ``progress(done, total)``, when given, is called
+    with the full ``total`` (files + blocks) from the start: once with ``done=0``, then after
+    each file and each block is checked, ending at ``done == total``.
+    """
+    paths = list_cache_files(manifest_dir, file_ops=file_ops)
+    blocks = list(store.iter_blocks()) if store is not None else []
+    total = len(paths) + len(blocks)
+    done = 0
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    if progress is not None:
+        progress(0, total)
     files_ok = 0
     bad_files: list[tuple[str, str]] = []
     missing: list[tuple[str, str]] = []
-    for path in list_cache_files(manifest_dir, file_ops=file_ops):
+    for path in paths:
         try:
             cache_file = read_header(path, file_ops=file_ops)
             header = cache_file.header
@@ -178,18 +198,21 @@ def verify_tree(
                 missing.extend((path, r) for r, ok in zip(refs, present, strict=True) if not ok)
         except (CorruptCacheError, CacheMissError, OSError) as exc:
             bad_files.append((path, str(exc)))
+            step()
             continue
         files_ok += 1
+        step()
     blocks_ok = 0
     bad_blocks: list[tuple[str, str]] = []
     if store is not None:
-        for info in store.iter_blocks():
+        for info in blocks:
             buffer = bytearray(info.size)
             try:
                 if read_block_verified(store, info.name, memoryview(buffer)):
                     blocks_ok += 1
             except (CorruptCacheError, OSError) as exc:
                 bad_blocks.append((info.name, str(exc)))
+            step()
     return VerifyReport(
         files_ok=files_ok,
         blocks_ok=blocks_ok,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import time
 from pathlib import Path
@@ -135,6 +136,23 @@ def test_verify_reports_every_bad_file_and_block(tmp_path: Path) -> None:
     assert [p for p, _ in report.bad_files] == [str(tmp_path / "s.kvt")]
     assert [n for n, _ in report.bad_blocks] == [names[0]]
     assert [n for _, n in report.missing_blocks] == [names[1]]
+
+
+def test_verify_progress_counts_every_file_and_block_up_to_the_total(tmp_path: Path) -> None:
+    store = LocalBlockStore(str(tmp_path / "blocks"))
+    kvtrio.save_cache(tmp_path / "s.kvt", [], [_conversation(64, 0, 0)])
+    kvtrio.save_cache(tmp_path / "m.kvt", [], [_conversation(300, 0, 0)], layout="blocks")
+    block_names = os.listdir(tmp_path / "blocks")
+    (tmp_path / "blocks" / block_names[0]).write_bytes(b"x")  # bad items count as checked too
+    files = [p for p in tmp_path.iterdir() if p.is_file()]
+    calls: list[tuple[int, int]] = []
+    report = verify_tree(str(tmp_path), store, progress=lambda d, t: calls.append((d, t)))
+    total = len(files) + len(block_names)
+    assert total == report.files_ok + report.blocks_ok + len(report.bad_blocks)
+    assert {t for _, t in calls} == {total}
+    done = [d for d, _ in calls]
+    assert all(a < b for a, b in itertools.pairwise(done))
+    assert done[0] == 0 and done[-1] == total
 
 
 @pytest.mark.parametrize("block_tokens", [1, 100, 4096])
