@@ -32,10 +32,11 @@ from __future__ import annotations
 import copy
 import enum
 import json
+import math
 import os
 import shutil
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -61,6 +62,7 @@ from kvtrio.errors import (
 )
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.format import Header, Layout
+from kvtrio.storage.openstore import is_redis_url
 
 __all__ = [
     "CONVERSATIONS_META",
@@ -256,6 +258,9 @@ class TieredPromptCache:
     policy: WritePolicy = WritePolicy.WRITE_BACK
     min_free_bytes: int = 0
     block_size: int = DEFAULT_BLOCK_SIZE
+    # Seconds between catalogue refreshes from a shared cold store (None: a local store,
+    # which this process alone writes, so its index is authoritative after open).
+    shared_refresh: float | None = None
     _nursery: trio.Nursery | None = None
     _index: PrefixIndex = attrs.field(init=False)
     _records: dict[str, _Record] = attrs.field(init=False, factory=dict)
@@ -268,6 +273,8 @@ class TieredPromptCache:
     _counts: dict[str, int] = attrs.field(init=False, factory=dict)
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
     _writes_in_flight: int = attrs.field(init=False, default=0)
+    _refreshed_at: float = attrs.field(init=False, default=-math.inf)
+    _refreshing: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
         self._index = PrefixIndex(block_size=self.block_size)
@@ -287,8 +294,13 @@ class TieredPromptCache:
         min_free_bytes: int = 0,
         block_size: int = DEFAULT_BLOCK_SIZE,
         flush_on_close: bool = True,
+        shared_refresh: float | None = None,
     ) -> AsyncIterator[TieredPromptCache]:
         """Rebuild the index from ``cold`` and serve.
+
+        ``shared_refresh``: ``cold`` is shared with other hosts (Redis); a lookup that
+        finds no exact entry first adds the entries other hosts stored since, reading the
+        store's catalogue at most once per ``shared_refresh`` seconds (trio's clock).
 
         Leaving the block normally writes the hot entries not yet on disk (with
         ``flush_on_close``, so a graceful restart keeps them) and waits for every write.
@@ -302,6 +314,7 @@ class TieredPromptCache:
             policy,
             min_free_bytes,
             block_size,
+            shared_refresh,
         )
         await self._load_index()
         async with trio.open_nursery() as nursery:
@@ -325,6 +338,10 @@ class TieredPromptCache:
         made for ``tokens[:-1]``.
         """
         query = tuple(int(t) for t in tokens)
+        if self.shared_refresh is not None:
+            found = self._index.lookup(self.model, query)
+            if found is None or found.kind is not MatchKind.EXACT:
+                await self._refresh_shared()  # another host may have saved a better one
         for _ in range(8):  # bounded: each retry forgot a bad cold entry
             match = self._index.lookup(self.model, query)
             if need_logits and match is not None and match.kind is MatchKind.EXACT:
@@ -431,8 +448,33 @@ class TieredPromptCache:
         self._counts[name] = self._counts.get(name, 0) + n
 
     async def _load_index(self) -> None:
-        infos = sorted(await self.cold.entries(), key=lambda info: info.mtime)
-        for info in infos:
+        self._add_cold_entries(await self.cold.entries())
+        self._cold_bytes = await self.cold.usage()
+
+    async def _refresh_shared(self) -> None:
+        """Add the entries of this model that other hosts stored in the shared cold store
+        since the last refresh (at most one per ``shared_refresh`` seconds, one at a time).
+
+        The catalogue is read on the store's worker threads; a store out of reach leaves
+        the index as it is (the lookup goes on, at worst a miss).
+        """
+        assert self.shared_refresh is not None
+        now = trio.current_time()
+        if self._refreshing or now - self._refreshed_at < self.shared_refresh:
+            return
+        self._refreshing, self._refreshed_at = True, now
+        try:
+            infos = await self.cold.entries()
+        except (KvtrioError, OSError):
+            return
+        finally:
+            self._refreshing = False
+        self._add_cold_entries(
+            info for info in infos if info.model == self.model and info.key not in self._records
+        )
+
+    def _add_cold_entries(self, infos: Iterable[ColdEntryInfo]) -> None:
+        for info in sorted(infos, key=lambda info: info.mtime):
             entry = PrefixEntry(
                 key=info.key,
                 model=info.model,
@@ -448,7 +490,6 @@ class TieredPromptCache:
                 latest = self._records.get(self._conversations.get(conversation, ""))
                 if latest is None or len(latest.entry.tokens) < len(entry.tokens):
                     self._conversations[conversation] = info.key
-        self._cold_bytes = await self.cold.usage()
 
     def _touch_hot(self, record: _Record) -> None:
         """Mark a hit as most recent in both tiers (it may have left them while cloning)."""
@@ -881,13 +922,17 @@ async def open_tiered_cache(
     block_size: int = DEFAULT_BLOCK_SIZE,
     min_free_bytes: int = 0,
     shutdown_grace: float = 10.0,
+    shared_refresh: float = 1.0,
 ) -> AsyncIterator[TieredPromptCache]:
     """A :class:`TieredPromptCache` over a :class:`ColdTier` at ``directory``.
 
     ``owner`` is the server's MLX owner (model steps and cache work share its thread).
     The blocks layout stores a shared prefix once; ``block_size`` tokens are both the
-    index's hash-chain block and the layout's token block.
+    index's hash-chain block and the layout's token block. On a ``redis://`` URL the
+    cold tier is shared: a lookup without an exact hit also looks for entries other hosts
+    saved since (the catalogue read at most every ``shared_refresh`` seconds).
     """
+    shared = is_redis_url(os.fspath(directory))
     async with ColdTier.open(
         directory,
         layout=layout,
@@ -905,5 +950,6 @@ async def open_tiered_cache(
             policy=policy,
             min_free_bytes=min_free_bytes,
             block_size=block_size,
+            shared_refresh=shared_refresh if shared else None,
         ) as cache:
             yield cache

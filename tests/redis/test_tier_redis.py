@@ -165,3 +165,38 @@ async def test_tiered_cache_on_redis_keeps_serving(private_redis: Any) -> None:
             missed = await host_c.fetch_nearest(query)
             assert (missed.caches, missed.remaining) == (None, tuple(query))
             private_redis.start()
+
+
+async def test_open_host_finds_entries_saved_after_it_opened(private_redis: Any) -> None:
+    """Hosts already running see each other's new entries: host B, open before host A
+    saved, gets a cold hit on A's entry, bit-exact, without reopening; host C, whose
+    catalogue refresh is not due yet, still misses (refreshes are rate-limited)."""
+    url = private_redis.url(0, prefix="kvtrio")
+    tokens = list(range(1, 65))
+    query = [*tokens, 999]
+    async with MlxOwner.dedicated() as owner:
+        tiny = await owner.run(host._build)
+        model = ModelKey(tiny.model_id, tiny.fingerprint)
+        caches = await owner.run(host._fresh, tiny, tokens)
+        want = await owner.run(host.kv_digest, caches)
+        options: dict[str, Any] = {
+            "owner": owner, "hot_budget": 1 << 30, "cold_budget": 1 << 40,
+            "block_size": host.BLOCK_TOKENS,
+        }  # fmt: skip
+        async with (
+            open_tiered_cache(url, model, shared_refresh=0.0, **options) as host_b,
+            open_tiered_cache(url, model, shared_refresh=3600.0, **options) as host_c,
+            open_tiered_cache(url, model, **options) as host_a,
+        ):
+            for early in (host_b, host_c):
+                missed = await early.fetch_nearest(query)
+                assert (missed.caches, missed.remaining) == (None, tuple(query))
+            await host_a.insert(tokens, caches)
+            await host_a.flush()
+            fetched = await host_b.fetch_nearest(query)
+            assert (fetched.tier, fetched.remaining) == (Tier.COLD, (999,))
+            assert fetched.caches is not None
+            assert await owner.run(host.kv_digest, fetched.caches) == want
+            assert host_b.statistics().hits_cold == 1
+            late = await host_c.fetch_nearest(query)
+            assert (late.caches, late.remaining) == (None, tuple(query))
