@@ -268,39 +268,34 @@ class ColdTier:
                 owner = await stack.enter_async_context(factory)
             offload: Offload = InlineOffload() if inline else ThreadOffload(io_threads)
             target = os.fspath(directory)
-            if is_redis_url(target):
+            shared = is_redis_url(target)
+            block_store: BlockStore | None = None
+            if shared:
                 if layout != "blocks":
                     raise ValueError("a Redis cold tier stores blocks: use layout='blocks'")
-                block_store, manifests = await offload.run(_open_shared, target, file_ops)
+                shared_blocks, manifests = await offload.run(_open_shared, target, file_ops)
                 stack.callback(manifests.close)
-                stack.callback(block_store.close)
+                stack.callback(shared_blocks.close)
+                block_store = shared_blocks
                 # Manifests live in Redis; a virtual directory maps them to the path-based
                 # writer and reader (storage's ManifestFileOps).
                 root = Path("/kvtrio-shared-tier")
                 file_ops = ManifestFileOps(manifests, str(root / "caches"), file_ops)
-                tier = cls(
-                    root,
-                    owner=owner,
-                    offload=offload,
-                    layout=layout,
-                    block_tokens=block_tokens,
-                    cap_bytes=cap_bytes,
-                    verify=verify,
-                    file_ops=file_ops,
-                    block_store=block_store,
-                    url=target,
-                )
             else:
-                tier = cls(
-                    Path(target).absolute(),
-                    owner=owner,
-                    offload=offload,
-                    layout=layout,
-                    block_tokens=block_tokens,
-                    cap_bytes=cap_bytes,
-                    verify=verify,
-                    file_ops=file_ops,
-                )
+                root = Path(target).absolute()
+            tier = cls(
+                root,
+                owner=owner,
+                offload=offload,
+                layout=layout,
+                block_tokens=block_tokens,
+                cap_bytes=cap_bytes,
+                verify=verify,
+                file_ops=file_ops,
+                block_store=block_store,
+                url=target if shared else None,
+            )
+            if not shared:
                 await offload.run(tier._prepare_directories)
             try:
                 async with ActorSystem(name="cold-tier", grace=shutdown_grace) as system:
