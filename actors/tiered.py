@@ -25,6 +25,15 @@ Theory of operation
 6. Lookups are namespaced by the model key (model id and config fingerprint); entries
    of other models on the same disk count towards the disk budget but never match.
 7. Cold operations on one key (write, delete) run one at a time in the order started.
+8. A shared cold store (Redis: :class:`SharedColdStore`) is searched at lookup time: a
+   lookup without an exact entry asks the store's prefix index, in one round trip, which
+   entries any host registered under the query's token-block chain hashes, reads the
+   manifest of the deepest one this host does not know (a few at most) and adds it to the
+   index; nothing else of the catalogue is read. Every save registers its entry there
+   (the tier's manifest publication does). A store out of reach, or an entry gone since it
+   was registered, leaves the lookup a miss. Re-reading the whole catalogue
+   (``shared_refresh``) remains as an optional fallback for entries saved without
+   registration.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import trio
@@ -51,8 +60,10 @@ from kvtrio.actors.prefix import (
     PrefixEntry,
     PrefixIndex,
     PrefixMatch,
+    index_keys,
+    probe_keys,
 )
-from kvtrio.actors.tier import ColdTier
+from kvtrio.actors.tier import SUFFIX, ColdTier, TierEntry
 from kvtrio.errors import (
     CacheMismatchError,
     CacheMissError,
@@ -61,8 +72,9 @@ from kvtrio.errors import (
     StoreUnavailableError,
 )
 from kvtrio.storage.blockstore import LocalBlockStore
-from kvtrio.storage.format import Header, Layout
-from kvtrio.storage.openstore import is_redis_url
+from kvtrio.storage.format import PREAMBLE, Header, Layout, parse_header, parse_preamble
+from kvtrio.storage.manifeststore import ManifestStore
+from kvtrio.storage.openstore import ManifestFileOps, is_redis_url
 
 __all__ = [
     "CONVERSATIONS_META",
@@ -71,6 +83,7 @@ __all__ = [
     "ColdTierStore",
     "Fetched",
     "OwnerLike",
+    "SharedColdStore",
     "StoreResult",
     "Tier",
     "TieredPromptCache",
@@ -79,6 +92,9 @@ __all__ = [
     "open_tiered_cache",
 ]
 
+
+# At most this many manifests are read per lookup from a shared store's prefix index.
+SHARED_READS = 4
 
 # Header meta key holding the JSON list of conversations an entry is the checkpoint of, so
 # supersession keeps working after a restart.
@@ -164,6 +180,21 @@ class ColdStore(Protocol):
         ...
 
 
+@runtime_checkable
+class SharedColdStore(Protocol):
+    """A cold store other hosts write to as well, with a prefix index (rule 8)."""
+
+    async def find(self, model: ModelKey, tokens: Sequence[int]) -> list[tuple[str, int]]:
+        """Keys of stored entries registered under the query's prefix-index keys, deepest
+        first, each with a bound on the tokens of ``tokens`` it can cover (one round
+        trip). StoreUnavailableError when the store is out of reach."""
+        ...
+
+    async def entry(self, key: str) -> ColdEntryInfo | None:
+        """What the store holds under ``key`` (its manifest alone), None when gone."""
+        ...
+
+
 @attrs.frozen
 class Fetched:
     """What ``fetch_nearest`` found: caches to continue from and the tokens still to run.
@@ -201,6 +232,12 @@ class TieredStatistics:
     cold_evictions: int
     drops: int
     superseded: int
+    # Shared cold store (rule 8): prefix-index round trips, entries found through them,
+    # index entries whose manifest was gone, and whole-catalogue re-reads (the fallback).
+    shared_lookups: int = 0
+    shared_found: int = 0
+    shared_vanished: int = 0
+    shared_refreshes: int = 0
 
 
 @attrs.define(eq=False)
@@ -258,9 +295,11 @@ class TieredPromptCache:
     policy: WritePolicy = WritePolicy.WRITE_BACK
     min_free_bytes: int = 0
     block_size: int = DEFAULT_BLOCK_SIZE
-    # Seconds between catalogue refreshes from a shared cold store (None: a local store,
-    # which this process alone writes, so its index is authoritative after open).
+    # Seconds between catalogue refreshes from a shared cold store (None: none; a local
+    # store, which this process alone writes, has an index authoritative after open).
     shared_refresh: float | None = None
+    # Ask the shared cold store's prefix index on lookups without an exact entry (rule 8).
+    shared_index: bool = False
     _nursery: trio.Nursery | None = None
     _index: PrefixIndex = attrs.field(init=False)
     _records: dict[str, _Record] = attrs.field(init=False, factory=dict)
@@ -295,12 +334,15 @@ class TieredPromptCache:
         block_size: int = DEFAULT_BLOCK_SIZE,
         flush_on_close: bool = True,
         shared_refresh: float | None = None,
+        shared_index: bool = False,
     ) -> AsyncIterator[TieredPromptCache]:
         """Rebuild the index from ``cold`` and serve.
 
-        ``shared_refresh``: ``cold`` is shared with other hosts (Redis); a lookup that
-        finds no exact entry first adds the entries other hosts stored since, reading the
-        store's catalogue at most once per ``shared_refresh`` seconds (trio's clock).
+        ``shared_index``: ``cold`` is a :class:`SharedColdStore` (Redis, shared with other
+        hosts); a lookup that finds no exact entry first asks its prefix index for a
+        longer prefix another host saved (rule 8). ``shared_refresh``: such a lookup also
+        re-reads the store's whole catalogue, at most once per ``shared_refresh`` seconds
+        (trio's clock): a fallback for entries saved without index registration.
 
         Leaving the block normally writes the hot entries not yet on disk (with
         ``flush_on_close``, so a graceful restart keeps them) and waits for every write.
@@ -315,7 +357,10 @@ class TieredPromptCache:
             min_free_bytes,
             block_size,
             shared_refresh,
+            shared_index,
         )
+        if shared_index and not isinstance(cold, SharedColdStore):
+            raise TypeError("shared_index needs a cold store with find() and entry()")
         await self._load_index()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -338,10 +383,14 @@ class TieredPromptCache:
         made for ``tokens[:-1]``.
         """
         query = tuple(int(t) for t in tokens)
-        if self.shared_refresh is not None:
+        if self.shared_index or self.shared_refresh is not None:
             found = self._index.lookup(self.model, query)
             if found is None or found.kind is not MatchKind.EXACT:
-                await self._refresh_shared()  # another host may have saved a better one
+                # Another host may have saved a better one (rule 8).
+                if self.shared_index:
+                    await self._find_shared(query, found)
+                if self.shared_refresh is not None:
+                    await self._refresh_shared()
         for _ in range(8):  # bounded: each retry forgot a bad cold entry
             match = self._index.lookup(self.model, query)
             if need_logits and match is not None and match.kind is MatchKind.EXACT:
@@ -440,6 +489,10 @@ class TieredPromptCache:
             cold_evictions=c("cold_evictions", 0),
             drops=c("drops", 0),
             superseded=c("superseded", 0),
+            shared_lookups=c("shared_lookups", 0),
+            shared_found=c("shared_found", 0),
+            shared_vanished=c("shared_vanished", 0),
+            shared_refreshes=c("shared_refreshes", 0),
         )
 
     # -- internals -------------------------------------------------------------------
@@ -463,6 +516,7 @@ class TieredPromptCache:
         if self._refreshing or now - self._refreshed_at < self.shared_refresh:
             return
         self._refreshing, self._refreshed_at = True, now
+        self._count("shared_refreshes")
         try:
             infos = await self.cold.entries()
         except (KvtrioError, OSError):
@@ -472,6 +526,43 @@ class TieredPromptCache:
         self._add_cold_entries(
             info for info in infos if info.model == self.model and info.key not in self._records
         )
+
+    async def _find_shared(self, query: tuple[int, ...], local: PrefixMatch | None) -> None:
+        """Add to the index the entry another host saved with the longest prefix of
+        ``query``, if it beats ``local`` (rule 8): one index round trip, then the manifests
+        of at most :data:`SHARED_READS` candidates, deepest first, until one does.
+
+        Runs on the store's worker threads; a store out of reach, or a registered entry
+        whose manifest is gone, leaves the index as it is (at worst the lookup misses).
+        """
+        assert isinstance(self.cold, SharedColdStore)
+        best = local.reuse if local is not None else 0
+        try:
+            candidates = await self.cold.find(self.model, query)
+        except (KvtrioError, OSError):
+            return
+        self._count("shared_lookups")
+        reads = 0
+        for key, bound in candidates:
+            if bound <= best or reads >= SHARED_READS:
+                break  # deepest first: no later candidate can do better
+            if key in self._records:
+                continue  # known here: the local lookup already weighed it
+            reads += 1
+            try:
+                info = await self.cold.entry(key)
+            except (KvtrioError, OSError):
+                return
+            if info is None or info.model != self.model:
+                self._count("shared_vanished")
+                continue
+            if key in self._records:  # added while the manifest was being read
+                continue
+            self._add_cold_entries([info])
+            self._count("shared_found")
+            match = self._index.lookup(self.model, query)
+            if match is not None and match.reuse > best:
+                return
 
     def _add_cold_entries(self, infos: Iterable[ColdEntryInfo]) -> None:
         for info in sorted(infos, key=lambda info: info.mtime):
@@ -780,6 +871,11 @@ class ColdTierStore:
     block (rebuilt from the manifests at :meth:`create`, when unreferenced blocks from
     earlier runs are swept) and deletes a block when its count drops to zero. Writes and
     sweeps take one lock: a write may re-reference a block a sweep is about to delete.
+
+    On a shared (Redis) tier it is also a :class:`SharedColdStore`: created with
+    ``index_block_size``, every manifest the tier publishes is registered in the store's
+    prefix index under its chain hashes at that block size, and :meth:`find` asks that
+    index (block reference counts stay local: see docs/shared-tier.md).
     """
 
     tier: ColdTier
@@ -790,11 +886,27 @@ class ColdTierStore:
     _entry_bytes: dict[str, int] = attrs.field(factory=dict)
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
     _usage: int = 0
+    _shared: ManifestStore | None = None  # the shared manifest store with a prefix index
+    _index_block_size: int = DEFAULT_BLOCK_SIZE
 
     @classmethod
-    async def create(cls, tier: ColdTier) -> ColdTierStore:
-        """Index the tier's files and sweep blocks that no manifest names."""
+    async def create(cls, tier: ColdTier, *, index_block_size: int | None = None) -> ColdTierStore:
+        """Index the tier's files and sweep blocks that no manifest names.
+
+        ``index_block_size``: on a shared tier, register every published manifest in the
+        store's prefix index, with chain hashes of token blocks of this size (the
+        :class:`TieredPromptCache`'s ``block_size``), and answer :meth:`find`.
+        """
         self = cls(tier, LocalBlockStore(str(tier.block_dir)))
+        file_ops = tier.file_ops
+        if (
+            index_block_size is not None
+            and isinstance(file_ops, ManifestFileOps)
+            and file_ops.manifests.shared
+        ):
+            self._shared = file_ops.manifests
+            self._index_block_size = index_block_size
+            file_ops.index_keys_of = _ManifestIndexKeys(index_block_size)
         for entry in await tier.list():
             self._note(entry.key, entry.header, entry.disk_bytes)
         stored = await trio.to_thread.run_sync(lambda: list(self._blocks.iter_blocks()))
@@ -892,21 +1004,55 @@ class ColdTierStore:
         return self._usage
 
     async def entries(self) -> list[ColdEntryInfo]:
-        out = []
-        for entry in await self.tier.list():
-            header = entry.header
-            out.append(
-                ColdEntryInfo(
-                    key=entry.key,
-                    model=ModelKey(header.model_id or "", header.config_fingerprint or ""),
-                    tokens=header.tokens,
-                    trimmable=header.trimmable,
-                    min_reusable_offset=header.min_reusable_offset,
-                    mtime=entry.mtime,
-                    conversations=_conversations_of(header.meta),
-                )
-            )
-        return out
+        return [_entry_info(entry) for entry in await self.tier.list()]
+
+    async def find(self, model: ModelKey, tokens: Sequence[int]) -> list[tuple[str, int]]:
+        """:meth:`SharedColdStore.find`: one pipelined round trip to the prefix index."""
+        if self._shared is None:
+            return []
+        probes = probe_keys(model, tokens, self._index_block_size)
+        names = await trio.to_thread.run_sync(self._shared.lookup_each, [key for key, _ in probes])
+        found: dict[str, int] = {}
+        for (_, bound), members in zip(probes, names, strict=True):
+            for name in members:
+                if name.endswith(SUFFIX):
+                    found.setdefault(name[: -len(SUFFIX)], bound)  # deepest first
+        return list(found.items())
+
+    async def entry(self, key: str) -> ColdEntryInfo | None:
+        """:meth:`SharedColdStore.entry`: the entry's manifest alone (None: gone or bad)."""
+        try:
+            return _entry_info(await self.tier.entry(key))
+        except (CacheMissError, CorruptCacheError, ValueError):
+            return None
+
+
+def _entry_info(entry: TierEntry) -> ColdEntryInfo:
+    header = entry.header
+    return ColdEntryInfo(
+        key=entry.key,
+        model=ModelKey(header.model_id or "", header.config_fingerprint or ""),
+        tokens=header.tokens,
+        trimmable=header.trimmable,
+        min_reusable_offset=header.min_reusable_offset,
+        mtime=entry.mtime,
+        conversations=_conversations_of(header.meta),
+    )
+
+
+@attrs.frozen
+class _ManifestIndexKeys:
+    """The prefix-index keys of a manifest being published (``ManifestFileOps.index_keys_of``):
+    the chain hashes of its tokens, of its model. Runs on the writer's worker thread."""
+
+    block_size: int
+
+    def __call__(self, name: str, data: bytes) -> list[str]:
+        preamble = parse_preamble(data[: PREAMBLE.size], len(data))
+        body = data[PREAMBLE.size : PREAMBLE.size + preamble.header_len]
+        header = parse_header(body, preamble, len(data))
+        model = ModelKey(header.model_id or "", header.config_fingerprint or "")
+        return index_keys(model, header.tokens, self.block_size)
 
 
 @asynccontextmanager
@@ -922,15 +1068,19 @@ async def open_tiered_cache(
     block_size: int = DEFAULT_BLOCK_SIZE,
     min_free_bytes: int = 0,
     shutdown_grace: float = 10.0,
-    shared_refresh: float = 1.0,
+    shared_index: bool = True,
+    shared_refresh: float | None = None,
 ) -> AsyncIterator[TieredPromptCache]:
     """A :class:`TieredPromptCache` over a :class:`ColdTier` at ``directory``.
 
     ``owner`` is the server's MLX owner (model steps and cache work share its thread).
     The blocks layout stores a shared prefix once; ``block_size`` tokens are both the
     index's hash-chain block and the layout's token block. On a ``redis://`` URL the
-    cold tier is shared: a lookup without an exact hit also looks for entries other hosts
-    saved since (the catalogue read at most every ``shared_refresh`` seconds).
+    cold tier is shared: every save is registered in Redis's prefix index, and a lookup
+    without an exact hit asks that index for longer prefixes other hosts saved (with
+    ``shared_index``, the default; rule 8 of :class:`TieredPromptCache`). ``shared_refresh``
+    seconds: also re-read the whole shared catalogue at most that often on such lookups
+    (off by default; for entries saved without index registration).
     """
     shared = is_redis_url(os.fspath(directory))
     async with ColdTier.open(
@@ -940,7 +1090,7 @@ async def open_tiered_cache(
         owner=owner,
         shutdown_grace=shutdown_grace,
     ) as tier:
-        store = await ColdTierStore.create(tier)
+        store = await ColdTierStore.create(tier, index_block_size=block_size if shared else None)
         async with TieredPromptCache.open(
             owner,
             store,
@@ -951,5 +1101,6 @@ async def open_tiered_cache(
             min_free_bytes=min_free_bytes,
             block_size=block_size,
             shared_refresh=shared_refresh if shared else None,
+            shared_index=shared and shared_index,
         ) as cache:
             yield cache

@@ -117,6 +117,14 @@ class ManifestStore(Protocol):
         """
         ...
 
+    def lookup_each(self, index_keys: Sequence[str]) -> builtins.list[builtins.list[str]]:
+        """For each of ``index_keys``, in order, the names registered under it (sorted).
+
+        One round trip for a whole prompt, so the caller can tell how deep each name's
+        prefix goes; a local store returns an empty list per key.
+        """
+        ...
+
     def close(self) -> None:
         """Release connections or handles."""
         ...
@@ -182,6 +190,9 @@ class LocalManifestStore:
 
     def lookup(self, index_keys: Sequence[str]) -> builtins.list[str]:
         return []
+
+    def lookup_each(self, index_keys: Sequence[str]) -> builtins.list[builtins.list[str]]:
+        return [[] for _ in index_keys]
 
     def close(self) -> None:
         return None
@@ -264,6 +275,13 @@ class RedisManifestStore:
         return sorted(name for name in names if MANIFEST_NAME_RE.fullmatch(name))
 
     def lookup(self, index_keys: Sequence[str]) -> builtins.list[str]:
+        seen: dict[str, None] = {}
+        for names in self.lookup_each(index_keys):
+            for name in names:
+                seen.setdefault(name, None)
+        return list(seen)
+
+    def lookup_each(self, index_keys: Sequence[str]) -> builtins.list[builtins.list[str]]:
         if not index_keys:
             return []
         with translate_redis_errors(self.target):
@@ -271,12 +289,11 @@ class RedisManifestStore:
             for index_key in index_keys:
                 pipe.smembers(self._index_key(index_key))
             replies = pipe.execute()
-        seen: dict[str, None] = {}
-        for members in replies:
-            for member in sorted(_text(m) for m in members):
-                if MANIFEST_NAME_RE.fullmatch(member):
-                    seen.setdefault(member, None)
-        return list(seen)
+        # Members come from the shared (untrusted) store: only valid names go on.
+        return [
+            sorted(name for name in map(_text, members) if MANIFEST_NAME_RE.fullmatch(name))
+            for members in replies
+        ]
 
     def close(self) -> None:
         self.client.close()

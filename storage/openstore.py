@@ -20,6 +20,11 @@ store's manifests. The mapping keeps the writer's rules:
 3. A manifest that is absent is ``FileNotFoundError``, as a missing file is; a store that
    cannot be reached raises :class:`~kvtrio.errors.StoreUnavailableError` unchanged.
 4. Paths outside the directory go to ``inner`` (the real file system).
+5. With ``index_keys_of`` set, the publication registers the manifest in the store's
+   shared prefix index under the keys it returns for the manifest's name and bytes, in
+   the same atomic ``put`` (the tier sets it: the keys are its token-block chain hashes).
+   A manifest it cannot make keys for is published unindexed: the index only speeds up
+   finding entries, every host can still list them.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Callable, Sequence
 
 import attrs
+from kvtrio.errors import CorruptCacheError
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
 from kvtrio.storage.fileops import OS_FILE_OPS, FileOps
 from kvtrio.storage.manifeststore import (
@@ -81,6 +88,8 @@ class ManifestFileOps:
     manifests: ManifestStore
     directory: str
     inner: FileOps = OS_FILE_OPS
+    # (manifest name, manifest bytes) -> the prefix-index keys to register it under (rule 5)
+    index_keys_of: Callable[[str, bytes], Sequence[str]] | None = None
     _open: dict[int, _Open] = attrs.field(init=False, factory=dict)
     _tmp: dict[str, bytearray] = attrs.field(init=False, factory=dict)  # written, unpublished
     _fds: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(_FD_BASE))
@@ -166,7 +175,14 @@ class ManifestFileOps:
             data = self._tmp.pop(src_name, None)
         if data is None:
             raise FileNotFoundError(errno.ENOENT, "no tmp manifest being written", src)
-        self.manifests.put(dst_name, bytes(data))
+        published = bytes(data)
+        index_keys: Sequence[str] = ()
+        if self.index_keys_of is not None:
+            try:
+                index_keys = self.index_keys_of(dst_name, published)
+            except (CorruptCacheError, ValueError):
+                index_keys = ()  # rule 5: published, just not indexed
+        self.manifests.put(dst_name, published, index_keys=index_keys)
 
     def unlink(self, path: str) -> None:
         name = self._name(path)

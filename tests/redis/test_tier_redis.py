@@ -167,10 +167,11 @@ async def test_tiered_cache_on_redis_keeps_serving(private_redis: Any) -> None:
             private_redis.start()
 
 
-async def test_open_host_finds_entries_saved_after_it_opened(private_redis: Any) -> None:
-    """Hosts already running see each other's new entries: host B, open before host A
-    saved, gets a cold hit on A's entry, bit-exact, without reopening; host C, whose
-    catalogue refresh is not due yet, still misses (refreshes are rate-limited)."""
+async def test_catalogue_refresh_fallback_without_the_index(private_redis: Any) -> None:
+    """The fallback for entries saved without index registration: hosts that do not ask
+    the prefix index (``shared_index=False``) find entries saved after they opened by
+    re-reading the catalogue, at most once per ``shared_refresh`` seconds: host B (due at
+    once) gets A's entry bit-exact, host C (not due for an hour) still misses."""
     url = private_redis.url(0, prefix="kvtrio")
     tokens = list(range(1, 65))
     query = [*tokens, 999]
@@ -181,7 +182,7 @@ async def test_open_host_finds_entries_saved_after_it_opened(private_redis: Any)
         want = await owner.run(host.kv_digest, caches)
         options: dict[str, Any] = {
             "owner": owner, "hot_budget": 1 << 30, "cold_budget": 1 << 40,
-            "block_size": host.BLOCK_TOKENS,
+            "block_size": host.BLOCK_TOKENS, "shared_index": False,
         }  # fmt: skip
         async with (
             open_tiered_cache(url, model, shared_refresh=0.0, **options) as host_b,
@@ -197,6 +198,8 @@ async def test_open_host_finds_entries_saved_after_it_opened(private_redis: Any)
             assert (fetched.tier, fetched.remaining) == (Tier.COLD, (999,))
             assert fetched.caches is not None
             assert await owner.run(host.kv_digest, fetched.caches) == want
-            assert host_b.statistics().hits_cold == 1
+            stats = host_b.statistics()
+            assert (stats.hits_cold, stats.shared_refreshes, stats.shared_lookups) == (1, 2, 0)
             late = await host_c.fetch_nearest(query)
             assert (late.caches, late.remaining) == (None, tuple(query))
+            assert host_c.statistics().shared_refreshes == 1

@@ -5,6 +5,9 @@ opened on the Redis URL, caching a tiny random-weight model's real mlx-lm KV cac
 ``python tier_host.py URL LOCAL_DIR extend BASE KEY N``: load BASE (another host's cache),
 prefill the tokens after it up to N on top of it, save as KEY.
 ``python tier_host.py URL LOCAL_DIR load KEY``: load KEY.
+``python tier_host.py URL LOCAL_DIR insert N [N ...]``: through a TieredPromptCache
+(``open_tiered_cache``), insert the caches of tokens 1..N for each N and flush them to the
+shared tier; prints the digest of each and the cache's statistics.
 Prints one JSON line: the sha256 of the caches' live keys and values, and what was
 written. The model is rebuilt from a fixed seed, so every process has the same weights.
 """
@@ -54,9 +57,34 @@ def _extend(tiny: TinyModel, caches: list[Any], tokens: Sequence[int]) -> list[A
     return caches
 
 
+async def insert(url: str, lengths: Sequence[int]) -> dict[str, Any]:
+    from kvtrio.actors.owner import MlxOwner
+    from kvtrio.actors.prefix import ModelKey
+    from kvtrio.actors.tiered import open_tiered_cache
+
+    async with MlxOwner.dedicated() as owner:
+        tiny = await owner.run(_build)
+        model = ModelKey(tiny.model_id, tiny.fingerprint)
+        digests = {}
+        async with open_tiered_cache(
+            url, model, owner=owner, hot_budget=1 << 30, cold_budget=1 << 40,
+            block_size=BLOCK_TOKENS,
+        ) as cache:  # fmt: skip
+            for n in lengths:
+                tokens = list(range(1, n + 1))
+                caches = await owner.run(_fresh, tiny, tokens)
+                digests[str(n)] = await owner.run(kv_digest, caches)
+                await cache.insert(tokens, caches)
+            await cache.flush()
+            stats = cache.statistics()
+        return {"digests": digests, "cold_entries": stats.cold_entries}
+
+
 async def main(argv: list[str]) -> dict[str, Any]:
     url, local_dir, action, *args = argv
     os.makedirs(local_dir, exist_ok=True)  # this host's own disk: the shared tier needs none
+    if action == "insert":
+        return await insert(url, [int(n) for n in args])
     async with ColdTier.open(url, layout="blocks", block_tokens=BLOCK_TOKENS) as tier:
         tiny = await tier.owner.run(_build)
         meta = {"model_id": tiny.model_id, "config_fingerprint": tiny.fingerprint}
