@@ -5,9 +5,13 @@ same bytes, over the same client connection:
 
 - put: :meth:`RedisBlockStore.put_many` (SET NX + the put-time index, pipelined) vs raw
   pipelined ``SET`` of the same blocks, in the same batch sizes;
-- get: :meth:`RedisBlockStore.read_many_into` (pipelined GET into preallocated buffers,
-  sizes checked; the block reader's path) vs raw pipelined ``GET``; and the per-block
-  ``read_into`` (one round trip per block) vs raw single ``GET``s;
+- verified get (the headline): :meth:`RedisBlockStore.read_many_verified_into`
+  (pipelined GET into preallocated buffers, sizes checked, every block re-hashed against
+  its sha256 name on helper threads while the next blocks arrive; the block reader's
+  path) vs raw pipelined ``GET`` (no hashing: raw Redis does not check anything);
+- context: the same read followed by the re-hash on the calling thread (what the block
+  reader did before the overlap), and the read alone (``read_many_into``, no hashing:
+  the transport); the per-block ``read_into`` (one round trip per block) vs raw ``GET``s;
 - dedup: N hosts (N clients, each its own connection) save caches that share a system
   prompt through the real block layout (``storage.writer.write_blocks``); bytes the hosts
   asked to save vs bytes Redis stores (key count and value bytes, read back by SCAN).
@@ -95,8 +99,8 @@ def _throughput(url: str, block_size: int, total: int, batch: int, rounds: int) 
     client = store.client
     count = max(1, total // block_size)
     nbytes = count * block_size
-    names = ["put", "raw_set", "get", "raw_get", "get1", "raw_get1"]
-    names += ["raw_get_copy", "raw_get1_copy"]
+    names = ["put", "raw_set", "get_verified", "get_then_hash", "get", "raw_get"]
+    names += ["get1", "raw_get1", "raw_get_copy", "raw_get1_copy"]
     times: dict[str, list[float]] = {name: [] for name in names}
     # Filled once so page faults of fresh memory are not charged to whichever op runs first.
     buffers = [memoryview(bytearray(b"\x01" * block_size)) for _ in range(count)]
@@ -116,6 +120,19 @@ def _throughput(url: str, block_size: int, total: int, batch: int, rounds: int) 
         for chunk in _batched(range(count), batch):
             found = store.read_many_into([(blocks[i][0], buffers[i]) for i in chunk])
             assert all(found)
+
+    def get_verified(blocks: Blocks, raw_keys: list[str]) -> None:
+        for chunk in _batched(range(count), batch):
+            items = [(blocks[i][0], buffers[i]) for i in chunk]
+            assert all(store.read_many_verified_into(items))
+
+    def get_then_hash(blocks: Blocks, raw_keys: list[str]) -> None:
+        for chunk in _batched(range(count), batch):
+            items = [(blocks[i][0], buffers[i]) for i in chunk]
+            assert all(store.read_many_into(items))
+            for name, view in items:
+                if hashlib.sha256(view).hexdigest() != name:
+                    raise AssertionError(f"block {name} does not hash to its name")
 
     def raw_get(blocks: Blocks, raw_keys: list[str]) -> None:
         for chunk in _batched(range(count), batch):
@@ -148,7 +165,8 @@ def _throughput(url: str, block_size: int, total: int, batch: int, rounds: int) 
             assert isinstance(value, bytes)
             buffers[i][:] = value
 
-    pairs = [(put, raw_set), (get, raw_get), (get1, raw_get1), (raw_get_copy, raw_get1_copy)]
+    pairs = [(put, raw_set), (get_verified, get_then_hash), (get, raw_get), (get1, raw_get1)]
+    pairs += [(raw_get_copy, raw_get1_copy)]
     for r in range(rounds):
         blocks = _blocks(count, block_size, salt=f"{block_size}:{r}".encode())
         raw_keys = [f"bench:raw:{name}" for name, _ in blocks]
@@ -169,6 +187,8 @@ def _throughput(url: str, block_size: int, total: int, batch: int, rounds: int) 
         "rounds": rounds,
         "gb_per_s": gbps,
         "ratio_put": gbps["put"] / gbps["raw_set"],
+        "ratio_get_verified": gbps["get_verified"] / gbps["raw_get"],
+        "ratio_get_then_hash": gbps["get_then_hash"] / gbps["raw_get"],
         "ratio_get": gbps["get"] / gbps["raw_get"],
         "ratio_get_per_block": gbps["get1"] / gbps["raw_get1"],
         "ratio_get_vs_raw_copy": gbps["get"] / gbps["raw_get_copy"],
@@ -259,7 +279,9 @@ def _print(figures: dict[str, Any]) -> None:
         table.add_column(column, justify="right")
     operations = (
         ("put", "raw_set", "ratio_put", "put_many vs pipelined SET"),
-        ("get", "raw_get", "ratio_get", "read_many_into vs pipelined GET"),
+        ("get_verified", "raw_get", "ratio_get_verified", "verified get vs pipelined GET"),
+        ("get_then_hash", "raw_get", "ratio_get_then_hash", "context: get, then hash"),
+        ("get", "raw_get", "ratio_get", "context: get, no hash"),
         ("get1", "raw_get1", "ratio_get_per_block", "read_into vs GET, per block"),
         ("get", "raw_get_copy", "ratio_get_vs_raw_copy", "context: vs pipelined GET + copy"),
         ("get1", "raw_get1_copy", "ratio_get_per_block_vs_raw_copy", "context: vs GET + copy"),
