@@ -16,6 +16,12 @@ One run, one directory, the same cache (``--size-mib`` of float16 KV tensors acr
   server calling mlx-lm from its event loop behaves), and idle;
 - context: the same storage core called synchronously on the owner thread
   (``kvtrio.save_cache`` / ``load_cache``), so the actors' own cost shows.
+
+``--background-slice-ms`` is the scheduler time slice kvtrio's threads ask for (default
+20 ms, :mod:`kvtrio.actors.sched`; 0 leaves them alone, the comparison); the opt-in
+``--loop-slice-ms`` has the event loop's own thread ask for a short one, a server-side
+setting kvtrio never makes by itself; ``--switch-interval-ms`` sets
+``sys.setswitchinterval`` for the run (another opt-in server setting, reported as such).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import json
 import mmap
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -36,6 +43,7 @@ from typing import Any, TypeVar
 import trio
 from kvtrio import cli
 from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.sched import set_thread_slice, thread_slice
 from kvtrio.actors.tier import ColdTier
 
 __all__ = ["run_bench"]
@@ -195,14 +203,41 @@ async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     size = int(args.size_mib) * 1024 * 1024
     figures: dict[str, Any] = {"directory": str(directory)}
     heartbeat = Heartbeat()
-    async with MlxOwner.dedicated() as owner, trio.open_nursery() as nursery:
+    background = args.background_slice_ms / 1e3 if args.background_slice_ms else None
+    figures["settings"] = {
+        "background_slice_ms": args.background_slice_ms,
+        "loop_slice_ms": args.loop_slice_ms,
+        "switch_interval_ms": sys.getswitchinterval() * 1e3,
+    }
+    loop_before = thread_slice()
+    if args.loop_slice_ms:
+        set_thread_slice(args.loop_slice_ms / 1e3)
+    try:
+        return await _measure(args, directory, size, figures, heartbeat, background)
+    finally:
+        if args.loop_slice_ms and loop_before is not None:
+            set_thread_slice(loop_before)
+
+
+async def _measure(
+    args: argparse.Namespace,
+    directory: Path,
+    size: int,
+    figures: dict[str, Any],
+    heartbeat: Heartbeat,
+    background: float | None,
+) -> dict[str, Any]:
+    async with (
+        MlxOwner.dedicated(background=background) as owner,
+        trio.open_nursery() as nursery,
+    ):
         await nursery.start(heartbeat.run)
         made: tuple[list[Any], list[int]] = await owner.run(_make_caches, size, args.tensors)
         caches, tokens = made
         _, _, idle = await heartbeat.measure(lambda: trio.sleep(0.5))
 
         # -- kvtrio ----------------------------------------------------------------------
-        async with ColdTier.open(directory / "tier", owner=owner) as tier:
+        async with ColdTier.open(directory / "tier", owner=owner, background=background) as tier:
 
             async def save() -> Any:
                 ticket = await tier.save("bench", tokens, caches)
@@ -308,8 +343,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Measure and return the figures (see the module docstring)."""
     if args.dir:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="kvtrio-bench-tier-", dir=args.dir) as tmp:
-        return trio.run(_bench, args, Path(tmp))
+    before = sys.getswitchinterval()
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvtrio-bench-tier-", dir=args.dir) as tmp:
+            return trio.run(_bench, args, Path(tmp))
+    finally:
+        sys.setswitchinterval(before)
 
 
 def _print(figures: dict[str, Any]) -> None:
@@ -353,6 +394,12 @@ def _print(figures: dict[str, Any]) -> None:
             str(row["beats"]),
         )
     console.print(lag)
+    st = figures["settings"]
+    console.print(
+        f"settings: kvtrio threads' time slice {st['background_slice_ms'] or 'default'} ms; "
+        f"event loop's slice {st['loop_slice_ms'] or 'default'} ms (opt-in); "
+        f"switch interval {st['switch_interval_ms']:.2f} ms"
+    )
     gcf = figures["gc_during_measurements"]
     console.print(
         f"garbage collections during the measurements: {gcf['collections']}, "
@@ -365,6 +412,24 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-mib", type=int, default=1024, help="cache size, MiB (1024)")
     parser.add_argument("--tensors", type=int, default=64, help="number of tensors (64)")
     parser.add_argument("--dir", help="directory on the disk to measure (default: the tmp dir)")
+    parser.add_argument(
+        "--background-slice-ms",
+        type=float,
+        default=20.0,
+        help="time slice kvtrio's threads ask for, ms (20; 0: leave them alone)",
+    )
+    parser.add_argument(
+        "--loop-slice-ms",
+        type=float,
+        default=0.0,
+        help="opt-in server setting: the event loop thread's own time slice, ms (0: off)",
+    )
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=0.0,
+        help="opt-in server setting: sys.setswitchinterval for the run, ms (0: Python's)",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:

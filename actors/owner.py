@@ -17,6 +17,12 @@ Theory of operation (DESIGN.md "Threads, and who may touch what"):
    (``restore``; the block layout joins each tensor's token blocks, one job per tensor).
 4. A job whose caller was cancelled before it started never runs; a started job finishes
    and its result is dropped (the executor's rules).
+5. kvtrio's threads are background threads to the scheduler: the owner thread (and the
+   MLX stream threads it starts, which inherit it) and every I/O job ask Linux for a long
+   time slice (:data:`BACKGROUND_SLICE`, see :func:`background_slice`). Since Linux 6.12
+   (EEVDF custom slices) a thread waking with a shorter slice, such as the event loop's,
+   preempts them at once instead of waiting in the run queue for their slice to end;
+   their share of the CPU is unchanged. Elsewhere it is a no-op (:mod:`kvtrio.actors.sched`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar, TypeVarTuple
 
 import mlx.core as mx
+from kvtrio.actors.sched import BACKGROUND_SLICE, set_thread_slice
 from kvtrio.actors.snapshot import Snapshot, SnapshotLedger
 from kvtrio.runtime.executor import DedicatedThreadExecutor, InlineExecutor
 from kvtrio.storage import codecs
@@ -69,11 +76,17 @@ class MlxOwner:
 
     @classmethod
     @asynccontextmanager
-    async def dedicated(cls, *, name: str = "mlx-owner") -> AsyncIterator[MlxOwner]:
-        """An owner on its own OS thread (production)."""
+    async def dedicated(
+        cls, *, name: str = "mlx-owner", background: float | None = BACKGROUND_SLICE
+    ) -> AsyncIterator[MlxOwner]:
+        """An owner on its own OS thread (production). ``background``: the time slice the
+        owner thread asks for before its first MLX call, so the MLX stream threads it
+        starts inherit it (:mod:`kvtrio.actors.sched`; None leaves the thread alone)."""
         async with DedicatedThreadExecutor(
             name=name, on_thread_exit=release_thread_streams
         ) as executor:
+            if background is not None:
+                await executor.run(set_thread_slice, background)
             yield cls(executor)
 
     @classmethod

@@ -5,7 +5,9 @@ offload jobs: :meth:`Reader.read_header` (open, check the preamble and the heade
 validate every field) and :meth:`Reader.read_tensors` (fill the buffers the owner
 allocated, checking every tensor's xxh3 or every block's sha256 when asked to verify,
 DESIGN.md invariant 4). Reads are cancellable at every tensor, chunk and block boundary;
-the worker is never abandoned while it holds the lent buffers (invariant 6).
+the worker is never abandoned while it holds the lent buffers (invariant 6). Tensor reads
+run on a long scheduler time slice (``background``, see
+:func:`kvtrio.actors.sched.background_slice`), so the event loop preempts them on waking.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 
 import attrs
 import trio
+from kvtrio.actors.sched import BACKGROUND_SLICE, background_slice
 from kvtrio.runtime.offload import CancelToken, Offload
 from kvtrio.storage.blockstore import BlockStore
 from kvtrio.storage.fileops import OS_FILE_OPS, FileOps
@@ -41,6 +44,7 @@ class Reader:
     offload: Offload
     file_ops: FileOps = OS_FILE_OPS
     block_store: BlockStore | None = None
+    background: float | None = BACKGROUND_SLICE
     _running: int = attrs.field(default=0, init=False)
     _read: int = attrs.field(default=0, init=False)
     _cancelled: int = attrs.field(default=0, init=False)
@@ -109,12 +113,13 @@ class Reader:
         verify: bool,
         indices: Sequence[int] | None,
     ) -> None:
-        read_tensors(
-            cache_file,
-            buffers,
-            indices=indices,
-            store=self.block_store,
-            verify=verify,
-            cancel=token,
-            file_ops=self.file_ops,
-        )
+        with background_slice(self.background):
+            read_tensors(
+                cache_file,
+                buffers,
+                indices=indices,
+                store=self.block_store,
+                verify=verify,
+                cancel=token,
+                file_ops=self.file_ops,
+            )

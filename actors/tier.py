@@ -57,6 +57,7 @@ import attrs
 import trio
 from kvtrio.actors.owner import MlxOwner, steps
 from kvtrio.actors.reader import Reader, ReaderStatistics
+from kvtrio.actors.sched import BACKGROUND_SLICE
 from kvtrio.actors.snapshot import Snapshot, SnapshotLedger, SnapshotLedgerStatistics
 from kvtrio.actors.spill import Spill, SpillActor, SpillOutcome, SpillStatistics, SpillTicket
 from kvtrio.actors.writer import Writer, WriterStatistics
@@ -204,6 +205,7 @@ class ColdTier:
         file_ops: FileOps,
         block_store: BlockStore | None = None,
         url: str | None = None,
+        background: float | None = BACKGROUND_SLICE,
     ) -> None:
         self.root = root
         self.url = url
@@ -218,8 +220,8 @@ class ColdTier:
         self.block_store = block_store
         self.file_ops = file_ops
         self.ledger = SnapshotLedger()
-        self.writer = Writer(offload, file_ops, block_store, block_tokens)
-        self.reader = Reader(offload, file_ops, block_store)
+        self.writer = Writer(offload, file_ops, block_store, block_tokens, background)
+        self.reader = Reader(offload, file_ops, block_store, background)
         self.spill: Spill[Snapshot] = Spill(
             self._store,
             Snapshot.release,
@@ -251,6 +253,7 @@ class ColdTier:
         verify: bool = True,
         shutdown_grace: float = 10.0,
         file_ops: FileOps = OS_FILE_OPS,
+        background: float | None = BACKGROUND_SLICE,
     ) -> AsyncIterator[ColdTier]:
         """Open (creating) the tier at ``directory`` and run it until the block exits.
 
@@ -258,13 +261,16 @@ class ColdTier:
         share one thread); by default the tier starts its own. ``inline=True`` runs the
         owner and the I/O on the trio thread, for deterministic tests. ``cap_bytes``
         bounds the bytes queued for writing (soft for the newest save). ``io_threads``
-        bounds concurrent worker-thread I/O jobs.
+        bounds concurrent worker-thread I/O jobs. ``background``: the scheduler time slice
+        (seconds) the tier's own threads ask for, so the event loop preempts them when it
+        wakes (:mod:`kvtrio.actors.sched`; Linux >= 6.12, else nothing); None leaves
+        every thread alone.
         """
         if layout not in ("single", "blocks"):
             raise ValueError(f"layout must be 'single' or 'blocks', not {layout!r}")
         async with AsyncExitStack() as stack:
             if owner is None:
-                factory = MlxOwner.inline() if inline else MlxOwner.dedicated()
+                factory = MlxOwner.inline() if inline else MlxOwner.dedicated(background=background)
                 owner = await stack.enter_async_context(factory)
             offload: Offload = InlineOffload() if inline else ThreadOffload(io_threads)
             target = os.fspath(directory)
@@ -294,6 +300,7 @@ class ColdTier:
                 file_ops=file_ops,
                 block_store=block_store,
                 url=target if shared else None,
+                background=None if inline else background,
             )
             if not shared:
                 await offload.run(tier._prepare_directories)

@@ -5,7 +5,9 @@ imports MLX. Each write is one job on the runtime's :class:`~kvtrio.runtime.offl
 (worker threads behind a capacity limit); trio cancellation sets the job's cancel token,
 the storage core stops at its next tensor, chunk or block boundary, removes its tmp file
 and returns, and only then does the caller see the cancellation (DESIGN.md invariant 6).
-No final file exists after a cancelled or failed write (invariant 4).
+No final file exists after a cancelled or failed write (invariant 4). A job runs with its
+worker thread on a long scheduler time slice (``background``, see
+:func:`kvtrio.actors.sched.background_slice`), so the event loop preempts it on waking.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TypeVar
 
 import attrs
 import trio
+from kvtrio.actors.sched import BACKGROUND_SLICE, background_slice
 from kvtrio.runtime.offload import CancelToken, Offload
 from kvtrio.storage.blockstore import BlockStore
 from kvtrio.storage.fileops import OS_FILE_OPS, FileOps
@@ -61,6 +64,7 @@ class Writer:
     file_ops: FileOps = OS_FILE_OPS
     block_store: BlockStore | None = None
     block_tokens: int = DEFAULT_BLOCK_TOKENS
+    background: float | None = BACKGROUND_SLICE
     _running: int = attrs.field(default=0, init=False)
     _written: int = attrs.field(default=0, init=False)
     _cancelled: int = attrs.field(default=0, init=False)
@@ -99,7 +103,8 @@ class Writer:
         tensors: Sequence[Segmented],
         box: _Box,
     ) -> WriteResult:
-        box.result = write_single(path, plan, tensors, file_ops=self.file_ops, cancel=token)
+        with background_slice(self.background):
+            box.result = write_single(path, plan, tensors, file_ops=self.file_ops, cancel=token)
         return box.result
 
     def _blocks_job(
@@ -111,15 +116,16 @@ class Writer:
         box: _Box,
     ) -> WriteResult:
         assert self.block_store is not None
-        box.result = write_blocks(
-            path,
-            plan,
-            pieces,
-            self.block_store,
-            block_tokens=self.block_tokens,
-            file_ops=self.file_ops,
-            cancel=token,
-        )
+        with background_slice(self.background):
+            box.result = write_blocks(
+                path,
+                plan,
+                pieces,
+                self.block_store,
+                block_tokens=self.block_tokens,
+                file_ops=self.file_ops,
+                cancel=token,
+            )
         return box.result
 
     async def _run(
