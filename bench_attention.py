@@ -6,11 +6,14 @@ same keys and values, in the same run:
 - ``sdpa``: ``mx.fast.scaled_dot_product_attention`` on contiguous ``[1, kv_heads, L, D]``
   keys and values (the reference, what a ``KVCache`` gives);
 - ``gather+sdpa``: the paged reference path (gather by block table, then sdpa);
-- ``direct``: the split-K kernel reading the pool blocks in place (GPU only), plus its
-  affine-quantized variants when ``--bits`` is given (reading fewer bytes).
+- ``direct``: the split-K kernel reading the pool blocks in place (GPU only; on tensor
+  cores for float16/bfloat16 pools), plus its affine-quantized variants when ``--bits`` is
+  given (reading fewer bytes); ``scalar``: the same kernel without tensor cores (the
+  direct kernel before they were used), for comparison in the same run.
 
 A time is the median over ``--iters`` evaluations of 20 queued calls, divided by 20, after
-warm-up; effective
+warm-up; each call's output is the next call's queries (as layers follow each other in a
+decode step), so calls cannot overlap on the GPU (``--independent`` lets them). Effective
 bandwidth is the bytes of keys and values the step must read over that time. The physical
 blocks are shuffled, as a pool shared by many sequences leaves them.
 """
@@ -25,6 +28,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+import attrs
 import mlx.core as mx
 from kvtrio.cli import BENCHES
 from kvtrio.metal.attention import (
@@ -40,14 +44,35 @@ __all__ = ["measure", "run"]
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
-def _median_us(fn: Callable[[], mx.array], iters: int, batch: int = 20) -> float:
+def _median_us(
+    fn: Callable[[mx.array], mx.array],
+    queries: mx.array,
+    iters: int,
+    batch: int = 20,
+    *,
+    chain: bool = True,
+) -> float:
     """Median time of one call, over ``iters`` evaluations of ``batch`` calls queued together
-    (one evaluation per call would time the host round trip, not the GPU work)."""
-    mx.eval([fn() for _ in range(batch)])
+    (one evaluation per call would time the host round trip, not the GPU work). Each call's
+    output is the next call's queries, as in a model's decode step, where a layer waits for
+    the one before; independent calls could overlap on the GPU and share its cache (with
+    ``--independent`` they may)."""
+
+    def queue() -> list[mx.array]:
+        outs = []
+        q = queries
+        for _ in range(batch):
+            out = fn(q)
+            outs.append(out)
+            if chain:
+                q = out
+        return outs
+
+    mx.eval(queue())
     times = []
     for _ in range(iters):
         start = time.perf_counter()
-        mx.eval([fn() for _ in range(batch)])
+        mx.eval(queue())
         times.append((time.perf_counter() - start) / batch)
     return statistics.median(times) * 1e6
 
@@ -91,6 +116,7 @@ def measure(
     group_size: int,
     iters: int,
     tuning: KernelTuning = DEFAULT_TUNING,
+    chain: bool = True,
 ) -> dict[str, float | int | str | None]:
     """One context length's figures (times in microseconds, bandwidth in GB/s)."""
     mx.random.seed(length)
@@ -102,10 +128,14 @@ def measure(
     kv_bytes = keys.nbytes + values.nbytes
     view = _paged_view(keys, values, block_size, None, group_size)
     sdpa_us = _median_us(
-        lambda: mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale),
+        lambda q: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale),
+        queries,
         iters,
+        chain=chain,
     )
-    gather_us = _median_us(lambda: view.attend_reference(queries, scale), iters)
+    gather_us = _median_us(
+        lambda q: view.attend_reference(q, scale), queries, iters, chain=chain
+    )
     row: dict[str, float | int | str | None] = {
         "tokens": length,
         "kv_bytes": kv_bytes,
@@ -120,20 +150,36 @@ def measure(
     backend = direct_backend()
     if backend is not None:
         direct_us = _median_us(
-            partial(view.attend_direct, queries, scale, None, backend, tuning), iters
+            lambda q: view.attend_direct(q, scale, None, backend, tuning),
+            queries,
+            iters,
+            chain=chain,
         )
         row.update(
             direct_us=direct_us,
             direct_gbs=kv_bytes / direct_us / 1e3,
             direct_vs_sdpa=direct_us / sdpa_us,
         )
+        if view.uses_mma(tuning):
+            scalar = attrs.evolve(tuning, mma=False)
+            scalar_us = _median_us(
+                lambda q: view.attend_direct(q, scale, None, backend, scalar),
+                queries,
+                iters,
+                chain=chain,
+            )
+            row.update(scalar_us=scalar_us, scalar_vs_sdpa=scalar_us / sdpa_us)
         for b in bits:
             qview = _paged_view(keys, values, block_size, b, group_size)
             q_bytes = sum(a.nbytes for a in qview.arrays) * length // (
                 qview.arrays[0].shape[0] * block_size
             )
             q_us = _median_us(
-                partial(qview.attend_direct, queries, scale, None, backend, tuning), iters
+                partial(qview.attend_direct, scale=scale, mask=None, backend=backend,
+                        tuning=tuning),
+                queries,
+                iters,
+                chain=chain,
             )
             row[f"direct_q{b}_us"] = q_us
             row[f"direct_q{b}_gbs"] = q_bytes / q_us / 1e3
@@ -152,7 +198,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument(
-        "--tuning", default="", help="kernel shape: warps,rows,unroll,pipeline(0|1),blocks"
+        "--tuning", default="",
+        help="kernel shape: warps,rows,unroll,pipeline(0|1),blocks[,mma(0|1)]",
+    )
+    parser.add_argument(
+        "--independent", action="store_true",
+        help="queue independent calls (they may overlap on the GPU) instead of chaining each "
+        "call's output into the next call's queries",
     )
     parser.add_argument(
         "--sweep", action="store_true",
@@ -163,9 +215,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def _parse_tuning(text: str) -> KernelTuning:
     if not text:
         return DEFAULT_TUNING
-    warps, rows, unroll, pipeline, blocks = (int(x) for x in text.split(","))
+    fields = [int(x) for x in text.split(",")]
+    warps, rows, unroll, pipeline, blocks = fields[:5]
+    mma = bool(fields[5]) if len(fields) > 5 else True
     return KernelTuning(
-        warps=warps, rows=rows, unroll=unroll, pipeline=bool(pipeline), target_blocks=blocks
+        warps=warps, rows=rows, unroll=unroll, pipeline=bool(pipeline), target_blocks=blocks,
+        mma=mma,
     )
 
 
@@ -177,12 +232,12 @@ def _sweep(args: argparse.Namespace) -> int:
         return 1
     dtype = _DTYPES[args.dtype]
     lengths = [int(x) for x in args.lengths.split(",")]
-    shapes = [
-        (4, rows, unroll, pipe, blocks)
-        for rows in (1, 2, 4)
-        for unroll in (4, 8)
-        for pipe in (0, 1)
-        for blocks in (1024, 2048)
+    # The scalar kernel's best shape from earlier sweeps, then the tensor-core kernel's
+    # warps and grid sizes (rows, unroll and pipeline do not apply to it).
+    shapes = [(4, 4, 4, 1, 1024, 0)] + [
+        (warps, 4, 4, 1, blocks, 1)
+        for warps in (2, 4, 8)
+        for blocks in (132, 264, 528, 1056, 2112)
     ]
     totals: dict[tuple[int, ...], float] = {}
     for length in lengths:
@@ -193,16 +248,22 @@ def _sweep(args: argparse.Namespace) -> int:
         view = _paged_view(keys, values, args.block_size, None, args.group_size)
         scale = args.head_dim**-0.5
         sdpa = _median_us(
-            partial(mx.fast.scaled_dot_product_attention, queries, keys, values, scale=scale),
+            partial(mx.fast.scaled_dot_product_attention, k=keys, v=values, scale=scale),
+            queries,
             args.iters,
+            chain=not args.independent,
         )
         for shape in shapes:
             tuning = _parse_tuning(",".join(str(x) for x in shape))
             us = _median_us(
-                partial(view.attend_direct, queries, scale, None, backend, tuning), args.iters
+                partial(view.attend_direct, scale=scale, mask=None, backend=backend,
+                        tuning=tuning),
+                queries,
+                args.iters,
+                chain=not args.independent,
             )
             totals[shape] = totals.get(shape, 0.0) + us
-            print(f"{length:>7} warps,rows,unroll,pipeline,blocks={shape} "
+            print(f"{length:>7} warps,rows,unroll,pipeline,blocks,mma={shape} "
                   f"{us:8.1f} us  {us / sdpa:5.2f}x sdpa ({sdpa:.1f} us)")
     best = min(totals, key=lambda k: totals[k])
     print("best --tuning " + ",".join(str(x) for x in best))
@@ -225,12 +286,15 @@ def run(args: argparse.Namespace) -> int:
             group_size=args.group_size,
             iters=args.iters,
             tuning=tuning,
+            chain=not args.independent,
         )
         for length in args.lengths.split(",")
     ]
     device = str(mx.default_device())
     if args.json:
-        print(json.dumps({"device": device, "rows": rows}, indent=2))
+        print(json.dumps(
+            {"device": device, "chained": not args.independent, "rows": rows}, indent=2
+        ))
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -240,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
         f"head dim {args.head_dim}, {args.dtype}, block {args.block_size}, {device}"
     )
     columns = ["tokens", "sdpa us", "sdpa GB/s", "gather+sdpa us", "gather/sdpa",
-               "direct us", "direct GB/s", "direct/sdpa"]
+               "direct us", "direct GB/s", "direct/sdpa", "scalar/sdpa"]
     for name in columns:
         table.add_column(name, justify="right")
     extra = sorted({k for r in rows for k in r if k.startswith("direct_q") and k.endswith("_us")})
@@ -257,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
             fmt(r["gather_us"], ".1f"), fmt(r["gather_vs_sdpa"], ".2f") + "x",
             fmt(r["direct_us"], ".1f"), fmt(r["direct_gbs"], ".0f"),
             fmt(r["direct_vs_sdpa"], ".2f") + "x",
+            fmt(r.get("scalar_vs_sdpa"), ".2f") + "x",
         ]
         for key in extra:
             cells += [fmt(r.get(key), ".1f"), fmt(r.get(key.replace("_us", "_vs_sdpa")), ".2f")]

@@ -54,6 +54,9 @@ class KernelTuning:
     pipeline: bool = True  # load the next step's keys and values before using this step's
     target_blocks: int = 1024  # thread blocks to aim for: a few per multiprocessor
     min_part_tokens: int = 128
+    # float16/bfloat16 pools: the tensor-core kernel (rows and unroll do not apply to it;
+    # it serves 8 query rows per block and 16 tokens per warp step)
+    mma: bool = True
 
 
 DEFAULT_TUNING = KernelTuning()
@@ -175,25 +178,41 @@ class PagedAttentionView:
         _, q_heads, n, dim = queries.shape
         kv_heads = self.kv_heads
         rows = (q_heads // kv_heads) * n
-        rows_per_block = min(rows, tuning.rows)
-        chunks = -(-rows // rows_per_block)
-        unroll = tuning.unroll if rows_per_block <= 4 else min(tuning.unroll, 2)
-        per_step = tuning.warps * (32 // (dim // 8)) * unroll
-        part = self._part_tokens(kv_heads * chunks, per_step, tuning)
-        parts = -(-self.length // part)
         scale_bits = struct.unpack("<i", struct.pack("<f", scale * _LOG2E))[0]
-        template: list[tuple[str, Any]] = [
-            ("HQ", q_heads), ("HK", kv_heads), ("G", q_heads // kv_heads), ("N", n),
-            ("D", dim), ("BS", self.block_size), ("RC", rows_per_block),
-            ("WARPS", tuning.warps), ("U", unroll), ("PIPE", tuning.pipeline),
-            ("CAUSAL", n > 1 and mask is not None), ("SCALE_BITS", scale_bits),
-        ]
-        if self.bits is None:
-            template.append(("T", self.arrays[0].dtype))
+        causal = n > 1 and mask is not None
+        if self.uses_mma(tuning):
+            # Tensor cores: blocks of 8 query rows (one mma tile), 16-token tiles per warp.
+            chunks = -(-rows // 8)
+            part = self._part_tokens(kv_heads * chunks, tuning.warps * 16, tuning)
+            parts = -(-self.length // part)
+            kernel = backend.partial_mma()
+            template: list[tuple[str, Any]] = [
+                ("HK", kv_heads), ("G", q_heads // kv_heads), ("N", n), ("D", dim),
+                ("BS", self.block_size), ("WARPS", tuning.warps), ("CAUSAL", causal),
+                ("SCALE_BITS", scale_bits),
+            ]
         else:
-            template += [("BITS", self.bits), ("GS", self.group_size), ("T", self.arrays[2].dtype)]
+            rows_per_block = min(rows, tuning.rows)
+            chunks = -(-rows // rows_per_block)
+            unroll = tuning.unroll if rows_per_block <= 4 else min(tuning.unroll, 2)
+            per_step = tuning.warps * (32 // (dim // 8)) * unroll
+            part = self._part_tokens(kv_heads * chunks, per_step, tuning)
+            parts = -(-self.length // part)
+            kernel = backend.partial(self.bits is not None)
+            template = [
+                ("HQ", q_heads), ("HK", kv_heads), ("G", q_heads // kv_heads), ("N", n),
+                ("D", dim), ("BS", self.block_size), ("RC", rows_per_block),
+                ("WARPS", tuning.warps), ("U", unroll), ("PIPE", tuning.pipeline),
+                ("CAUSAL", causal), ("SCALE_BITS", scale_bits),
+            ]
+            if self.bits is None:
+                template.append(("T", self.arrays[0].dtype))
+            else:
+                template += [
+                    ("BITS", self.bits), ("GS", self.group_size), ("T", self.arrays[2].dtype)
+                ]
         inputs = [queries, self.arrays[0], self.arrays[1], self.table]
-        partial_out, normal = backend.partial(self.bits is not None)(
+        partial_out, normal = kernel(
             inputs=inputs + list(self.arrays[2:]),
             template=template,
             grid=(32 * tuning.warps * parts, kv_heads * chunks, 1),
@@ -212,6 +231,15 @@ class PagedAttentionView:
         )
         result: mx.array = out
         return result
+
+    def uses_mma(self, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
+        """Whether the direct kernel runs on tensor cores (float16/bfloat16 pools)."""
+        return (
+            tuning.mma
+            and self.bits is None
+            and self.arrays[0].dtype in (mx.float16, mx.bfloat16)
+            and self.arrays[0].shape[3] % 32 == 0
+        )
 
     def _part_tokens(self, row_blocks: int, per_step: int, tuning: KernelTuning) -> int:
         """Tokens per partition: enough partitions to fill the GPU, whole block steps each."""

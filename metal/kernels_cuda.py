@@ -30,7 +30,17 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["HEADER", "HEADER_QUANTIZED", "MERGE_SOURCE", "PARTIAL_SOURCE", "merge", "partial"]
+__all__ = [
+    "HEADER",
+    "HEADER_MMA",
+    "HEADER_QUANTIZED",
+    "MERGE_SOURCE",
+    "PARTIAL_MMA_SOURCE",
+    "PARTIAL_SOURCE",
+    "merge",
+    "partial",
+    "partial_mma",
+]
 
 _COMMON = """
 #define KVT_NEG_INF (-cuda::std::numeric_limits<float>::infinity())
@@ -132,6 +142,55 @@ __device__ __forceinline__ void kvt_unpackq(const kvt_qraw& raw, float* out) {
 #define KVT_LOAD_K(row, raw) kvt_fetchq<BITS, GS, T>(keys, ks, kb, (row) * D + sl * 8, raw)
 #define KVT_LOAD_V(row, raw) kvt_fetchq<BITS, GS, T>(values, vs, vb, (row) * D + sl * 8, raw)
 #define kvt_unpack(raw, out) kvt_unpackq<BITS>(raw, out)
+"""
+)
+
+
+# Tensor-core helpers of the float16/bfloat16 kernel (PARTIAL_MMA_SOURCE). A "word" is two
+# 16-bit elements in 32 bits (lower address in the low half). The first argument (a pointer
+# of the pool's element type) only picks the overload. Fragment layout of
+# mma.m16n8k16 (lane = 4 g + c): A words (row g, cols 2c..2c+1), (row g + 8, same),
+# (row g, cols 2c+8..2c+9), (row g + 8, same); B words (rows 2c..2c+1, col g),
+# (rows 2c+8..2c+9, col g); C floats (row g, cols 2c, 2c+1), (row g + 8, same).
+HEADER_MMA = (
+    HEADER
+    + """
+__device__ __forceinline__ uint32_t kvt_pack(const __half*, float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t kvt_pack(const __nv_bfloat16*, float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+// d (16 x 8, float) += a (16 x 16) * b (16 x 8), one warp, fragments as above.
+__device__ __forceinline__ void kvt_mma(
+    const __half*, float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+    uint32_t b0, uint32_t b1, int lane) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void kvt_mma(
+    const __nv_bfloat16*, float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+    uint32_t b0, uint32_t b1, int lane) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// An 8 x 8 matrix of 16-bit elements, lane 4 g + c holding row g, cols 2c..2c+1, transposed
+// (the lane then holds rows 2c..2c+1 of column g).
+__device__ __forceinline__ uint32_t kvt_trans(uint32_t x, int lane) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+// 16 bytes of a key or value row, through the read-only data path.
+__device__ __forceinline__ uint4 kvt_load16(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
 """
 )
 
@@ -305,6 +364,174 @@ PARTIAL_SOURCE = r"""
   }
 """
 
+# The float16/bfloat16 partition kernel on tensor cores. Grid as in PARTIAL_SOURCE, with
+# blocks of 8 query rows (one mma column tile; rows past the last are zero). Warp w takes
+# the partition's 16-token tiles w, w + WARPS, ...; lane 4 g + c loads tokens g and g + 8
+# of the tile, dims 32 j + 8 c .. + 8 of each (16 bytes per j), keys and values alike.
+# - Scores S (16 tokens x 8 rows) = K (16 x D) Q^T, D / 16 mma steps. The mma's reduction
+#   index k stands for a permutation of the dims; the query words use the same one, so the
+#   dot products are exact sums over all dims. Lane 4 g + c gets the scores of tokens g and
+#   g + 8 for rows 2c and 2c + 1, so it keeps m and l of those two rows.
+# - Out^T (D x 8 rows) += V^T (D x 16 tokens) P^T (16 tokens x 8 rows): kvt_trans turns the
+#   lane's value words and its weights into the operand layouts (dim rows are a permutation
+#   too, undone when the accumulators are stored).
+PARTIAL_MMA_SOURCE = r"""
+  constexpr int R = G * N;
+  constexpr int CH = (R + 7) / 8;
+  constexpr int DJ = D / 32;
+  constexpr int STEP = WARPS * 16;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int c = lane % 4;
+  const int part = blockIdx.x;
+  const int parts = gridDim.x;
+  const int hk = blockIdx.y / CH;
+  const int r0 = (blockIdx.y % CH) * 8;
+  // table = [length, block numbers...]; partitions split the length evenly, whole steps each.
+  const int length = table[0];
+  const int part_size = ((length + parts - 1) / parts + STEP - 1) / STEP * STEP;
+  const float scale = kvt_int_as_float(SCALE_BITS);
+  const int start = part * part_size;
+  const int stop = min(length, start + part_size);
+  // The mma's B operand: query row r0 + g (zero past the last row), dims as the keys'.
+  uint32_t qw[DJ][4];
+#pragma unroll
+  for (int j = 0; j < DJ; ++j) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const int lr = r0 + g;
+      const int at = (hk * R + min(lr, R - 1)) * D + 32 * j + 8 * c + 2 * w;
+      const float x0 = lr < R ? to_f(q[at]) : 0.f;
+      const float x1 = lr < R ? to_f(q[at + 1]) : 0.f;
+      qw[j][w] = kvt_pack(keys, x0, x1);
+    }
+  }
+  int visible[2];
+  float m[2];
+  float l[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int lr = r0 + 2 * c + e;
+    visible[e] = CAUSAL ? length - N + lr % N + 1 : length;
+    m[e] = KVT_NEG_INF;
+    l[e] = 0.f;
+  }
+  // acc[2 j + p]: the Out^T tile of dims 32 j + 8 (g / 2) + 4 p + g % 2 (+ 2) for rows 2c, 2c+1.
+  float acc[2 * DJ][4];
+#pragma unroll
+  for (int t = 0; t < 2 * DJ; ++t) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
+  }
+  for (int base = start + warp * 16; base < stop; base += STEP) {
+    const int ta = min(base + g, stop - 1);
+    const int tb = min(base + g + 8, stop - 1);
+    const int rowa = (table[1 + ta / BS] * HK + hk) * BS + ta % BS;
+    const int rowb = (table[1 + tb / BS] * HK + hk) * BS + tb % BS;
+    uint4 ka[DJ];
+    uint4 kb[DJ];
+    uint4 va[DJ];
+    uint4 vb[DJ];
+#pragma unroll
+    for (int j = 0; j < DJ; ++j) {
+      ka[j] = kvt_load16(keys + rowa * D + 32 * j + 8 * c);
+      kb[j] = kvt_load16(keys + rowb * D + 32 * j + 8 * c);
+    }
+#pragma unroll
+    for (int j = 0; j < DJ; ++j) {
+      va[j] = kvt_load16(values + rowa * D + 32 * j + 8 * c);
+      vb[j] = kvt_load16(values + rowb * D + 32 * j + 8 * c);
+    }
+    // s: tokens base + g (rows 2c, 2c+1), then base + g + 8 (same rows).
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < DJ; ++j) {
+      kvt_mma(keys, s, ka[j].x, kb[j].x, ka[j].y, kb[j].y, qw[j][0], qw[j][1], lane);
+      kvt_mma(keys, s, ka[j].z, kb[j].z, ka[j].w, kb[j].w, qw[j][2], qw[j][3], lane);
+    }
+    // Branch-free online softmax: while a row's maximum is -inf its weights are all 0.
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const bool use0 = base + g < stop && base + g < visible[e];
+      const bool use1 = base + g + 8 < stop && base + g + 8 < visible[e];
+      const float s0 = use0 ? s[e] * scale : KVT_NEG_INF;
+      const float s1 = use1 ? s[2 + e] * scale : KVT_NEG_INF;
+      float top = kvt_max(s0, s1);
+#pragma unroll
+      for (int o = 4; o < 32; o *= 2) top = kvt_max(top, kvt_shfl_xor(top, o));
+      top = kvt_max(top, m[e]);
+      const float corr = kvt_weight(m[e], top);
+      s[e] = kvt_weight(s0, top);
+      s[2 + e] = kvt_weight(s1, top);
+      l[e] = l[e] * corr + s[e] + s[2 + e];
+      m[e] = top;
+#pragma unroll
+      for (int t = 0; t < 2 * DJ; ++t) {
+        acc[t][e] *= corr;
+        acc[t][2 + e] *= corr;
+      }
+    }
+    // P^T as the B operand: tokens 2c..2c+1 (then + 8) of the tile, row g.
+    const uint32_t p0 = kvt_trans(kvt_pack(keys, s[0], s[1]), lane);
+    const uint32_t p1 = kvt_trans(kvt_pack(keys, s[2], s[3]), lane);
+#pragma unroll
+    for (int j = 0; j < DJ; ++j) {
+      kvt_mma(keys, acc[2 * j], kvt_trans(va[j].x, lane), kvt_trans(va[j].y, lane),
+              kvt_trans(vb[j].x, lane), kvt_trans(vb[j].y, lane), p0, p1, lane);
+      kvt_mma(keys, acc[2 * j + 1], kvt_trans(va[j].z, lane), kvt_trans(va[j].w, lane),
+              kvt_trans(vb[j].z, lane), kvt_trans(vb[j].w, lane), p0, p1, lane);
+    }
+  }
+  // Each lane's l covers its own tokens: sum over the 8 lanes of its rows.
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+#pragma unroll
+    for (int o = 4; o < 32; o *= 2) l[e] += kvt_shfl_xor(l[e], o);
+  }
+  __shared__ float sm_acc[WARPS * 8 * D];
+  __shared__ float sm_ml[WARPS * 8 * 2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int r = 2 * c + e;
+#pragma unroll
+    for (int j = 0; j < DJ; ++j) {
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const int d = 32 * j + 8 * (g / 2) + 4 * p + g % 2;
+        sm_acc[(warp * 8 + r) * D + d] = acc[2 * j + p][e];
+        sm_acc[(warp * 8 + r) * D + d + 2] = acc[2 * j + p][2 + e];
+      }
+    }
+    if (g == 0) {
+      sm_ml[(warp * 8 + r) * 2] = m[e];
+      sm_ml[(warp * 8 + r) * 2 + 1] = l[e];
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < 8 * D; i += WARPS * 32) {
+    const int r = i / D;
+    const int d = i % D;
+    if (r0 + r >= R) continue;
+    float top = KVT_NEG_INF;
+    for (int w = 0; w < WARPS; ++w) top = kvt_max(top, sm_ml[(w * 8 + r) * 2]);
+    float a = 0.f;
+    float total = 0.f;
+    for (int w = 0; w < WARPS; ++w) {
+      const float weight = kvt_weight(sm_ml[(w * 8 + r) * 2], top);
+      a += weight * sm_acc[(w * 8 + r) * D + d];
+      total += weight * sm_ml[(w * 8 + r) * 2 + 1];
+    }
+    const int row = hk * R + r0 + r;
+    out[(row * parts + part) * D + d] = a;
+    if (d == 0) {
+      normal[(row * parts + part) * 2] = top;
+      normal[(row * parts + part) * 2 + 1] = total;
+    }
+  }
+"""
+
 MERGE_SOURCE = """
   constexpr int THREADS = D * J;
   const int d = threadIdx.x;
@@ -357,6 +584,18 @@ def partial(quantized: bool) -> Any:
         output_names=["out", "normal"],
         source=PARTIAL_SOURCE,
         header=HEADER_QUANTIZED if quantized else HEADER,
+    )
+
+
+@functools.cache
+def partial_mma() -> Any:
+    """The float16/bfloat16 partition kernel on tensor cores (mma.sync)."""
+    return mx.fast.cuda_kernel(
+        name="kvtrio_paged_partial_mma",
+        input_names=_INPUTS,
+        output_names=["out", "normal"],
+        source=PARTIAL_MMA_SOURCE,
+        header=HEADER_MMA,
     )
 
 

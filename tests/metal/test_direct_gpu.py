@@ -14,6 +14,7 @@ import itertools
 import os
 import random
 
+import attrs
 import mlx.core as mx
 import pytest
 from kvtrio.metal.attention import DEFAULT_TUNING, KernelTuning, PagedAttentionView, direct_backend
@@ -26,13 +27,16 @@ TOLERANCE = {mx.float16: 4e-3, mx.bfloat16: 2e-2}
 
 def _tuning() -> KernelTuning:
     """The launch shape under test: the default, or KVTRIO_TEST_TUNING=warps,rows,unroll,pipe,
-    blocks (to check a shape ``kvtrio bench attention --sweep`` picked before adopting it)."""
+    blocks[,mma] (to check a shape ``kvtrio bench attention --sweep`` picked before adopting
+    it)."""
     text = os.environ.get("KVTRIO_TEST_TUNING")
     if not text:
         return DEFAULT_TUNING
-    warps, rows, unroll, pipeline, blocks = (int(x) for x in text.split(","))
+    fields = [int(x) for x in text.split(",")]
+    warps, rows, unroll, pipeline, blocks = fields[:5]
     return KernelTuning(
-        warps=warps, rows=rows, unroll=unroll, pipeline=bool(pipeline), target_blocks=blocks
+        warps=warps, rows=rows, unroll=unroll, pipeline=bool(pipeline), target_blocks=blocks,
+        mma=bool(fields[5]) if len(fields) > 5 else True,
     )
 
 
@@ -126,7 +130,7 @@ CASES = [
 
 
 def _check(shape: tuple[int, int, int], length: int, dtype: mx.Dtype, bits: int | None,
-           queries_per_head: int = 1) -> None:
+           queries_per_head: int = 1, tuning: KernelTuning | None = None) -> None:
     kv_heads, ratio, dim = shape
     view = _view(kv_heads, dim, length, dtype, bits, block_size=16)
     queries = mx.random.normal((1, kv_heads * ratio, queries_per_head, dim)).astype(dtype)
@@ -135,7 +139,7 @@ def _check(shape: tuple[int, int, int], length: int, dtype: mx.Dtype, bits: int 
     backend = direct_backend()
     assert backend is not None
     assert view.uses_direct(queries, mask)
-    got = view.attend_direct(queries, scale, mask, backend, _tuning())
+    got = view.attend_direct(queries, scale, mask, backend, tuning or _tuning())
     want = _float32_reference(view, queries, scale, mask)
     # MLX's CUDA quantized matmul lacks some decode shapes: take the CPU's reference there.
     with mx.stream(mx.cpu if view.bits is not None else mx.gpu):
@@ -157,11 +161,31 @@ def test_cuda_direct_matches_reference(
 
 
 @pytest.mark.skipif(not _has_cuda(), reason="needs MLX's CUDA backend and an NVIDIA GPU")
+@pytest.mark.parametrize(
+    ("shape", "length", "dtype"),
+    [
+        ((8, 4, 128), 4097, mx.float16),
+        ((2, 4, 64), 1000, mx.bfloat16),
+        ((3, 2, 128), 15, mx.float16),
+        ((8, 4, 128), 131075, mx.float16),
+    ],
+)
+def test_cuda_scalar_kernel_matches_reference(
+    shape: tuple[int, int, int], length: int, dtype: mx.Dtype
+) -> None:
+    """The kernel without tensor cores (``KernelTuning(mma=False)``) for float pools."""
+    _check(shape, length, dtype, None, tuning=attrs.evolve(_tuning(), mma=False))
+
+
+@pytest.mark.skipif(not _has_cuda(), reason="needs MLX's CUDA backend and an NVIDIA GPU")
 @pytest.mark.parametrize("queries_per_head", [2, 5, 8])
 @pytest.mark.parametrize("bits", [None, 4])
-def test_cuda_direct_causal_queries(queries_per_head: int, bits: int | None) -> None:
-    """A few queries per head (speculative decoding) with the causal mask."""
-    _check((4, 4, 128), 1037, mx.float16, bits, queries_per_head)
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_cuda_direct_causal_queries(queries_per_head: int, bits: int | None,
+                                    dtype: mx.Dtype) -> None:
+    """A few queries per head (speculative decoding) with the causal mask: 8 to 32 query rows
+    per kv head, so the tensor-core kernel takes several blocks of 8 rows."""
+    _check((4, 4, 128), 1037, dtype, bits, queries_per_head)
 
 
 @pytest.mark.skipif(not _has_metal(), reason="needs an Apple GPU (Metal)")
