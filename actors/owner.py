@@ -9,8 +9,11 @@ Theory of operation (DESIGN.md "Threads, and who may touch what"):
    serialized with decoding instead of racing it.
 2. Work is cut into short jobs so the owner interleaves with the server's steps and the
    event loop never waits long: ``snapshot`` is one job (lazy views only, O(1) memory);
-   ``materialize`` is one job per tensor (or per run of small tensors up to
-   :data:`STEP_BYTES`); ``allocate_slots`` likewise.
+   ``materialize`` runs tensors in one job until :data:`JOB_BUDGET` seconds have passed
+   (a zero-copy tensor takes microseconds, a copied one its copy; a job round trip costs
+   more than most of them, so one job per tensor cost a save of 64 tensors about 20 ms);
+   ``release`` frees a save's host tensors the same way; ``allocate_slots`` allocates a
+   step of tensors up to :data:`STEP_BYTES` (the pages are touched there).
 3. Loads never copy tensor bytes: ``allocate`` makes each destination array on the owner
    and lends its memory (a writable, zero-copy memoryview) to a worker thread that reads
    the file straight into it; the caches are then built from those arrays on the owner
@@ -28,6 +31,7 @@ Theory of operation (DESIGN.md "Threads, and who may touch what"):
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar, TypeVarTuple
@@ -46,10 +50,15 @@ from kvtrio.storage.codecs import (
 )
 from kvtrio.storage.format import Header
 
-__all__ = ["STEP_BYTES", "MlxOwner", "release_thread_streams", "steps"]
+__all__ = ["JOB_BUDGET", "STEP_BYTES", "MlxOwner", "release_thread_streams", "steps"]
 
 #: Work per owner job when materializing: one tensor, or a run of small ones up to this.
 STEP_BYTES = 32 * 1024 * 1024
+
+#: How long (seconds) one owner job of kvtrio's runs tensors before handing the thread
+#: back (a job finishes the tensor it is on). Python work in such a job holds the GIL, so
+#: this also bounds how long the event loop can wait for it.
+JOB_BUDGET = 0.001
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -134,15 +143,25 @@ class MlxOwner:
     ) -> list[HostTensor]:
         """Evaluate every tensor of ``snapshot`` into host memoryviews.
 
-        One owner job per tensor, or per run of small tensors up to :data:`STEP_BYTES`
-        (so a cache of many small layers does not pay one thread round trip per tensor).
+        Each owner job runs tensors until :data:`JOB_BUDGET` has passed (at least one), so
+        zero-copy tensors share a job and a copied one gets its own.
         """
         views = snapshot.views
+        count = views.tensor_count
         out: list[HostTensor] = []
-        for group in steps([slot.nbytes for slot in snapshot.plan.slots()]):
-            job = functools.partial(_materialize_group, views, group, block_tokens)
+        while len(out) < count:
+            job = functools.partial(_materialize_some, views, len(out), count, block_tokens)
             out.extend(await self.run(job))
         return out
+
+    async def release(self, host: list[HostTensor], snapshot: Snapshot) -> None:
+        """Free a save's host tensors (emptying ``host``) and then the snapshot's views, on
+        the owner: in jobs of at most :data:`JOB_BUDGET` (and one tensor), since unmapping
+        a large copy at once holds the kernel's memory-map lock long enough to stall every
+        thread that faults a page, the event loop's included."""
+        while True:
+            if await self.run(_release_some, host, snapshot):
+                return
 
     # -- load ------------------------------------------------------------------------------
 
@@ -214,10 +233,28 @@ def _allocate_group(
     return [codecs.allocate_slot(header, i) for i in indices]
 
 
-def _materialize_group(
-    views: CacheSnapshot, group: range, block_tokens: int | None
+def _materialize_some(
+    views: CacheSnapshot, start: int, count: int, block_tokens: int | None
 ) -> list[HostTensor]:
-    return [codecs.materialize_tensor(views, i, block_tokens=block_tokens) for i in group]
+    deadline = time.perf_counter() + JOB_BUDGET
+    out: list[HostTensor] = []
+    for index in range(start, count):
+        out.append(codecs.materialize_tensor(views, index, block_tokens=block_tokens))
+        if time.perf_counter() >= deadline:
+            break
+    return out
+
+
+def _release_some(host: list[HostTensor], snapshot: Snapshot) -> bool:
+    """Drop tensors from the end of ``host`` for up to JOB_BUDGET; True once all are gone
+    (the snapshot's views then too). The last reference goes here, on the owner thread."""
+    deadline = time.perf_counter() + JOB_BUDGET
+    while host:
+        del host[-1]
+        if time.perf_counter() >= deadline:
+            return False
+    snapshot.drop_views()
+    return True
 
 
 def _join(pieces: Sequence[Any], axis: int) -> Any:

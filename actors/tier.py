@@ -17,9 +17,9 @@ Theory of operation
 1. ``save`` costs the caller one short owner job: the snapshot (lazy views and a header
    plan, no bytes copied). It returns a ticket at once; the snapshot then waits in the
    spill queue (byte cap, shedding, supersession: :mod:`kvtrio.actors.spill`).
-2. The spill stores one snapshot at a time, in order: the owner materializes it one
-   tensor per job (``eval`` + ``contiguous``), then the writer publishes it durably from a
-   worker thread. The snapshot is released exactly once when its ticket settles
+2. The spill stores one snapshot at a time, in order: the owner materializes it in short
+   jobs (``eval``, then segments of the live buffer, or a contiguous copy where the
+   strides do not allow that), then the writer publishes it durably from a worker thread. The snapshot is released exactly once when its ticket settles
    (invariant 2); the ledger in :meth:`ColdTier.statistics` counts the live ones.
 3. ``load`` reads and validates the header on a worker thread, checks ``expect``, has
    the owner allocate the destination arrays (one job per tensor), reads the tensors
@@ -168,11 +168,6 @@ class ColdTierStatistics:
     load_misses: int
     load_failures: int
     debris_removed: int
-
-
-def _drop_last(items: builtins.list[Any]) -> None:
-    # On the owner thread: the last reference goes here (a pop would hand it back).
-    del items[-1]
 
 
 def _open_shared(
@@ -414,13 +409,10 @@ class ColdTier:
                 )
             return await self.writer.write_blocks(path, snap.plan, [h.segments for h in host])
         finally:
-            # Free the materialized copies (and the views) on the owner, one tensor per job:
-            # unmapping a GiB at once holds the kernel's memory-map lock long enough to
-            # stall every other thread that faults a page, the event loop's included.
+            # Free the materialized copies (and the views) on the owner, a few at a time
+            # (MlxOwner.release says why).
             with trio.CancelScope(shield=True):
-                while host:
-                    await self.owner.run(_drop_last, host)
-                await self.owner.run(snap.drop_views)
+                await self.owner.release(host, snap)
 
     # -- loading ---------------------------------------------------------------------------
 
