@@ -194,6 +194,11 @@ class SharedColdStore(Protocol):
         """What the store holds under ``key`` (its manifest alone), None when gone."""
         ...
 
+    async def forget(self, key: str, model: ModelKey, tokens: Sequence[int]) -> None:
+        """Drop ``key`` from the index keys of ``tokens`` if its manifest is gone (a stale
+        registration found by :meth:`find`), so no host reads it again."""
+        ...
+
 
 @attrs.frozen
 class Fetched:
@@ -555,6 +560,8 @@ class TieredPromptCache:
                 return
             if info is None or info.model != self.model:
                 self._count("shared_vanished")
+                if info is None:  # a stale registration: clean it up for every host
+                    self._spawn(self._forget_shared, key, query)
                 continue
             if key in self._records:  # added while the manifest was being read
                 continue
@@ -563,6 +570,13 @@ class TieredPromptCache:
             match = self._index.lookup(self.model, query)
             if match is not None and match.reuse > best:
                 return
+
+    async def _forget_shared(self, key: str, query: tuple[int, ...]) -> None:
+        assert isinstance(self.cold, SharedColdStore)
+        try:
+            await self.cold.forget(key, self.model, query)
+        except (KvtrioError, OSError):
+            return  # best effort: the next host to miss on it tries again
 
     def _add_cold_entries(self, infos: Iterable[ColdEntryInfo]) -> None:
         for info in sorted(infos, key=lambda info: info.mtime):
@@ -1025,6 +1039,13 @@ class ColdTierStore:
             return _entry_info(await self.tier.entry(key))
         except (CacheMissError, CorruptCacheError, ValueError):
             return None
+
+    async def forget(self, key: str, model: ModelKey, tokens: Sequence[int]) -> None:
+        """:meth:`SharedColdStore.forget`: unregister a vanished manifest (if still gone)."""
+        if self._shared is None:
+            return
+        keys = [k for k, _ in probe_keys(model, tokens, self._index_block_size)]
+        await trio.to_thread.run_sync(self._shared.unregister, key + SUFFIX, keys)
 
 
 def _entry_info(entry: TierEntry) -> ColdEntryInfo:

@@ -125,6 +125,13 @@ class ManifestStore(Protocol):
         """
         ...
 
+    def unregister(self, name: str, index_keys: Sequence[str]) -> bool:
+        """Remove ``name`` from the index under ``index_keys`` (and every key its record
+        of registrations still names) if the manifest is absent (a stale entry: the
+        manifest was evicted or deleted); True if it was removed.
+        """
+        ...
+
     def close(self) -> None:
         """Release connections or handles."""
         ...
@@ -193,6 +200,9 @@ class LocalManifestStore:
 
     def lookup_each(self, index_keys: Sequence[str]) -> builtins.list[builtins.list[str]]:
         return [[] for _ in index_keys]
+
+    def unregister(self, name: str, index_keys: Sequence[str]) -> bool:
+        return False
 
     def close(self) -> None:
         return None
@@ -294,6 +304,27 @@ class RedisManifestStore:
             sorted(name for name in map(_text, members) if MANIFEST_NAME_RE.fullmatch(name))
             for members in replies
         ]
+
+    def unregister(self, name: str, index_keys: Sequence[str]) -> bool:
+        from redis.exceptions import WatchError
+
+        key = self.manifest_key(name)
+        with translate_redis_errors(self.target):
+            with self.client.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(key)  # type: ignore[no-untyped-call]  # a re-publication aborts
+                    if pipe.exists(key):
+                        return False
+                    # The keys it was registered under, where that record survives too.
+                    known = {_text(k) for k in pipe.smembers(self._keys_key(name))}
+                    pipe.multi()
+                    for index_key in sorted(known.union(index_keys)):
+                        pipe.srem(self._index_key(index_key), name)
+                    pipe.delete(self._keys_key(name))
+                    pipe.execute()
+                except WatchError:
+                    return False
+        return True
 
     def close(self) -> None:
         self.client.close()

@@ -90,6 +90,20 @@ def test_redis_manifest_evicted_is_a_miss(redis_url: str) -> None:
     store.client.delete(store.manifest_key("m"))
     assert store.get("m") is None
     assert store.lookup(["k"]) == ["m"]  # the reader skips names whose manifest is gone
+    assert store.lookup_each(["k", "other"]) == [["m"], []]
+    store.close()
+
+
+def test_redis_unregister_drops_only_stale_entries(redis_url: str) -> None:
+    """A stale registration (its manifest gone) is removed from the index keys named; a
+    live one is kept."""
+    store = RedisManifestStore.open(redis_url)
+    store.put("live", b"x", index_keys=["k1", "k2"])
+    store.put("gone", b"y", index_keys=["k1", "k2"])
+    assert store.unregister("live", ["k1", "k2"]) is False
+    store.client.delete(store.manifest_key("gone"))
+    assert store.unregister("gone", ["k1", "k2", "k3"]) is True
+    assert store.lookup_each(["k1", "k2"]) == [["live"], ["live"]]
     store.close()
 
 
