@@ -199,7 +199,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument(
         "--tuning", default="",
-        help="kernel shape: warps,rows,unroll,pipeline(0|1),blocks[,mma(0|1)]",
+        help="kernel shape: warps,rows,unroll,pipeline(0|1),blocks[,mma(0|1)[,mma_warps,"
+        "mma_blocks]] (the first five shape the scalar kernel)",
     )
     parser.add_argument(
         "--independent", action="store_true",
@@ -213,15 +214,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse_tuning(text: str) -> KernelTuning:
-    if not text:
-        return DEFAULT_TUNING
-    fields = [int(x) for x in text.split(",")]
-    warps, rows, unroll, pipeline, blocks = fields[:5]
-    mma = bool(fields[5]) if len(fields) > 5 else True
-    return KernelTuning(
-        warps=warps, rows=rows, unroll=unroll, pipeline=bool(pipeline), target_blocks=blocks,
-        mma=mma,
-    )
+    return KernelTuning.parse(text) if text else DEFAULT_TUNING
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -232,14 +225,13 @@ def _sweep(args: argparse.Namespace) -> int:
         return 1
     dtype = _DTYPES[args.dtype]
     lengths = [int(x) for x in args.lengths.split(",")]
-    # The scalar kernel's best shape from earlier sweeps, then the tensor-core kernel's
-    # warps and grid sizes (rows, unroll and pipeline do not apply to it).
-    shapes = [(4, 4, 4, 1, 1024, 0)] + [
-        (warps, 4, 4, 1, blocks, 1)
+    # The scalar kernel's default shape, then the tensor-core kernel's warps and grid sizes.
+    shapes = [attrs.evolve(DEFAULT_TUNING, mma=False)] + [
+        attrs.evolve(DEFAULT_TUNING, mma_warps=warps, mma_blocks=blocks)
         for warps in (2, 4, 8)
         for blocks in (132, 264, 528, 1056, 2112)
     ]
-    totals: dict[tuple[int, ...], float] = {}
+    totals: dict[KernelTuning, float] = {}
     for length in lengths:
         mx.random.seed(length)
         keys = mx.random.normal((1, args.kv_heads, length, args.head_dim)).astype(dtype)
@@ -253,8 +245,7 @@ def _sweep(args: argparse.Namespace) -> int:
             args.iters,
             chain=not args.independent,
         )
-        for shape in shapes:
-            tuning = _parse_tuning(",".join(str(x) for x in shape))
+        for tuning in shapes:
             us = _median_us(
                 partial(view.attend_direct, scale=scale, mask=None, backend=backend,
                         tuning=tuning),
@@ -262,11 +253,11 @@ def _sweep(args: argparse.Namespace) -> int:
                 args.iters,
                 chain=not args.independent,
             )
-            totals[shape] = totals.get(shape, 0.0) + us
-            print(f"{length:>7} warps,rows,unroll,pipeline,blocks,mma={shape} "
+            totals[tuning] = totals.get(tuning, 0.0) + us
+            print(f"{length:>7} --tuning {tuning.text():<24} "
                   f"{us:8.1f} us  {us / sdpa:5.2f}x sdpa ({sdpa:.1f} us)")
     best = min(totals, key=lambda k: totals[k])
-    print("best --tuning " + ",".join(str(x) for x in best))
+    print("best --tuning " + best.text())
     return 0
 
 

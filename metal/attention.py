@@ -48,15 +48,41 @@ _MAX_PARTS = 1024
 class KernelTuning:
     """Launch shape of the direct kernel (``kvtrio bench attention --sweep`` compares them)."""
 
+    # The scalar kernel (float32 and quantized pools, or any pool with mma=False):
     warps: int = 4  # warps per thread block
     rows: int = 4  # query rows (GQA group x queries) a block serves; more take more blocks
     unroll: int = 4  # tokens each lane keeps in flight per step (2 when a block has > 4 rows)
     pipeline: bool = True  # load the next step's keys and values before using this step's
     target_blocks: int = 1024  # thread blocks to aim for: a few per multiprocessor
     min_part_tokens: int = 128
-    # float16/bfloat16 pools: the tensor-core kernel (rows and unroll do not apply to it;
-    # it serves 8 query rows per block and 16 tokens per warp step)
+    # The tensor-core kernel (float16/bfloat16 pools; 8 query rows per block and 16 tokens
+    # per warp step): whether to use it, its warps per block and thread blocks to aim for.
     mma: bool = True
+    mma_warps: int = 8
+    mma_blocks: int = 264  # 2 per multiprocessor of an H200 (from the sweep)
+
+    @classmethod
+    def parse(cls, text: str) -> KernelTuning:
+        """``warps,rows,unroll,pipeline,blocks[,mma[,mma_warps,mma_blocks]]`` (pipeline and
+        mma 0 or 1); fields left out keep their defaults."""
+        fields = [int(x) for x in text.split(",")]
+        if len(fields) not in (5, 6, 8):
+            raise ValueError(f"expected 5, 6 or 8 comma-separated integers, got {text!r}")
+        tuning = cls(
+            warps=fields[0], rows=fields[1], unroll=fields[2], pipeline=bool(fields[3]),
+            target_blocks=fields[4],
+        )
+        if len(fields) > 5:
+            tuning = attrs.evolve(tuning, mma=bool(fields[5]))
+        if len(fields) > 6:
+            tuning = attrs.evolve(tuning, mma_warps=fields[6], mma_blocks=fields[7])
+        return tuning
+
+    def text(self) -> str:
+        """The ``--tuning`` argument that parses back to this shape."""
+        fields = [self.warps, self.rows, self.unroll, int(self.pipeline), self.target_blocks,
+                  int(self.mma), self.mma_warps, self.mma_blocks]
+        return ",".join(str(x) for x in fields)
 
 
 DEFAULT_TUNING = KernelTuning()
@@ -182,27 +208,29 @@ class PagedAttentionView:
         causal = n > 1 and mask is not None
         if self.uses_mma(tuning):
             # Tensor cores: blocks of 8 query rows (one mma tile), 16-token tiles per warp.
+            warps = tuning.mma_warps
             chunks = -(-rows // 8)
-            part = self._part_tokens(kv_heads * chunks, tuning.warps * 16, tuning)
+            part = self._part_tokens(kv_heads * chunks, warps * 16, tuning.mma_blocks, tuning)
             parts = -(-self.length // part)
             kernel = backend.partial_mma()
             template: list[tuple[str, Any]] = [
                 ("HK", kv_heads), ("G", q_heads // kv_heads), ("N", n), ("D", dim),
-                ("BS", self.block_size), ("WARPS", tuning.warps), ("CAUSAL", causal),
+                ("BS", self.block_size), ("WARPS", warps), ("CAUSAL", causal),
                 ("SCALE_BITS", scale_bits),
             ]
         else:
+            warps = tuning.warps
             rows_per_block = min(rows, tuning.rows)
             chunks = -(-rows // rows_per_block)
             unroll = tuning.unroll if rows_per_block <= 4 else min(tuning.unroll, 2)
-            per_step = tuning.warps * (32 // (dim // 8)) * unroll
-            part = self._part_tokens(kv_heads * chunks, per_step, tuning)
+            per_step = warps * (32 // (dim // 8)) * unroll
+            part = self._part_tokens(kv_heads * chunks, per_step, tuning.target_blocks, tuning)
             parts = -(-self.length // part)
             kernel = backend.partial(self.bits is not None)
             template = [
                 ("HQ", q_heads), ("HK", kv_heads), ("G", q_heads // kv_heads), ("N", n),
                 ("D", dim), ("BS", self.block_size), ("RC", rows_per_block),
-                ("WARPS", tuning.warps), ("U", unroll), ("PIPE", tuning.pipeline),
+                ("WARPS", warps), ("U", unroll), ("PIPE", tuning.pipeline),
                 ("CAUSAL", causal), ("SCALE_BITS", scale_bits),
             ]
             if self.bits is None:
@@ -215,8 +243,8 @@ class PagedAttentionView:
         partial_out, normal = kernel(
             inputs=inputs + list(self.arrays[2:]),
             template=template,
-            grid=(32 * tuning.warps * parts, kv_heads * chunks, 1),
-            threadgroup=(32 * tuning.warps, 1, 1),
+            grid=(32 * warps * parts, kv_heads * chunks, 1),
+            threadgroup=(32 * warps, 1, 1),
             output_shapes=[(q_heads * n, parts, dim), (q_heads * n, parts, 2)],
             output_dtypes=[mx.float32, mx.float32],
         )
@@ -241,9 +269,11 @@ class PagedAttentionView:
             and self.arrays[0].shape[3] % 32 == 0
         )
 
-    def _part_tokens(self, row_blocks: int, per_step: int, tuning: KernelTuning) -> int:
+    def _part_tokens(
+        self, row_blocks: int, per_step: int, target_blocks: int, tuning: KernelTuning
+    ) -> int:
         """Tokens per partition: enough partitions to fill the GPU, whole block steps each."""
-        wanted = max(1, tuning.target_blocks // row_blocks)
+        wanted = max(1, target_blocks // row_blocks)
         tokens = max(
             -(-self.length // wanted), -(-self.length // _MAX_PARTS), tuning.min_part_tokens
         )

@@ -26,18 +26,11 @@ TOLERANCE = {mx.float16: 4e-3, mx.bfloat16: 2e-2}
 
 
 def _tuning() -> KernelTuning:
-    """The launch shape under test: the default, or KVTRIO_TEST_TUNING=warps,rows,unroll,pipe,
-    blocks[,mma] (to check a shape ``kvtrio bench attention --sweep`` picked before adopting
+    """The launch shape under test: the default, or KVTRIO_TEST_TUNING (a ``--tuning`` value
+    of ``kvtrio bench attention``, to check a shape its ``--sweep`` picked before adopting
     it)."""
     text = os.environ.get("KVTRIO_TEST_TUNING")
-    if not text:
-        return DEFAULT_TUNING
-    fields = [int(x) for x in text.split(",")]
-    warps, rows, unroll, pipeline, blocks = fields[:5]
-    return KernelTuning(
-        warps=warps, rows=rows, unroll=unroll, pipeline=bool(pipeline), target_blocks=blocks,
-        mma=bool(fields[5]) if len(fields) > 5 else True,
-    )
+    return KernelTuning.parse(text) if text else DEFAULT_TUNING
 
 
 def _has_cuda() -> bool:
