@@ -95,6 +95,9 @@ __all__ = [
 
 # At most this many manifests are read per lookup from a shared store's prefix index.
 SHARED_READS = 4
+# Seconds a failed index lookup pauses the next ones (doubling while failures go on).
+SHARED_PAUSE_MIN = 1.0
+SHARED_PAUSE_MAX = 30.0
 
 # Header meta key holding the JSON list of conversations an entry is the checkpoint of, so
 # supersession keeps working after a restart.
@@ -243,6 +246,7 @@ class TieredStatistics:
     shared_found: int = 0
     shared_vanished: int = 0
     shared_refreshes: int = 0
+    shared_errors: int = 0  # index lookups that failed (store out of reach): then paused
 
 
 @attrs.define(eq=False)
@@ -319,6 +323,8 @@ class TieredPromptCache:
     _writes_in_flight: int = attrs.field(init=False, default=0)
     _refreshed_at: float = attrs.field(init=False, default=-math.inf)
     _refreshing: bool = attrs.field(init=False, default=False)
+    _shared_paused_until: float = attrs.field(init=False, default=-math.inf)
+    _shared_backoff: float = attrs.field(init=False, default=0.0)
 
     def __attrs_post_init__(self) -> None:
         self._index = PrefixIndex(block_size=self.block_size)
@@ -498,6 +504,7 @@ class TieredPromptCache:
             shared_found=c("shared_found", 0),
             shared_vanished=c("shared_vanished", 0),
             shared_refreshes=c("shared_refreshes", 0),
+            shared_errors=c("shared_errors", 0),
         )
 
     # -- internals -------------------------------------------------------------------
@@ -539,13 +546,26 @@ class TieredPromptCache:
 
         Runs on the store's worker threads; a store out of reach, or a registered entry
         whose manifest is gone, leaves the index as it is (at worst the lookup misses).
+        After a failed index lookup, lookups skip the index for a pause (trio's clock) that
+        doubles from :data:`SHARED_PAUSE_MIN` up to :data:`SHARED_PAUSE_MAX` seconds while
+        the store stays out of reach, so an unreachable Redis (connect timeouts) does not
+        delay every request.
         """
         assert isinstance(self.cold, SharedColdStore)
+        now = trio.current_time()
+        if now < self._shared_paused_until:
+            return
         best = local.reuse if local is not None else 0
         try:
             candidates = await self.cold.find(self.model, query)
         except (KvtrioError, OSError):
+            self._count("shared_errors")
+            self._shared_backoff = min(
+                SHARED_PAUSE_MAX, max(SHARED_PAUSE_MIN, 2 * self._shared_backoff)
+            )
+            self._shared_paused_until = trio.current_time() + self._shared_backoff
             return
+        self._shared_backoff = 0.0
         self._count("shared_lookups")
         reads = 0
         for key, bound in candidates:
