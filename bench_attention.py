@@ -160,7 +160,7 @@ def measure(
             direct_gbs=kv_bytes / direct_us / 1e3,
             direct_vs_sdpa=direct_us / sdpa_us,
         )
-        if view.uses_mma(tuning):
+        if view.uses_mma(tuning, backend):
             scalar = attrs.evolve(tuning, mma=False)
             scalar_us = _median_us(
                 lambda q: view.attend_direct(q, scale, None, backend, scalar),

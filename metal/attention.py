@@ -56,15 +56,16 @@ class KernelTuning:
     target_blocks: int = 1024  # thread blocks to aim for: a few per multiprocessor
     min_part_tokens: int = 128
     # The tensor-core kernel (float16/bfloat16 pools; 8 query rows per block and 16 tokens
-    # per warp step): whether to use it, its warps per block and thread blocks to aim for.
-    mma: bool = True
+    # per warp step): whether to use it (None: where the backend has tensor cores, i.e. CUDA;
+    # Metal's version emulates them), its warps per block and thread blocks to aim for.
+    mma: bool | None = None
     mma_warps: int = 8
     mma_blocks: int = 264  # 2 per multiprocessor of an H200 (from the sweep)
 
     @classmethod
     def parse(cls, text: str) -> KernelTuning:
-        """``warps,rows,unroll,pipeline,blocks[,mma[,mma_warps,mma_blocks]]`` (pipeline and
-        mma 0 or 1); fields left out keep their defaults."""
+        """``warps,rows,unroll,pipeline,blocks[,mma[,mma_warps,mma_blocks]]`` (pipeline 0 or 1;
+        mma 0, 1 or -1 for the backend's default); fields left out keep their defaults."""
         fields = [int(x) for x in text.split(",")]
         if len(fields) not in (5, 6, 8):
             raise ValueError(f"expected 5, 6 or 8 comma-separated integers, got {text!r}")
@@ -73,7 +74,7 @@ class KernelTuning:
             target_blocks=fields[4],
         )
         if len(fields) > 5:
-            tuning = attrs.evolve(tuning, mma=bool(fields[5]))
+            tuning = attrs.evolve(tuning, mma=None if fields[5] < 0 else bool(fields[5]))
         if len(fields) > 6:
             tuning = attrs.evolve(tuning, mma_warps=fields[6], mma_blocks=fields[7])
         return tuning
@@ -81,7 +82,7 @@ class KernelTuning:
     def text(self) -> str:
         """The ``--tuning`` argument that parses back to this shape."""
         fields = [self.warps, self.rows, self.unroll, int(self.pipeline), self.target_blocks,
-                  int(self.mma), self.mma_warps, self.mma_blocks]
+                  -1 if self.mma is None else int(self.mma), self.mma_warps, self.mma_blocks]
         return ",".join(str(x) for x in fields)
 
 
@@ -206,7 +207,7 @@ class PagedAttentionView:
         rows = (q_heads // kv_heads) * n
         scale_bits = struct.unpack("<i", struct.pack("<f", scale * _LOG2E))[0]
         causal = n > 1 and mask is not None
-        if self.uses_mma(tuning):
+        if self.uses_mma(tuning, backend):
             # Tensor cores: blocks of 8 query rows (one mma tile), 16-token tiles per warp.
             warps = tuning.mma_warps
             chunks = -(-rows // 8)
@@ -260,10 +261,11 @@ class PagedAttentionView:
         result: mx.array = out
         return result
 
-    def uses_mma(self, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
+    def uses_mma(self, tuning: KernelTuning, backend: ModuleType) -> bool:
         """Whether the direct kernel runs on tensor cores (float16/bfloat16 pools)."""
+        wanted = tuning.mma if tuning.mma is not None else bool(backend.TENSOR_CORES)
         return (
-            tuning.mma
+            wanted
             and self.bits is None
             and self.arrays[0].dtype in (mx.float16, mx.bfloat16)
             and self.arrays[0].shape[3] % 32 == 0

@@ -37,6 +37,7 @@ __all__ = [
     "MERGE_SOURCE",
     "PARTIAL_MMA_SOURCE",
     "PARTIAL_SOURCE",
+    "TENSOR_CORES",
     "merge",
     "partial",
     "partial_mma",
@@ -570,6 +571,9 @@ MERGE_SOURCE = """
     out[row * D + d] = from_f<OutT>(a / total);
   }
 """
+
+# The tensor-core kernel is the default for float16/bfloat16 pools (KernelTuning.mma=None).
+TENSOR_CORES = True
 
 _INPUTS = ["q", "keys", "values", "table"]
 _QUANTIZED_INPUTS = [*_INPUTS, "ks", "kb", "vs", "vb"]

@@ -13,7 +13,18 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["HEADER", "HEADER_QUANTIZED", "MERGE_SOURCE", "PARTIAL_SOURCE", "merge", "partial"]
+__all__ = [
+    "HEADER",
+    "HEADER_MMA",
+    "HEADER_QUANTIZED",
+    "MERGE_SOURCE",
+    "PARTIAL_MMA_SOURCE",
+    "PARTIAL_SOURCE",
+    "TENSOR_CORES",
+    "merge",
+    "partial",
+    "partial_mma",
+]
 
 _COMMON = """
 #define KVT_NEG_INF (-INFINITY)
@@ -91,6 +102,71 @@ inline void kvt_unpackq(thread const kvt_qraw& raw, thread float* out) {
 #define KVT_LOAD_K(row, raw) kvt_fetchq<BITS, GS, T>(keys, ks, kb, (row) * D + sl * 8, raw)
 #define KVT_LOAD_V(row, raw) kvt_fetchq<BITS, GS, T>(values, vs, vb, (row) * D + sl * 8, raw)
 #define kvt_unpack(raw, out) kvt_unpackq<BITS>(raw, out)
+"""
+)
+
+# The helpers of the float16/bfloat16 kernel (PARTIAL_MMA_SOURCE), with the semantics of the
+# CUDA ones: kvt_mma is the m16n8k16 tensor-core product and kvt_trans the 8 x 8 transpose,
+# on the CUDA fragment layout (see kernels_cuda.HEADER_MMA), here emulated with SIMD-group
+# shuffles and float32 multiply-adds (Apple's simdgroup_matrix has another layout). It is
+# correct by construction but slower than it could be, and untested on hardware.
+HEADER_MMA = (
+    HEADER
+    + """
+inline float kvt_lo(const device half*, uint x) { return float(as_type<half2>(x).x); }
+inline float kvt_hi(const device half*, uint x) { return float(as_type<half2>(x).y); }
+inline float kvt_lo(const device bfloat16_t*, uint x) { return as_type<float>(x << 16); }
+inline float kvt_hi(const device bfloat16_t*, uint x) { return as_type<float>(x & 0xffff0000u); }
+inline uint kvt_bf16_bits(float x) {
+  const uint u = as_type<uint>(x);
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+inline uint kvt_pack(const device half*, float a, float b) {
+  return as_type<uint>(half2(half(a), half(b)));
+}
+inline uint kvt_pack(const device bfloat16_t*, float a, float b) {
+  return kvt_bf16_bits(a) | (kvt_bf16_bits(b) << 16);
+}
+// d (16 x 8, float) += a (16 x 16) * b (16 x 8), one SIMD group, CUDA's fragment layout:
+// lane 4 k + c of A holds rows k, k + 8 and cols 2c, 2c+1, 2c+8, 2c+9; of B col k, rows
+// 2c, 2c+1, 2c+8, 2c+9.
+template <typename P>
+inline void kvt_mma(
+    P p, thread float* d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1, int lane) {
+  const int g = lane / 4;
+  const int c = lane % 4;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint ra0 = simd_shuffle(a0, ushort(4 * g + k));
+    const uint ra1 = simd_shuffle(a1, ushort(4 * g + k));
+    const uint ra2 = simd_shuffle(a2, ushort(4 * g + k));
+    const uint ra3 = simd_shuffle(a3, ushort(4 * g + k));
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const uint rb0 = simd_shuffle(b0, ushort(4 * (2 * c + e) + k));
+      const uint rb1 = simd_shuffle(b1, ushort(4 * (2 * c + e) + k));
+      d[e] += kvt_lo(p, ra0) * kvt_lo(p, rb0) + kvt_hi(p, ra0) * kvt_hi(p, rb0)
+          + kvt_lo(p, ra2) * kvt_lo(p, rb1) + kvt_hi(p, ra2) * kvt_hi(p, rb1);
+      d[2 + e] += kvt_lo(p, ra1) * kvt_lo(p, rb0) + kvt_hi(p, ra1) * kvt_hi(p, rb0)
+          + kvt_lo(p, ra3) * kvt_lo(p, rb1) + kvt_hi(p, ra3) * kvt_hi(p, rb1);
+    }
+  }
+}
+// An 8 x 8 matrix of 16-bit elements, lane 4 g + c holding row g, cols 2c..2c+1, transposed
+// (the lane then holds rows 2c..2c+1 of column g).
+inline uint kvt_trans(uint x, int lane) {
+  const int g = lane / 4;
+  const int c = lane % 4;
+  const uint lo = simd_shuffle(x, ushort(4 * (2 * c) + g / 2));
+  const uint hi = simd_shuffle(x, ushort(4 * (2 * c + 1) + g / 2));
+  const uint shift = 16 * (g % 2);
+  return ((lo >> shift) & 0xffffu) | (((hi >> shift) & 0xffffu) << 16);
+}
+// 16 bytes of a key or value row.
+template <typename P>
+inline uint4 kvt_load16(const device P* p) {
+  return *((const device uint4*)(p));
+}
 """
 )
 
@@ -264,6 +340,164 @@ PARTIAL_SOURCE = r"""
   }
 """
 
+# The float16/bfloat16 partition kernel (kernels_cuda.PARTIAL_MMA_SOURCE explains it).
+PARTIAL_MMA_SOURCE = r"""
+  constexpr int R = G * N;
+  constexpr int CH = (R + 7) / 8;
+  constexpr int DJ = D / 32;
+  constexpr int STEP = WARPS * 16;
+  const int tid = thread_position_in_threadgroup.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int c = lane % 4;
+  const int part = threadgroup_position_in_grid.x;
+  const int parts = threadgroups_per_grid.x;
+  const int hk = threadgroup_position_in_grid.y / CH;
+  const int r0 = (threadgroup_position_in_grid.y % CH) * 8;
+  // table = [length, block numbers...]; partitions split the length evenly, whole steps each.
+  const int length = table[0];
+  const int part_size = ((length + parts - 1) / parts + STEP - 1) / STEP * STEP;
+  const float scale = kvt_int_as_float(SCALE_BITS);
+  const int start = part * part_size;
+  const int stop = metal::min(length, start + part_size);
+  // The mma's B operand: query row r0 + g (zero past the last row), dims as the keys'.
+  uint32_t qw[DJ][4];
+#pragma unroll
+  for (int j = 0; j < DJ; ++j) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const int lr = r0 + g;
+      const int at = (hk * R + metal::min(lr, R - 1)) * D + 32 * j + 8 * c + 2 * w;
+      const float x0 = lr < R ? to_f(q[at]) : 0.f;
+      const float x1 = lr < R ? to_f(q[at + 1]) : 0.f;
+      qw[j][w] = kvt_pack(keys, x0, x1);
+    }
+  }
+  int visible[2];
+  float m[2];
+  float l[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int lr = r0 + 2 * c + e;
+    visible[e] = CAUSAL ? length - N + lr % N + 1 : length;
+    m[e] = KVT_NEG_INF;
+    l[e] = 0.f;
+  }
+  // acc[2 j + p]: the Out^T tile of dims 32 j + 8 (g / 2) + 4 p + g % 2 (+ 2) for rows 2c, 2c+1.
+  float acc[2 * DJ][4];
+#pragma unroll
+  for (int t = 0; t < 2 * DJ; ++t) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
+  }
+  for (int base = start + warp * 16; base < stop; base += STEP) {
+    const int ta = metal::min(base + g, stop - 1);
+    const int tb = metal::min(base + g + 8, stop - 1);
+    const int rowa = (table[1 + ta / BS] * HK + hk) * BS + ta % BS;
+    const int rowb = (table[1 + tb / BS] * HK + hk) * BS + tb % BS;
+    uint4 ka[DJ];
+    uint4 kb[DJ];
+    uint4 va[DJ];
+    uint4 vb[DJ];
+#pragma unroll
+    for (int j = 0; j < DJ; ++j) {
+      ka[j] = kvt_load16(keys + rowa * D + 32 * j + 8 * c);
+      kb[j] = kvt_load16(keys + rowb * D + 32 * j + 8 * c);
+    }
+#pragma unroll
+    for (int j = 0; j < DJ; ++j) {
+      va[j] = kvt_load16(values + rowa * D + 32 * j + 8 * c);
+      vb[j] = kvt_load16(values + rowb * D + 32 * j + 8 * c);
+    }
+    // s: tokens base + g (rows 2c, 2c+1), then base + g + 8 (same rows).
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < DJ; ++j) {
+      kvt_mma(keys, s, ka[j].x, kb[j].x, ka[j].y, kb[j].y, qw[j][0], qw[j][1], lane);
+      kvt_mma(keys, s, ka[j].z, kb[j].z, ka[j].w, kb[j].w, qw[j][2], qw[j][3], lane);
+    }
+    // Branch-free online softmax: while a row's maximum is -inf its weights are all 0.
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const bool use0 = base + g < stop && base + g < visible[e];
+      const bool use1 = base + g + 8 < stop && base + g + 8 < visible[e];
+      const float s0 = use0 ? s[e] * scale : KVT_NEG_INF;
+      const float s1 = use1 ? s[2 + e] * scale : KVT_NEG_INF;
+      float top = kvt_max(s0, s1);
+#pragma unroll
+      for (int o = 4; o < 32; o *= 2) top = kvt_max(top, kvt_shfl_xor(top, o));
+      top = kvt_max(top, m[e]);
+      const float corr = kvt_weight(m[e], top);
+      s[e] = kvt_weight(s0, top);
+      s[2 + e] = kvt_weight(s1, top);
+      l[e] = l[e] * corr + s[e] + s[2 + e];
+      m[e] = top;
+#pragma unroll
+      for (int t = 0; t < 2 * DJ; ++t) {
+        acc[t][e] *= corr;
+        acc[t][2 + e] *= corr;
+      }
+    }
+    // P^T as the B operand: tokens 2c..2c+1 (then + 8) of the tile, row g.
+    const uint32_t p0 = kvt_trans(kvt_pack(keys, s[0], s[1]), lane);
+    const uint32_t p1 = kvt_trans(kvt_pack(keys, s[2], s[3]), lane);
+#pragma unroll
+    for (int j = 0; j < DJ; ++j) {
+      kvt_mma(keys, acc[2 * j], kvt_trans(va[j].x, lane), kvt_trans(va[j].y, lane),
+              kvt_trans(vb[j].x, lane), kvt_trans(vb[j].y, lane), p0, p1, lane);
+      kvt_mma(keys, acc[2 * j + 1], kvt_trans(va[j].z, lane), kvt_trans(va[j].w, lane),
+              kvt_trans(vb[j].z, lane), kvt_trans(vb[j].w, lane), p0, p1, lane);
+    }
+  }
+  // Each lane's l covers its own tokens: sum over the 8 lanes of its rows.
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+#pragma unroll
+    for (int o = 4; o < 32; o *= 2) l[e] += kvt_shfl_xor(l[e], o);
+  }
+  threadgroup float sm_acc[WARPS * 8 * D];
+  threadgroup float sm_ml[WARPS * 8 * 2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int r = 2 * c + e;
+#pragma unroll
+    for (int j = 0; j < DJ; ++j) {
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const int d = 32 * j + 8 * (g / 2) + 4 * p + g % 2;
+        sm_acc[(warp * 8 + r) * D + d] = acc[2 * j + p][e];
+        sm_acc[(warp * 8 + r) * D + d + 2] = acc[2 * j + p][2 + e];
+      }
+    }
+    if (g == 0) {
+      sm_ml[(warp * 8 + r) * 2] = m[e];
+      sm_ml[(warp * 8 + r) * 2 + 1] = l[e];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int i = tid; i < 8 * D; i += WARPS * 32) {
+    const int r = i / D;
+    const int d = i % D;
+    if (r0 + r >= R) continue;
+    float top = KVT_NEG_INF;
+    for (int w = 0; w < WARPS; ++w) top = kvt_max(top, sm_ml[(w * 8 + r) * 2]);
+    float a = 0.f;
+    float total = 0.f;
+    for (int w = 0; w < WARPS; ++w) {
+      const float weight = kvt_weight(sm_ml[(w * 8 + r) * 2], top);
+      a += weight * sm_acc[(w * 8 + r) * D + d];
+      total += weight * sm_ml[(w * 8 + r) * 2 + 1];
+    }
+    const int row = hk * R + r0 + r;
+    out[(row * parts + part) * D + d] = a;
+    if (d == 0) {
+      normal[(row * parts + part) * 2] = top;
+      normal[(row * parts + part) * 2 + 1] = total;
+    }
+  }
+"""
+
 MERGE_SOURCE = """
   constexpr int THREADS = D * J;
   const int d = thread_position_in_threadgroup.x;
@@ -303,6 +537,9 @@ MERGE_SOURCE = """
   }
 """
 
+# The tensor-core kernel (emulated here) runs only when asked for (KernelTuning(mma=True)).
+TENSOR_CORES = False
+
 _INPUTS = ["q", "keys", "values", "table"]
 _QUANTIZED_INPUTS = [*_INPUTS, "ks", "kb", "vs", "vb"]
 
@@ -316,6 +553,18 @@ def partial(quantized: bool) -> Any:
         output_names=["out", "normal"],
         source=PARTIAL_SOURCE,
         header=HEADER_QUANTIZED if quantized else HEADER,
+    )
+
+
+@functools.cache
+def partial_mma() -> Any:
+    """The float16/bfloat16 partition kernel (tensor-core operations emulated with shuffles)."""
+    return mx.fast.metal_kernel(
+        name="kvtrio_paged_partial_mma",
+        input_names=_INPUTS,
+        output_names=["out", "normal"],
+        source=PARTIAL_MMA_SOURCE,
+        header=HEADER_MMA,
     )
 
 

@@ -189,6 +189,15 @@ def test_metal_direct_matches_reference(
     _check(shape, length, dtype, bits)
 
 
+@pytest.mark.skipif(not _has_metal(), reason="needs an Apple GPU (Metal)")
+@pytest.mark.parametrize(("shape", "length", "dtype", "bits"), CASES[:40:4])
+def test_metal_emulated_mma_kernel_matches_reference(
+    shape: tuple[int, int, int], length: int, dtype: mx.Dtype, bits: int | None
+) -> None:
+    """The Metal twin of the tensor-core kernel (not Metal's default: it emulates them)."""
+    _check(shape, length, dtype, bits, tuning=attrs.evolve(_tuning(), mma=True))
+
+
 @pytest.mark.skipif(not (_has_cuda() or _has_metal()), reason="needs a GPU")
 def test_direct_view_is_immutable() -> None:
     """A view taken before more appends and the sequence's release gives the same output."""
