@@ -101,6 +101,10 @@ class ManifestStore(Protocol):
         """The manifest's bytes, or None if absent. CorruptCacheError if they fail checks."""
         ...
 
+    def size(self, name: str) -> int | None:
+        """The manifest's size in bytes without reading it, or None if absent."""
+        ...
+
     def delete(self, name: str) -> bool:
         """Remove the manifest (and its index entries); False if it was absent."""
         ...
@@ -179,6 +183,12 @@ class LocalManifestStore:
             return bytes(buffer)
         finally:
             self.file_ops.close(fd)
+
+    def size(self, name: str) -> int | None:
+        try:
+            return self.file_ops.stat(self.path_of(name)).st_size
+        except FileNotFoundError:
+            return None
 
     def delete(self, name: str) -> bool:
         try:
@@ -263,6 +273,12 @@ class RedisManifestStore:
         if len(raw) < _DIGEST or hashlib.sha256(raw[_DIGEST:]).digest() != raw[:_DIGEST]:
             raise CorruptCacheError(f"manifest {name}: content does not match its sha256")
         return raw[_DIGEST:]
+
+    def size(self, name: str) -> int | None:
+        key = self.manifest_key(name)
+        with translate_redis_errors(self.target):
+            stored = int(self.client.strlen(key))  # 0 for a missing key
+        return stored - _DIGEST if stored >= _DIGEST else None
 
     def delete(self, name: str) -> bool:
         key = self.manifest_key(name)

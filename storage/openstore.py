@@ -217,10 +217,10 @@ class ManifestFileOps:
             tmp = self._tmp.get(name)
         if tmp is not None:
             return _stat_of(len(tmp), 0)
-        data = self.manifests.get(name)
-        if data is None:
+        size = self.manifests.size(name)  # not the bytes: a stat reads no manifest
+        if size is None:
             raise FileNotFoundError(errno.ENOENT, "no such manifest", path)
-        return _stat_of(len(data), 0)
+        return _stat_of(size, 0)
 
 
 def _stat_of(size: int, ino: int) -> os.stat_result:

@@ -28,6 +28,7 @@ def test_put_get_replace_delete_list(manifests: ManifestStore) -> None:
     manifests.put("b.kvtrio", b"other")
     manifests.put("a" * 64, b"second")
     assert manifests.get("a" * 64) == b"second"
+    assert (manifests.size("a" * 64), manifests.size("absent")) == (len(b"second"), None)
     assert manifests.list() == ["a" * 64, "b.kvtrio"]
     assert manifests.delete("a" * 64) is True
     assert manifests.delete("a" * 64) is False
