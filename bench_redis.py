@@ -14,7 +14,12 @@ same bytes, over the same client connection:
   the transport); the per-block ``read_into`` (one round trip per block) vs raw ``GET``s;
 - dedup: N hosts (N clients, each its own connection) save caches that share a system
   prompt through the real block layout (``storage.writer.write_blocks``); bytes the hosts
-  asked to save vs bytes Redis stores (key count and value bytes, read back by SCAN).
+  asked to save vs bytes Redis stores (key count and value bytes, read back by SCAN);
+- lookup: a host finding another host's entry for a prompt among M manifests that share
+  a system prompt: through the prefix index (one pipelined ``SMEMBERS`` per chain hash,
+  then the deepest entry's manifest) vs re-reading the catalogue (``SCAN``, then every
+  manifest), the tiered cache's fallback; time per lookup (manifest parsing not counted,
+  which favours the catalogue).
 
 The rounds alternate kvtrio and raw and report the median. Without ``--url`` the program
 starts a private redis-server (no persistence) on a free loopback port and stops it.
@@ -27,6 +32,7 @@ import contextlib
 import hashlib
 import json
 import os
+import random
 import shutil
 import socket
 import statistics
@@ -246,6 +252,54 @@ def _dedup(url: str, hosts: int, layers: int, system_tokens: int, user_tokens: i
     }
 
 
+def _lookup(url: str, manifests: int, manifest_kib: int, rounds: int) -> dict[str, Any]:
+    from kvtrio.actors.prefix import ModelKey, index_keys, probe_keys
+    from kvtrio.actors.tiered import SHARED_CANDIDATES
+    from kvtrio.storage.manifeststore import RedisManifestStore
+
+    store = RedisManifestStore.open(url)
+    store.client.flushdb()
+    model = ModelKey("bench/model", "bench-fingerprint")
+    block = 256
+    rng = random.Random(0)
+    system = [rng.randrange(32000) for _ in range(2048)]
+    payload = os.urandom(manifest_kib * 1024)
+    saved: list[list[int]] = []
+    for m in range(manifests):
+        tokens = system + [rng.randrange(32000) for _ in range(256 + m % 512)]
+        store.put(f"entry{m}.kvc", payload, index_keys=index_keys(model, tokens, block))
+        saved.append(tokens)
+    query = [*saved[manifests // 2], 7]
+    want = f"entry{manifests // 2}.kvc"
+    probes = [key for key, _ in probe_keys(model, query, block)]
+
+    def index() -> None:  # as the tiered cache asks: a few names per key at most
+        for names in store.lookup_each(probes, limit=SHARED_CANDIDATES):
+            if names:
+                assert names == [want] and store.get(names[0]) is not None
+                return
+        raise AssertionError("the index did not find the entry")
+
+    def catalogue() -> None:
+        assert sum(store.get(name) is not None for name in store.list()) == manifests
+
+    times: dict[str, list[float]] = {"index": [], "catalogue": []}
+    for r in range(rounds):
+        for fn in (index, catalogue) if r % 2 == 0 else (catalogue, index):
+            times[fn.__name__].append(_timed(fn))
+    store.client.flushdb()
+    store.close()
+    index_s = statistics.median(times["index"])
+    catalogue_s = statistics.median(times["catalogue"])
+    return {
+        "manifests": manifests,
+        "manifest_bytes": len(payload),
+        "index_s": index_s,
+        "catalogue_s": catalogue_s,
+        "speedup": catalogue_s / index_s,
+    }
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Measure and return the figures (see the module docstring)."""
     with contextlib.ExitStack() as stack:
@@ -257,6 +311,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         rows = [_throughput(url, size, total, args.batch, args.rounds) for size in sizes]
         dedup = _dedup(url, args.hosts, args.layers, args.system_tokens, args.user_tokens,
                        args.block_tokens)  # fmt: skip
+        lookup = _lookup(url, args.manifests, args.manifest_kib, args.rounds)
     from redis.utils import HIREDIS_AVAILABLE
 
     return {
@@ -264,6 +319,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "reply_parser": "hiredis" if HIREDIS_AVAILABLE else "python",
         "throughput": rows,
         "dedup": dedup,
+        "lookup": lookup,
     }
 
 
@@ -303,6 +359,12 @@ def _print(figures: dict[str, Any]) -> None:
         f"{d['stored_bytes'] / 2**20:.1f} MiB in {d['redis_block_keys']} block keys: "
         f"dedup ratio {d['dedup_ratio']:.2f}x"
     )
+    lk = figures["lookup"]
+    console.print(
+        f"lookup of another host's entry among {lk['manifests']} manifests of "
+        f"{lk['manifest_bytes'] // 1024} KiB: prefix index {lk['index_s'] * 1e3:.2f} ms vs "
+        f"catalogue re-read {lk['catalogue_s'] * 1e3:.1f} ms: {lk['speedup']:.0f}x faster"
+    )
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -316,6 +378,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system-tokens", type=int, default=2048, help="dedup: shared (2048)")
     parser.add_argument("--user-tokens", type=int, default=256, help="dedup: per host (256)")
     parser.add_argument("--block-tokens", type=int, default=256, help="dedup: block tokens")
+    parser.add_argument("--manifests", type=int, default=1000, help="lookup: manifests (1000)")
+    parser.add_argument("--manifest-kib", type=int, default=64, help="lookup: KiB each (64)")
 
 
 def _run(args: argparse.Namespace) -> int:

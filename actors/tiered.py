@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import json
 import math
 import os
@@ -95,6 +96,9 @@ __all__ = [
 
 # At most this many manifests are read per lookup from a shared store's prefix index.
 SHARED_READS = 4
+# At most this many names are fetched per index key (the chain hashes of a prefix that
+# many entries share, a system prompt, name them all; any of them covers that prefix).
+SHARED_CANDIDATES = 8
 # Seconds a failed index lookup pauses the next ones (doubling while failures go on).
 SHARED_PAUSE_MIN = 1.0
 SHARED_PAUSE_MAX = 30.0
@@ -1045,7 +1049,8 @@ class ColdTierStore:
         if self._shared is None:
             return []
         probes = probe_keys(model, tokens, self._index_block_size)
-        names = await trio.to_thread.run_sync(self._shared.lookup_each, [key for key, _ in probes])
+        lookup = functools.partial(self._shared.lookup_each, limit=SHARED_CANDIDATES)
+        names = await trio.to_thread.run_sync(lookup, [key for key, _ in probes])
         found: dict[str, int] = {}
         for (_, bound), members in zip(probes, names, strict=True):
             for name in members:

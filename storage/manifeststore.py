@@ -121,11 +121,15 @@ class ManifestStore(Protocol):
         """
         ...
 
-    def lookup_each(self, index_keys: Sequence[str]) -> builtins.list[builtins.list[str]]:
+    def lookup_each(
+        self, index_keys: Sequence[str], *, limit: int | None = None
+    ) -> builtins.list[builtins.list[str]]:
         """For each of ``index_keys``, in order, the names registered under it (sorted).
 
         One round trip for a whole prompt, so the caller can tell how deep each name's
-        prefix goes; a local store returns an empty list per key.
+        prefix goes; a local store returns an empty list per key. With ``limit``, at
+        most that many names per key, chosen at random: the key of a prefix every entry
+        shares (a system prompt) may name thousands.
         """
         ...
 
@@ -208,7 +212,9 @@ class LocalManifestStore:
     def lookup(self, index_keys: Sequence[str]) -> builtins.list[str]:
         return []
 
-    def lookup_each(self, index_keys: Sequence[str]) -> builtins.list[builtins.list[str]]:
+    def lookup_each(
+        self, index_keys: Sequence[str], *, limit: int | None = None
+    ) -> builtins.list[builtins.list[str]]:
         return [[] for _ in index_keys]
 
     def unregister(self, name: str, index_keys: Sequence[str]) -> bool:
@@ -307,13 +313,20 @@ class RedisManifestStore:
                 seen.setdefault(name, None)
         return list(seen)
 
-    def lookup_each(self, index_keys: Sequence[str]) -> builtins.list[builtins.list[str]]:
+    def lookup_each(
+        self, index_keys: Sequence[str], *, limit: int | None = None
+    ) -> builtins.list[builtins.list[str]]:
         if not index_keys:
             return []
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
         with translate_redis_errors(self.target):
             pipe = self.client.pipeline(transaction=False)
             for index_key in index_keys:
-                pipe.smembers(self._index_key(index_key))
+                if limit is None:
+                    pipe.smembers(self._index_key(index_key))
+                else:  # distinct members, at most ``limit``
+                    pipe.srandmember(self._index_key(index_key), limit)
             replies = pipe.execute()
         # Members come from the shared (untrusted) store: only valid names go on.
         return [

@@ -95,6 +95,20 @@ def test_redis_manifest_evicted_is_a_miss(redis_url: str) -> None:
     store.close()
 
 
+def test_redis_lookup_each_limit(redis_url: str) -> None:
+    """With a limit, a key naming many manifests (a shared system prompt) returns a few."""
+    store = RedisManifestStore.open(redis_url)
+    for i in range(20):
+        store.put(f"m{i}", b"x", index_keys=["shared", f"own{i}"])
+    few, own, none = store.lookup_each(["shared", "own3", "nothing"], limit=3)
+    assert len(set(few)) == 3 and set(few) <= {f"m{i}" for i in range(20)}
+    assert (own, none) == (["m3"], [])
+    assert len(store.lookup_each(["shared"])[0]) == 20
+    with pytest.raises(ValueError, match=r"^limit must be at least 1, got 0$"):
+        store.lookup_each(["shared"], limit=0)
+    store.close()
+
+
 def test_redis_unregister_drops_only_stale_entries(redis_url: str) -> None:
     """A stale registration (its manifest gone) is removed from the index keys named; a
     live one is kept."""

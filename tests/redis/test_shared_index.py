@@ -88,7 +88,7 @@ async def test_host_finds_another_process_entry_through_the_index(
             assert (after.shared_found, after.shared_vanished, after.hits_cold) == (1, 0, 1)
             assert after.shared_refreshes == 0
             assert _command_calls(client, "scan") == 0  # no catalogue listing
-            assert _command_calls(client, "smembers") == len(query) // host.BLOCK_TOKENS + 1
+            assert _command_calls(client, "srandmember") == len(query) // host.BLOCK_TOKENS + 1
     client.close()
 
 
