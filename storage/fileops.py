@@ -8,6 +8,14 @@ a hook. Hooked op names: ``"open"``, ``"write"``, ``"fsync"``, ``"rename"``,
 ``"fsync_dir"``, ``"read"``, ``"unlink"``, ``"mkdir"``, ``"listdir"``. ``close`` and
 ``stat``/``fstat`` are not hooked (cleanup paths must be able to run).
 
+Optional write-behind hints (not part of the protocol, so other ``FileOps`` keep working
+without them; see :func:`write_behind_ops`): :meth:`OsFileOps.write_behind` starts the
+writeback of a range just written (``sync_file_range(SYNC_FILE_RANGE_WRITE)``) and
+:meth:`OsFileOps.drop_behind` waits for it and drops the clean pages
+(``posix_fadvise(DONTNEED)``), so a streaming buffered write keeps the device busy and
+reuses a few MiB of page cache instead of filling it. They are not durability: the
+writers still fsync the file, rename, and fsync the directory.
+
 Durability helpers (DESIGN.md invariant 5): :meth:`FileOps.fsync` is ``F_FULLFSYNC`` on
 macOS (a plain fsync there does not flush the drive's cache) and ``fsync`` elsewhere;
 :meth:`FileOps.fsync_dir` fsyncs a directory so a rename inside it is durable.
@@ -15,6 +23,8 @@ macOS (a plain fsync there does not flush the drive's cache) and ``fsync`` elsew
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import sys
 from collections.abc import Callable
@@ -32,6 +42,7 @@ __all__ = [
     "OsFileOps",
     "pread_full",
     "pwrite_full",
+    "write_behind_ops",
 ]
 
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -138,8 +149,54 @@ class OsFileOps:
     def stat(self, path: str) -> os.stat_result:
         return os.lstat(path)
 
+    def write_behind(self, fd: int, offset: int, length: int) -> None:
+        """Start writeback of a written range now (a hint; durability is still fsync's)."""
+        _sync_file_range(fd, offset, length, _SFR_WRITE)
+
+    def drop_behind(self, fd: int, offset: int, length: int) -> None:
+        """Wait for a range's writeback, then drop its (clean) pages from the page cache."""
+        if _sync_file_range(fd, offset, length, _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER):
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
 
 OS_FILE_OPS: FileOps = OsFileOps()
+
+_SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
+
+
+def _load_sync_file_range() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+
+
+def _sync_file_range(fd: int, offset: int, length: int, flags: int) -> bool:
+    """Linux sync_file_range (releases the GIL); False where unsupported or refused."""
+    if _SYNC_FILE_RANGE is None or length <= 0:
+        return False
+    return bool(_SYNC_FILE_RANGE(fd, offset, length, flags) == 0)
+
+
+def write_behind_ops(
+    ops: FileOps,
+) -> tuple[Callable[[int, int, int], None], Callable[[int, int, int], None]] | None:
+    """``(write_behind, drop_behind)`` of ``ops`` when it has both (optional methods: a
+    FileOps without them, such as one whose descriptors are not the kernel's, gets none)."""
+    start = getattr(ops, "write_behind", None)
+    drop = getattr(ops, "drop_behind", None)
+    if start is None or drop is None:
+        return None
+    return start, drop
 
 
 @attrs.define
@@ -202,6 +259,18 @@ class FaultyFileOps:
 
     def stat(self, path: str) -> os.stat_result:
         return self.inner.stat(path)
+
+    # Write-behind hints are forwarded unhooked (like close and fstat): they are not file
+    # operations a fault can be injected into, only advice on when the kernel writes back.
+    def write_behind(self, fd: int, offset: int, length: int) -> None:
+        hints = write_behind_ops(self.inner)
+        if hints is not None:
+            hints[0](fd, offset, length)
+
+    def drop_behind(self, fd: int, offset: int, length: int) -> None:
+        hints = write_behind_ops(self.inner)
+        if hints is not None:
+            hints[1](fd, offset, length)
 
 
 def byte_view(buffer: memoryview) -> memoryview:

@@ -17,9 +17,13 @@ Theory of operation (DESIGN.md invariants 4, 5 and 6):
 
 1. Bytes go to a tmp file created O_EXCL, mode 0600, in the target's own directory
    (so the rename cannot cross filesystems), named ``.<name>.<random>.kvtrio-tmp``.
-2. Tensor bytes are hashed (xxh3-64) in 8 MiB chunks just before they are written (the
-   chunk is still in cache); the header's fixed-width hash fields are patched in place
-   afterwards, so the header's length never changes.
+2. Tensor bytes are hashed (xxh3-64) as they are written; the header's fixed-width hash
+   fields are patched in place afterwards, so the header's length never changes. By
+   default the data goes out as buffered writes straight from the sources (no copy in
+   user space), with writeback started chunk by chunk and written chunks dropped from
+   the page cache, while a helper thread hashes; ``direct=True`` (or
+   ``KVTRIO_SAVE_DIRECT=1``) uses O_DIRECT through aligned bounce buffers instead. Both
+   make the same file (each tensor's tail zero-padded to 4 KiB).
 3. Publication is fsync(file) -> rename(tmp, final) -> fsync(dir) (F_FULLFSYNC on macOS);
    a final name never names a partial file. The result returns only after all three; if
    the directory fsync fails, the final name is removed again before the error propagates
@@ -38,6 +42,7 @@ import mmap
 import os
 import secrets
 import sys
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -46,7 +51,14 @@ import numpy as np
 import xxhash
 from kvtrio.errors import OperationCancelled
 from kvtrio.storage.blockstore import BlockStore
-from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps, byte_view, pwrite_full
+from kvtrio.storage.fileops import (
+    OS_FILE_OPS,
+    TMP_SUFFIX,
+    FileOps,
+    byte_view,
+    pwrite_full,
+    write_behind_ops,
+)
 from kvtrio.storage.format import (
     BlockRef,
     Header,
@@ -76,8 +88,18 @@ DEFAULT_BLOCK_TOKENS = 256
 _CHUNK = 8 * 1024 * 1024
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _DIRECT_ALIGN = 4096
-# O_DIRECT by default on Linux; macOS has no O_DIRECT (F_NOCACHE differs) and keeps buffered.
-_DIRECT_DEFAULT = sys.platform.startswith("linux")
+# Hash-and-write (or gather-and-hash) piece size: fits in L2, so the second pass over a
+# piece (the kernel's copy, or the hash of the bounce buffer) reads it from cache.
+_SUB = 1024 * 1024
+# Buffered writes: chunks whose writeback may be in flight before the oldest is waited
+# for and dropped from the page cache.
+_BEHIND = 4
+#: Hash on a helper thread while writing (off: KVTRIO_SAVE_HASH_THREAD=0).
+_HASH_THREAD = os.environ.get("KVTRIO_SAVE_HASH_THREAD", "1") != "0"
+# Buffered streaming writes by default (measured faster than O_DIRECT through bounce
+# buffers on the development VM: no copy in user space, see docs/benchmarks.md);
+# KVTRIO_SAVE_DIRECT=1 makes O_DIRECT the default again (Linux; macOS has no O_DIRECT).
+_DIRECT_DEFAULT = sys.platform.startswith("linux") and os.environ.get("KVTRIO_SAVE_DIRECT") == "1"
 
 Cancel = Callable[[], bool] | None
 
@@ -206,19 +228,83 @@ def publish_bytes(path: str, data: bytes, *, file_ops: FileOps = OS_FILE_OPS) ->
         raise
 
 
-def _write_hashed(
-    ops: FileOps, fd: int, segments: Sequence[memoryview], offset: int, cancel: Cancel
-) -> str:
-    """Buffered: hash and write each chunk straight from the segments (no copy)."""
-    hasher = xxhash.xxh3_64()
-    for start, parts in _chunks(segments, _CHUNK):
-        _check_cancel(cancel)
-        where = offset + start
-        for part in parts:
-            hasher.update(part)
-            pwrite_full(ops, fd, part, where)
-            where += len(part)
-    return hasher.hexdigest()
+class _BufferedWrites:
+    """Buffered writes streamed straight from the sources: no copy in user space.
+
+    Each chunk is hashed and written in L2-sized pieces (the kernel's copy into the page
+    cache then reads the piece from cache, not memory), its writeback is started at once
+    (``write_behind``), and a chunk :data:`_BEHIND` chunks back is waited for and dropped
+    from the page cache (``drop_behind``): the device stays busy, and the page cache
+    pages are recycled instead of a whole cache's worth of fresh ones being faulted in.
+    Without the hints (a ``FileOps`` that lacks them) the same writes are plain buffered
+    writes. Each tensor's tail is zero-padded to 4 KiB, as the O_DIRECT path does, so
+    both paths make the same file.
+    """
+
+    def __init__(self, ops: FileOps, fd: int) -> None:
+        self.ops = ops
+        self.fd = fd
+        self.hints = write_behind_ops(ops)
+        self.behind: deque[tuple[int, int]] = deque()
+        # xxh3 runs on this helper thread (xxhash releases the GIL above 64 KiB) while
+        # the caller's thread writes: the hash and the kernel's copy overlap.
+        self.hash_pool: ThreadPoolExecutor | None = None
+
+    def _written(self, offset: int, length: int) -> None:
+        if self.hints is None or not length:
+            return
+        start, drop = self.hints
+        start(self.fd, offset, length)
+        self.behind.append((offset, length))
+        while len(self.behind) > _BEHIND:
+            drop(self.fd, *self.behind.popleft())
+
+    def write(self, data: memoryview, offset: int) -> None:
+        pwrite_full(self.ops, self.fd, data, offset)
+
+    def write_hashed(self, segments: Sequence[memoryview], offset: int, cancel: Cancel) -> str:
+        hasher = xxhash.xxh3_64()
+        chunks = _chunks(segments, _CHUNK)
+        hashed: list[Future[None]] = []
+        if len(chunks) > 1 and _HASH_THREAD:
+            if self.hash_pool is None:
+                self.hash_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtrio-hash")
+            hashed = [self.hash_pool.submit(_update, hasher, parts) for _, parts in chunks]
+        end = offset
+        for start, parts in chunks:
+            _check_cancel(cancel)
+            where = offset + start
+            for part in parts:
+                for at in range(0, len(part), _SUB):
+                    piece = part[at : at + _SUB]
+                    if not hashed:
+                        hasher.update(piece)
+                    pwrite_full(self.ops, self.fd, piece, where)
+                    where += len(piece)
+            self._written(offset + start, where - offset - start)
+            end = where
+        for future in hashed:
+            future.result()
+        pad = align_up(end, _DIRECT_ALIGN) - end
+        if pad and end > offset:
+            pwrite_full(self.ops, self.fd, memoryview(bytes(pad)), end)
+        return hasher.hexdigest()
+
+    def drain(self) -> None:
+        """Nothing in flight: the file's pages are written back by fsync."""
+        self.behind.clear()
+
+    def close(self) -> None:
+        """Wait for the hash thread (never abandon it while it reads the caller's bytes)."""
+        if self.hash_pool is not None:
+            self.hash_pool.shutdown(wait=True, cancel_futures=True)
+            self.hash_pool = None
+        self.behind.clear()
+
+
+def _update(hasher: xxhash.xxh3_64, parts: Sequence[memoryview]) -> None:
+    for part in parts:
+        hasher.update(part)
 
 
 def _address(buffer: memoryview) -> int:
@@ -285,9 +371,15 @@ class _DirectWrites:
         self.pending[slot] = self.pool.submit(_pwrite_or_bounce, self.ops, self.fd, data, offset)
         return True
 
-    def _submit(self, data: memoryview | list[memoryview], offset: int) -> memoryview:
-        """Write one chunk (one buffer, or the segment slices that make it) at ``offset``;
-        return bytes of it to hash: the source, or the bounce buffer it was gathered into."""
+    def _submit(
+        self,
+        data: memoryview | list[memoryview],
+        offset: int,
+        hasher: xxhash.xxh3_64 | None = None,
+    ) -> None:
+        """Write one chunk (one buffer, or the segment slices that make it) at ``offset``,
+        feeding ``hasher`` its bytes: from the source, or from the bounce buffer piece by
+        piece right after each piece is gathered into it (still in cache)."""
         slot = self.turn % self.DEPTH
         self.turn += 1
         previous = self.pending[slot]
@@ -297,18 +389,23 @@ class _DirectWrites:
         if isinstance(data, list) and len(data) == 1:
             data = data[0]
         if isinstance(data, memoryview) and self._from_source(data, offset, slot):
-            return data
+            if hasher is not None:
+                hasher.update(data)
+            return
         n = 0
+        bounce = self.views[slot]
         for part in [data] if isinstance(data, memoryview) else data:
-            if len(part):  # gathered by memmove, which releases the GIL
-                ctypes.memmove(self.addresses[slot] + n, _address(part), len(part))
-            n += len(part)
+            for at in range(0, len(part), _SUB):  # memmove releases the GIL
+                size = min(_SUB, len(part) - at)
+                ctypes.memmove(self.addresses[slot] + n, _address(part) + at, size)
+                if hasher is not None:
+                    hasher.update(bounce[n : n + size])
+                n += size
         padded = align_up(n, _DIRECT_ALIGN)
         if padded > n:
             ctypes.memset(self.addresses[slot] + n, 0, padded - n)
-        out = self.views[slot][:padded]
+        out = bounce[:padded]
         self.pending[slot] = self.pool.submit(pwrite_full, self.ops, self.fd, out, offset)
-        return self.views[slot][:n]
 
     def write(self, data: memoryview, offset: int) -> None:
         for start in range(0, len(data), _CHUNK):
@@ -318,7 +415,7 @@ class _DirectWrites:
         hasher = xxhash.xxh3_64()
         for start, parts in _chunks(segments, _CHUNK):
             _check_cancel(cancel)
-            hasher.update(self._submit(parts, offset + start))
+            self._submit(parts, offset + start, hasher)
         return hasher.hexdigest()
 
     def drain(self) -> None:
@@ -353,12 +450,16 @@ def write_single(
 ) -> WriteResult:
     """Write ``header`` (a plan; it is placed here) and ``tensors`` as one cache file.
 
-    ``direct`` (default: on where the OS has O_DIRECT) writes the tensor data with
-    O_DIRECT through pipelined bounce buffers, bypassing the page cache: faster to
-    durable, and it does not evict the server's working set. A filesystem without
-    O_DIRECT falls back to buffered writes. A segmented tensor is gathered chunk by
-    chunk into the (warm, reused) bounce buffers; buffered writes go straight from the
-    segments.
+    ``direct=False`` (the default) streams buffered writes straight from the tensors'
+    segments: each 8 MiB chunk is written in 1 MiB pieces, its writeback is started at
+    once (``sync_file_range``), and chunks four back are waited for and dropped from the
+    page cache, so the device stays busy and the server's page cache is not flooded; a
+    helper thread computes the xxh3 meanwhile. ``direct=True`` writes with O_DIRECT
+    through pipelined, reused aligned bounce buffers (a copy in user space where the
+    device refuses unaligned memory, as virtio does; none where it accepts it); a
+    filesystem without O_DIRECT falls back to buffered. ``None`` means False unless
+    ``KVTRIO_SAVE_DIRECT=1``. Both paths write the same bytes; durability is the same
+    fsync, rename, fsync of the directory either way.
     """
     placed = place_single(header)
     slots = list(placed.slots())
@@ -372,31 +473,24 @@ def write_single(
     prefix, data_start = encode_file_prefix(placed)
     _check_cancel(cancel)
     tmp = _TmpFile(path, file_ops, direct=_DIRECT_DEFAULT if direct is None else direct)
-    pipeline: _DirectWrites | None = None
+    pipeline: _DirectWrites | _BufferedWrites | None = None
     try:
         assert tmp.fd is not None
         fd = tmp.fd
-        if tmp.direct:
-            pipeline = _DirectWrites(file_ops, fd)
+        pipeline = _DirectWrites(file_ops, fd) if tmp.direct else _BufferedWrites(file_ops, fd)
         hashed: list[TensorSlot] = []
         for slot, view in zip(slots, views, strict=True):
             _check_cancel(cancel)
             where = data_start + (slot.off or 0)
-            if pipeline is not None:
-                digest = pipeline.write_hashed(view, where, cancel)
-            else:
-                digest = _write_hashed(file_ops, fd, view, where, cancel)
+            digest = pipeline.write_hashed(view, where, cancel)
             hashed.append(attrs.evolve(slot, xxh3=digest))
         final = placed.with_slots(hashed)
         final_prefix, final_start = encode_file_prefix(final)
         if final_start != data_start or len(final_prefix) != len(prefix):
             raise AssertionError("header length changed when hashes were filled in")
         _check_cancel(cancel)
-        if pipeline is not None:
-            pipeline.write(memoryview(final_prefix), 0)
-            pipeline.drain()
-        else:
-            pwrite_full(file_ops, fd, memoryview(final_prefix), 0)
+        pipeline.write(memoryview(final_prefix), 0)
+        pipeline.drain()
         file_bytes = file_ops.fstat(fd).st_size
         tmp.publish()
     except BaseException:
