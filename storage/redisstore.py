@@ -84,6 +84,7 @@ _SCAN_COUNT = 1000
 _READ_AHEAD = 64 * 1024  # bytes read at once outside reply headers (a reply's CRLF)
 _HEADER_READ = 32  # bytes read at once for a reply header such as "$65536\r\n"
 _IOV_WINDOW = 256  # buffers handed to one recvmsg_into (Linux's IOV_MAX is 1024)
+_HASH_PIECE = 64 * 1024  # a verified read hashes a block's arrived bytes in such pieces
 # redis-py keeps a connection's socket in this private attribute. Without it (another
 # redis-py version), reads fall back to redis-py's public reply parser: correct, slower.
 _SOCKET_ATTRIBUTE = "_sock"
@@ -336,14 +337,17 @@ class _Misaligned(Exception):
 
 
 def _receive_expected(
-    sock: socket.socket, views: Sequence[memoryview], done: Callable[[int], None]
+    sock: socket.socket,
+    views: Sequence[memoryview],
+    done: Callable[[int], None],
+    progress: Callable[[int, int], None] | None = None,
 ) -> None:
     """Receive the replies to pipelined GETs of blocks of ``len(views[i])`` bytes, assuming
     each is present at that size: one ``recvmsg_into`` scatters the stream over the
     expected framing (a small buffer for each CRLF + ``$<size>`` CRLF) and the blocks'
     own buffers, so a block's bytes are copied once, by the kernel, with no Python work
     per byte and a few system calls per megabyte. ``done(i)`` is called as block ``i``
-    completes.
+    completes, and ``progress(i, n)`` when its first ``n`` bytes have arrived.
 
     Raises :class:`_Misaligned` at the first framing byte that differs from the
     expectation; the stream then matched the expectation up to that piece (blocks before
@@ -390,6 +394,8 @@ def _receive_expected(
                 raise _Misaligned(piece, b"".join(rest))
             off += step
             got -= step
+            if k % 2 and progress is not None and off < len(bufs[k]):
+                progress(k // 2, off)
             if off == len(bufs[k]) and got:
                 if k % 2:
                     done(k // 2)
@@ -398,7 +404,10 @@ def _receive_expected(
 
 
 class _Verifier:
-    """Re-hash each block the moment it is received (``done(i)``), on the receiving thread.
+    """Re-hash each block as it is received, on the receiving thread: the bytes that have
+    arrived are hashed in pieces of at least :data:`_HASH_PIECE` (``progress``), the rest
+    when the block is complete (``done(i)``), so every byte is hashed while it is still in
+    the CPU cache.
 
     Measured on the 2-core development VM (64 KiB blocks): hashing a block just received
     runs at about 1.5 GB/s (its bytes are still in the CPU cache) against 0.75 GB/s for
@@ -409,15 +418,24 @@ class _Verifier:
     receive buffer (autotuned to megabytes), which the next ``recvmsg_into`` drains.
     """
 
-    __slots__ = ("_items", "checked")
+    __slots__ = ("_items", "_running", "checked")
 
     def __init__(self, items: Sequence[tuple[str, memoryview]]) -> None:
         self._items = items
+        self._running: dict[int, tuple[Any, int]] = {}  # block -> (sha256 so far, bytes)
         self.checked = 0
+
+    def progress(self, index: int, filled: int) -> None:
+        hasher, hashed = self._running.get(index) or (hashlib.sha256(), 0)
+        if filled - hashed >= _HASH_PIECE:
+            hasher.update(self._items[index][1][hashed:filled])
+            self._running[index] = (hasher, filled)
 
     def __call__(self, index: int) -> None:
         name, view = self._items[index]
-        if hashlib.sha256(view).hexdigest() != name:
+        hasher, hashed = self._running.pop(index, None) or (hashlib.sha256(), 0)
+        hasher.update(view[hashed:])
+        if hasher.hexdigest() != name:
             raise CorruptCacheError(f"block {name}: block content does not hash to its name")
         self.checked += 1
 
@@ -445,7 +463,8 @@ def _get_raw(
     ahead = b""
     if not isinstance(sock, ssl.SSLSocket):  # TLS sockets have no recvmsg_into
         try:
-            _receive_expected(sock, views, done)
+            progress = done.progress if isinstance(done, _Verifier) else None
+            _receive_expected(sock, views, done, progress)
             return [True] * len(chunk), True
         except _Misaligned as exc:
             start, ahead = exc.piece, exc.ahead

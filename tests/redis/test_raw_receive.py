@@ -128,3 +128,21 @@ def test_public_api_fallback_is_used_and_counted(redis_url: str) -> None:
         store.close()
     finally:
         patch.undo()
+
+
+@pytest.mark.parametrize("where", [0, 1_000_000, 3 * 1024 * 1024 - 1])
+def test_verified_read_rejects_a_large_block_corrupted_anywhere(redis_url: str, where: int) -> None:
+    """A block larger than one receive is hashed piece by piece as it arrives: a flipped
+    byte at its start, middle or end is still caught."""
+    store = RedisBlockStore.open(redis_url)
+    blob = os.urandom(3 * 1024 * 1024)
+    name = hashlib.sha256(blob).hexdigest()
+    store.put_many([(name, memoryview(blob))])
+    buffer = bytearray(len(blob))
+    assert store.read_many_into([(name, memoryview(buffer))], verify=True) == [True]
+    value = bytearray(blob)
+    value[where] ^= 1
+    store.client.set(store.block_key(name), bytes(value))
+    with pytest.raises(CorruptCacheError, match=rf"^block {name}: block content does not"):
+        store.read_many_into([(name, memoryview(buffer))], verify=True)
+    store.close()
