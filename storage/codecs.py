@@ -60,11 +60,12 @@ paged cache of :mod:`kvtrio.metal`):
 from __future__ import annotations
 
 import ctypes
+import io
 import math
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol, cast
 
 import attrs
 import mlx.core as mx
@@ -894,13 +895,82 @@ def allocate_slot(header: Header, index: int) -> tuple[tuple[Any, ...], tuple[me
             arrays.append(empty)
             views.append(memoryview(bytearray()))
             continue
-        backing = mx.zeros((nbytes + _ALIGN,), dtype=mx.uint8)
-        mx.eval(backing)
+        backing = _untouched_uint8(nbytes + _ALIGN)
         raw = _writable_bytes(backing)
         skip = -int(np.frombuffer(raw, dtype=np.uint8).ctypes.data) % _ALIGN
         arrays.append(backing[skip : skip + nbytes].view(_MX_DTYPES[slot.dtype]).reshape(shape))
         views.append(raw[skip : skip + nbytes])
     return tuple(arrays), tuple(views)
+
+
+class _UnfilledNpy(io.RawIOBase):
+    """A ``.npy`` stream of ``n`` uint8 whose data reads leave the buffer as it is.
+
+    ``mx.load`` allocates the array (malloc: fresh pages, not yet touched) and hands its
+    buffer to ``readinto``; nothing is written, so the first touch of those pages is the
+    reader's (which pre-faults them as huge pages, see :mod:`kvtrio.storage.memadvise`)
+    instead of a zero fill at 4 KiB page-fault speed on the owner thread. The bytes are
+    undefined until the reader has filled every one of them (it does, or it raises and
+    the arrays are dropped).
+    """
+
+    name = "kvtrio-unfilled.npy"
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        text = f"{{'descr': '|u1', 'fortran_order': False, 'shape': ({n},), }}"
+        text += " " * (-(len(text) + 11) % 64) + "\n"
+        self._head = b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text.encode()
+        self._size = len(self._head) + n
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self._pos, self._size)[whence]
+        self._pos = max(0, min(self._size, base + offset))
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        if self._pos < len(self._head):
+            n = min(len(view), len(self._head) - self._pos)
+            view[:n] = self._head[self._pos : self._pos + n]
+        else:
+            n = min(len(view), self._size - self._pos)
+        self._pos += n
+        return n
+
+
+#: Off switch (before/after measurements in one checkout): KVTRIO_ALLOC_ZEROS=1.
+_ALLOC_UNTOUCHED = os.environ.get("KVTRIO_ALLOC_ZEROS", "") != "1"
+
+
+def _untouched_uint8(nbytes: int) -> Any:
+    """An evaluated uint8 array of ``nbytes`` whose pages MLX has not written (owner thread).
+
+    Falls back to ``mx.zeros`` (which writes every page) if this MLX does not load the
+    stream as expected.
+    """
+    if _ALLOC_UNTOUCHED:
+        try:
+            loaded: Any = mx.load(cast(BinaryIO, _UnfilledNpy(nbytes)))
+            mx.eval(loaded)
+            if isinstance(loaded, mx.array) and loaded.shape == (nbytes,):
+                if loaded.dtype == mx.uint8:
+                    return loaded
+        except Exception:
+            pass
+    array = mx.zeros((nbytes,), dtype=mx.uint8)
+    mx.eval(array)
+    return array
 
 
 def _writable_bytes(array: Any) -> memoryview:

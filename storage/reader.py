@@ -27,6 +27,7 @@ import errno
 import hashlib
 import os
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import attrs
 import numpy as np
@@ -44,6 +45,7 @@ from kvtrio.storage.format import (
     piece_ranges,
     slot_names,
 )
+from kvtrio.storage.memadvise import PrefaultAhead, prefault
 
 __all__ = [
     "BLOCK_BATCH_BYTES",
@@ -58,6 +60,13 @@ __all__ = [
 _CHUNK = 8 * 1024 * 1024
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _DIRECT_ALIGN = 4096
+# Options measured on the development VM and left off by default there (neither moved
+# the cold load; both cost CPU on two shared cores, see docs/benchmarks.md), for machines
+# with CPU to spare: KVTRIO_LOAD_HASH_THREAD=1 verifies each chunk on a helper thread
+# while the next is read; KVTRIO_PREFAULT_AHEAD=1 pre-faults destinations ahead of the
+# reads (kvtrio.storage.memadvise; add KVTRIO_PREFAULT_HUGE=1 for huge pages).
+_HASH_THREAD = os.environ.get("KVTRIO_LOAD_HASH_THREAD", "0") == "1"
+_PREFAULT_AHEAD = os.environ.get("KVTRIO_PREFAULT_AHEAD", "0") == "1"
 
 # Block-layout reads from a store with ``read_many_into`` go this many bytes per call
 # (one pipelined round trip on Redis): enough to amortize the round trip, bounded so
@@ -121,9 +130,7 @@ def check_blocks(header: Header, store: BlockStore) -> None:
     caller allocate more than the store holds.
     """
     names = list(slot_names(header))
-    sizes_of: Callable[[list[str]], list[int | None]] | None = getattr(
-        store, "stored_sizes", None
-    )
+    sizes_of: Callable[[list[str]], list[int | None]] | None = getattr(store, "stored_sizes", None)
     sized: Callable[[str], int | None] | None = getattr(store, "stored_size", None)
     if sizes_of is None and sized is not None:
         one = sized
@@ -263,29 +270,56 @@ def _read_single(
             os.posix_fadvise(fd, cache_file.data_start, 0, os.POSIX_FADV_SEQUENTIAL)
         if any(_address(v) % _DIRECT_ALIGN == 0 and len(v) >= _DIRECT_ALIGN for (v,) in views):
             dfd = _open_direct(cache_file, file_ops)
-        for slot, name, (view,) in zip(slots, names, views, strict=True):
-            _check_cancel(cancel)
-            base = cache_file.data_start + (slot.off or 0)
-            bulk = 0
-            if dfd is not None and _address(view) % _DIRECT_ALIGN == 0:
-                bulk = len(view) - len(view) % _DIRECT_ALIGN
-            hasher = xxhash.xxh3_64()
-            for start in range(0, len(view), _CHUNK):
-                _check_cancel(cancel)
-                chunk = view[start : start + _CHUNK]
-                direct_part = max(0, min(len(chunk), bulk - start))
-                got = 0
-                if direct_part:
-                    assert dfd is not None
-                    got = pread_full(file_ops, dfd, chunk[:direct_part], base + start)
-                if got == direct_part and direct_part < len(chunk):
-                    got += pread_full(file_ops, fd, chunk[direct_part:], base + start + got)
-                if got != len(chunk):
-                    raise CorruptCacheError(f"{name}: file truncated inside the tensor")
-                if verify:
-                    hasher.update(chunk)
-            if verify and hasher.hexdigest() != slot.xxh3:
-                raise CorruptCacheError(f"{name}.xxh3: tensor bytes do not match their hash")
+        # Optionally (see _PREFAULT_AHEAD, _HASH_THREAD): fresh destinations pre-faulted
+        # chunk by chunk on a helper thread ahead of the reads, and each chunk read hashed
+        # on another while the next read is in flight.
+        chunks = [
+            view[start : start + _CHUNK]
+            for (view,) in views
+            for start in range(0, len(view), _CHUNK)
+        ]
+        hash_pool: ThreadPoolExecutor | None = None
+        if verify and _HASH_THREAD and len(chunks) > 1:
+            hash_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtrio-verify")
+        try:
+            with PrefaultAhead(chunks if _PREFAULT_AHEAD else []) as ahead:
+                k = 0
+                for slot, name, (view,) in zip(slots, names, views, strict=True):
+                    _check_cancel(cancel)
+                    base = cache_file.data_start + (slot.off or 0)
+                    bulk = 0
+                    if dfd is not None and _address(view) % _DIRECT_ALIGN == 0:
+                        bulk = len(view) - len(view) % _DIRECT_ALIGN
+                    hasher = xxhash.xxh3_64()
+                    hashed: list[Future[None]] = []
+                    for start in range(0, len(view), _CHUNK):
+                        _check_cancel(cancel)
+                        chunk = chunks[k]
+                        if _PREFAULT_AHEAD:
+                            ahead.ready(k)
+                        k += 1
+                        direct_part = max(0, min(len(chunk), bulk - start))
+                        got = 0
+                        if direct_part:
+                            assert dfd is not None
+                            got = pread_full(file_ops, dfd, chunk[:direct_part], base + start)
+                        if got == direct_part and direct_part < len(chunk):
+                            got += pread_full(file_ops, fd, chunk[direct_part:], base + start + got)
+                        if got != len(chunk):
+                            raise CorruptCacheError(f"{name}: file truncated inside the tensor")
+                        if verify and hash_pool is not None:
+                            hashed.append(hash_pool.submit(hasher.update, chunk))
+                        elif verify:
+                            hasher.update(chunk)
+                    for future in hashed:
+                        future.result()
+                    if verify and hasher.hexdigest() != slot.xxh3:
+                        raise CorruptCacheError(
+                            f"{name}.xxh3: tensor bytes do not match their hash"
+                        )
+        finally:
+            if hash_pool is not None:  # never leave it reading the caller's buffers
+                hash_pool.shutdown(wait=True, cancel_futures=True)
     finally:
         file_ops.close(fd)
         if dfd is not None:
@@ -320,6 +354,9 @@ def _read_blocks(
     for batch in _block_batches([len(piece) for _, _, piece in wanted], read_many is not None):
         _check_cancel(cancel)
         items = [wanted[i] for i in batch]
+        if _PREFAULT_AHEAD:
+            for _, _, piece in items:
+                prefault(piece)
         if read_many is not None:
             found = read_many([(sha, piece) for _, sha, piece in items])
         else:
@@ -328,9 +365,7 @@ def _read_blocks(
             if not ok:
                 raise CacheMissError(f"{label}: block {sha} is missing")
             if verify and hashlib.sha256(piece).hexdigest() != sha:
-                raise CorruptCacheError(
-                    f"{label}.sha256: block content does not hash to its name"
-                )
+                raise CorruptCacheError(f"{label}.sha256: block content does not hash to its name")
 
 
 def _block_batches(sizes: Sequence[int], batched: bool) -> Iterator[range]:
