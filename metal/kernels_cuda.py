@@ -21,6 +21,9 @@ Theory of operation (both languages):
    memory, and the block writes one partial (accumulator, m, l) per row and partition.
 5. The merge kernel combines the partitions with the log-sum-exp rule and casts to the
    output dtype.
+
+For float16/bfloat16 pools the partition kernel is PARTIAL_MMA_SOURCE instead (on tensor
+cores; the comment above it explains how it differs), with the same partials and merge.
 """
 
 from __future__ import annotations
