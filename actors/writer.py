@@ -5,7 +5,16 @@ imports MLX. Each write is one job on the runtime's :class:`~kvtrio.runtime.offl
 (worker threads behind a capacity limit); trio cancellation sets the job's cancel token,
 the storage core stops at its next tensor, chunk or block boundary, removes its tmp file
 and returns, and only then does the caller see the cancellation (DESIGN.md invariant 6).
-No final file exists after a cancelled or failed write (invariant 4). A job runs with its
+No final file exists after a cancelled or failed write (invariant 4).
+
+Which write path (``direct``): storage's default streams buffered writes straight from
+the tensors' segments, which is fast when every segment starts and ends on a 4 KiB page
+of the file; a cache whose length is not a multiple of 16 tokens (most of them) has
+segments that cut pages in two, and there the O_DIRECT path (segments gathered into
+aligned buffers) measured about 1.5-2x faster (512 MiB, 64 tensors, development VM:
+buffered 0.60-0.87 GB/s vs O_DIRECT 1.13-1.35; page-aligned: buffered 1.66 vs 1.07-1.10).
+So the writer asks for O_DIRECT when a segment is not page-aligned (``direct=None``, the
+default); ``direct=False``/``True`` forces a path. A job runs with its
 worker thread on a long scheduler time slice (``background``, see
 :func:`kvtrio.actors.sched.background_slice`), so the event loop preempts it on waking.
 """
@@ -29,6 +38,8 @@ from kvtrio.storage.writer import (
     write_blocks,
     write_single,
 )
+
+_PAGE = 4096
 
 __all__ = ["Writer", "WriterStatistics"]
 
@@ -65,6 +76,7 @@ class Writer:
     block_store: BlockStore | None = None
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     background: float | None = BACKGROUND_SLICE
+    direct: bool | None = None
     _running: int = attrs.field(default=0, init=False)
     _written: int = attrs.field(default=0, init=False)
     _cancelled: int = attrs.field(default=0, init=False)
@@ -103,8 +115,13 @@ class Writer:
         tensors: Sequence[Segmented],
         box: _Box,
     ) -> WriteResult:
+        direct = self.direct
+        if direct is None and not _page_aligned(tensors):
+            direct = True  # see the module docstring; None keeps storage's default
         with background_slice(self.background):
-            box.result = write_single(path, plan, tensors, file_ops=self.file_ops, cancel=token)
+            box.result = write_single(
+                path, plan, tensors, file_ops=self.file_ops, cancel=token, direct=direct
+            )
         return box.result
 
     def _blocks_job(
@@ -154,3 +171,16 @@ class Writer:
         self._written += 1
         self._bytes += result.file_bytes + result.new_block_bytes
         return result
+
+
+def _page_aligned(tensors: Sequence[Segmented]) -> bool:
+    """Whether every segment but each tensor's last is a whole number of 4 KiB pages:
+    tensors start on a page of the file, so no segment boundary then cuts a page in two
+    (a tensor's own tail page is written once, the next tensor starts further on)."""
+    for tensor in tensors:
+        if isinstance(tensor, memoryview):
+            continue
+        for segment in list(tensor)[:-1]:
+            if segment.nbytes % _PAGE:
+                return False
+    return True
