@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -34,7 +35,13 @@ import numpy as np
 import xxhash
 from kvtrio.errors import CacheMissError, CorruptCacheError, OperationCancelled
 from kvtrio.storage.blockstore import BlockStore
-from kvtrio.storage.fileops import OS_FILE_OPS, FileOps, byte_view, pread_full
+from kvtrio.storage.fileops import (
+    OS_FILE_OPS,
+    FileOps,
+    byte_view,
+    pread_full,
+    write_behind_ops,
+)
 from kvtrio.storage.format import (
     PREAMBLE,
     Header,
@@ -66,6 +73,14 @@ _DIRECT_ALIGN = 4096
 # while the next is read; KVTRIO_PREFAULT_AHEAD=1 pre-faults destinations ahead of the
 # reads (kvtrio.storage.memadvise; add KVTRIO_PREFAULT_HUGE=1 for huge pages).
 _HASH_THREAD = os.environ.get("KVTRIO_LOAD_HASH_THREAD", "0") == "1"
+# Buffered reads by default: the kernel's readahead keeps the device busy while the
+# destination's pages are faulted in and the bytes hashed, where O_DIRECT into fresh
+# memory left the device idle during each read's page faults (measured: 1.40 vs 1.05 GB/s
+# per 512 MiB on the development VM). KVTRIO_LOAD_DIRECT=1: O_DIRECT into aligned buffers.
+_LOAD_DIRECT = os.environ.get("KVTRIO_LOAD_DIRECT", "0") == "1"
+_DROP_BEHIND = os.environ.get("KVTRIO_LOAD_DROP_BEHIND", "1") != "0"
+_SUB = 1024 * 1024
+_BEHIND = 2
 _PREFAULT_AHEAD = os.environ.get("KVTRIO_PREFAULT_AHEAD", "0") == "1"
 
 # Block-layout reads from a store with ``read_many_into`` go this many bytes per call
@@ -260,16 +275,24 @@ def _read_single(
     cancel: Cancel,
     file_ops: FileOps,
 ) -> None:
-    # Buffers whose address is 4 KiB aligned (codecs.allocate_slot makes such) are filled
-    # with O_DIRECT reads, straight from the device into their memory; the unaligned tail
-    # of each tensor, and any unaligned buffer, goes through the page cache.
+    # Buffered reads by default (see _LOAD_DIRECT): readahead keeps the device busy while
+    # the destination is faulted in and hashed, and chunks read are dropped behind. With
+    # KVTRIO_LOAD_DIRECT=1, buffers whose address is 4 KiB aligned (codecs.allocate_slot
+    # makes such) are filled with O_DIRECT reads; the unaligned tail of each tensor, and
+    # any unaligned buffer, goes through the page cache either way.
     fd = _open_checked(cache_file, os.O_RDONLY, file_ops)
     dfd: int | None = None
     try:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, cache_file.data_start, 0, os.POSIX_FADV_SEQUENTIAL)
-        if any(_address(v) % _DIRECT_ALIGN == 0 and len(v) >= _DIRECT_ALIGN for (v,) in views):
+        if _LOAD_DIRECT and any(
+            _address(v) % _DIRECT_ALIGN == 0 and len(v) >= _DIRECT_ALIGN for (v,) in views
+        ):
             dfd = _open_direct(cache_file, file_ops)
+        # Buffered reads drop what they have read a few chunks back from the page cache,
+        # as the streaming writer does (a cold load does not leave the file cached).
+        hints = write_behind_ops(file_ops) if _DROP_BEHIND else None
+        behind: deque[tuple[int, int]] = deque()
         # Optionally (see _PREFAULT_AHEAD, _HASH_THREAD): fresh destinations pre-faulted
         # chunk by chunk on a helper thread ahead of the reads, and each chunk read hashed
         # on another while the next read is in flight.
@@ -303,14 +326,29 @@ def _read_single(
                         if direct_part:
                             assert dfd is not None
                             got = pread_full(file_ops, dfd, chunk[:direct_part], base + start)
-                        if got == direct_part and direct_part < len(chunk):
-                            got += pread_full(file_ops, fd, chunk[direct_part:], base + start + got)
+                        inline = verify and hash_pool is None
+                        if inline and got:
+                            hasher.update(chunk[:got])
+                        if got == direct_part:
+                            # Buffered: 1 MiB pieces, each hashed right after the kernel
+                            # copied it (still in cache), while readahead keeps the device
+                            # busy.
+                            while got < len(chunk):
+                                piece = chunk[got : got + _SUB]
+                                n = pread_full(file_ops, fd, piece, base + start + got)
+                                if inline:
+                                    hasher.update(piece[:n])
+                                got += n
+                                if n < len(piece):
+                                    break
                         if got != len(chunk):
                             raise CorruptCacheError(f"{name}: file truncated inside the tensor")
                         if verify and hash_pool is not None:
                             hashed.append(hash_pool.submit(hasher.update, chunk))
-                        elif verify:
-                            hasher.update(chunk)
+                        if hints is not None and dfd is None:
+                            behind.append((base + start, len(chunk)))
+                            while len(behind) > _BEHIND:
+                                hints[1](fd, *behind.popleft())
                     for future in hashed:
                         future.result()
                     if verify and hasher.hexdigest() != slot.xxh3:

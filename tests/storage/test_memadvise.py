@@ -19,6 +19,7 @@ import kvtrio
 import mlx.core as mx
 import pytest
 from kvtrio.storage import codecs, memadvise, reader
+from kvtrio.storage.fileops import OsFileOps
 
 from .conftest import assert_same, make_kv
 
@@ -110,8 +111,12 @@ def helpers_on(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("helpers_on")
+@pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("layout", ["single", "blocks"])
-def test_loads_with_the_helper_threads_are_bit_exact(tmp_path: Path, layout: Any) -> None:
+def test_loads_with_the_helper_threads_are_bit_exact(
+    tmp_path: Path, layout: Any, direct: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reader, "_LOAD_DIRECT", direct)
     original = make_kv([600, 3])
     kvtrio.save_cache(tmp_path / "c.kvt", list(range(603)), [original], layout=layout)
     loaded = kvtrio.load_cache(tmp_path / "c.kvt").caches[0]
@@ -123,8 +128,12 @@ def test_loads_with_the_helper_threads_are_bit_exact(tmp_path: Path, layout: Any
 
 
 @pytest.mark.usefixtures("helpers_on")
-def test_a_corrupt_chunk_is_caught_by_the_verify_thread(tmp_path: Path) -> None:
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_corrupt_chunk_is_caught_by_the_verify_thread(
+    tmp_path: Path, direct: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Invariant 4: a byte flipped in a late chunk of a tensor fails the load."""
+    monkeypatch.setattr(reader, "_LOAD_DIRECT", direct)
     path = tmp_path / "c.kvt"
     kvtrio.save_cache(path, list(range(603)), [make_kv([600, 3])])
     header = reader.read_header(str(path))
@@ -153,3 +162,38 @@ def test_allocation_falls_back_to_zeros(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(codecs.mx, "load", broken)
     array = codecs._untouched_uint8(8192)
     assert array.shape == (8192,) and not mx.any(array).item()
+
+
+class DropRecorder(OsFileOps):
+    def __init__(self) -> None:
+        self.dropped: list[tuple[int, int]] = []
+
+    def drop_behind(self, fd: int, offset: int, length: int) -> None:
+        self.dropped.append((offset, length))
+        super().drop_behind(fd, offset, length)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_buffered_loads_drop_what_they_read_behind_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool
+) -> None:
+    """Chunks already read (and hashed) leave the page cache; the bytes are exact."""
+    monkeypatch.setattr(reader, "_CHUNK", 16 * 1024)
+    monkeypatch.setattr(reader, "_SUB", 4096)
+    monkeypatch.setattr(reader, "_LOAD_DIRECT", False)
+    original = make_kv([600, 3])
+    kvtrio.save_cache(tmp_path / "c.kvt", list(range(603)), [original])
+    cache_file = reader.read_header(str(tmp_path / "c.kvt"))
+    ops = DropRecorder()
+    bufs = reader.allocate_buffers(cache_file.header)
+    reader.read_tensors(
+        cache_file, [[memoryview(b) for b in p] for p in bufs], verify=verify, file_ops=ops
+    )
+    keys = bytes(memoryview(mx.contiguous(original.keys[..., :603, :])).cast("B"))
+    assert bytes(bufs[0][0]) == keys
+    slot = next(iter(cache_file.header.slots()))
+    start = cache_file.data_start + (slot.off or 0)
+    chunks = -(-slot.nbytes // reader._CHUNK)
+    assert ops.dropped[: chunks - reader._BEHIND] == [
+        (start + k * reader._CHUNK, reader._CHUNK) for k in range(chunks - reader._BEHIND)
+    ]
