@@ -949,15 +949,19 @@ class _UnfilledNpy(io.RawIOBase):
         return n
 
 
-#: Off switch (before/after measurements in one checkout): KVTRIO_ALLOC_ZEROS=1.
-_ALLOC_UNTOUCHED = os.environ.get("KVTRIO_ALLOC_ZEROS", "") != "1"
+#: Opt-in (KVTRIO_ALLOC_UNTOUCHED=1): the owner thread no longer faults load destinations
+#: in (the reader's copy does), which frees it for model steps; off by default because
+#: the owner's zero fill, running ahead of the reader threads, made the sync
+#: ``load_cache`` about 5% faster on the development VM (docs/benchmarks.md).
+_ALLOC_UNTOUCHED = os.environ.get("KVTRIO_ALLOC_UNTOUCHED", "") == "1"
 
 
 def _untouched_uint8(nbytes: int) -> Any:
-    """An evaluated uint8 array of ``nbytes`` whose pages MLX has not written (owner thread).
+    """An evaluated uint8 array of ``nbytes`` for a load destination (owner thread).
 
-    Falls back to ``mx.zeros`` (which writes every page) if this MLX does not load the
-    stream as expected.
+    With ``KVTRIO_ALLOC_UNTOUCHED=1``, one whose pages MLX has not written (falling back
+    to ``mx.zeros`` if this MLX does not load the stream as expected); otherwise
+    ``mx.zeros``, which faults every page in here, ahead of the reader.
     """
     if _ALLOC_UNTOUCHED:
         try:

@@ -103,7 +103,9 @@ def test_prefault_ahead_runs_every_range_and_joins(fresh_state: memadvise._State
 
 @pytest.fixture
 def helpers_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The reader's optional helper threads on, with small chunks so they run."""
+    """The reader's optional helper threads on (and unfilled destinations), with small
+    chunks so they run."""
+    monkeypatch.setattr(codecs, "_ALLOC_UNTOUCHED", True)
     monkeypatch.setattr(reader, "_PREFAULT_AHEAD", True)
     monkeypatch.setattr(reader, "_HASH_THREAD", True)
     monkeypatch.setattr(reader, "_CHUNK", 64 * 1024)
@@ -148,7 +150,8 @@ def test_a_corrupt_chunk_is_caught_by_the_verify_thread(
     assert _helper_threads() == []
 
 
-def test_destinations_are_allocated_without_a_fill() -> None:
+def test_destinations_are_allocated_without_a_fill(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codecs, "_ALLOC_UNTOUCHED", True)
     array = codecs._untouched_uint8(3 * 4096 + 5)
     assert array.shape == (3 * 4096 + 5,) and array.dtype == mx.uint8
     view = memoryview(array)
@@ -159,6 +162,7 @@ def test_allocation_falls_back_to_zeros(monkeypatch: pytest.MonkeyPatch) -> None
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise ValueError("this MLX cannot load that stream")
 
+    monkeypatch.setattr(codecs, "_ALLOC_UNTOUCHED", True)
     monkeypatch.setattr(codecs.mx, "load", broken)
     array = codecs._untouched_uint8(8192)
     assert array.shape == (8192,) and not mx.any(array).item()
