@@ -81,6 +81,9 @@ _LOAD_DIRECT = os.environ.get("KVTRIO_LOAD_DIRECT", "0") == "1"
 _DROP_BEHIND = os.environ.get("KVTRIO_LOAD_DROP_BEHIND", "1") != "0"
 _SUB = 1024 * 1024
 _BEHIND = 2
+# KVTRIO_LOAD_WILLNEED=1: ask for each tensor's whole range up front (POSIX_FADV_WILLNEED)
+# instead of relying on sequential readahead; +5% median here but a wider spread.
+_WILLNEED = os.environ.get("KVTRIO_LOAD_WILLNEED", "0") == "1"
 _PREFAULT_AHEAD = os.environ.get("KVTRIO_PREFAULT_AHEAD", "0") == "1"
 
 # Block-layout reads from a store with ``read_many_into`` go this many bytes per call
@@ -293,6 +296,11 @@ def _read_single(
         # as the streaming writer does (a cold load does not leave the file cached).
         hints = write_behind_ops(file_ops) if _DROP_BEHIND else None
         behind: deque[tuple[int, int]] = deque()
+        if _WILLNEED and dfd is None and hasattr(os, "posix_fadvise"):
+            for slot, (view,) in zip(slots, views, strict=True):
+                if len(view):
+                    where = cache_file.data_start + (slot.off or 0)
+                    os.posix_fadvise(fd, where, len(view), os.POSIX_FADV_WILLNEED)
         # Optionally (see _PREFAULT_AHEAD, _HASH_THREAD): fresh destinations pre-faulted
         # chunk by chunk on a helper thread ahead of the reads, and each chunk read hashed
         # on another while the next read is in flight.

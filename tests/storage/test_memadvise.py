@@ -177,11 +177,13 @@ class DropRecorder(OsFileOps):
         super().drop_behind(fd, offset, length)
 
 
+@pytest.mark.parametrize("willneed", [False, True])
 @pytest.mark.parametrize("verify", [True, False])
 def test_buffered_loads_drop_what_they_read_behind_them(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool, willneed: bool
 ) -> None:
     """Chunks already read (and hashed) leave the page cache; the bytes are exact."""
+    monkeypatch.setattr(reader, "_WILLNEED", willneed)
     monkeypatch.setattr(reader, "_CHUNK", 16 * 1024)
     monkeypatch.setattr(reader, "_SUB", 4096)
     monkeypatch.setattr(reader, "_LOAD_DIRECT", False)
