@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import trio
 from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.reader import Reader
 from kvtrio.actors.testing import mlx_thread_guard
 from kvtrio.actors.tier import ColdTier
 from kvtrio.errors import CacheMismatchError, CacheMissError, CorruptCacheError, ShuttingDown
@@ -190,3 +191,42 @@ def big_caches(layers: int, tokens: int) -> list[Any]:
         cache.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
         caches.append(cache)
     return caches
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+async def test_a_load_reads_with_load_streams_reads_at_once(
+    tmp_path: Path, prefilled: Prefill, kv_bytes: Dump, streams: int
+) -> None:
+    """One tensor per step (STEP_BYTES=1); a slowed reader shows how many run at once."""
+    running = 0
+    peak = 0
+    async with MlxOwner.dedicated() as owner:
+        async with ColdTier.open(tmp_path, owner=owner, load_streams=streams) as tier:
+            caches = await owner.run(prefilled, TOKENS)
+            want = await owner.run(kv_bytes, caches)
+            assert (await (await tier.save("conv-1", TOKENS, caches)).wait()).written
+            read_tensors = Reader.read_tensors
+
+            async def slow_read(self: Reader, *args: Any, **kwargs: Any) -> None:
+                nonlocal running, peak
+                running += 1
+                peak = max(peak, running)
+                try:
+                    await trio.sleep(0.05)
+                    await read_tensors(self, *args, **kwargs)
+                finally:
+                    running -= 1
+
+            with pytest.MonkeyPatch.context() as monkey:
+                monkey.setattr("kvtrio.actors.owner.STEP_BYTES", 1)
+                monkey.setattr(Reader, "read_tensors", slow_read)
+                loaded = await tier.load("conv-1")
+            got = await owner.run(kv_bytes, loaded.caches)
+    assert got == want
+    assert peak == streams
+
+
+async def test_load_streams_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^load_streams must be >= 1, not 0$"):
+        async with ColdTier.open(tmp_path, inline=True, load_streams=0):
+            pass  # pragma: no cover
