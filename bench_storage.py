@@ -14,8 +14,8 @@ fp16 keys and values ``[1, heads, tokens, head_dim]``):
 
 "Cold" means the file's pages were dropped (fsync, then ``posix_fadvise(DONTNEED)``)
 before the load. Each round removes the previous round's files and syncs before the saves,
-and the saves' order rotates from round to round; medians are reported, with ratios, and
-every round's figures are in ``--json`` (``rounds_gbps``).
+and the order of the saves, and of the loads, rotates from round to round; medians are
+reported, with ratios, and every round's figures are in ``--json`` (``rounds_gbps``).
 """
 
 from __future__ import annotations
@@ -179,6 +179,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         ("direct_write", lambda: _direct_write(direct_path, aligned, nbytes)),
         ("mlx_save", mlx_save),
     ]
+    loads: list[tuple[str, Callable[[], Any]]] = [
+        ("kvtrio_load", kvtrio_load),
+        ("direct_read", lambda: _direct_read(direct_path, aligned, nbytes)),
+        ("mlx_load", mlx_load),
+    ]
     try:
         for round_index in range(args.rounds):
             for path in (kv_path, direct_path, mlx_path):
@@ -192,9 +197,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 times[name].append(_timed(save))
             for path in (kv_path, direct_path, mlx_path):
                 _evict(path)
-            times["kvtrio_load"].append(_timed(kvtrio_load))
-            times["direct_read"].append(_timed(lambda: _direct_read(direct_path, aligned, nbytes)))
-            times["mlx_load"].append(_timed(mlx_load))
+            # Rotated too: a loader that runs just after another one freed its arrays
+            # gets recently used (warm) memory; the first one after the saves does not.
+            for name, load in loads[turn:] + loads[:turn]:
+                times[name].append(_timed(load))
             _evict(direct_path)
             times["direct_read_fresh"].append(
                 _timed(lambda: _direct_read_fresh(direct_path, nbytes))
