@@ -397,21 +397,49 @@ def _read_blocks(
     # Stores with a batched read (RedisBlockStore: one pipelined round trip per batch) get
     # up to BLOCK_BATCH_BYTES per call; the others are read one block per call.
     read_many: ReadMany | None = getattr(store, "read_many_into", None)
+    # A store that can re-hash each block as it arrives (RedisBlockStore: while the bytes
+    # are cache-hot and the next replies are still on the wire) verifies for us.
+    verified: ReadMany | None = getattr(store, "read_many_verified_into", None) if verify else None
+    if verified is not None:
+        read_many = verified
     for batch in _block_batches([len(piece) for _, _, piece in wanted], read_many is not None):
         _check_cancel(cancel)
         items = [wanted[i] for i in batch]
         if _PREFAULT_AHEAD:
             for _, _, piece in items:
                 prefault(piece)
-        if read_many is not None:
+        if verified is not None:
+            try:
+                found = verified([(sha, piece) for _, sha, piece in items])
+            except CorruptCacheError as exc:
+                named = _name_block_field(exc, items)
+                if named is None:
+                    raise
+                raise named from exc
+        elif read_many is not None:
             found = read_many([(sha, piece) for _, sha, piece in items])
         else:
             found = [store.read_into(sha, piece) for _, sha, piece in items]
         for (label, sha, piece), ok in zip(items, found, strict=True):
             if not ok:
                 raise CacheMissError(f"{label}: block {sha} is missing")
-            if verify and hashlib.sha256(piece).hexdigest() != sha:
+            if verify and verified is None and hashlib.sha256(piece).hexdigest() != sha:
                 raise CorruptCacheError(f"{label}.sha256: block content does not hash to its name")
+
+
+def _name_block_field(
+    exc: CorruptCacheError, items: Sequence[tuple[str, str, memoryview]]
+) -> CorruptCacheError | None:
+    """The store's error about block ``<sha256>`` restated with the header field it fills
+    (``caches[i].tensors[j].blocks[k]``), as the reader's own checks name fields."""
+    message = str(exc)
+    for label, sha, _ in items:
+        prefix = f"block {sha}: "
+        if message.startswith(prefix):
+            detail = message[len(prefix) :]
+            field = ".sha256" if "does not hash" in detail else ".bytes"
+            return CorruptCacheError(f"{label}{field}: {detail}")
+    return None
 
 
 def _block_batches(sizes: Sequence[int], batched: bool) -> Iterator[range]:
