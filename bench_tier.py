@@ -383,6 +383,8 @@ def _print(figures: dict[str, Any]) -> None:
     for name, label in (
         ("idle", "idle"),
         ("kvtrio_save_load", "kvtrio tier"),
+        ("kvtrio_save", "  of which save"),
+        ("kvtrio_load", "  of which load"),
         ("mlx_lm_save_load_inline", "mlx-lm in the loop"),
     ):
         row = figures["heartbeat_lateness"][name]
