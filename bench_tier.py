@@ -21,7 +21,10 @@ One run, one directory, the same cache (``--size-mib`` of float16 KV tensors acr
 20 ms, :mod:`kvtrio.actors.sched`; 0 leaves them alone, the comparison); the opt-in
 ``--loop-slice-ms`` has the event loop's own thread ask for a short one, a server-side
 setting kvtrio never makes by itself; ``--switch-interval-ms`` sets
-``sys.setswitchinterval`` for the run (another opt-in server setting, reported as such).
+``sys.setswitchinterval`` for the run and ``--gc-freeze`` calls ``gc.freeze()`` once the
+cache is made (a process importing mlx-lm holds ~90k objects, so a full collection, which
+holds the GIL, takes 10-70 ms here; frozen objects are not scanned again): two more
+opt-in server settings, reported as such.
 """
 
 from __future__ import annotations
@@ -208,6 +211,7 @@ async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         "background_slice_ms": args.background_slice_ms,
         "loop_slice_ms": args.loop_slice_ms,
         "switch_interval_ms": sys.getswitchinterval() * 1e3,
+        "gc_freeze": bool(args.gc_freeze),
     }
     loop_before = thread_slice()
     if args.loop_slice_ms:
@@ -234,6 +238,9 @@ async def _measure(
         await nursery.start(heartbeat.run)
         made: tuple[list[Any], list[int]] = await owner.run(_make_caches, size, args.tensors)
         caches, tokens = made
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
         _, _, idle = await heartbeat.measure(lambda: trio.sleep(0.5))
 
         # -- kvtrio ----------------------------------------------------------------------
@@ -302,6 +309,8 @@ async def _measure(
         _, mlx_load_s, mlx_load_lag = await heartbeat.measure(mlx_load)
         os.unlink(st)
         caches.clear()
+        if args.gc_freeze:
+            gc.unfreeze()
         nursery.cancel_scope.cancel()
 
     gb = nbytes / 1e9
@@ -400,7 +409,8 @@ def _print(figures: dict[str, Any]) -> None:
     console.print(
         f"settings: kvtrio threads' time slice {st['background_slice_ms'] or 'default'} ms; "
         f"event loop's slice {st['loop_slice_ms'] or 'default'} ms (opt-in); "
-        f"switch interval {st['switch_interval_ms']:.2f} ms"
+        f"switch interval {st['switch_interval_ms']:.2f} ms; "
+        f"gc.freeze() {'yes (opt-in)' if st['gc_freeze'] else 'no'}"
     )
     gcf = figures["gc_during_measurements"]
     console.print(
@@ -431,6 +441,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="opt-in server setting: sys.setswitchinterval for the run, ms (0: Python's)",
+    )
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="opt-in server setting: gc.freeze() once the cache is made",
     )
 
 
