@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from collections.abc import Iterator, Mapping, Sequence
+from itertools import accumulate
 from typing import Any, Final, Literal
 
 import attrs
@@ -419,27 +421,23 @@ def _no_constants(name: str) -> Any:
     raise CorruptCacheError(f"header: non-finite number {name} is not allowed")
 
 
+# A JSON string, possibly unterminated (it then runs to the end, as a scanner would see it).
+_JSON_STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+# Everything but the four bracket bytes, deleted in one pass.
+_NOT_BRACKETS: Final = bytes(b for b in range(256) if b not in b"[]{}")
+# +1 for an opening bracket, -1 for a closing one.
+_BRACKET_DELTA: Final = {0x5B: 1, 0x7B: 1, 0x5D: -1, 0x7D: -1}
+
+
 def _json_depth_ok(raw: bytes) -> bool:
-    depth = 0
-    in_string = False
-    escaped = False
-    for byte in raw:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:
-                escaped = True
-            elif byte == 0x22:
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):
-            depth += 1
-            if depth > MAX_JSON_DEPTH:
-                return False
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
-    return True
+    """Whether the bracket nesting outside JSON strings stays within MAX_JSON_DEPTH.
+
+    Strings are cut out by one regex and every other non-bracket byte by one translate
+    (both in C), so only the brackets themselves are counted in Python: a header's size
+    (e.g. a long token list) costs no per-byte Python work.
+    """
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    return max(accumulate(map(_BRACKET_DELTA.__getitem__, brackets)), default=0) <= MAX_JSON_DEPTH
 
 
 def _load_json(body: bytes) -> Any:
@@ -512,6 +510,22 @@ def _check_int(value: Any, name: str, lo: int, hi: int) -> int:
     if not lo <= value <= hi:
         raise CorruptCacheError(f"{name}: {value} is outside [{lo}, {hi}]")
     return value
+
+
+def _check_tokens(values: list[Any]) -> tuple[int, ...]:
+    """Validate the token list in C-speed passes (rule: token values bounded).
+
+    ``type(t) is int`` excludes booleans; a JSON document only holds int, float, str,
+    bool, None, list and dict, so one set of types and one min/max decide the whole list.
+    Only on failure is the list walked again to name the first offending ``tokens[i]``.
+    """
+    if not values:
+        return ()
+    if set(map(type, values)) == {int} and (min(values) >= 0 and max(values) <= MAX_TOKEN_VALUE):
+        return tuple(values)
+    for i, t in enumerate(values):
+        _check_int(t, f"tokens[{i}]", 0, MAX_TOKEN_VALUE)
+    raise AssertionError("unreachable: the fast check failed but every token passed")
 
 
 def _check_str(value: Any, name: str) -> str:
@@ -691,10 +705,7 @@ def parse_header(body: bytes, preamble: Preamble, file_size: int) -> Header:
     created_at = f.get("created_at")
     if isinstance(created_at, bool) or not isinstance(created_at, int | float):
         raise CorruptCacheError("created_at: expected a number")
-    tokens = tuple(
-        _check_int(t, f"tokens[{i}]", 0, MAX_TOKEN_VALUE)
-        for i, t in enumerate(f.f_list("tokens", MAX_TOKENS))
-    )
+    tokens = _check_tokens(f.f_list("tokens", MAX_TOKENS))
     meta = _check_str_map(f.get("meta"), "meta")
     budget = _Budget()
     caches = tuple(

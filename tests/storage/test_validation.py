@@ -201,6 +201,31 @@ def test_rule_token_values_bounded(valid: Path) -> None:
     _load_fails(valid, r"^tokens\[1\]: -5 is outside \[0, 2147483647\]$")
 
 
+@pytest.mark.parametrize(
+    ("tokens", "message"),
+    [
+        ([1, 2, True, 3], r"^tokens\[2\]: expected an integer$"),
+        ([0, 1.0], r"^tokens\[1\]: expected an integer$"),
+        ([7, "8"], r"^tokens\[1\]: expected an integer$"),
+        ([5, 2**31, -1], r"^tokens\[1\]: 2147483648 is outside \[0, 2147483647\]$"),
+        ([None], r"^tokens\[0\]: expected an integer$"),
+    ],
+)
+def test_rule_token_values_bounded_names_the_first_bad_token(
+    valid: Path, tokens: list[Any], message: str
+) -> None:
+    """The token list is checked in bulk; a failure still names the first bad index."""
+    _rewrite(valid, lambda d: d.update(tokens=tokens))
+    _load_fails(valid, message)
+
+
+def test_rule_json_nesting_counted_outside_strings_only(valid: Path) -> None:
+    """Brackets inside strings (escaped quotes included) do not count toward the depth."""
+    deep = '\\"' + "[" * 100 + "\\\\"
+    _rewrite(valid, lambda d: d.update(meta={"k": deep}))
+    assert kvtrio.load_cache(valid).header.meta == {"k": deep}
+
+
 def test_rule_tensor_count_bounded(valid: Path) -> None:
     _rewrite(valid, lambda d: d["caches"][0].update(tensors=[_slot(d)] * 65))
     _load_fails(valid, r"^caches\[0\]\.tensors: 65 items, over the cap 64$")
