@@ -1,10 +1,13 @@
 """``kvtrio bench storage``: sync save and cold load GB/s, against O_DIRECT and mlx-lm.
 
 One run, one directory, the same bytes (a KV cache of ``--mib`` MiB: ``--layers`` layers of
-fp16 keys and values ``[1, heads, tokens, head_dim]``):
+fp16 keys and values ``[1, heads, tokens, head_dim]``; ``--tokens N`` sets the cache's
+offset instead, in buffers of mlx-lm's 256-token steps, so an offset that is not a multiple
+of 16 tokens makes segments that cut 4 KiB pages, as real caches do):
 
 - kvtrio save: ``kvtrio.save_cache`` end to end (snapshot, materialize, hash every tensor,
-  write, fsync, rename, fsync dir);
+  write, fsync, rename, fsync dir); with ``--compare-direct`` also the same save through
+  the O_DIRECT path (``write_single(direct=True)``), in the same rotation;
 - kvtrio cold load: ``kvtrio.load_cache`` with ``verify=True`` (every tensor's xxh3
   checked) into evaluated MLX arrays;
 - reference: an O_DIRECT write (+ fsync) and an O_DIRECT read of the same byte count from
@@ -62,17 +65,23 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def _make_caches(total_bytes: int, layers: int, heads: int, head_dim: int) -> tuple[list[Any], int]:
+def _make_caches(
+    total_bytes: int, layers: int, heads: int, head_dim: int, tokens: int | None = None
+) -> tuple[list[Any], int]:
+    """KV caches of ``tokens`` tokens (derived from ``total_bytes`` when None) in buffers of
+    mlx-lm's 256-token steps: ``cache.offset`` may end inside the buffer, as it does live."""
     import mlx.core as mx
     from mlx_lm.models import cache as mlx_cache_module
 
     mlx_cache: Any = mlx_cache_module
     per_token = 2 * heads * head_dim * 2  # keys + values, fp16
-    tokens = max(256, (total_bytes // (layers * per_token)) // 256 * 256)
+    if tokens is None:
+        tokens = max(256, (total_bytes // (layers * per_token)) // 256 * 256)
+    capacity = (tokens + 255) // 256 * 256
     caches = []
     for layer in range(layers):
         key = mx.random.key(layer)
-        k = mx.random.normal((1, heads, tokens, head_dim), key=key).astype(mx.float16)
+        k = mx.random.normal((1, heads, capacity, head_dim), key=key).astype(mx.float16)
         v = (k * 0.5 + 1).astype(mx.float16)
         mx.eval(k, v)
         cache: Any = mlx_cache.KVCache()
@@ -127,8 +136,9 @@ def _memcpy(caches: list[Any], target: mmap.mmap) -> None:
     for cache in caches:
         for array in (cache.keys, cache.values):
             view = memoryview(array).cast("B")
-            ctypes.memmove(base + offset, int(np.frombuffer(view, np.uint8).ctypes.data), len(view))
-            offset += len(view)
+            size = min(len(view), len(target) - offset)  # --tokens: the buffers are larger
+            ctypes.memmove(base + offset, int(np.frombuffer(view, np.uint8).ctypes.data), size)
+            offset += size
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -139,8 +149,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     mlx_cache: Any = mlx_cache_module
     total = args.mib * 2**20
-    caches, tokens = _make_caches(total, args.layers, args.heads, args.head_dim)
-    nbytes = sum(c.keys.nbytes + c.values.nbytes for c in caches)
+    caches, tokens = _make_caches(total, args.layers, args.heads, args.head_dim, args.tokens)
+    nbytes = args.layers * 2 * args.heads * tokens * args.head_dim * 2  # the saved bytes
     parent = os.path.abspath(args.dir)
     os.makedirs(parent, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix=".kvtrio-bench-storage-", dir=parent)
@@ -148,6 +158,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     aligned.write(os.urandom(1 << 20) * (len(aligned) >> 20))
     names = (
         "kvtrio_save",
+        *(("kvtrio_save_direct",) if args.compare_direct else ()),
         "direct_write",
         "mlx_save",
         "kvtrio_load",
@@ -158,9 +169,18 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     )
     times: dict[str, list[float]] = {k: [] for k in names}
     kv_path = os.path.join(workdir, "cache.kvt")
+    kv_direct_path = os.path.join(workdir, "cache-direct.kvt")
     direct_path = os.path.join(workdir, "direct.bin")
     mlx_path = os.path.join(workdir, "cache.safetensors")
     token_ids = list(range(tokens))
+
+    def kvtrio_save_direct() -> None:
+        from kvtrio.storage.codecs import materialize, snapshot
+        from kvtrio.storage.writer import write_single
+
+        snap = snapshot(caches, token_ids)
+        host = materialize(snap)
+        write_single(kv_direct_path, snap.header, [h.segments[0] for h in host], direct=True)
 
     def mlx_save() -> None:
         mlx_cache.save_prompt_cache(mlx_path, caches)
@@ -179,6 +199,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         ("direct_write", lambda: _direct_write(direct_path, aligned, nbytes)),
         ("mlx_save", mlx_save),
     ]
+    if args.compare_direct:
+        saves.insert(1, ("kvtrio_save_direct", kvtrio_save_direct))
     loads: list[tuple[str, Callable[[], Any]]] = [
         ("kvtrio_load", kvtrio_load),
         ("direct_read", lambda: _direct_read(direct_path, aligned, nbytes)),
@@ -186,7 +208,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     ]
     try:
         for round_index in range(args.rounds):
-            for path in (kv_path, direct_path, mlx_path):
+            for path in (kv_path, kv_direct_path, direct_path, mlx_path):
                 if os.path.exists(path):
                     os.unlink(path)
             # The unlinks' journal and discard work is not any contender's: flush it first,
@@ -213,6 +235,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "bytes": nbytes,
         "layers": args.layers,
         "tokens": tokens,
+        "strided": tokens % 256 != 0,
         "rounds": args.rounds,
         "directory": parent,
         "gbps": gbps,
@@ -220,6 +243,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "ratios": {
             "save_vs_direct": gbps["kvtrio_save"] / gbps["direct_write"],
             "save_vs_mlx_lm": gbps["kvtrio_save"] / gbps["mlx_save"],
+            **(
+                {"save_vs_save_direct": gbps["kvtrio_save"] / gbps["kvtrio_save_direct"]}
+                if args.compare_direct
+                else {}
+            ),
             "load_vs_direct": gbps["kvtrio_load"] / gbps["direct_read"],
             "load_vs_mlx_lm": gbps["kvtrio_load"] / gbps["mlx_load"],
         },
@@ -240,7 +268,8 @@ def _print(figures: dict[str, Any]) -> None:
     table = Table(
         title=(
             f"kvtrio bench storage: {figures['bytes'] / 2**30:.2f} GiB KV cache "
-            f"({figures['layers']} layers x {figures['tokens']} tokens), "
+            f"({figures['layers']} layers x {figures['tokens']} tokens"
+            f"{', strided' if figures['strided'] else ''}), "
             f"median of {figures['rounds']} rounds, in {figures['directory']}"
         )
     )
@@ -265,6 +294,11 @@ def _print(figures: dict[str, Any]) -> None:
         )
     console = Console()
     console.print(table)
+    if "kvtrio_save_direct" in g:
+        console.print(
+            f"kvtrio save through O_DIRECT (direct=True): {g['kvtrio_save_direct']:.2f} GB/s; "
+            f"the default save is {r['save_vs_save_direct']:.2f}x that"
+        )
     console.print(
         "kvtrio verifies every tensor's xxh3 on load; mlx-lm verifies nothing. mlx-lm's save "
         "is followed by an fsync of its file so both saves are durable."
@@ -282,6 +316,17 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=16, help="layers (16)")
     parser.add_argument("--heads", type=int, default=8, help="KV heads (8)")
     parser.add_argument("--head-dim", type=int, default=128, help="head dim (128)")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="cache offset in tokens (default: from --mib); not a multiple of 16: strided",
+    )
+    parser.add_argument(
+        "--compare-direct",
+        action="store_true",
+        help="also time kvtrio's save through O_DIRECT (write_single(direct=True))",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="rounds; median reported (3)")
     parser.add_argument("--dir", default=".", help="directory to measure in (default: cwd)")
 
