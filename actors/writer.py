@@ -7,14 +7,13 @@ the storage core stops at its next tensor, chunk or block boundary, removes its 
 and returns, and only then does the caller see the cancellation (DESIGN.md invariant 6).
 No final file exists after a cancelled or failed write (invariant 4).
 
-Which write path (``direct``): storage's default streams buffered writes straight from
-the tensors' segments, which is fast when every segment starts and ends on a 4 KiB page
-of the file; a cache whose length is not a multiple of 16 tokens (most of them) has
-segments that cut pages in two, and there the O_DIRECT path (segments gathered into
-aligned buffers) measured about 1.5-2x faster (512 MiB, 64 tensors, development VM:
-buffered 0.60-0.87 GB/s vs O_DIRECT 1.13-1.35; page-aligned: buffered 1.66 vs 1.07-1.10).
-So the writer asks for O_DIRECT when a segment is not page-aligned (``direct=None``, the
-default); ``direct=False``/``True`` forces a path. A job runs with its
+Which write path (``direct``): ``None`` (the default) keeps storage's default, buffered
+writes streamed straight from the tensors' segments, for every cache: since storage pads
+a tensor's tail before starting its writeback, caches whose segments cut 4 KiB pages
+(length not a multiple of 16 tokens) save as fast as page-aligned ones, and faster than
+through O_DIRECT (``kvtrio bench storage --tokens 4059 --layers 32 --compare-direct``,
+532 MB, development VM: buffered 1.23-1.56 GB/s vs O_DIRECT 1.00-1.19).
+``direct=False``/``True`` forces a path. A job runs with its
 worker thread on a long scheduler time slice (``background``, see
 :func:`kvtrio.actors.sched.background_slice`), so the event loop preempts it on waking.
 """
@@ -38,8 +37,6 @@ from kvtrio.storage.writer import (
     write_blocks,
     write_single,
 )
-
-_PAGE = 4096
 
 __all__ = ["Writer", "WriterStatistics"]
 
@@ -115,12 +112,9 @@ class Writer:
         tensors: Sequence[Segmented],
         box: _Box,
     ) -> WriteResult:
-        direct = self.direct
-        if direct is None and not _page_aligned(tensors):
-            direct = True  # see the module docstring; None keeps storage's default
         with background_slice(self.background):
             box.result = write_single(
-                path, plan, tensors, file_ops=self.file_ops, cancel=token, direct=direct
+                path, plan, tensors, file_ops=self.file_ops, cancel=token, direct=self.direct
             )
         return box.result
 
@@ -171,16 +165,3 @@ class Writer:
         self._written += 1
         self._bytes += result.file_bytes + result.new_block_bytes
         return result
-
-
-def _page_aligned(tensors: Sequence[Segmented]) -> bool:
-    """Whether every segment but each tensor's last is a whole number of 4 KiB pages:
-    tensors start on a page of the file, so no segment boundary then cuts a page in two
-    (a tensor's own tail page is written once, the next tensor starts further on)."""
-    for tensor in tensors:
-        if isinstance(tensor, memoryview):
-            continue
-        for segment in list(tensor)[:-1]:
-            if segment.nbytes % _PAGE:
-                return False
-    return True
