@@ -2,7 +2,9 @@
 
 Usage: ``python shutdown_child.py DIRECTORY``. Prints ``READY`` once serving, then
 ``ACK <key> <sha256>`` for every save the tier acknowledged as WRITTEN (durable), where
-the digest covers the saved tensor bytes. The first SIGTERM/SIGINT stops new saves and
+the digest covers the saved tensor bytes, and ``STOPPING`` once it has seen the first
+signal (send the second one after that: two signals that arrive before trio reads the
+first are delivered as one). The first SIGTERM/SIGINT stops new saves and
 lets the tier drain (graceful, exit 0); a second one cancels everything (exit 1).
 """
 
@@ -81,6 +83,7 @@ async def main(directory: str) -> int:
                     async for _ in signals:
                         if not stop_saving.is_set():
                             stop_saving.set()  # first signal: graceful
+                            say("STOPPING")  # a second signal now cannot coalesce with it
                         else:
                             forced = True  # second signal: cancel everything now
                             everything.cancel()

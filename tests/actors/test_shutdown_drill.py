@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +35,20 @@ def _start(directory: Path) -> subprocess.Popen[str]:
 
 
 def _read_until_acks(proc: subprocess.Popen[str], acks: int) -> list[str]:
+    return _read_until(proc, lambda lines: sum(line.startswith("ACK ") for line in lines) >= acks)
+
+
+def _read_until_stopping(proc: subprocess.Popen[str]) -> list[str]:
+    """The lines up to the child's STOPPING (it has seen the first signal): a second
+    signal sent earlier could coalesce with the first (trio delivers a pending signal once)."""
+    return _read_until(proc, lambda lines: bool(lines) and lines[-1] == "STOPPING")
+
+
+def _read_until(proc: subprocess.Popen[str], done: Callable[[list[str]], bool]) -> list[str]:
     assert proc.stdout is not None
     lines: list[str] = []
     deadline = time.monotonic() + 120
-    while sum(line.startswith("ACK ") for line in lines) < acks:
+    while not done(lines):
         line = proc.stdout.readline()
         assert line, f"child ended early: {proc.wait()} {proc.stderr.read() if proc.stderr else ''}"
         lines.append(line.strip())
@@ -93,7 +104,7 @@ async def test_sigterm_twice_exits_within_a_second_and_nothing_is_torn(tmp_path:
     proc = _start(tmp_path)
     lines = await trio.to_thread.run_sync(_read_until_acks, proc, 1)
     proc.send_signal(signal.SIGTERM)
-    await trio.sleep(0.05)
+    lines += await trio.to_thread.run_sync(_read_until_stopping, proc)
     proc.send_signal(signal.SIGTERM)
     sent = time.monotonic()
     out, err = await trio.to_thread.run_sync(proc.communicate, None, 60)
