@@ -204,3 +204,11 @@ def test_buffered_loads_drop_what_they_read_behind_them(
     assert ops.dropped[: chunks - reader._BEHIND] == [
         (start + k * reader._CHUNK, reader._CHUNK) for k in range(chunks - reader._BEHIND)
     ]
+
+
+def test_zero_filled_allocation_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVTRIO_ALLOC_UNTOUCHED=0: load destinations are MLX zeros (every page touched)."""
+    monkeypatch.setattr(codecs, "_ALLOC_UNTOUCHED", False)
+    array = codecs._untouched_uint8(3 * 4096 + 1)
+    assert array.shape == (3 * 4096 + 1,) and array.dtype == mx.uint8
+    assert not mx.any(array).item()
