@@ -8,11 +8,9 @@ CacheMissError and a corrupted or resized one a CorruptCacheError.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from kvtrio.errors import (
@@ -27,19 +25,12 @@ from kvtrio.storage.openstore import ManifestFileOps, open_store
 from kvtrio.storage.reader import CacheFile, allocate_buffers, check_blocks, read_header
 from kvtrio.storage.redisstore import RedisBlockStore
 
-_HOST_SCRIPT = Path(__file__).with_name("host_process.py")
+from . import hostscripts
+
 TOKENS = 64  # 4 blocks per tensor, 4 tensors: 16 blocks of 2 KiB
 
 
-def _host_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvtrio_test_redis_host_b", _HOST_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-host = _host_module()
+host = hostscripts.load("host_process.py")
 
 
 class CountingStore:

@@ -6,12 +6,7 @@ manifest of the deepest entry found, never the whole catalogue.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import trio
@@ -20,28 +15,13 @@ from kvtrio.actors.prefix import ModelKey, index_keys
 from kvtrio.actors.tiered import Tier, open_tiered_cache
 from kvtrio.storage.redisstore import RedisBlockStore
 
-_HOST_SCRIPT = Path(__file__).with_name("tier_host.py")
+from . import hostscripts
 
-
-def _host_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvtrio_test_tier_host_index", _HOST_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-host = _host_module()
+host = hostscripts.load("tier_host.py")
 
 
 def _run_host(url: str, local_dir: Path, *args: object) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, str(_HOST_SCRIPT), url, str(local_dir), *map(str, args)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    result: dict[str, Any] = json.loads(out.stdout.splitlines()[-1])
-    return result
+    return hostscripts.run("tier_host.py", url, local_dir, *args)
 
 
 def _options(owner: MlxOwner) -> dict[str, Any]:

@@ -6,13 +6,8 @@ These run the storage engineer's writer and reader unchanged over the Redis stor
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -22,29 +17,14 @@ from kvtrio.storage.manifeststore import LocalManifestStore, RedisManifestStore
 from kvtrio.storage.openstore import ManifestFileOps, open_store
 from kvtrio.storage.redisstore import RedisBlockStore
 
-_HOST_SCRIPT = Path(__file__).with_name("host_process.py")
+from . import hostscripts
 
-
-def _host_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvtrio_test_redis_host", _HOST_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-host = _host_module()
+host = hostscripts.load("host_process.py")
 
 
 def _run_host(*args: object) -> dict[str, Any]:
     """One host = one process: ``host_process.py ACTION URL LOCAL_DIR NAME TOKENS``."""
-    out = subprocess.run(
-        [sys.executable, str(_HOST_SCRIPT), *map(str, args)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    result: dict[str, Any] = json.loads(out.stdout.splitlines()[-1])
-    return result
+    return hostscripts.run("host_process.py", *args, timeout=60)
 
 
 def _expected_digest(tokens: int) -> str:

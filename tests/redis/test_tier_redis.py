@@ -6,13 +6,8 @@ Redis; the failure tests run in-process with a redis-server of their own.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import subprocess
-import sys
 import threading
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -26,28 +21,13 @@ from kvtrio.actors.tiered import Tier, open_tiered_cache
 from kvtrio.errors import CacheMissError, CorruptCacheError, StoreUnavailableError
 from kvtrio.storage.redisstore import RedisBlockStore
 
-_HOST_SCRIPT = Path(__file__).with_name("tier_host.py")
+from . import hostscripts
 
-
-def _host_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvtrio_test_tier_host", _HOST_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-host = _host_module()
+host = hostscripts.load("tier_host.py")
 
 
 def _run_host(url: str, local_dir: Path, *args: object) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, str(_HOST_SCRIPT), url, str(local_dir), *map(str, args)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    result: dict[str, Any] = json.loads(out.stdout.splitlines()[-1])
-    return result
+    return hostscripts.run("tier_host.py", url, local_dir, *args)
 
 
 def test_two_hosts_share_one_tier(tmp_path: Path, redis_url: str) -> None:
@@ -66,8 +46,8 @@ def test_two_hosts_share_one_tier(tmp_path: Path, redis_url: str) -> None:
     tensors = 2 * host.CONFIG["num_hidden_layers"]  # K and V per layer
     assert keys_b - keys_a == tensors  # 64 -> 80 tokens: one new 16-token block per tensor
     assert bytes_b - bytes_a == extended["new_block_bytes"] == bytes_a // 4
-    assert _run_host(redis_url, tmp_path / "host-a", "load", "conv2")["digest"] == (
-        extended["digest"]
+    assert (
+        _run_host(redis_url, tmp_path / "host-a", "load", "conv2")["digest"] == (extended["digest"])
     )
     counter.close()
 
