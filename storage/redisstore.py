@@ -556,10 +556,7 @@ class RedisBlockStore:
         if not keys:
             return []
         with self._io():
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(key)
-            return [bool(reply) for reply in pipe.execute()]
+            return [bool(reply) for reply in self._each_key("exists", keys)]
 
     def read_into(self, name: str, buffer: memoryview) -> bool:
         """Fill ``buffer`` with the block; False if it is absent (deleted or evicted)."""
@@ -611,18 +608,21 @@ class RedisBlockStore:
         if not keys:
             return []
         with self._io():
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                pipe.strlen(key)
-            sizes: list[int | None] = [int(reply) for reply in pipe.execute()]
+            sizes: list[int | None] = [int(reply) for reply in self._each_key("strlen", keys)]
             zeros = [i for i, size in enumerate(sizes) if size == 0]
             if zeros:
-                pipe = self.client.pipeline(transaction=False)
-                for i in zeros:
-                    pipe.exists(keys[i])
-                for i, exists in zip(zeros, pipe.execute(), strict=True):
-                    sizes[i] = 0 if exists else None
+                exists = self._each_key("exists", [keys[i] for i in zeros])
+                for i, present in zip(zeros, exists, strict=True):
+                    sizes[i] = 0 if present else None
         return sizes
+
+    def _each_key(self, command: str, keys: Sequence[str]) -> list[Any]:
+        """One ``command key`` per key, pipelined in one round trip (inside ``_io``)."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            getattr(pipe, command)(key)
+        replies: list[Any] = pipe.execute()
+        return replies
 
     def delete_many(self, names: Sequence[str]) -> int:
         """Delete the named blocks that exist; return how many were deleted."""
