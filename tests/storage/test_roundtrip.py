@@ -136,3 +136,34 @@ def test_unknown_cache_type_is_refused(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"^no kvtrio codec for cache type ConcatenateKVCache$"):
         kvtrio.save_cache(tmp_path / "u.kvt", [], [mlx_cache.ConcatenateKVCache()])
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_any_number_of_read_threads_loads_bit_exact(
+    tmp_path: Path, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load_cache reads tensors on ``KVTRIO_LOAD_THREADS`` threads; the count never
+    changes the result (slot order kept, every hash checked)."""
+    from kvtrio import api
+
+    monkeypatch.setattr(api, "_READ_THREADS", threads)
+    originals = [BUILDERS[kind]() for kind in sorted(BUILDERS)]
+    loaded = _save_load(tmp_path / "c.kvt", originals, "single")
+    for got, want in zip(loaded.caches, originals, strict=True):
+        assert_same(logical_state(got), logical_state(want))
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"), [("", 4), ("1", 1), (" 6 ", 6), ("0", None), ("x", None)]
+)
+def test_load_threads_setting(
+    monkeypatch: pytest.MonkeyPatch, raw: str, expected: int | None
+) -> None:
+    from kvtrio import api
+
+    monkeypatch.setenv("KVTRIO_LOAD_THREADS", raw)
+    if expected is None:
+        with pytest.raises(ValueError, match="KVTRIO_LOAD_THREADS"):
+            api._read_threads_from_env()
+    else:
+        assert api._read_threads_from_env() == expected
