@@ -312,11 +312,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         dedup = _dedup(url, args.hosts, args.layers, args.system_tokens, args.user_tokens,
                        args.block_tokens)  # fmt: skip
         lookup = _lookup(url, args.manifests, args.manifest_kib, args.rounds)
+    from kvtrio.storage import redisstore
     from redis.utils import HIREDIS_AVAILABLE
 
     return {
         "server": "given URL" if args.url else "private redis-server (no persistence)",
         "reply_parser": "hiredis" if HIREDIS_AVAILABLE else "python",
+        "hash_threads": redisstore.HASH_THREADS,
+        "cpus": redisstore._usable_cpus(),
         "throughput": rows,
         "dedup": dedup,
         "lookup": lookup,
@@ -329,7 +332,10 @@ def _print(figures: dict[str, Any]) -> None:
 
     table = Table(
         title="kvtrio shared tier (Redis): GB/s, median of rounds",
-        caption=f"{figures['server']}; redis-py reply parser: {figures['reply_parser']}",
+        caption=(
+            f"{figures['server']}; redis-py reply parser: {figures['reply_parser']}; "
+            f"sha256 helper threads: {figures['hash_threads']} ({figures['cpus']} usable CPUs)"
+        ),
     )
     for column in ("block", "operation", "kvtrio", "raw Redis", "kvtrio / raw"):
         table.add_column(column, justify="right")

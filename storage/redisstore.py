@@ -47,11 +47,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -85,6 +87,52 @@ _READ_AHEAD = 64 * 1024  # bytes read at once outside reply headers (a reply's C
 _HEADER_READ = 32  # bytes read at once for a reply header such as "$65536\r\n"
 _IOV_WINDOW = 256  # buffers handed to one recvmsg_into (Linux's IOV_MAX is 1024)
 _HASH_PIECE = 64 * 1024  # a verified read hashes a block's arrived bytes in such pieces
+_HASH_GROUP = 512 * 1024  # with hash threads: complete blocks handed over in such groups
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def _hash_threads_from_env() -> int:
+    """``KVTRIO_REDIS_HASH_THREADS`` (0: hash on the receiving thread), else one helper
+    per four usable CPUs, at most four: none on a two-core machine, where Redis, the
+    receiver and the hashing already share every core (docs/benchmarks.md)."""
+    raw = os.environ.get("KVTRIO_REDIS_HASH_THREADS", "").strip()
+    if not raw:
+        return min(4, _usable_cpus() // 4)
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"KVTRIO_REDIS_HASH_THREADS={raw!r}: expected an integer >= 0")
+    return value
+
+
+# Threads that re-hash verified reads' blocks; 0 re-hashes on the receiving thread.
+HASH_THREADS = _hash_threads_from_env()
+_hash_pool: ThreadPoolExecutor | None = None
+_hash_pool_size = 0
+_hash_pool_lock = threading.Lock()
+
+
+def _shared_hash_pool(size: int) -> ThreadPoolExecutor:
+    """The process's sha256 helper threads (hashlib releases the GIL while it hashes)."""
+    global _hash_pool, _hash_pool_size
+    with _hash_pool_lock:
+        if _hash_pool is None or _hash_pool_size != size:
+            old = _hash_pool
+            _hash_pool = ThreadPoolExecutor(size, thread_name_prefix="kvtrio-sha256")
+            _hash_pool_size = size
+            if old is not None:
+                old.shutdown(wait=False)  # its queued work still runs; callers wait on it
+        return _hash_pool
+
+
 # redis-py keeps a connection's socket in this private attribute. Without it (another
 # redis-py version), reads fall back to redis-py's public reply parser: correct, slower.
 _SOCKET_ATTRIBUTE = "_sock"
@@ -440,6 +488,68 @@ class _Verifier:
         self.checked += 1
 
 
+def _check_blocks(items: Sequence[tuple[str, memoryview]], indices: Sequence[int]) -> None:
+    for index in indices:
+        name, view = items[index]
+        if hashlib.sha256(view).hexdigest() != name:
+            raise CorruptCacheError(f"block {name}: block content does not hash to its name")
+
+
+class _PooledVerifier:
+    """Re-hash complete blocks on the shared helper threads (:data:`HASH_THREADS`), in
+    groups of at least :data:`_HASH_GROUP` bytes, while the receiving thread goes on
+    receiving: for machines with cores to spare, where one thread's sha256 (about 0.7 to
+    1.5 GB/s) is slower than the network. :meth:`finish` waits for every group and raises
+    the first mismatch in block order; :meth:`wait` (always called) makes sure no helper
+    is still reading the caller's buffers when the read returns or raises.
+    """
+
+    __slots__ = ("_futures", "_group", "_group_bytes", "_items", "_pool", "checked")
+
+    def __init__(self, items: Sequence[tuple[str, memoryview]], pool: ThreadPoolExecutor) -> None:
+        self._items = items
+        self._pool = pool
+        self._group: list[int] = []
+        self._group_bytes = 0
+        self._futures: list[tuple[Future[None], int]] = []
+        self.checked = 0
+
+    def __call__(self, index: int) -> None:
+        self._group.append(index)
+        self._group_bytes += len(self._items[index][1])
+        if self._group_bytes >= _HASH_GROUP:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._group:
+            future = self._pool.submit(_check_blocks, self._items, self._group)
+            self._futures.append((future, len(self._group)))
+            self._group = []
+            self._group_bytes = 0
+
+    def finish(self) -> None:
+        self._flush()
+        futures, self._futures = self._futures, []
+        first: CorruptCacheError | None = None
+        for future, count in futures:
+            try:
+                future.result()
+                self.checked += count
+            except CorruptCacheError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def wait(self) -> None:
+        self._group = []
+        futures, self._futures = self._futures, []
+        for future, _ in futures:
+            try:
+                future.result()
+            except CorruptCacheError:
+                pass  # the read is failing already
+
+
 def _ignore(index: int) -> None:
     return None
 
@@ -715,7 +825,12 @@ class RedisBlockStore:
         """
         pool = self.client.connection_pool
         conn: Any = pool.get_connection()  # redis-py's Connection is untyped
-        done: Callable[[int], None] = _Verifier(chunk) if verify else _ignore
+        pooled: _PooledVerifier | None = None
+        done: Callable[[int], None] = _ignore
+        if verify and HASH_THREADS > 0:
+            done = pooled = _PooledVerifier(chunk, _shared_hash_pool(HASH_THREADS))
+        elif verify:
+            done = _Verifier(chunk)
         clean = False
         try:
             conn.send_packed_command(_pack_gets([self.block_key(name) for name, _ in chunk]))
@@ -725,8 +840,12 @@ class RedisBlockStore:
                 clean = True
             else:
                 found, clean = _get_raw(sock, chunk, done)
+            if pooled is not None:
+                pooled.finish()
             return found
         finally:
+            if pooled is not None:
+                pooled.wait()
             if not clean:
                 conn.disconnect()
             pool.release(conn)

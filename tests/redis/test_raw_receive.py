@@ -1,7 +1,8 @@
 """RedisBlockStore's GET path: replies scattered straight into the callers' buffers
 (``recvmsg_into`` over the expected framing), the reply-by-reply parser it falls back to
 when the replies differ (misses, resized blocks, error replies), re-hashing on arrival
-(``verify=True``), and the public-API path when redis-py's connection has no raw socket.
+(``verify=True``) on the receiving thread or on helper threads (``HASH_THREADS``), and the
+public-API path when redis-py's connection has no raw socket.
 Invariant 4: a verified read never returns bytes that do not hash to their name.
 """
 
@@ -20,13 +21,15 @@ from kvtrio.storage.redisstore import RedisBlockStore
 SIZES = (0, 1, 5, 2048, 65536, 70_000, 300_000)
 
 
-@pytest.fixture(params=["raw socket", "public API"])
+@pytest.fixture(params=["raw socket", "public API", "hash threads"])
 def store(request: pytest.FixtureRequest, redis_url: str) -> Iterator[RedisBlockStore]:
-    """The store, reading through the raw socket or (its attribute gone) redis-py's API."""
+    """The store, reading through the raw socket or (its attribute gone) redis-py's API,
+    re-hashing on the receiving thread, or (``hash threads``) on two helper threads."""
+    patch = pytest.MonkeyPatch()
+    request.addfinalizer(patch.undo)
+    patch.setattr(redisstore, "HASH_THREADS", 2 if request.param == "hash threads" else 0)
     if request.param == "public API":
-        patch = pytest.MonkeyPatch()
         patch.setattr(redisstore, "_SOCKET_ATTRIBUTE", "_kvtrio_no_such_attribute")
-        request.addfinalizer(patch.undo)
     opened = RedisBlockStore.open(redis_url)
     yield opened
     opened.close()
@@ -130,10 +133,14 @@ def test_public_api_fallback_is_used_and_counted(redis_url: str) -> None:
         patch.undo()
 
 
+@pytest.mark.parametrize("hash_threads", [0, 2])
 @pytest.mark.parametrize("where", [0, 1_000_000, 3 * 1024 * 1024 - 1])
-def test_verified_read_rejects_a_large_block_corrupted_anywhere(redis_url: str, where: int) -> None:
-    """A block larger than one receive is hashed piece by piece as it arrives: a flipped
-    byte at its start, middle or end is still caught."""
+def test_verified_read_rejects_a_large_block_corrupted_anywhere(
+    redis_url: str, where: int, hash_threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block larger than one receive is hashed piece by piece as it arrives (or whole,
+    on a helper thread): a flipped byte at its start, middle or end is still caught."""
+    monkeypatch.setattr(redisstore, "HASH_THREADS", hash_threads)
     store = RedisBlockStore.open(redis_url)
     blob = os.urandom(3 * 1024 * 1024)
     name = hashlib.sha256(blob).hexdigest()
@@ -146,3 +153,46 @@ def test_verified_read_rejects_a_large_block_corrupted_anywhere(redis_url: str, 
     with pytest.raises(CorruptCacheError, match=rf"^block {name}: block content does not"):
         store.read_many_into([(name, memoryview(buffer))], verify=True)
     store.close()
+
+
+def test_first_corrupted_block_in_order_is_reported_with_hash_threads(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Helper threads finish in any order; the error names the first bad block of the
+    batch, and the read waits for every helper before raising (none is left reading)."""
+    monkeypatch.setattr(redisstore, "HASH_THREADS", 3)
+    monkeypatch.setattr(redisstore, "_HASH_GROUP", 1)  # one block per helper task
+    store = RedisBlockStore.open(redis_url)
+    blobs = [os.urandom(65536) for _ in range(64)]
+    names = [hashlib.sha256(b).hexdigest() for b in blobs]
+    store.put_many([(n, memoryview(b)) for n, b in zip(names, blobs, strict=True)])
+    for bad in (40, 13, 41):
+        value = bytearray(blobs[bad])
+        value[0] ^= 1
+        store.client.set(store.block_key(names[bad]), bytes(value))
+    items = [(n, memoryview(bytearray(65536))) for n in names]
+    with pytest.raises(CorruptCacheError, match=rf"^block {names[13]}: "):
+        store.read_many_into(items, verify=True)
+    assert store.client.ping()
+    store.close()
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"), [("0", 0), ("3", 3), (" 2 ", 2), ("-1", None), ("two", None)]
+)
+def test_hash_threads_setting(
+    monkeypatch: pytest.MonkeyPatch, raw: str, expected: int | None
+) -> None:
+    monkeypatch.setenv("KVTRIO_REDIS_HASH_THREADS", raw)
+    if expected is None:
+        with pytest.raises(ValueError, match="KVTRIO_REDIS_HASH_THREADS"):
+            redisstore._hash_threads_from_env()
+    else:
+        assert redisstore._hash_threads_from_env() == expected
+
+
+def test_hash_threads_default_leaves_two_cores_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVTRIO_REDIS_HASH_THREADS", raising=False)
+    for cpus, expected in ((1, 0), (2, 0), (4, 1), (8, 2), (16, 4), (64, 4)):
+        monkeypatch.setattr(redisstore, "_usable_cpus", lambda n=cpus: n)
+        assert redisstore._hash_threads_from_env() == expected
