@@ -42,6 +42,7 @@ from kvtrio.storage.codecs import (
 )
 from kvtrio.storage.format import Header, Layout
 from kvtrio.storage.reader import CacheFile, check_blocks, read_header, read_tensors
+from kvtrio.storage.tuning import env_int
 from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult, write_blocks, write_single
 
 __all__ = [
@@ -62,14 +63,7 @@ def _read_threads_from_env() -> int:
     its own tensor's hash: 4 (as MLX's own file reader), or ``KVTRIO_LOAD_THREADS``.
     Measured (docs/benchmarks.md): 4 threads load 1.1-1.2x faster than 2 on the 2-vCPU
     development VM and on a 16-core host, where a load waits mostly on the device."""
-    raw = os.environ.get("KVTRIO_LOAD_THREADS", "").strip() or "4"
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"KVTRIO_LOAD_THREADS={raw!r}: expected an integer >= 1")
-    return value
+    return env_int("KVTRIO_LOAD_THREADS", 4, 1)
 
 
 _READ_THREADS = _read_threads_from_env()

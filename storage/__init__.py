@@ -7,6 +7,7 @@
 - :mod:`~kvtrio.storage.blockstore`: content-addressed blocks (``LocalBlockStore``).
 - :mod:`~kvtrio.storage.maintenance`: GC and verify.
 - :mod:`~kvtrio.storage.fingerprint`: a model config's fingerprint.
+- :mod:`~kvtrio.storage.tuning`: reading the numeric ``KVTRIO_*`` switches.
 
 docs/format.md describes the format for users.
 """

@@ -60,6 +60,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import attrs
 from kvtrio.errors import CorruptCacheError, StoreUnavailableError
 from kvtrio.storage.blockstore import BLOCK_NAME_RE, BlockInfo, check_block_name
+from kvtrio.storage.tuning import env_int
 
 if TYPE_CHECKING:
     import redis
@@ -101,16 +102,7 @@ def _hash_threads_from_env() -> int:
     """``KVTRIO_REDIS_HASH_THREADS`` (0: hash on the receiving thread), else one helper
     per four usable CPUs, at most four: none on a two-core machine, where Redis, the
     receiver and the hashing already share every core (docs/benchmarks.md)."""
-    raw = os.environ.get("KVTRIO_REDIS_HASH_THREADS", "").strip()
-    if not raw:
-        return min(4, _usable_cpus() // 4)
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"KVTRIO_REDIS_HASH_THREADS={raw!r}: expected an integer >= 0")
-    return value
+    return env_int("KVTRIO_REDIS_HASH_THREADS", min(4, _usable_cpus() // 4), 0)
 
 
 # Threads that re-hash verified reads' blocks; 0 re-hashes on the receiving thread.
@@ -527,8 +519,8 @@ class _PooledVerifier:
             self._group = []
             self._group_bytes = 0
 
-    def finish(self) -> None:
-        self._flush()
+    def _collect(self) -> CorruptCacheError | None:
+        """Wait for every group handed over; the first mismatch in block order, if any."""
         futures, self._futures = self._futures, []
         first: CorruptCacheError | None = None
         for future, count in futures:
@@ -537,17 +529,17 @@ class _PooledVerifier:
                 self.checked += count
             except CorruptCacheError as exc:
                 first = first or exc
+        return first
+
+    def finish(self) -> None:
+        self._flush()
+        first = self._collect()
         if first is not None:
             raise first
 
     def wait(self) -> None:
         self._group = []
-        futures, self._futures = self._futures, []
-        for future, _ in futures:
-            try:
-                future.result()
-            except CorruptCacheError:
-                pass  # the read is failing already
+        self._collect()  # a mismatch no longer matters: the read is failing already
 
 
 def _ignore(index: int) -> None:
