@@ -117,23 +117,38 @@ async def test_redis_restarted_mid_run(private_redis: Any) -> None:
         assert tier.statistics().spill.failed == 1
 
 
+TOKENS = list(range(1, 65))
+
+
+async def _entry(owner: MlxOwner) -> tuple[ModelKey, Any, Any]:
+    """The tiny model's key, its caches after :data:`TOKENS`, and their digest."""
+    tiny = await owner.run(host._build)
+    caches = await owner.run(host._fresh, tiny, TOKENS)
+    return (
+        ModelKey(tiny.model_id, tiny.fingerprint),
+        caches,
+        await owner.run(host.kv_digest, caches),
+    )
+
+
+def _tiered_options(owner: MlxOwner, **extra: Any) -> dict[str, Any]:
+    """What every TieredPromptCache here is opened with (budgets that never evict)."""
+    return {
+        "owner": owner, "hot_budget": 1 << 30, "cold_budget": 1 << 40,
+        "block_size": host.BLOCK_TOKENS, **extra,
+    }  # fmt: skip
+
+
 async def test_tiered_cache_on_redis_keeps_serving(private_redis: Any) -> None:
     """TieredPromptCache, unchanged, over the shared tier: host B's cold hit is host A's
     entry, bit-exact; with Redis down a cold lookup is a miss, never an error."""
     url = private_redis.url(0, prefix="kvtrio")
-    tokens = list(range(1, 65))
-    query = [*tokens, 999]
+    query = [*TOKENS, 999]
     async with MlxOwner.dedicated() as owner:
-        tiny = await owner.run(host._build)
-        model = ModelKey(tiny.model_id, tiny.fingerprint)
-        caches = await owner.run(host._fresh, tiny, tokens)
-        want = await owner.run(host.kv_digest, caches)
-        options: dict[str, Any] = {
-            "owner": owner, "hot_budget": 1 << 30, "cold_budget": 1 << 40,
-            "block_size": host.BLOCK_TOKENS,
-        }  # fmt: skip
+        model, caches, want = await _entry(owner)
+        options = _tiered_options(owner)
         async with open_tiered_cache(url, model, **options) as host_a:
-            await host_a.insert(tokens, caches)
+            await host_a.insert(TOKENS, caches)
             await host_a.flush()
         async with open_tiered_cache(url, model, **options) as host_b:
             fetched = await host_b.fetch_nearest(query)
@@ -153,17 +168,10 @@ async def test_catalogue_refresh_fallback_without_the_index(private_redis: Any) 
     re-reading the catalogue, at most once per ``shared_refresh`` seconds: host B (due at
     once) gets A's entry bit-exact, host C (not due for an hour) still misses."""
     url = private_redis.url(0, prefix="kvtrio")
-    tokens = list(range(1, 65))
-    query = [*tokens, 999]
+    query = [*TOKENS, 999]
     async with MlxOwner.dedicated() as owner:
-        tiny = await owner.run(host._build)
-        model = ModelKey(tiny.model_id, tiny.fingerprint)
-        caches = await owner.run(host._fresh, tiny, tokens)
-        want = await owner.run(host.kv_digest, caches)
-        options: dict[str, Any] = {
-            "owner": owner, "hot_budget": 1 << 30, "cold_budget": 1 << 40,
-            "block_size": host.BLOCK_TOKENS, "shared_index": False,
-        }  # fmt: skip
+        model, caches, want = await _entry(owner)
+        options = _tiered_options(owner, shared_index=False)
         async with (
             open_tiered_cache(url, model, shared_refresh=0.0, **options) as host_b,
             open_tiered_cache(url, model, shared_refresh=3600.0, **options) as host_c,
@@ -172,7 +180,7 @@ async def test_catalogue_refresh_fallback_without_the_index(private_redis: Any) 
             for early in (host_b, host_c):
                 missed = await early.fetch_nearest(query)
                 assert (missed.caches, missed.remaining) == (None, tuple(query))
-            await host_a.insert(tokens, caches)
+            await host_a.insert(TOKENS, caches)
             await host_a.flush()
             fetched = await host_b.fetch_nearest(query)
             assert (fetched.tier, fetched.remaining) == (Tier.COLD, (999,))
