@@ -173,12 +173,13 @@ def check_blocks(header: Header, store: BlockStore) -> None:
 
 def piece_sizes(header: Header) -> list[list[int]]:
     """Byte sizes of the buffers :func:`read_tensors` expects: per slot, per piece."""
+    return [_slot_piece_sizes(header, slot) for slot in header.slots()]
+
+
+def _slot_piece_sizes(header: Header, slot: TensorSlot) -> list[int]:
     if header.layout == "single":
-        return [[slot.nbytes] for slot in header.slots()]
-    return [
-        [piece_nbytes(slot, a, b) for a, b in piece_ranges(slot, header.block_tokens)]
-        for slot in header.slots()
-    ]
+        return [slot.nbytes]
+    return [piece_nbytes(slot, a, b) for a, b in piece_ranges(slot, header.block_tokens)]
 
 
 def allocate_buffers(header: Header) -> list[list[bytearray]]:
@@ -216,7 +217,6 @@ def read_tensors(
     header = cache_file.header
     all_slots = list(header.slots())
     all_names = list(slot_names(header))
-    all_sizes = piece_sizes(header)
     chosen = list(range(len(all_slots))) if indices is None else list(indices)
     if len(buffers) != len(chosen):
         raise ValueError(f"{len(chosen)} slots to read, got {len(buffers)} buffer lists")
@@ -224,7 +224,9 @@ def read_tensors(
     for index, got in zip(chosen, buffers, strict=True):
         if not 0 <= index < len(all_slots):
             raise IndexError(f"slot {index} out of range")
-        name, want = all_names[index], all_sizes[index]
+        # Only the chosen slots' piece sizes: callers read a slot or a step per call, and
+        # a long cache in the block layout has hundreds of pieces per slot.
+        name, want = all_names[index], _slot_piece_sizes(header, all_slots[index])
         if len(got) != len(want):
             raise ValueError(f"{name}: {len(got)} buffers, needs {len(want)}")
         slots.append(all_slots[index])
