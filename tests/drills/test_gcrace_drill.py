@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from kvtrio.drill_gcrace import Turnstile
+from kvtrio.drills.gcrace import Turnstile
 from kvtrio.tests.drills.helpers import run_drill_cli
 
 

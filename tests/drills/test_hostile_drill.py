@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from kvtrio.drill_hostile import load_hostile
-from kvtrio.drill_workload import CacheDir, EntrySpec, write_entry
+from kvtrio.drills.hostile import load_hostile
+from kvtrio.drills.workload import CacheDir, EntrySpec, write_entry
 from kvtrio.tests.drills.helpers import run_drill_cli
 
 CORPUS = Path(__file__).with_name("corpus")
@@ -54,7 +54,7 @@ def test_the_audit_hook_sees_an_open_outside_the_cache_dir_and_a_followed_link(
     without O_NOFOLLOW, is recorded (so a clean drill run means something)."""
     import os
 
-    from kvtrio.drill_hostile import _Audit
+    from kvtrio.drills.hostile import _Audit
 
     root = tmp_path / "cache"
     root.mkdir()

@@ -6,7 +6,7 @@ import os
 import random
 from pathlib import Path
 
-from kvtrio.drill_fileops import LossyFileOps
+from kvtrio.drills.fileops import LossyFileOps
 from kvtrio.storage.fileops import OS_FILE_OPS
 
 

@@ -1,10 +1,10 @@
 """Write the hostile-file corpus: one crafted file per validation rule, plus expected.json.
 
 Run from the repository root: ``.venv/bin/python tests/drills/corpus/make_corpus.py``.
-The files are built by :func:`kvtrio.drill_hostile.build_corpus` from a synthetic cache
+The files are built by :func:`kvtrio.drills.hostile_corpus.build_corpus` from a synthetic cache
 (deterministic: fixed tokens, bytes and ``created_at``), so rerunning it rewrites the
 same bytes unless the format changed. Manifests (``*.manifest``) need the blocks of the
-base entry, which the test writes again with :mod:`kvtrio.drill_workload`.
+base entry, which the test writes again with :mod:`kvtrio.drills.workload`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from kvtrio.drill_hostile import build_corpus
-from kvtrio.drill_workload import CacheDir
+from kvtrio.drills.hostile_corpus import build_corpus
+from kvtrio.drills.workload import CacheDir
 
 HERE = Path(__file__).resolve().parent
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from kvtrio.showcase import run_showcase
+from kvtrio.cli.showcase import run_showcase
 from rich.console import Console
 
 

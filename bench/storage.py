@@ -24,7 +24,6 @@ reported, with ratios, and every round's figures are in ``--json`` (``rounds_gbp
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import shutil
@@ -34,9 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtrio import cli
-
-__all__ = ["run_bench"]
+__all__ = ["add_arguments", "measure", "render"]
 
 _CHUNK = 8 * 1024 * 1024
 
@@ -141,7 +138,7 @@ def _memcpy(caches: list[Any], target: mmap.mmap) -> None:
             offset += size
 
 
-def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Measure everything; return the figures (GB/s medians and ratios)."""
     import kvtrio
     import mlx.core as mx
@@ -260,7 +257,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _print(figures: dict[str, Any]) -> None:
+def render(figures: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -311,7 +308,7 @@ def _print(figures: dict[str, Any]) -> None:
     )
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mib", type=int, default=1024, help="cache size in MiB (1024)")
     parser.add_argument("--layers", type=int, default=16, help="layers (16)")
     parser.add_argument("--heads", type=int, default=8, help="KV heads (8)")
@@ -330,18 +327,3 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds; median reported (3)")
     parser.add_argument("--dir", default=".", help="directory to measure in (default: cwd)")
 
-
-def _run(args: argparse.Namespace) -> int:
-    figures = run_bench(args)
-    if args.json:
-        print(json.dumps(figures, indent=2))
-    else:
-        _print(figures)
-    return 0
-
-
-cli.BENCHES["storage"] = (
-    "storage: sync save and cold load GB/s vs O_DIRECT and mlx-lm on the same bytes",
-    _add_arguments,
-    _run,
-)

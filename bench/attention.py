@@ -21,16 +21,16 @@ blocks are shuffled, as a pool shared by many sequences leaves them.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import attrs
 import mlx.core as mx
-from kvtrio.cli import BENCHES
 from kvtrio.metal.attention import (
     DEFAULT_TUNING,
     KernelTuning,
@@ -39,7 +39,7 @@ from kvtrio.metal.attention import (
 )
 from kvtrio.metal.pool import BlockPool
 
-__all__ = ["measure", "run"]
+__all__ = ["add_arguments", "measure", "measure_length", "render"]
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -104,7 +104,7 @@ def _paged_view(
     return PagedAttentionView.capture(pool, table, length)
 
 
-def measure(
+def measure_length(
     length: int,
     *,
     q_heads: int,
@@ -187,7 +187,7 @@ def measure(
     return row
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="4096,32768,131072", help="context lengths")
     parser.add_argument("--q-heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -217,12 +217,11 @@ def _parse_tuning(text: str) -> KernelTuning:
     return KernelTuning.parse(text) if text else DEFAULT_TUNING
 
 
-def _sweep(args: argparse.Namespace) -> int:
+def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     """Direct-kernel time per launch shape, summed over the lengths; the fastest is printed."""
     backend = direct_backend()
     if backend is None:
-        print("no GPU backend: nothing to sweep")
-        return 1
+        return {"sweep": [], "best": None, "error": "no GPU backend: nothing to sweep"}
     dtype = _DTYPES[args.dtype]
     lengths = [int(x) for x in args.lengths.split(",")]
     # The scalar kernel's default shape, then the tensor-core kernel's warps and grid sizes.
@@ -232,6 +231,7 @@ def _sweep(args: argparse.Namespace) -> int:
         for blocks in (132, 264, 528, 1056, 2112)
     ]
     totals: dict[KernelTuning, float] = {}
+    timings: list[dict[str, Any]] = []
     for length in lengths:
         mx.random.seed(length)
         keys = mx.random.normal((1, args.kv_heads, length, args.head_dim)).astype(dtype)
@@ -254,19 +254,21 @@ def _sweep(args: argparse.Namespace) -> int:
                 chain=not args.independent,
             )
             totals[tuning] = totals.get(tuning, 0.0) + us
+            timings.append(
+                {"tokens": length, "tuning": tuning.text(), "us": us, "sdpa_us": sdpa}
+            )
             print(f"{length:>7} --tuning {tuning.text():<24} "
-                  f"{us:8.1f} us  {us / sdpa:5.2f}x sdpa ({sdpa:.1f} us)")
+                  f"{us:8.1f} us  {us / sdpa:5.2f}x sdpa ({sdpa:.1f} us)", file=sys.stderr)
     best = min(totals, key=lambda k: totals[k])
-    print("best --tuning " + best.text())
-    return 0
+    return {"sweep": timings, "best": best.text()}
 
 
-def run(args: argparse.Namespace) -> int:
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.sweep:
         return _sweep(args)
     tuning = _parse_tuning(args.tuning)
     rows = [
-        measure(
+        measure_length(
             int(length),
             q_heads=args.q_heads,
             kv_heads=args.kv_heads,
@@ -281,18 +283,30 @@ def run(args: argparse.Namespace) -> int:
         )
         for length in args.lengths.split(",")
     ]
-    device = str(mx.default_device())
-    if args.json:
-        print(json.dumps(
-            {"device": device, "chained": not args.independent, "rows": rows}, indent=2
-        ))
-        return 0
+    return {
+        "device": str(mx.default_device()),
+        "chained": not args.independent,
+        "rows": rows,
+        "shape": {
+            "q_heads": args.q_heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+            "dtype": args.dtype, "block_size": args.block_size,
+        },
+    }
+
+
+def render(figures: dict[str, Any]) -> None:
+    if "sweep" in figures:
+        print(figures.get("error") or "best --tuning " + str(figures["best"]))
+        return
+    rows: list[dict[str, Any]] = figures["rows"]
+    shape = figures["shape"]
+    device = figures["device"]
     from rich.console import Console
     from rich.table import Table
 
     table = Table(
-        title=f"decode attention, {args.q_heads} q heads / {args.kv_heads} kv heads, "
-        f"head dim {args.head_dim}, {args.dtype}, block {args.block_size}, {device}"
+        title=f"decode attention, {shape['q_heads']} q heads / {shape['kv_heads']} kv heads, "
+        f"head dim {shape['head_dim']}, {shape['dtype']}, block {shape['block_size']}, {device}"
     )
     columns = ["tokens", "sdpa us", "sdpa GB/s", "gather+sdpa us", "gather/sdpa",
                "direct us", "direct GB/s", "direct/sdpa", "scalar/sdpa"]
@@ -318,11 +332,3 @@ def run(args: argparse.Namespace) -> int:
             cells += [fmt(r.get(key), ".1f"), fmt(r.get(key.replace("_us", "_vs_sdpa")), ".2f")]
         table.add_row(*cells)
     Console().print(table)
-    return 0
-
-
-BENCHES["attention"] = (
-    "decode attention over a paged cache: direct kernel and gather+sdpa vs contiguous sdpa",
-    _add_arguments,
-    run,
-)

@@ -13,18 +13,17 @@ so drift in machine load hits all of them alike.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import attrs
 import trio
-from kvtrio.cli import BENCHES
 from kvtrio.runtime.actor import Actor, Reply
 from kvtrio.runtime.system import ActorSystem
 
-__all__ = ["run_bench"]
+__all__ = ["add_arguments", "measure", "render", "run_bench"]
 
 TARGET_ASK = 0.5
 TARGET_TELL = 0.7
@@ -166,7 +165,7 @@ def run_bench(
     return result
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--messages", type=int, default=50_000, help="messages per round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds; the median is shown")
     parser.add_argument("--capacity", type=int, default=64, help="mailbox/channel capacity")
@@ -178,18 +177,19 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _run(args: argparse.Namespace) -> int:
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     result = run_bench(args.messages, args.rounds, args.capacity, clock=args.clock)
-    if args.json:
-        meta = {"messages": args.messages, "rounds": args.rounds, "clock": args.clock}
-        print(json.dumps({**result, **meta}))
-        return 0
+    return {**result, "messages": args.messages, "rounds": args.rounds, "clock": args.clock}
+
+
+def render(figures: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    result = figures
     table = Table(
-        title=f"kvtrio runtime overhead ({args.messages:,} messages, median of "
-        f"{args.rounds}, {args.clock} clock)"
+        title=f"kvtrio runtime overhead ({figures['messages']:,} messages, median of "
+        f"{figures['rounds']}, {figures['clock']} clock)"
     )
     table.add_column("operation")
     table.add_column("kvtrio", justify="right")
@@ -209,11 +209,3 @@ def _run(args: argparse.Namespace) -> int:
             f">= {target}x {met}",
         )
     Console().print(table)
-    return 0
-
-
-BENCHES["runtime"] = (
-    "actor ask/tell throughput vs raw trio memory channels, as ratios",
-    _add_arguments,
-    _run,
-)

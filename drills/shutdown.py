@@ -30,12 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtrio.drill_report import DrillResult, Tally
+from kvtrio.drills.report import DrillResult, Tally
 from kvtrio.storage.fileops import TMP_SUFFIX
 
 __all__ = ["run_shutdown_drill"]
 
-CHILD = Path(__file__).resolve().parent / "tests" / "actors" / "shutdown_child.py"
+CHILD = Path(__file__).resolve().parents[1] / "tests" / "actors" / "shutdown_child.py"
 _GRACE = 20.0  # the child's ColdTier shutdown_grace
 
 

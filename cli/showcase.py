@@ -17,7 +17,6 @@ import hashlib
 
 import attrs
 import trio
-from kvtrio.cli import COMMANDS
 from kvtrio.errors import ActorCrashed, ShuttingDown
 from kvtrio.runtime.actor import Actor, ActorRef, Reply
 from kvtrio.runtime.offload import CancelToken, ThreadOffload
@@ -26,7 +25,7 @@ from kvtrio.runtime.system import ActorSystem
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["run_showcase"]
+__all__ = ["add_arguments", "run", "run_showcase"]
 
 
 @attrs.frozen
@@ -216,18 +215,11 @@ async def run_showcase(console: Console, *, records: int = 40, grace: float = 5.
     return 0 if ok else 1
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--records", type=int, default=40, help="records the producer sends")
     parser.add_argument("--grace", type=float, default=5.0, help="shutdown deadline, seconds")
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     console = Console()
     return trio.run(lambda: run_showcase(console, records=args.records, grace=args.grace))
-
-
-COMMANDS["showcase"] = (
-    "the actor runtime, live: backpressure, supervision, shutdown",
-    _add_arguments,
-    _run,
-)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvtrio.demo import DemoOptions, default_data_dir, run_demo
+from kvtrio.cli.demo import DemoOptions, default_data_dir, run_demo
 
 
 def _small(data_dir: Path) -> DemoOptions:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import mmap
 import os
 import statistics
@@ -44,12 +43,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
-from kvtrio import cli
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.sched import set_thread_slice, thread_slice
 from kvtrio.actors.tier import ColdTier
 
-__all__ = ["run_bench"]
+__all__ = ["add_arguments", "measure", "render"]
 
 T = TypeVar("T")
 HEADS, HEAD_DIM = 8, 128
@@ -348,7 +346,7 @@ async def _measure(
     return figures
 
 
-def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Measure and return the figures (see the module docstring)."""
     if args.dir:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
@@ -362,7 +360,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         sys.setswitchinterval(before)
 
 
-def _print(figures: dict[str, Any]) -> None:
+def render(figures: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -420,7 +418,7 @@ def _print(figures: dict[str, Any]) -> None:
     )
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-mib", type=int, default=1024, help="cache size, MiB (1024)")
     parser.add_argument("--tensors", type=int, default=64, help="number of tensors (64)")
     parser.add_argument("--dir", help="directory on the disk to measure (default: the tmp dir)")
@@ -448,18 +446,3 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="opt-in server setting: gc.freeze() once the cache is made",
     )
 
-
-def _run(args: argparse.Namespace) -> int:
-    figures = run_bench(args)
-    if args.json:
-        print(json.dumps(figures, indent=2))
-    else:
-        _print(figures)
-    return 0
-
-
-cli.BENCHES["tier"] = (
-    "cold tier: save/load GB/s vs O_DIRECT and mlx-lm; event-loop lag during both",
-    _add_arguments,
-    _run,
-)

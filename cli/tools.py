@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
-from kvtrio import cli
 from kvtrio.errors import CorruptCacheError
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.fileops import OS_FILE_OPS, OsFileOps
@@ -30,7 +29,17 @@ from kvtrio.storage.format import CacheEntry, Header, TensorSlot
 from kvtrio.storage.maintenance import collect_garbage, verify_tree
 from kvtrio.storage.reader import read_header
 
-__all__ = ["TreeLayout", "find_tree", "header_json"]
+__all__ = [
+    "TreeLayout",
+    "add_gc_arguments",
+    "add_inspect_arguments",
+    "add_tree_arguments",
+    "find_tree",
+    "header_json",
+    "run_gc",
+    "run_inspect",
+    "run_verify",
+]
 
 T = TypeVar("T")
 
@@ -247,13 +256,13 @@ def _print_header(path: str, header: Header, file_size: int, tokens: bool) -> No
         console.print(attached)
 
 
-def _inspect_args(parser: argparse.ArgumentParser) -> None:
+def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=Path, help="a cache file or manifest (.kvc)")
     parser.add_argument("--json", action="store_true", help="print the header as JSON")
     parser.add_argument("--tokens", action="store_true", help="also print the token ids")
 
 
-def _inspect(args: argparse.Namespace) -> int:
+def run_inspect(args: argparse.Namespace) -> int:
     try:
         cache_file = read_header(str(args.file))
     except (CorruptCacheError, OSError) as exc:
@@ -273,7 +282,7 @@ def _inspect(args: argparse.Namespace) -> int:
 # -- verify ------------------------------------------------------------------------------
 
 
-def _tree_args(parser: argparse.ArgumentParser) -> None:
+def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "directory",
         type=Path,
@@ -282,7 +291,7 @@ def _tree_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def _verify(args: argparse.Namespace) -> int:
+def run_verify(args: argparse.Namespace) -> int:
     if not args.directory.is_dir():
         print(f"kvtrio verify: {args.directory}: not a directory", file=sys.stderr)
         return 2
@@ -358,8 +367,8 @@ class _DryRunFileOps(OsFileOps):
         return None
 
 
-def _gc_args(parser: argparse.ArgumentParser) -> None:
-    _tree_args(parser)
+def add_gc_arguments(parser: argparse.ArgumentParser) -> None:
+    add_tree_arguments(parser)
     parser.add_argument(
         "--grace",
         type=float,
@@ -372,7 +381,7 @@ def _gc_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _gc(args: argparse.Namespace) -> int:
+def run_gc(args: argparse.Namespace) -> int:
     if not args.directory.is_dir():
         print(f"kvtrio gc: {args.directory}: not a directory", file=sys.stderr)
         return 2
@@ -416,20 +425,3 @@ def _gc(args: argparse.Namespace) -> int:
         for path in ops.would_delete:
             console.print(f"would delete {path}", soft_wrap=True)
     return 0
-
-
-cli.COMMANDS["inspect"] = (
-    "show a cache file's header, layers, tensors and attachments",
-    _inspect_args,
-    _inspect,
-)
-cli.COMMANDS["verify"] = (
-    "recheck every cache file and block in a directory; exit 1 on corruption",
-    _tree_args,
-    _verify,
-)
-cli.COMMANDS["gc"] = (
-    "delete unreferenced blocks and crash debris older than a grace period",
-    _gc_args,
-    _gc,
-)

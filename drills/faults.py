@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from kvtrio.drill_crash import collect_garbage, delete_entry
-from kvtrio.drill_fileops import drill_dir, drill_file_ops
-from kvtrio.drill_report import DrillResult, Tally
-from kvtrio.drill_workload import (
+from kvtrio.drills.crash import collect_garbage, delete_entry
+from kvtrio.drills.fileops import drill_dir, drill_file_ops
+from kvtrio.drills.report import DrillResult, Tally
+from kvtrio.drills.workload import (
     CacheDir,
     EntrySpec,
     expected_pieces,

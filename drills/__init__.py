@@ -23,10 +23,9 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from kvtrio import cli
-from kvtrio.drill_report import DrillResult, Tally, print_results
+from kvtrio.drills.report import DrillResult, Tally, print_results
 
-__all__ = ["DRILLS", "run_drill"]
+__all__ = ["DRILLS", "add_arguments", "run", "run_drill"]
 
 
 class DrillFn(Protocol):
@@ -36,12 +35,12 @@ class DrillFn(Protocol):
 # name -> module defining ``run_<name>_drill(full=, seed=, workdir=)``; imported lazily so
 # one drill's heavy imports (MLX, trio) stay out of the others.
 DRILLS: dict[str, str] = {
-    "crash": "kvtrio.drill_crash",
-    "faults": "kvtrio.drill_faults",
-    "hostile": "kvtrio.drill_hostile",
-    "gcrace": "kvtrio.drill_gcrace",
-    "soak": "kvtrio.drill_soak",
-    "shutdown": "kvtrio.drill_shutdown",
+    "crash": "kvtrio.drills.crash",
+    "faults": "kvtrio.drills.faults",
+    "hostile": "kvtrio.drills.hostile",
+    "gcrace": "kvtrio.drills.gcrace",
+    "soak": "kvtrio.drills.soak",
+    "shutdown": "kvtrio.drills.shutdown",
 }
 
 
@@ -64,7 +63,7 @@ def run_drill(name: str, *, full: bool, seed: int, workdir: Path) -> DrillResult
         return tally.result(time.perf_counter() - started)
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("which", choices=[*DRILLS, "all"], help="the drill to run")
     parser.add_argument("--full", action="store_true", help="the big sizes (minutes)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every random choice")
@@ -72,7 +71,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     names = list(DRILLS) if args.which == "all" else [args.which]
     results: list[DrillResult] = []
     with tempfile.TemporaryDirectory(prefix="kvtrio-drill-", dir=args.dir) as tmp:
@@ -84,10 +83,3 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print_results(results, as_json=True)
     return 0 if all(r.ok for r in results) else 1
-
-
-cli.COMMANDS["drill"] = (
-    "reliability drills: crash, faults, hostile, gcrace, soak, shutdown, all (--full: big)",
-    _add_arguments,
-    _run,
-)

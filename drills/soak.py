@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import attrs
-from kvtrio.drill_report import DrillResult, Tally
+from kvtrio.drills.report import DrillResult, Tally
 from kvtrio.storage.format import CacheEntry, Header, TensorSlot
 from kvtrio.storage.writer import write_single
 

@@ -30,10 +30,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import json
 import os
 import random
-import shutil
 import socket
 import statistics
 import subprocess
@@ -42,18 +40,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from kvtrio import cli
+from kvtrio.bench.redis_server import server_binary
 
-__all__ = ["run_bench"]
+__all__ = ["add_arguments", "measure", "render"]
 
 Blocks = list[tuple[str, memoryview]]
 
 
 @contextlib.contextmanager
 def _private_redis() -> Iterator[str]:
-    binary = shutil.which("redis-server")
+    binary = server_binary()
     if binary is None:
-        raise SystemExit("no redis-server on PATH: install it or pass --url redis://...")
+        raise SystemExit("no redis-server binary: install one (or kvtrio[test]), or pass --url")
     with tempfile.TemporaryDirectory(prefix="kvtrio-bench-redis-") as directory:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
@@ -300,7 +298,7 @@ def _lookup(url: str, manifests: int, manifest_kib: int, rounds: int) -> dict[st
     }
 
 
-def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Measure and return the figures (see the module docstring)."""
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(_private_redis())
@@ -326,7 +324,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _print(figures: dict[str, Any]) -> None:
+def render(figures: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -373,7 +371,7 @@ def _print(figures: dict[str, Any]) -> None:
     )
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="Redis URL (default: start a private redis-server)")
     parser.add_argument("--block-kib", default="64,512", help="block sizes, KiB (default 64,512)")
     parser.add_argument("--mib", type=int, default=128, help="MiB per round and size (128)")
@@ -387,18 +385,3 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--manifests", type=int, default=1000, help="lookup: manifests (1000)")
     parser.add_argument("--manifest-kib", type=int, default=64, help="lookup: KiB each (64)")
 
-
-def _run(args: argparse.Namespace) -> int:
-    figures = run_bench(args)
-    if args.json:
-        print(json.dumps(figures, indent=2))
-    else:
-        _print(figures)
-    return 0
-
-
-cli.BENCHES["redis"] = (
-    "shared tier on Redis: block put/get GB/s vs raw SET/GET; dedup across hosts",
-    _add_arguments,
-    _run,
-)

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 The drill process forks one child per crash point (fork is ~1 ms and the child needs no
 MLX: it writes synthetic caches through the storage writer cores, see
-:mod:`kvtrio.drill_workload`). The child loops: save an entry, delete an old one, run GC.
+:mod:`kvtrio.drills.workload`). The child loops: save an entry, delete an old one, run GC.
 Before each step it tells the parent on a pipe what it is about to do ("s spec",
 "d name") and, after the step returned (the durable acknowledgement), that it is done
 ("S spec", "D name"). The child dies by SIGKILL in one of three ways:
@@ -13,7 +13,7 @@ Before each step it tells the parent on a pipe what it is about to do ("s spec",
   operation (N random), so every open, write, fsync, rename, fsync_dir, unlink and
   listdir site of every path gets hit; the child names the site on the pipe first;
 - ``timed``: the parent kills it after a random delay (anywhere, mid-syscall included);
-- ``lossy``: like ``op``, but first :class:`~kvtrio.drill_fileops.LossyFileOps` undoes,
+- ``lossy``: like ``op``, but first :class:`~kvtrio.drills.fileops.LossyFileOps` undoes,
   on disk, everything not yet fsynced (simulated power loss).
 
 After each crash the parent reopens the directory and checks:
@@ -44,9 +44,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import attrs
-from kvtrio.drill_fileops import LossyFileOps, drill_dir, drill_file_ops
-from kvtrio.drill_report import DrillResult, Tally
-from kvtrio.drill_workload import (
+from kvtrio.drills.fileops import LossyFileOps, drill_dir, drill_file_ops
+from kvtrio.drills.report import DrillResult, Tally
+from kvtrio.drills.workload import (
     CacheDir,
     EntrySpec,
     expected_pieces,

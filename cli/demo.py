@@ -33,7 +33,6 @@ from typing import Any
 
 import attrs
 import trio
-from kvtrio import cli
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import ModelKey
 from kvtrio.actors.tiered import (
@@ -43,13 +42,23 @@ from kvtrio.actors.tiered import (
     WritePolicy,
     open_tiered_cache,
 )
+from kvtrio.cli.demo_state import (
+    Conversation,
+    arrays_equal,
+    load_probe,
+    load_state,
+    next_prompt,
+    plan_conversations,
+    random_tokens,
+    save_probe,
+    save_state,
+)
 from kvtrio.tinymodel import TinyModel, build_tiny_model, make_caches, prefill
 
-__all__ = ["DemoOptions", "DemoReport", "default_data_dir", "run_demo"]
+__all__ = ["DemoOptions", "DemoReport", "add_arguments", "default_data_dir", "run", "run_demo"]
 
 TOLERANCE = 1e-3  # max |logits(hit) - logits(full recompute)|, float32 logits of size ~4
 PROBE_TOKEN = 1
-STATE_VERSION = 1
 BLOCK_TOKENS = 256
 
 
@@ -84,18 +93,6 @@ class DemoOptions:
     policy: WritePolicy = WritePolicy.WRITE_BACK
     seed: int = 0
     quiet: bool = False
-
-
-@attrs.define
-class _Conversation:
-    cid: str
-    kind: str  # "chat" or "doc"
-    tokens: list[int]
-    turns: int = 0
-
-    def limit(self, options: DemoOptions) -> int:
-        extra = 6 * (options.question_tokens + options.reply_tokens)  # three more runs
-        return options.doc_tokens + extra if self.kind == "doc" else options.max_chat_tokens
 
 
 @attrs.define
@@ -257,9 +254,9 @@ class _Server:
         reference = await self.owner.run(copy.deepcopy, caches)
         self.live[key] = reference
         probe = await self.owner.run(_probe, self.tiny, reference)
-        await trio.to_thread.run_sync(_save_probe, self.probes_dir / f"{key}.npy", probe)
+        await trio.to_thread.run_sync(save_probe, self.probes_dir / f"{key}.npy", probe)
 
-    async def handle(self, conv: _Conversation, prompt: list[int]) -> list[int]:
+    async def handle(self, conv: Conversation, prompt: list[int]) -> list[int]:
         """Serve one request: find the cache, prefill the rest, decode, save, check."""
         assert self.cache is not None
         opts = self.options
@@ -318,37 +315,13 @@ class _Server:
             reference = await self.owner.run(
                 _reference_logits, self.tiny, self.live[key], trim, prompt, fetched.reused, cut
             )
-            exact = await self.owner.run(_arrays_equal, reference, logits)
+            exact = await self.owner.run(arrays_equal, reference, logits)
         elif before is not None and trim == 0:
-            stored = await trio.to_thread.run_sync(_load_probe, self.probes_dir / f"{key}.npy")
+            stored = await trio.to_thread.run_sync(load_probe, self.probes_dir / f"{key}.npy")
             if stored is not None:
                 exact = await self.owner.run(_probe_equal, self.tiny, before, stored)
         diff, recompute_s = await self.owner.run(_recompute, self.tiny, prompt, logits)
         return _Check(exact, diff, recompute_s)
-
-
-def _arrays_equal(a: Any, b: Any) -> bool:
-    import mlx.core as mx
-
-    return bool(mx.array_equal(a, b))
-
-
-def _save_probe(path: Path, probe: Any) -> None:
-    import numpy as np
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npy")
-    np.save(tmp, probe)
-    os.replace(tmp, path)
-
-
-def _load_probe(path: Path) -> Any:
-    import numpy as np
-
-    try:
-        return np.load(path)
-    except (OSError, ValueError):
-        return None
 
 
 def _describe(r: _Served) -> str:
@@ -374,68 +347,6 @@ def _describe(r: _Served) -> str:
 # -- conversations -----------------------------------------------------------------------
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(2, 512) for _ in range(n)]
-
-
-def _load_state(path: Path, fingerprint: str) -> tuple[int, list[_Conversation]]:
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return 0, []
-    if raw.get("version") != STATE_VERSION or raw.get("fingerprint") != fingerprint:
-        return 0, []
-    convs = [
-        _Conversation(c["cid"], c["kind"], [int(t) for t in c["tokens"]], int(c["turns"]))
-        for c in raw.get("conversations", [])
-    ]
-    return int(raw.get("run", 0)), convs
-
-
-def _save_state(path: Path, fingerprint: str, run: int, convs: list[_Conversation]) -> None:
-    body = {
-        "version": STATE_VERSION,
-        "fingerprint": fingerprint,
-        "run": run,
-        "conversations": [attrs.asdict(c) for c in convs],
-    }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(body))
-    os.replace(tmp, path)
-
-
-def _next_prompt(conv: _Conversation, system: list[int], opts: DemoOptions, seed: int) -> list[int]:
-    rng = random.Random(f"{opts.seed}/{conv.cid}/{conv.turns}/{seed}")
-    if not conv.tokens:
-        if conv.kind == "doc":
-            body = opts.doc_tokens - len(system) - opts.question_tokens
-            return system + _tokens(rng, body) + _tokens(rng, opts.question_tokens)
-        return system + _tokens(rng, opts.user_tokens)
-    n = opts.question_tokens if conv.kind == "doc" else opts.user_tokens
-    return conv.tokens + _tokens(rng, n)
-
-
-def _plan_conversations(
-    previous: list[_Conversation], opts: DemoOptions, run: int
-) -> list[_Conversation]:
-    """Returning conversations that still fit, topped up with new ones."""
-    rounds = 2  # one turn before the restart, one after
-    keep = [
-        c
-        for c in previous
-        if len(c.tokens) + rounds * (opts.user_tokens + opts.reply_tokens + opts.question_tokens)
-        <= c.limit(opts)
-    ]
-    convs = keep
-    if not any(c.kind == "doc" for c in convs):
-        convs.append(_Conversation(f"doc{run}", "doc", []))
-    n = 0
-    while sum(1 for c in convs if c.kind == "chat") < opts.chats:
-        convs.append(_Conversation(f"c{run}.{n}", "chat", []))
-        n += 1
-    return convs
-
-
 # -- the event loop's lateness -----------------------------------------------------------
 
 
@@ -459,12 +370,12 @@ class _LagMonitor:
 # -- running it --------------------------------------------------------------------------
 
 
-async def _serve_phase(server: _Server, convs: list[_Conversation], system: list[int]) -> None:
+async def _serve_phase(server: _Server, convs: list[Conversation], system: list[int]) -> None:
     """Every conversation sends one turn; the server answers one request at a time."""
-    send, receive = trio.open_memory_channel[tuple[_Conversation, list[int], trio.Event]](4)
+    send, receive = trio.open_memory_channel[tuple[Conversation, list[int], trio.Event]](4)
 
-    async def client(conv: _Conversation) -> None:
-        prompt = _next_prompt(conv, system, server.options, 0)
+    async def client(conv: Conversation) -> None:
+        prompt = next_prompt(conv, system, server.options, 0)
         done = trio.Event()
         await send.send((conv, prompt, done))
         await done.wait()
@@ -494,10 +405,10 @@ async def run_demo(opts: DemoOptions) -> DemoReport:
         tiny = await owner.run(build_tiny_model)
         model = ModelKey(tiny.model_id, tiny.fingerprint)
         state_path = root / "conversations.json"
-        previous_run, previous = _load_state(state_path, tiny.fingerprint)
+        previous_run, previous = load_state(state_path, tiny.fingerprint)
         run = previous_run + 1
-        system = _tokens(random.Random(f"{opts.seed}/system"), opts.system_tokens)
-        convs = _plan_conversations(previous, opts, run)
+        system = random_tokens(random.Random(f"{opts.seed}/system"), opts.system_tokens)
+        convs = plan_conversations(previous, opts, run)
         server = _Server(opts, owner, tiny, root / "probes", system)
         nursery.start_soon(lag.run)
         totals: dict[str, int] = {}
@@ -535,7 +446,7 @@ async def run_demo(opts: DemoOptions) -> DemoReport:
                 totals[name] = totals.get(name, 0) + getattr(stats, name)
             totals["cold_bytes"] = stats.cold_bytes
         nursery.cancel_scope.cancel()
-    _save_state(state_path, tiny.fingerprint, run, convs)
+    save_state(state_path, tiny.fingerprint, run, convs)
     await trio.to_thread.run_sync(_prune_probes, root / "probes", root / "cold" / "caches")
     return _report(opts, run, server, lag, totals, time.perf_counter() - began)
 
@@ -676,7 +587,7 @@ def _print_report(report: DemoReport) -> None:
         console.print("Run it again: the next run continues these conversations from disk.")
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-dir",
         type=Path,
@@ -699,7 +610,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     defaults = DemoOptions(data_dir=Path())
     shortest = defaults.system_tokens + defaults.question_tokens + 1
     problem = (
@@ -732,10 +643,3 @@ def _run(args: argparse.Namespace) -> int:
     else:
         _print_report(report)
     return 0 if report.ok else 1
-
-
-cli.COMMANDS["demo"] = (
-    "serve chat conversations with a tiered prompt cache (RAM, then disk) and check every hit",
-    _add_arguments,
-    _run,
-)

@@ -35,10 +35,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import attrs
-from kvtrio.drill_crash import delete_entry
-from kvtrio.drill_fileops import NoSyncFileOps, drill_dir
-from kvtrio.drill_report import DrillResult, Tally
-from kvtrio.drill_workload import CacheDir, EntrySpec, write_entry
+from kvtrio.drills.crash import delete_entry
+from kvtrio.drills.fileops import NoSyncFileOps, drill_dir
+from kvtrio.drills.report import DrillResult, Tally
+from kvtrio.drills.workload import CacheDir, EntrySpec, write_entry
 from kvtrio.storage.fileops import OS_FILE_OPS, FaultyFileOps, FileOps
 from kvtrio.storage.reader import read_header
 

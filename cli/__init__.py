@@ -1,0 +1,171 @@
+"""The ``kvtrio`` command line.
+
+Every command is declared in :data:`COMMANDS` and every benchmark in :data:`BENCHES`: a
+name, a one-line help, and the module that implements it. A command's module is imported
+only when that command runs (or its ``--help`` is asked for), so ``kvtrio --help`` and
+``kvtrio gc`` never import MLX. A command module provides ``add_arguments(parser)`` and
+``run(args) -> int`` (the exit status); a table entry may name other attributes when one
+module serves several commands. Benchmarks run through :mod:`kvtrio.bench`'s one runner.
+
+Errors a user can act on (a missing directory, a bad flag value) are printed as one line
+``kvtrio COMMAND: message`` with exit status 2 (see :class:`UsageError`), never as a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import attrs
+
+__all__ = ["BENCHES", "COMMANDS", "Command", "UsageError", "main"]
+
+AddArgs = Callable[[argparse.ArgumentParser], None]
+Run = Callable[[argparse.Namespace], int]
+
+
+class UsageError(Exception):
+    """The user's input to a command is unusable (shown as one line, exit status 2)."""
+
+
+@attrs.frozen
+class Command:
+    """One subcommand: its help line and where its code lives (imported on use)."""
+
+    help: str
+    module: str
+    add_arguments: str = "add_arguments"
+    run: str = "run"
+
+    def load(self) -> tuple[AddArgs, Run]:
+        module = importlib.import_module(self.module)
+        return (
+            cast(AddArgs, getattr(module, self.add_arguments)),
+            cast(Run, getattr(module, self.run)),
+        )
+
+
+COMMANDS: dict[str, Command] = {
+    "demo": Command(
+        "serve chat conversations with a tiered prompt cache (RAM, then disk) and check "
+        "every hit",
+        "kvtrio.cli.demo",
+    ),
+    "showcase": Command(
+        "the actor runtime, live: backpressure, supervision, shutdown", "kvtrio.cli.showcase"
+    ),
+    "inspect": Command(
+        "show a cache file's header, layers, tensors and attachments",
+        "kvtrio.cli.tools",
+        "add_inspect_arguments",
+        "run_inspect",
+    ),
+    "verify": Command(
+        "recheck every cache file and block in a directory; exit 1 on corruption",
+        "kvtrio.cli.tools",
+        "add_tree_arguments",
+        "run_verify",
+    ),
+    "gc": Command(
+        "delete unreferenced blocks and crash debris older than a grace period",
+        "kvtrio.cli.tools",
+        "add_gc_arguments",
+        "run_gc",
+    ),
+    "drill": Command(
+        "reliability drills: crash, faults, hostile, gcrace, soak, shutdown, all (--full: big)",
+        "kvtrio.drills",
+    ),
+}
+
+# `kvtrio bench NAME`: each module provides add_arguments, measure and render
+# (see kvtrio.bench); the runner adds --json to every one.
+BENCHES: dict[str, Command] = {
+    "runtime": Command(
+        "actor ask/tell throughput vs raw trio memory channels, as ratios",
+        "kvtrio.bench.runtime",
+    ),
+    "storage": Command(
+        "storage: sync save and cold load GB/s vs O_DIRECT and mlx-lm on the same bytes",
+        "kvtrio.bench.storage",
+    ),
+    "tier": Command(
+        "cold tier end to end: save/load GB/s and the event loop's heartbeat lateness",
+        "kvtrio.bench.tier",
+    ),
+    "redis": Command(
+        "shared tier on Redis: block put/get GB/s vs raw SET/GET; dedup across hosts",
+        "kvtrio.bench.redis",
+    ),
+    "attention": Command(
+        "decode attention over a paged cache: direct kernel and gather+sdpa vs contiguous "
+        "sdpa",
+        "kvtrio.bench.attention",
+    ),
+}
+
+
+def _version() -> str:
+    from kvtrio import __version__
+
+    return __version__
+
+
+def _chosen(argv: Sequence[str], names: Sequence[str]) -> str | None:
+    """The first word of ``argv`` that names one of ``names`` (the subcommand asked for)."""
+    for word in argv:
+        if word in names:
+            return word
+        if not word.startswith("-"):
+            return None
+    return None
+
+
+def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtrio",
+        description="kvtrio: a durable, non-blocking cold tier for MLX KV caches.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvtrio {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = _chosen(argv, [*COMMANDS, "bench"])
+    for name, command in sorted(COMMANDS.items()):
+        p = sub.add_parser(name, help=command.help, description=command.help)
+        if name == chosen:
+            add_args, run = command.load()
+            add_args(p)
+            p.set_defaults(_run=run)
+    bench = sub.add_parser("bench", help="benchmark programs that print figures and ratios")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    if chosen == "bench":
+        rest = list(argv[argv.index("bench") + 1 :])
+        chosen_bench = _chosen(rest, list(BENCHES))
+        for name, command in sorted(BENCHES.items()):
+            p = bench_sub.add_parser(name, help=command.help, description=command.help)
+            if name == chosen_bench:
+                from kvtrio.bench import add_runner_arguments, runner_for
+
+                module = importlib.import_module(command.module)
+                add_runner_arguments(p)
+                module.add_arguments(p)
+                p.set_defaults(_run=runner_for(module))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = _build_parser(words).parse_args(words)
+    run: Run = args._run
+    try:
+        return run(args)
+    except UsageError as exc:
+        print(f"kvtrio {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
