@@ -1,9 +1,26 @@
-"""kvtrio: a durable, non-blocking cold tier for MLX KV caches, on an actor runtime on trio."""
+"""kvtrio: a durable, non-blocking cold tier for MLX KV caches, on an actor runtime on trio.
+
+The public API is here, in one namespace (names load on first use, so ``import kvtrio``
+imports neither MLX nor trio):
+
+- serving: :class:`TieredPromptCache` and :func:`open_tiered_cache` (RAM, then disk, then
+  an optional shared store), :class:`WritePolicy`, :class:`Tier`, :class:`ModelKey`,
+  :class:`ColdTier` (the cold tier alone), :class:`MlxOwner` (the one thread that touches
+  MLX);
+- scripts: :func:`save_cache`, :func:`load_cache`, :class:`Expect`, :func:`import_mlx_lm`,
+  :func:`export_mlx_lm`, :func:`config_fingerprint`;
+- the errors, all subclasses of :class:`KvtrioError`.
+
+The runtime (actors, supervision, shutdown) is :mod:`kvtrio.runtime`; the storage layer
+:mod:`kvtrio.storage`; paged caches and attention :mod:`kvtrio.metal`. docs/api.md lists
+every name.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
+from kvtrio._lazy import lazy_exports
 from kvtrio.errors import (
     ActorCrashed,
     ActorStopped,
@@ -17,7 +34,32 @@ from kvtrio.errors import (
     StoreUnavailableError,
 )
 
+if TYPE_CHECKING:
+    from kvtrio.actors.owner import MlxOwner
+    from kvtrio.actors.prefix import ModelKey
+    from kvtrio.actors.tier import ColdTier
+    from kvtrio.actors.tiered import Tier, TieredPromptCache, WritePolicy, open_tiered_cache
+    from kvtrio.api import Expect, LoadedCache, export_mlx_lm, import_mlx_lm, load_cache, save_cache
+    from kvtrio.storage.fingerprint import config_fingerprint
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "ColdTier": "kvtrio.actors.tier",
+    "Expect": "kvtrio.api",
+    "LoadedCache": "kvtrio.api",
+    "MlxOwner": "kvtrio.actors.owner",
+    "ModelKey": "kvtrio.actors.prefix",
+    "Tier": "kvtrio.actors.tiered",
+    "TieredPromptCache": "kvtrio.actors.tiered",
+    "WritePolicy": "kvtrio.actors.tiered",
+    "config_fingerprint": "kvtrio.storage.fingerprint",
+    "export_mlx_lm": "kvtrio.api",
+    "import_mlx_lm": "kvtrio.api",
+    "load_cache": "kvtrio.api",
+    "open_tiered_cache": "kvtrio.actors.tiered",
+    "save_cache": "kvtrio.api",
+}
 
 __all__ = [
     "ActorCrashed",
@@ -25,24 +67,26 @@ __all__ = [
     "AskTimeout",
     "CacheMismatchError",
     "CacheMissError",
+    "ColdTier",
     "CorruptCacheError",
     "Expect",
     "KvtrioError",
+    "LoadedCache",
+    "MlxOwner",
+    "ModelKey",
     "OperationCancelled",
     "ShuttingDown",
     "StoreUnavailableError",
+    "Tier",
+    "TieredPromptCache",
+    "WritePolicy",
     "__version__",
+    "config_fingerprint",
+    "export_mlx_lm",
+    "import_mlx_lm",
     "load_cache",
+    "open_tiered_cache",
     "save_cache",
 ]
 
-# The sync cache API imports MLX; load it on first use so `import kvtrio` stays light.
-_API_NAMES = frozenset({"Expect", "load_cache", "save_cache"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _API_NAMES:
-        from kvtrio import api
-
-        return getattr(api, name)
-    raise AttributeError(f"module 'kvtrio' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -38,6 +38,8 @@ class BlockPoolExhausted(KvtrioError):
 
 @attrs.frozen
 class PoolStatistics:
+    """A snapshot of a block pool's occupancy (``BlockPool.statistics()``)."""
+
     num_blocks: int
     used_blocks: int
     free_blocks: int

@@ -1,15 +1,92 @@
-"""kvtrio.storage: bytes on disk. CPU only, no trio (codecs is the one MLX module).
+"""kvtrio.storage: bytes on disk. CPU only, no trio (the codecs are the one MLX part).
 
 - :mod:`~kvtrio.storage.format`: the versioned file format; header records; validation.
 - :mod:`~kvtrio.storage.fileops`: the injectable file operations (``FaultyFileOps``).
 - :mod:`~kvtrio.storage.codecs`: mlx-lm caches <-> header entries + tensors (owner thread).
 - :mod:`~kvtrio.storage.writer` / :mod:`~kvtrio.storage.reader`: durable writes, checked reads.
-- :mod:`~kvtrio.storage.blockstore`: content-addressed blocks (``LocalBlockStore``).
+- :mod:`~kvtrio.storage.blockstore`: content-addressed blocks (``LocalBlockStore``);
+  :mod:`~kvtrio.storage.redisstore`: the same on Redis (``RedisBlockStore``).
+- :mod:`~kvtrio.storage.manifeststore`: manifests by name, on disk or on Redis.
 - :mod:`~kvtrio.storage.maintenance`: GC and verify.
 - :mod:`~kvtrio.storage.fingerprint`: a model config's fingerprint.
-- :mod:`~kvtrio.storage.tuning`: reading the numeric ``KVTRIO_*`` switches.
 
-docs/format.md describes the format for users.
+Names load on first use. docs/format.md describes the format for users.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvtrio._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
+    from kvtrio.storage.codecs import CacheCodec, register_codec
+    from kvtrio.storage.fileops import FaultyFileOps, FileOps, OsFileOps
+    from kvtrio.storage.fingerprint import config_fingerprint
+    from kvtrio.storage.format import CacheEntry, Header, Layout, TensorSlot, parse_header
+    from kvtrio.storage.maintenance import GcReport, VerifyReport, collect_garbage, verify_tree
+    from kvtrio.storage.manifeststore import LocalManifestStore, ManifestStore
+    from kvtrio.storage.reader import CacheFile, read_header, read_tensors
+    from kvtrio.storage.redisstore import RedisBlockStore
+    from kvtrio.storage.writer import WriteResult, write_blocks, write_single
+
+_EXPORTS = {
+    "BlockStore": "kvtrio.storage.blockstore",
+    "CacheCodec": "kvtrio.storage.codecs",
+    "CacheEntry": "kvtrio.storage.format",
+    "CacheFile": "kvtrio.storage.reader",
+    "FaultyFileOps": "kvtrio.storage.fileops",
+    "FileOps": "kvtrio.storage.fileops",
+    "GcReport": "kvtrio.storage.maintenance",
+    "Header": "kvtrio.storage.format",
+    "Layout": "kvtrio.storage.format",
+    "LocalBlockStore": "kvtrio.storage.blockstore",
+    "LocalManifestStore": "kvtrio.storage.manifeststore",
+    "ManifestStore": "kvtrio.storage.manifeststore",
+    "OsFileOps": "kvtrio.storage.fileops",
+    "RedisBlockStore": "kvtrio.storage.redisstore",
+    "TensorSlot": "kvtrio.storage.format",
+    "VerifyReport": "kvtrio.storage.maintenance",
+    "WriteResult": "kvtrio.storage.writer",
+    "collect_garbage": "kvtrio.storage.maintenance",
+    "config_fingerprint": "kvtrio.storage.fingerprint",
+    "parse_header": "kvtrio.storage.format",
+    "read_header": "kvtrio.storage.reader",
+    "read_tensors": "kvtrio.storage.reader",
+    "register_codec": "kvtrio.storage.codecs",
+    "verify_tree": "kvtrio.storage.maintenance",
+    "write_blocks": "kvtrio.storage.writer",
+    "write_single": "kvtrio.storage.writer",
+}
+
+__all__ = [
+    "BlockStore",
+    "CacheCodec",
+    "CacheEntry",
+    "CacheFile",
+    "FaultyFileOps",
+    "FileOps",
+    "GcReport",
+    "Header",
+    "Layout",
+    "LocalBlockStore",
+    "LocalManifestStore",
+    "ManifestStore",
+    "OsFileOps",
+    "RedisBlockStore",
+    "TensorSlot",
+    "VerifyReport",
+    "WriteResult",
+    "collect_garbage",
+    "config_fingerprint",
+    "parse_header",
+    "read_header",
+    "read_tensors",
+    "register_codec",
+    "verify_tree",
+    "write_blocks",
+    "write_single",
+]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 from kvtrio.metal import BlockPool, PagedKVCache, make_paged_cache, restore_into
 from kvtrio.storage.blockstore import LocalBlockStore
+from kvtrio.storage.format import Layout
 
 KV_HEADS = 2
 HEAD_DIM = 32
@@ -35,7 +36,7 @@ def _equal(a: object, b: object) -> bool:
 @pytest.mark.parametrize("layout", ["single", "blocks"])
 @pytest.mark.parametrize("bits", [None, 4])
 def test_round_trip_is_bit_exact_and_restores_the_block_table(
-    tmp_path: Path, layout: str, bits: int | None
+    tmp_path: Path, layout: Layout, bits: int | None
 ) -> None:
     pool = BlockPool(32, KV_HEADS, BLOCK, HEAD_DIM, dtype=mx.float16, bits=bits, group_size=32)
     _filled(pool, 9, seed=1)  # another sequence, so this one's blocks are not 0..n

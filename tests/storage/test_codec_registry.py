@@ -10,7 +10,7 @@ import kvtrio
 import mlx.core as mx
 import pytest
 from kvtrio.storage.codecs import CodecState, TensorView, expect_shape, field_int, register_codec
-from kvtrio.storage.format import CacheEntry
+from kvtrio.storage.format import CacheEntry, Layout
 
 
 class ToyPagedCache:
@@ -51,7 +51,7 @@ register_codec(ToyPagedCodec())
 
 
 @pytest.mark.parametrize("layout", ["single", "blocks"])
-def test_registered_codec_round_trips(tmp_path: Path, layout: str) -> None:
+def test_registered_codec_round_trips(tmp_path: Path, layout: Layout) -> None:
     original = ToyPagedCache(16)
     kvtrio.save_cache(tmp_path / "p.kvt", [1], [original], layout=layout)
     (loaded,) = kvtrio.load_cache(tmp_path / "p.kvt").caches

@@ -13,6 +13,7 @@ from typing import Any
 import kvtrio
 import mlx.core as mx
 import pytest
+from kvtrio.storage.format import Layout
 from mlx_lm.models import cache as _mlx_cache_module
 from mlx_lm.models import gemma3_text, lfm2, llama
 
@@ -84,7 +85,7 @@ def _decode(model: Any, caches: list[Any], token: int) -> Any:
     return logits
 
 
-def _check_parity(tmp_path: Path, model: Any, caches: list[Any], layout: str) -> list[str]:
+def _check_parity(tmp_path: Path, model: Any, caches: list[Any], layout: Layout) -> list[str]:
     path = tmp_path / "c.kvt"
     kvtrio.save_cache(path, list(range(40)), caches, layout=layout, block_tokens=8)
     loaded = kvtrio.load_cache(path).caches
@@ -97,7 +98,9 @@ def _check_parity(tmp_path: Path, model: Any, caches: list[Any], layout: str) ->
 
 @pytest.mark.parametrize("layout", ["single", "blocks"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_decode_logits_from_loaded_cache_equal_live(tmp_path: Path, name: str, layout: str) -> None:
+def test_decode_logits_from_loaded_cache_equal_live(
+    tmp_path: Path, name: str, layout: Layout
+) -> None:
     mx.random.seed(0)
     model = MODELS[name]()
     mx.eval(model.parameters())

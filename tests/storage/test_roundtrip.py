@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 from kvtrio.errors import CacheMismatchError
 from kvtrio.storage.codecs import AttachmentData, trim_caches
+from kvtrio.storage.format import Layout
 from mlx_lm.models import cache as _mlx_cache_module
 
 from .conftest import BUILDERS, EMPTY_BUILDERS, assert_same, kv, logical_state
@@ -20,7 +21,7 @@ mlx_cache: Any = _mlx_cache_module
 LAYOUTS = ["single", "blocks"]
 
 
-def _save_load(path: Path, caches: list[Any], layout: str, **kw: Any) -> Any:
+def _save_load(path: Path, caches: list[Any], layout: Layout, **kw: Any) -> Any:
     tokens = list(range(17))
     kvtrio.save_cache(path, tokens, caches, layout=layout, **kw)
     loaded = kvtrio.load_cache(path)
@@ -30,7 +31,7 @@ def _save_load(path: Path, caches: list[Any], layout: str, **kw: Any) -> Any:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", sorted(BUILDERS))
-def test_every_kind_round_trips_bit_exact(tmp_path: Path, kind: str, layout: str) -> None:
+def test_every_kind_round_trips_bit_exact(tmp_path: Path, kind: str, layout: Layout) -> None:
     original = BUILDERS[kind]()
     loaded = _save_load(tmp_path / "c.kvt", [original], layout)
     assert_same(logical_state(loaded.caches[0]), logical_state(original))
@@ -38,7 +39,9 @@ def test_every_kind_round_trips_bit_exact(tmp_path: Path, kind: str, layout: str
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["kv", "rotating", "rotating_wrapped", "quantized", "chunked"])
-def test_loaded_cache_continues_like_the_live_one(tmp_path: Path, kind: str, layout: str) -> None:
+def test_loaded_cache_continues_like_the_live_one(
+    tmp_path: Path, kind: str, layout: Layout
+) -> None:
     """The next update_and_fetch on the loaded cache returns what the live one returns."""
     live = BUILDERS[kind]()
     loaded = _save_load(tmp_path / "c.kvt", [live], layout).caches[0]
@@ -50,7 +53,7 @@ def test_loaded_cache_continues_like_the_live_one(tmp_path: Path, kind: str, lay
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", sorted(EMPTY_BUILDERS))
-def test_empty_caches_round_trip_to_empty_caches(tmp_path: Path, kind: str, layout: str) -> None:
+def test_empty_caches_round_trip_to_empty_caches(tmp_path: Path, kind: str, layout: Layout) -> None:
     original = EMPTY_BUILDERS[kind]()
     loaded = _save_load(tmp_path / "e.kvt", [original], layout).caches[0]
     assert type(loaded) is type(original)
@@ -59,7 +62,7 @@ def test_empty_caches_round_trip_to_empty_caches(tmp_path: Path, kind: str, layo
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_attachments_round_trip(tmp_path: Path, layout: str) -> None:
+def test_attachments_round_trip(tmp_path: Path, layout: Layout) -> None:
     arrays = (mx.arange(12, dtype=mx.int32).reshape(3, 4), mx.ones((2, 2), dtype=mx.bfloat16))
     attachment = AttachmentData("mtp-draft/v1", {"layer": "7"}, arrays)
     loaded = _save_load(
@@ -86,7 +89,7 @@ def test_published_file_is_private_and_no_tmp_is_left(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_min_reusable_offset_is_stored_and_enforced(tmp_path: Path, layout: str) -> None:
+def test_min_reusable_offset_is_stored_and_enforced(tmp_path: Path, layout: Layout) -> None:
     cache = BUILDERS["kv"]()
     cache.min_reusable_offset = 250
     loaded = _save_load(tmp_path / "r.kvt", [cache], layout)

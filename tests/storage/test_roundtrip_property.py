@@ -10,6 +10,7 @@ import kvtrio
 import mlx.core as mx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvtrio.storage.format import Layout
 from mlx_lm.models import cache as _mlx_cache_module
 
 from .conftest import assert_same, logical_state
@@ -36,7 +37,7 @@ def test_any_kv_geometry_round_trips(
     trim: int,
     head_dim: int,
     dtype: Any,
-    layout: str,
+    layout: Layout,
     block_tokens: int,
     seed: int,
 ) -> None:
@@ -65,7 +66,7 @@ def test_any_kv_geometry_round_trips(
     block_tokens=st.integers(1, 16),
 )
 def test_any_rotating_history_round_trips_and_continues(
-    max_size: int, keep: int, steps: list[int], trim: int, layout: str, block_tokens: int
+    max_size: int, keep: int, steps: list[int], trim: int, layout: Layout, block_tokens: int
 ) -> None:
     """Prefills and decodes in any order, wrapped or not, trimmed when allowed."""
     live = mlx_cache.RotatingKVCache(max_size=max_size, keep=min(keep, max_size - 1))
