@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import time
@@ -12,14 +11,15 @@ from typing import Any
 
 import pytest
 from kvtrio.actors.tier import ColdTier
+from kvtrio.bench.redis_server import server_binary
 from kvtrio.errors import CacheMissError
 
 Prefill = Callable[[Sequence[int]], list[Any]]
 Dump = Callable[[Sequence[Any]], list[bytes]]
-REDIS_SERVER = shutil.which("redis-server")
+REDIS_SERVER = server_binary()
 pytestmark = [
     pytest.mark.redis,
-    pytest.mark.skipif(REDIS_SERVER is None, reason="no redis-server binary on PATH"),
+    pytest.mark.skipif(REDIS_SERVER is None, reason="no redis-server binary"),
 ]
 
 

