@@ -1,4 +1,4 @@
-"""Writer: which storage write path a save takes (page-aligned segments or not)."""
+"""Writer: the write path option (``direct``) reaches storage unchanged."""
 
 from __future__ import annotations
 
@@ -30,20 +30,13 @@ async def _direct_used(tmp_path: Path, tensors: list[Segmented], **options: Any)
     return seen[0]
 
 
-async def test_page_aligned_segments_keep_storages_default_path(tmp_path: Path) -> None:
-    aligned: list[Segmented] = [
-        [memoryview(bytes(2 * PAGE)), memoryview(bytes(PAGE + 10))],  # the tail may be short
-        memoryview(bytes(100)),  # one buffer: nothing to cut
-    ]
-    assert await _direct_used(tmp_path, aligned) is None
-
-
-async def test_segments_that_cut_a_page_keep_storages_default_path_too(tmp_path: Path) -> None:
-    """Storage's buffered path is no longer slower for them (tails padded before writeback)."""
+async def test_the_default_leaves_the_write_path_to_storage(tmp_path: Path) -> None:
+    """``direct=None`` is forwarded as is, whatever the segments' alignment: storage picks."""
     cut: list[Segmented] = [[memoryview(bytes(PAGE + 256)), memoryview(bytes(PAGE))]]
     assert await _direct_used(tmp_path, cut) is None
 
 
-async def test_an_explicit_choice_wins(tmp_path: Path) -> None:
+@pytest.mark.parametrize("direct", [True, False])
+async def test_an_explicit_choice_is_forwarded(tmp_path: Path, direct: bool) -> None:
     cut: list[Segmented] = [[memoryview(bytes(PAGE + 256)), memoryview(bytes(PAGE))]]
-    assert await _direct_used(tmp_path, cut, direct=False) is False
+    assert await _direct_used(tmp_path, cut, direct=direct) is direct
