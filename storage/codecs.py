@@ -71,6 +71,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 from kvtrio.errors import CacheMismatchError, CorruptCacheError
+from kvtrio.storage.dtypes import DTYPES
 from kvtrio.storage.fileops import byte_view
 from kvtrio.storage.format import (
     DTYPE_SIZES,
@@ -122,39 +123,10 @@ _ALIGN = 4096  # allocate_slot's piece alignment, for O_DIRECT reads
 #: The attribute holding a cache's minimum reusable offset (absent means 0).
 MIN_REUSABLE_ATTR = "min_reusable_offset"
 
-_DTYPE_NAMES: dict[Any, str] = {
-    mx.bool_: "bool",
-    mx.uint8: "uint8",
-    mx.uint16: "uint16",
-    mx.uint32: "uint32",
-    mx.uint64: "uint64",
-    mx.int8: "int8",
-    mx.int16: "int16",
-    mx.int32: "int32",
-    mx.int64: "int64",
-    mx.float16: "float16",
-    mx.bfloat16: "bfloat16",
-    mx.float32: "float32",
-    mx.float64: "float64",
-    mx.complex64: "complex64",
-}
-_MX_DTYPES: dict[str, Any] = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
-_NP_DTYPES: dict[str, Any] = {
-    "bool": np.bool_,
-    "uint8": np.uint8,
-    "uint16": np.uint16,
-    "uint32": np.uint32,
-    "uint64": np.uint64,
-    "int8": np.int8,
-    "int16": np.int16,
-    "int32": np.int32,
-    "int64": np.int64,
-    "float16": np.float16,
-    "bfloat16": np.uint16,  # numpy has no bfloat16: carry the bits, then view in MLX
-    "float32": np.float32,
-    "float64": np.float64,
-    "complex64": np.complex64,
-}
+#: The MLX dtype and the numpy carrier of every dtype of the closed list.
+_MX_DTYPES: dict[str, Any] = {d.name: getattr(mx, d.mlx_attr) for d in DTYPES}
+_NP_DTYPES: dict[str, Any] = {d.name: getattr(np, d.numpy_attr) for d in DTYPES}
+_DTYPE_NAMES: dict[Any, str] = {dtype: name for name, dtype in _MX_DTYPES.items()}
 
 
 @attrs.frozen

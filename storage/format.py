@@ -44,6 +44,7 @@ import attrs
 import xxhash
 from kvtrio.errors import CorruptCacheError
 from kvtrio.storage.blockstore import BLOCK_NAME_RE
+from kvtrio.storage.dtypes import DTYPES
 
 __all__ = [
     "ALIGN",
@@ -102,23 +103,8 @@ MAX_STRING: Final = 4096
 MAX_META: Final = 256
 MAX_JSON_DEPTH: Final = 64
 
-#: The closed list of dtypes and their item sizes (MLX names).
-DTYPE_SIZES: Final[Mapping[str, int]] = {
-    "bool": 1,
-    "uint8": 1,
-    "uint16": 2,
-    "uint32": 4,
-    "uint64": 8,
-    "int8": 1,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-    "complex64": 8,
-}
+#: The closed list of dtypes and their item sizes (MLX names; :mod:`kvtrio.storage.dtypes`).
+DTYPE_SIZES: Final[Mapping[str, int]] = {d.name: d.itemsize for d in DTYPES}
 
 Layout = Literal["single", "blocks"]
 #: Per-kind header fields hold JSON scalars or short lists of them.
