@@ -28,20 +28,11 @@ from typing import Any, cast
 import attrs
 from kvtrio.errors import CacheMismatchError
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
-from kvtrio.storage.codecs import (
-    AttachmentData,
-    LoadBuffers,
-    Restored,
-    adopt,
-    allocate_slot,
-    cache_structure,
-    check_allocatable,
-    header_structure,
-    materialize,
-    snapshot,
-)
+from kvtrio.storage.cacheio import AttachmentData, Restored, adopt, materialize, snapshot
 from kvtrio.storage.format import Header, Layout
+from kvtrio.storage.hostbuffers import LoadBuffers, allocate_slot, check_allocatable
 from kvtrio.storage.reader import CacheFile, check_blocks, read_header, read_tensors
+from kvtrio.storage.structure import cache_structure, header_structure
 from kvtrio.storage.tuning import env_int
 from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult, write_blocks, write_single
 
@@ -74,7 +65,7 @@ _HEADER_META_KEYS = frozenset({"model_id", "config_fingerprint", "attachments"})
 class Expect:
     """What a loaded cache must match; ``None`` fields are not checked.
 
-    ``structure`` is :func:`kvtrio.storage.codecs.cache_structure` of the caches the
+    ``structure`` is :func:`kvtrio.storage.structure.cache_structure` of the caches the
     model makes (kinds, per-kind structural fields such as window size or quantization,
     nesting); :meth:`for_model` computes it from an mlx-lm model.
     """
@@ -158,7 +149,7 @@ def save_cache(
 
     ``meta`` keys ``model_id`` and ``config_fingerprint`` (str) go into the header fields
     of those names, ``attachments`` (a sequence of
-    :class:`~kvtrio.storage.codecs.AttachmentData`) are saved beside the caches, and every
+    :class:`~kvtrio.storage.cacheio.AttachmentData`) are saved beside the caches, and every
     other key must map to a string and is kept in the header's ``meta``. Returns after
     fsync(file), rename and fsync(dir).
     """

@@ -40,15 +40,10 @@ import mlx.core as mx
 from kvtrio.actors.sched import BACKGROUND_SLICE, set_thread_slice
 from kvtrio.actors.snapshot import Snapshot, SnapshotLedger
 from kvtrio.runtime.executor import DedicatedThreadExecutor, InlineExecutor
-from kvtrio.storage import codecs
-from kvtrio.storage.codecs import (
-    AttachmentData,
-    CacheSnapshot,
-    HostTensor,
-    LoadBuffers,
-    Restored,
-)
+from kvtrio.storage import cacheio, hostbuffers
+from kvtrio.storage.cacheio import AttachmentData, CacheSnapshot, HostTensor, Restored
 from kvtrio.storage.format import Header
+from kvtrio.storage.hostbuffers import LoadBuffers
 
 __all__ = ["JOB_BUDGET", "STEP_BYTES", "MlxOwner", "release_thread_streams", "steps"]
 
@@ -128,7 +123,7 @@ class MlxOwner:
     ) -> Snapshot:
         """Plan a save of ``caches``: lazy views + header plan, one short owner job."""
         job = functools.partial(
-            codecs.snapshot,
+            cacheio.snapshot,
             caches,
             tokens,
             model_id=model_id,
@@ -182,7 +177,7 @@ class MlxOwner:
         """Destination memory for slot ``index`` (one owner job): MLX arrays made here, and
         writable zero-copy views of them for the reader thread, so the read lands in MLX
         memory and nothing is copied."""
-        return await self.run(codecs.allocate_slot, header, index)
+        return await self.run(hostbuffers.allocate_slot, header, index)
 
     async def allocate_slots(
         self, header: Header, indices: Sequence[int]
@@ -209,7 +204,7 @@ def _assemble(header: Header, arrays: list[Any]) -> Restored:
     import mlx.core as mx
 
     mx.eval(arrays)
-    return codecs.assemble(header, arrays)
+    return cacheio.assemble(header, arrays)
 
 
 def steps(sizes: Sequence[int]) -> list[range]:
@@ -230,7 +225,7 @@ def steps(sizes: Sequence[int]) -> list[range]:
 def _allocate_group(
     header: Header, indices: Sequence[int]
 ) -> list[tuple[tuple[Any, ...], tuple[memoryview, ...]]]:
-    return [codecs.allocate_slot(header, i) for i in indices]
+    return [hostbuffers.allocate_slot(header, i) for i in indices]
 
 
 def _materialize_some(
@@ -239,7 +234,7 @@ def _materialize_some(
     deadline = time.perf_counter() + JOB_BUDGET
     out: list[HostTensor] = []
     for index in range(start, count):
-        out.append(codecs.materialize_tensor(views, index, block_tokens=block_tokens))
+        out.append(cacheio.materialize_tensor(views, index, block_tokens=block_tokens))
         if time.perf_counter() >= deadline:
             break
     return out

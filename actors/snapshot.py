@@ -1,7 +1,7 @@
 """Owned snapshots: lazy views of a conversation's caches, released exactly once.
 
 A :class:`Snapshot` is what the owner's ``snapshot`` returns: the storage codec's
-:class:`~kvtrio.storage.codecs.CacheSnapshot` (the planned header, no placement yet, and
+:class:`~kvtrio.storage.cacheio.CacheSnapshot` (the planned header, no placement yet, and
 the lazy MLX views of every tensor slot in ``header.slots()`` order) and the byte count
 the views pin. It is immutable (DESIGN.md invariant 1: the views were made
 by the owner at snapshot time, so later appends, trims or ``__setitem__`` on the live
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 import attrs
-from kvtrio.storage.codecs import CacheSnapshot
+from kvtrio.storage.cacheio import CacheSnapshot
 from kvtrio.storage.format import Header
 
 __all__ = ["Snapshot", "SnapshotLedger", "SnapshotLedgerStatistics"]

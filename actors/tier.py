@@ -66,15 +66,10 @@ from kvtrio.errors import CacheMissError, CorruptCacheError, ShuttingDown
 from kvtrio.runtime.offload import CancelToken, InlineOffload, Offload, ThreadOffload
 from kvtrio.runtime.system import ActorSystem, SystemStatistics
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
-from kvtrio.storage.codecs import (
-    AttachmentData,
-    HostTensor,
-    LoadBuffers,
-    Restored,
-    check_allocatable,
-)
+from kvtrio.storage.cacheio import AttachmentData, HostTensor, Restored
 from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps
 from kvtrio.storage.format import Header, Layout
+from kvtrio.storage.hostbuffers import LoadBuffers, check_allocatable
 from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.openstore import ManifestFileOps, is_redis_url, open_store
 from kvtrio.storage.reader import CacheFile

@@ -172,7 +172,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     token_ids = list(range(tokens))
 
     def kvtrio_save_direct() -> None:
-        from kvtrio.storage.codecs import materialize, snapshot
+        from kvtrio.storage.cacheio import materialize, snapshot
         from kvtrio.storage.writer import write_single
 
         snap = snapshot(caches, token_ids)

@@ -31,18 +31,13 @@ from kvtrio.errors import CorruptCacheError
 from kvtrio.metal.attention import PagedAttentionView
 from kvtrio.metal.cache import PagedKVCache, QuantizedPagedKVCache, make_paged_cache
 from kvtrio.metal.pool import BlockPool
-from kvtrio.storage.codecs import (
-    CodecState,
-    TensorView,
-    expect_shape,
-    field_int,
-    register_codec,
-)
+from kvtrio.storage.codecs import CodecState, TensorView, expect_shape, field_int, register_codec
 from kvtrio.storage.format import CacheEntry, FieldValue
+from kvtrio.storage.hostbuffers import MX_DTYPES
 
 __all__ = ["PagedKVCacheCodec", "restore_into"]
 
-_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+_DTYPES = {name: MX_DTYPES[name] for name in ("float16", "bfloat16", "float32")}
 _MAX_BLOCKS = 1 << 24
 _MAX_DIM = 1 << 16
 

@@ -1,8 +1,13 @@
-"""kvtrio.storage: bytes on disk. CPU only, no trio (the codecs are the one MLX part).
+"""kvtrio.storage: bytes on disk. CPU only, no trio (except the MLX modules below).
 
 - :mod:`~kvtrio.storage.format`: the versioned file format; header records; validation.
 - :mod:`~kvtrio.storage.fileops`: the injectable file operations (``FaultyFileOps``).
-- :mod:`~kvtrio.storage.codecs`: mlx-lm caches <-> header entries + tensors (owner thread).
+- :mod:`~kvtrio.storage.dtypes`: the one table of the dtypes a file may hold.
+- :mod:`~kvtrio.storage.codecs`: the codec registry and protocol (a cache kind <-> entry).
+- MLX modules (owner thread): :mod:`~kvtrio.storage.cacheio` (snapshot, materialize,
+  restore, adopt: caches <-> header plan + host tensors), :mod:`~kvtrio.storage.mlxlm_codecs`
+  (mlx-lm's caches), :mod:`~kvtrio.storage.hostbuffers` (zero-copy host views, load
+  buffers), :mod:`~kvtrio.storage.structure` (cache structure, trimming).
 - :mod:`~kvtrio.storage.writer` / :mod:`~kvtrio.storage.reader`: durable writes, checked reads.
 - :mod:`~kvtrio.storage.blockstore`: content-addressed blocks (``LocalBlockStore``);
   :mod:`~kvtrio.storage.redisstore`: the same on Redis (``RedisBlockStore``).

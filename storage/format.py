@@ -25,7 +25,7 @@ Theory of operation (the untrusted-header rules of DESIGN.md, kept by :func:`par
 4. Every failure is a :class:`~kvtrio.errors.CorruptCacheError` whose message starts
    with the name of the field at fault (``"caches[2].tensors[0].shape: ..."``).
 
-Records are frozen attrs classes. A *plan* header (from ``codecs.snapshot``) has slots
+Records are frozen attrs classes. A *plan* header (from ``cacheio.snapshot``) has slots
 without placement (``off``/``xxh3``/``blocks`` all ``None``); the writers return the
 *placed* header they wrote. ``encode_header`` + ``parse_header`` round-trip placed headers.
 """
@@ -68,6 +68,7 @@ __all__ = [
     "encode_header",
     "encode_preamble",
     "parse_header",
+    "nth_slot",
     "parse_preamble",
     "place_single",
     "slot_names",
@@ -764,6 +765,14 @@ def _check_placement(header: Header, data_start: int, file_size: int) -> None:
         if off < end_prev:
             raise CorruptCacheError(f"{name}.off: tensor at {off} overlaps the previous tensor")
         end_prev = off + slot.nbytes
+
+
+def nth_slot(header: Header, index: int) -> TensorSlot:
+    """Slot ``index`` of :meth:`Header.slots` (IndexError when there is no such slot)."""
+    for i, slot in enumerate(header.slots()):
+        if i == index:
+            return slot
+    raise IndexError(index)
 
 
 def slot_names(header: Header) -> Iterator[str]:

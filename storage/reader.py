@@ -282,9 +282,9 @@ def _read_single(
 ) -> None:
     # Buffered reads by default (see _LOAD_DIRECT): readahead keeps the device busy while
     # the destination is faulted in and hashed, and chunks read are dropped behind. With
-    # KVTRIO_LOAD_DIRECT=1, buffers whose address is 4 KiB aligned (codecs.allocate_slot
-    # makes such) are filled with O_DIRECT reads; the unaligned tail of each tensor, and
-    # any unaligned buffer, goes through the page cache either way.
+    # KVTRIO_LOAD_DIRECT=1, buffers whose address is 4 KiB aligned (made so by
+    # hostbuffers.allocate_slot) are filled with O_DIRECT reads; the unaligned tail of each
+    # tensor, and any unaligned buffer, goes through the page cache either way.
     fd = _open_checked(cache_file, os.O_RDONLY, file_ops)
     dfd: int | None = None
     try:

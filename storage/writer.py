@@ -1,12 +1,12 @@
 """Durable writers: host memoryviews -> a published cache file or manifest. CPU only.
 
 No trio, no MLX: these run on worker threads over immutable host bytes (the MLX owner
-produced them with :func:`kvtrio.storage.codecs.materialize_tensor`).
+produced them with :func:`kvtrio.storage.cacheio.materialize_tensor`).
 
 - :func:`write_single` writes the single-file layout. ``tensors[i]`` is the bytes of the
   i-th slot of ``header.slots()`` (exactly ``slot.nbytes``): one C-contiguous buffer, or
   a :data:`Segmented` list of contiguous segments whose concatenation is those bytes
-  (what :func:`~kvtrio.storage.codecs.materialize_tensor` hands out: segments of the
+  (what :func:`~kvtrio.storage.cacheio.materialize_tensor` hands out: segments of the
   live MLX buffer, so a save copies nothing before the write).
 - :func:`write_blocks` writes the block layout: ``pieces[i]`` are the i-th slot's pieces
   (each a buffer or segments) as :func:`kvtrio.storage.format.piece_ranges` cuts them

@@ -65,7 +65,7 @@ def build_caches() -> list[Any]:
 
 
 def build_attachments() -> list[Any]:
-    from kvtrio.storage.codecs import AttachmentData
+    from kvtrio.storage.cacheio import AttachmentData
 
     arrays = (mx.arange(6, dtype=mx.int32).reshape(2, 3), pattern((4,), mx.float16, 29))
     return [AttachmentData("golden/v1", {"k": "v"}, arrays)]
@@ -73,7 +73,7 @@ def build_attachments() -> list[Any]:
 
 def main() -> int:
     from kvtrio.storage.blockstore import LocalBlockStore
-    from kvtrio.storage.codecs import materialize, snapshot
+    from kvtrio.storage.cacheio import materialize, snapshot
     from kvtrio.storage.format import FORMAT_VERSION
     from kvtrio.storage.writer import write_blocks, write_single
 

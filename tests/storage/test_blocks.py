@@ -13,7 +13,7 @@ import kvtrio
 import mlx.core as mx
 import pytest
 from kvtrio.storage.blockstore import LocalBlockStore
-from kvtrio.storage.codecs import materialize, snapshot
+from kvtrio.storage.cacheio import materialize, snapshot
 from kvtrio.storage.fileops import OS_FILE_OPS, FaultyFileOps
 from kvtrio.storage.maintenance import collect_garbage, verify_tree
 from kvtrio.storage.writer import write_blocks

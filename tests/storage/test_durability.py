@@ -17,7 +17,7 @@ import mlx.core as mx
 import pytest
 from kvtrio.errors import OperationCancelled
 from kvtrio.storage.blockstore import LocalBlockStore
-from kvtrio.storage.codecs import materialize, snapshot
+from kvtrio.storage.cacheio import materialize, snapshot
 from kvtrio.storage.fileops import OS_FILE_OPS, FaultyFileOps
 from kvtrio.storage.format import CacheEntry
 from kvtrio.storage.reader import allocate_buffers, read_header, read_tensors

@@ -10,7 +10,7 @@ import kvtrio
 import pytest
 from kvtrio.api import Expect, export_mlx_lm, import_mlx_lm
 from kvtrio.errors import CacheMismatchError
-from kvtrio.storage.codecs import cache_structure
+from kvtrio.storage.structure import cache_structure
 from mlx_lm.models import cache as _mlx_cache_module
 from mlx_lm.models import llama
 

@@ -1,5 +1,5 @@
 """Pre-faulting load destinations (storage/memadvise.py), the reader's optional helper
-threads, and destinations allocated without a zero fill (codecs._untouched_uint8).
+threads, and destinations allocated without a zero fill (hostbuffers._untouched_uint8).
 
 Invariant 4: a reader never returns bytes it has not checked against the header's hashes
 when asked to verify — with the verify thread and the pre-fault thread on as well.
@@ -18,7 +18,7 @@ from typing import Any
 import kvtrio
 import mlx.core as mx
 import pytest
-from kvtrio.storage import codecs, memadvise, reader
+from kvtrio.storage import hostbuffers, memadvise, reader
 from kvtrio.storage.fileops import OsFileOps
 
 from .conftest import assert_same, make_kv
@@ -105,7 +105,7 @@ def test_prefault_ahead_runs_every_range_and_joins(fresh_state: memadvise._State
 def helpers_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """The reader's optional helper threads on (and unfilled destinations), with small
     chunks so they run."""
-    monkeypatch.setattr(codecs, "_ALLOC_UNTOUCHED", True)
+    monkeypatch.setattr(hostbuffers, "_ALLOC_UNTOUCHED", True)
     monkeypatch.setattr(reader, "_PREFAULT_AHEAD", True)
     monkeypatch.setattr(reader, "_HASH_THREAD", True)
     monkeypatch.setattr(reader, "_CHUNK", 64 * 1024)
@@ -151,8 +151,8 @@ def test_a_corrupt_chunk_is_caught_by_the_verify_thread(
 
 
 def test_destinations_are_allocated_without_a_fill(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(codecs, "_ALLOC_UNTOUCHED", True)
-    array = codecs._untouched_uint8(3 * 4096 + 5)
+    monkeypatch.setattr(hostbuffers, "_ALLOC_UNTOUCHED", True)
+    array = hostbuffers._untouched_uint8(3 * 4096 + 5)
     assert array.shape == (3 * 4096 + 5,) and array.dtype == mx.uint8
     view = memoryview(array)
     assert not view.readonly and view.c_contiguous
@@ -162,9 +162,9 @@ def test_allocation_falls_back_to_zeros(monkeypatch: pytest.MonkeyPatch) -> None
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise ValueError("this MLX cannot load that stream")
 
-    monkeypatch.setattr(codecs, "_ALLOC_UNTOUCHED", True)
-    monkeypatch.setattr(mx, "load", broken)  # the module codecs calls
-    array = codecs._untouched_uint8(8192)
+    monkeypatch.setattr(hostbuffers, "_ALLOC_UNTOUCHED", True)
+    monkeypatch.setattr(mx, "load", broken)  # the module hostbuffers calls
+    array = hostbuffers._untouched_uint8(8192)
     assert array.shape == (8192,) and not mx.any(array).item()
 
 
@@ -208,7 +208,7 @@ def test_buffered_loads_drop_what_they_read_behind_them(
 
 def test_zero_filled_allocation_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """KVTRIO_ALLOC_UNTOUCHED=0: load destinations are MLX zeros (every page touched)."""
-    monkeypatch.setattr(codecs, "_ALLOC_UNTOUCHED", False)
-    array = codecs._untouched_uint8(3 * 4096 + 1)
+    monkeypatch.setattr(hostbuffers, "_ALLOC_UNTOUCHED", False)
+    array = hostbuffers._untouched_uint8(3 * 4096 + 1)
     assert array.shape == (3 * 4096 + 1,) and array.dtype == mx.uint8
     assert not mx.any(array).item()

@@ -10,7 +10,8 @@ import kvtrio
 import mlx.core as mx
 import pytest
 from kvtrio.errors import CacheMismatchError
-from kvtrio.storage.codecs import AttachmentData, trim_caches
+from kvtrio.storage.cacheio import AttachmentData
+from kvtrio.storage.structure import trim_caches
 from kvtrio.storage.format import Layout
 from mlx_lm.models import cache as _mlx_cache_module
 

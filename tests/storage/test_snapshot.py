@@ -6,7 +6,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from kvtrio.storage.codecs import materialize, snapshot
+from kvtrio.storage.cacheio import materialize, snapshot
 
 from .conftest import BUILDERS, kv
 

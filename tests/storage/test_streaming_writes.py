@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from kvtrio.errors import OperationCancelled
 from kvtrio.storage import writer
-from kvtrio.storage.codecs import materialize, snapshot
+from kvtrio.storage.cacheio import materialize, snapshot
 from kvtrio.storage.fileops import OS_FILE_OPS, FaultyFileOps, OsFileOps, write_behind_ops
 from kvtrio.storage.reader import allocate_buffers, read_header, read_tensors
 from kvtrio.storage.writer import write_single

@@ -366,7 +366,7 @@ def test_magic_constant_is_stable() -> None:
 
 def test_allocation_beyond_physical_memory_is_refused_not_crashed() -> None:
     """MLX kills the process (SIGSEGV) when an allocation fails: refuse it first."""
-    from kvtrio.storage.codecs import check_allocatable
+    from kvtrio.storage.hostbuffers import check_allocatable
 
     check_allocatable(1 << 20)
     with pytest.raises(MemoryError, match=r"^loading needs 1000000000000000000 bytes, more "):

@@ -10,9 +10,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from kvtrio.storage import codecs
+from kvtrio.storage import hostbuffers
 from kvtrio.storage.blockstore import LocalBlockStore
-from kvtrio.storage.codecs import materialize, snapshot
+from kvtrio.storage.cacheio import materialize, snapshot
 from kvtrio.storage.writer import write_blocks, write_single
 
 from .conftest import H, make_kv
@@ -52,7 +52,7 @@ def test_strides_that_are_not_ordered_runs_fall_back_to_a_copy() -> None:
     base = mx.arange(4 * 64, dtype=mx.float32).reshape(1, 4, 64)
     mx.eval(base)
     for strided in (base[:, ::-1, :], base[..., ::2]):
-        segments, owner = codecs._materialize_part(strided)
+        segments, owner = hostbuffers.materialize_part(strided)
         assert len(segments) == 1 and owner is not strided
         assert bytes(segments[0]) == _contiguous_bytes(strided)
 
@@ -65,7 +65,7 @@ def test_written_bytes_equal_the_copying_path(
     snap = snapshot([live], [1, 2, 3])  # one header plan (it carries created_at)
     outputs: list[bytes] = []
     for zero_copy in (False, True):
-        monkeypatch.setattr(codecs, "_ZERO_COPY", zero_copy)
+        monkeypatch.setattr(hostbuffers, "_ZERO_COPY", zero_copy)
         host = materialize(snap)
         assert max(len(h.segments[0]) for h in host) == (H if zero_copy else 1)
         path = tmp_path / f"single-{zero_copy}.kvt"
@@ -81,7 +81,7 @@ def test_block_layout_bytes_equal_the_copying_path(
     snap = snapshot([live], [1, 2, 3])  # one header plan (it carries created_at)
     trees: list[dict[str, bytes]] = []
     for zero_copy in (False, True):
-        monkeypatch.setattr(codecs, "_ZERO_COPY", zero_copy)
+        monkeypatch.setattr(hostbuffers, "_ZERO_COPY", zero_copy)
         root = tmp_path / f"z{zero_copy}"
         os.makedirs(root)
         host = materialize(snap, block_tokens=128)

@@ -1,0 +1,329 @@
+"""Host buffers: MLX arrays <-> memoryviews, without copies where the layout allows.
+
+Owner thread only (everything here touches ``mlx.core``). Two directions:
+
+- Save: :func:`materialize_part` evaluates an array and hands out its bytes as
+  C-contiguous segments of the live (immutable) MLX buffer: for a strided view, one
+  segment per run of leading indices, found with ``PyObject_GetBuffer`` through ctypes
+  (numpy cannot parse bfloat16); else one contiguous copy.
+- Load: :func:`allocate_slot` / :func:`allocate_load_buffers` allocate MLX arrays whose
+  writable byte views the reader fills in place (4 KiB aligned, for O_DIRECT), by default
+  without a zero fill (:class:`_UnfilledNpy`); :func:`kvtrio.storage.cacheio.adopt`
+  then turns them into caches without copying.
+
+The MLX and numpy dtypes of the closed list derive from :mod:`kvtrio.storage.dtypes`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import math
+import os
+from typing import Any, BinaryIO, cast
+
+import attrs
+import mlx.core as mx
+import numpy as np
+from kvtrio.storage.dtypes import DTYPES
+from kvtrio.storage.fileops import byte_view
+from kvtrio.storage.format import DTYPE_SIZES, Header, nth_slot, piece_ranges
+
+__all__ = [
+    "MX_DTYPES",
+    "NP_DTYPES",
+    "LoadBuffers",
+    "allocate_load_buffers",
+    "allocate_slot",
+    "check_allocatable",
+    "dtype_name",
+    "materialize_part",
+]
+
+_ALIGN = 4096  # allocate_slot's piece alignment, for O_DIRECT reads
+
+#: The MLX dtype and the numpy carrier (the element type its bytes are read as) of each dtype.
+MX_DTYPES: dict[str, Any] = {d.name: getattr(mx, d.mlx_attr) for d in DTYPES}
+NP_DTYPES: dict[str, Any] = {d.name: getattr(np, d.numpy_attr) for d in DTYPES}
+_DTYPE_NAMES: dict[Any, str] = {dtype: name for name, dtype in MX_DTYPES.items()}
+
+
+def dtype_name(array: Any) -> str:
+    """The header name of ``array``'s dtype (TypeError for one outside the closed list)."""
+    try:
+        return _DTYPE_NAMES[array.dtype]
+    except KeyError:
+        raise TypeError(f"dtype {array.dtype} cannot be saved") from None
+
+
+def _host_view(array: Any) -> memoryview:
+    view = memoryview(array)
+    if not view.c_contiguous:
+        raise AssertionError("materialized array is not C-contiguous")
+    return byte_view(view)
+
+
+class _PyBuffer(ctypes.Structure):
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.py_object),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("strides", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("suboffsets", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+_PyObject_GetBuffer = ctypes.pythonapi.PyObject_GetBuffer
+_PyObject_GetBuffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_PyObject_GetBuffer.restype = ctypes.c_int
+_PyBuffer_Release = ctypes.pythonapi.PyBuffer_Release
+_PyBuffer_Release.argtypes = [ctypes.POINTER(_PyBuffer)]
+_PyBuffer_Release.restype = None
+_PYBUF_STRIDED_RO = 0x0010 | 0x0008  # PyBUF_STRIDES (includes ND); read-only
+
+
+def _buffer_address(view: memoryview) -> int:
+    """The address of ``view``'s first element (any strides; numpy cannot parse bfloat16)."""
+    raw = _PyBuffer()
+    if _PyObject_GetBuffer(view, ctypes.byref(raw), _PYBUF_STRIDED_RO) != 0:
+        raise AssertionError("memoryview refused its own buffer")
+    try:
+        return int(raw.buf or 0)
+    finally:
+        _PyBuffer_Release(ctypes.byref(raw))
+
+
+def _segment_plan(view: memoryview) -> tuple[int, list[int]] | None:
+    """``(segment bytes, byte offsets)`` of ``view``'s C-order contiguous runs, or None
+    when its strides are not a non-overlapping, ascending, row-major layout."""
+    shape = list(view.shape or ())
+    strides = list(view.strides or ())
+    run = view.itemsize
+    k = len(shape)
+    while k > 0 and (shape[k - 1] == 1 or strides[k - 1] == run):
+        run *= shape[k - 1]
+        k -= 1
+    if run < _MIN_SEGMENT:  # tiny runs (e.g. a strided last axis): one copy is cheaper
+        return None
+    lead = [(n, st) for n, st in zip(shape[:k], strides[:k], strict=True) if n != 1]
+    inner = run
+    for n, st in reversed(lead):
+        if st < inner:  # negative, zero or overlapping: not a set of disjoint ordered runs
+            return None
+        inner = st * n
+    if math.prod(n for n, _ in lead) > _MAX_SEGMENTS:
+        return None
+    offsets = [0]
+    for n, st in lead:
+        offsets = [o + i * st for o in offsets for i in range(n)]
+    return run, offsets
+
+
+def _zero_copy_segments(array: Any) -> tuple[memoryview, ...] | None:
+    """``array``'s (evaluated) bytes as contiguous segments of its own buffer, or None."""
+    view = memoryview(array)
+    if view.c_contiguous:
+        return (byte_view(view),)
+    plan = _segment_plan(view)
+    if plan is None:
+        return None
+    run, offsets = plan
+    span = offsets[-1] + run
+    flat_type = ctypes.c_ubyte * span
+    flat = flat_type.from_address(_buffer_address(view))
+    flat._kvtrio_owner = (array, view)  # type: ignore[attr-defined]  # lives as long as flat
+    base = memoryview(flat).cast("B")
+    # Merge runs that touch (e.g. a leading dim of size 1 already folded, or full rows).
+    out: list[memoryview] = []
+    start, stop = offsets[0], offsets[0] + run
+    for off in offsets[1:]:
+        if off == stop:
+            stop += run
+            continue
+        out.append(base[start:stop])
+        start, stop = off, off + run
+    out.append(base[start:stop])
+    return tuple(out)
+
+
+def materialize_part(array: Any) -> tuple[tuple[memoryview, ...], Any]:
+    """Evaluate ``array``; its segments (zero-copy where its strides allow) and owner."""
+    mx.eval(array)
+    segments = _zero_copy_segments(array) if _ZERO_COPY else None
+    if segments is not None:
+        return segments, array
+    dense = mx.contiguous(array)
+    mx.eval(dense)
+    return (_host_view(dense),), dense
+
+
+_MIN_SEGMENT = 64
+_MAX_SEGMENTS = 1 << 16
+
+#: Whether materialize may hand out segments of the live buffer (off: always copy).
+_ZERO_COPY = os.environ.get("KVTRIO_SAVE_COPY", "") != "1"
+
+
+@attrs.frozen(eq=False)
+class LoadBuffers:
+    """MLX arrays allocated for a load, and writable byte views of them for the reader.
+
+    ``buffers[i][j]`` views ``arrays[i][j]`` (slot ``i``, piece ``j``): the reader's
+    ``readinto`` fills MLX memory directly, and :func:`adopt` turns the arrays into caches
+    with no copy (block layout: one MLX concatenate per multi-piece tensor). Keep the
+    views only until :func:`adopt` returns.
+    """
+
+    arrays: tuple[tuple[Any, ...], ...]
+    buffers: tuple[tuple[memoryview, ...], ...]
+
+
+def _physical_memory() -> int | None:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_allocatable(nbytes: int) -> None:
+    """Raise MemoryError if ``nbytes`` exceeds the machine's physical memory.
+
+    Allocating what a header claims is bounded by validation (single layout: the file's
+    size; blocks: :func:`kvtrio.storage.reader.check_blocks`); this is the last guard,
+    since MLX crashes the process (SIGSEGV) instead of raising when an allocation fails.
+    """
+    limit = _physical_memory()
+    if limit is not None and nbytes > limit:
+        raise MemoryError(f"loading needs {nbytes} bytes, more than the machine's {limit}")
+
+
+def allocate_slot(header: Header, index: int) -> tuple[tuple[Any, ...], tuple[memoryview, ...]]:
+    """Allocate (owner thread) MLX arrays for slot ``index``'s pieces, and byte views of them.
+
+    Each piece is a view into a slightly larger evaluated uint8 array, placed so that its
+    first byte is 4 KiB aligned: the reader can then fill it with O_DIRECT reads. The
+    arrays are lazy views; :func:`adopt` evaluates them after the bytes are in. Sizes come
+    from the validated header (single layout: bounded by the file size).
+    """
+    slot = nth_slot(header, index)
+    check_allocatable(slot.nbytes)
+    block_tokens = header.block_tokens if header.layout == "blocks" else None
+    arrays = []
+    views = []
+    for start, stop in piece_ranges(slot, block_tokens):
+        shape = list(slot.shape)
+        if block_tokens is not None and slot.token_axis is not None:
+            shape[slot.token_axis] = stop - start
+        nbytes = DTYPE_SIZES[slot.dtype]
+        for d in shape:
+            nbytes *= d
+        if nbytes == 0:
+            empty = mx.zeros(shape, dtype=MX_DTYPES[slot.dtype])
+            mx.eval(empty)
+            arrays.append(empty)
+            views.append(memoryview(bytearray()))
+            continue
+        backing = _untouched_uint8(nbytes + _ALIGN)
+        raw = _writable_bytes(backing)
+        skip = -int(np.frombuffer(raw, dtype=np.uint8).ctypes.data) % _ALIGN
+        arrays.append(backing[skip : skip + nbytes].view(MX_DTYPES[slot.dtype]).reshape(shape))
+        views.append(raw[skip : skip + nbytes])
+    return tuple(arrays), tuple(views)
+
+
+class _UnfilledNpy(io.RawIOBase):
+    """A ``.npy`` stream of ``n`` uint8 whose data reads leave the buffer as it is.
+
+    ``mx.load`` allocates the array (malloc: fresh pages, not yet touched) and hands its
+    buffer to ``readinto``; nothing is written, so the first touch of those pages is the
+    reader's (which pre-faults them as huge pages, see :mod:`kvtrio.storage.memadvise`)
+    instead of a zero fill at 4 KiB page-fault speed on the owner thread. The bytes are
+    undefined until the reader has filled every one of them (it does, or it raises and
+    the arrays are dropped).
+    """
+
+    name = "kvtrio-unfilled.npy"
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        text = f"{{'descr': '|u1', 'fortran_order': False, 'shape': ({n},), }}"
+        text += " " * (-(len(text) + 11) % 64) + "\n"
+        self._head = b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text.encode()
+        self._size = len(self._head) + n
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self._pos, self._size)[whence]
+        self._pos = max(0, min(self._size, base + offset))
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        if self._pos < len(self._head):
+            n = min(len(view), len(self._head) - self._pos)
+            view[:n] = self._head[self._pos : self._pos + n]
+        else:
+            n = min(len(view), self._size - self._pos)
+        self._pos += n
+        return n
+
+
+#: On by default (KVTRIO_ALLOC_UNTOUCHED=0 turns it off): the owner thread no longer
+#: faults load destinations in with a zero fill (the reader's copy does), which frees it
+#: for the server's model steps and keeps the event loop's heartbeat p99 under 2 ms during
+#: a tier load on the development VM (1.03-1.25 vs 1.51-2.81 ms); the zero fill, running
+#: ahead of the reader threads, made loads 5-10% faster there (docs/benchmarks.md).
+_ALLOC_UNTOUCHED = os.environ.get("KVTRIO_ALLOC_UNTOUCHED", "1") != "0"
+
+
+def _untouched_uint8(nbytes: int) -> Any:
+    """An evaluated uint8 array of ``nbytes`` for a load destination (owner thread).
+
+    By default one whose pages MLX has not written (falling back to ``mx.zeros`` if this
+    MLX does not load the stream as expected); with ``KVTRIO_ALLOC_UNTOUCHED=0``,
+    ``mx.zeros``, which faults every page in here, ahead of the reader.
+    """
+    if _ALLOC_UNTOUCHED:
+        try:
+            loaded: Any = mx.load(cast(BinaryIO, _UnfilledNpy(nbytes)))
+            mx.eval(loaded)
+            if isinstance(loaded, mx.array) and loaded.shape == (nbytes,):
+                if loaded.dtype == mx.uint8:
+                    return loaded
+        except Exception:
+            pass
+    array = mx.zeros((nbytes,), dtype=mx.uint8)
+    mx.eval(array)
+    return array
+
+
+def _writable_bytes(array: Any) -> memoryview:
+    view = memoryview(array)
+    if view.readonly or not view.c_contiguous:
+        raise AssertionError("MLX did not expose a writable contiguous buffer")
+    return byte_view(view)
+
+
+def allocate_load_buffers(header: Header) -> LoadBuffers:
+    """:func:`allocate_slot` for every slot (owner thread)."""
+    check_allocatable(header.nbytes)
+    pairs = [allocate_slot(header, i) for i in range(sum(1 for _ in header.slots()))]
+    return LoadBuffers(
+        arrays=tuple(a for a, _ in pairs),
+        buffers=tuple(b for _, b in pairs),
+    )
