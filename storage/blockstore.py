@@ -16,9 +16,10 @@ import re
 import secrets
 import stat
 from collections.abc import Iterator, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import attrs
+from kvtrio.errors import CorruptCacheError
 from kvtrio.storage.fileops import (
     O_NOFOLLOW,
     OS_FILE_OPS,
@@ -32,6 +33,7 @@ __all__ = [
     "BLOCK_NAME_RE",
     "BlockInfo",
     "BlockStore",
+    "CorruptBlockError",
     "LocalBlockStore",
     "check_block_name",
     "read_block_verified",
@@ -40,10 +42,26 @@ __all__ = [
 BLOCK_NAME_RE = re.compile(r"[0-9a-f]{64}")
 
 
+class CorruptBlockError(CorruptCacheError):
+    """A stored block failed a check: its bytes do not hash to its name (``field`` is
+    ``"sha256"``) or its stored size is not the expected one (``"bytes"``).
+
+    The message is ``block <name>: <detail>``; a reader that knows which header field the
+    block fills restates it from ``field`` and ``detail`` (never by parsing the message).
+    """
+
+    def __init__(self, name: str, field: Literal["sha256", "bytes"], detail: str) -> None:
+        super().__init__(f"block {name}: {detail}")
+        self.name = name
+        self.field = field
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[type[CorruptBlockError], tuple[str, str, str]]:
+        return (type(self), (self.name, self.field, self.detail))
+
+
 def check_block_name(name: str) -> str:
     """Return ``name`` if it is a valid block name; raise CorruptCacheError otherwise."""
-    from kvtrio.errors import CorruptCacheError
-
     if not isinstance(name, str) or BLOCK_NAME_RE.fullmatch(name) is None:
         raise CorruptCacheError(f"block name: not 64 lowercase hex digits: {name!r:.80}")
     return name
@@ -104,13 +122,11 @@ def read_block_verified(store: BlockStore, name: str, buffer: memoryview) -> boo
     False if the block is missing (a clean miss); CorruptCacheError if its bytes do not
     hash to its name or its size differs from ``len(buffer)``.
     """
-    from kvtrio.errors import CorruptCacheError
-
     check_block_name(name)
     if not store.read_into(name, buffer):
         return False
     if hashlib.sha256(buffer).hexdigest() != name:
-        raise CorruptCacheError(f"block {name}: content does not hash to its name")
+        raise CorruptBlockError(name, "sha256", "content does not hash to its name")
     return True
 
 
@@ -223,8 +239,6 @@ class LocalBlockStore:
 
         Raises CorruptCacheError for a symbolic link or anything but a regular file.
         """
-        from kvtrio.errors import CorruptCacheError
-
         try:
             info = self.file_ops.stat(self.path_of(name))
         except FileNotFoundError:
@@ -247,8 +261,6 @@ class LocalBlockStore:
         return [self._exists(self.path_of(name)) for name in names]
 
     def read_into(self, name: str, buffer: memoryview) -> bool:
-        from kvtrio.errors import CorruptCacheError
-
         path = self.path_of(name)
         try:
             fd = self.file_ops.open(path, os.O_RDONLY | O_NOFOLLOW)
@@ -263,8 +275,8 @@ class LocalBlockStore:
             if not stat.S_ISREG(info.st_mode):
                 raise CorruptCacheError(f"block {name}: not a regular file")
             if info.st_size != buffer.nbytes:
-                raise CorruptCacheError(
-                    f"block {name}: stored size {info.st_size} != expected {buffer.nbytes}"
+                raise CorruptBlockError(
+                    name, "bytes", f"stored size {info.st_size} != expected {buffer.nbytes}"
                 )
             got = pread_full(self.file_ops, fd, buffer, 0)
             if got != buffer.nbytes:

@@ -34,7 +34,7 @@ import attrs
 import numpy as np
 import xxhash
 from kvtrio.errors import CacheMissError, CorruptCacheError, OperationCancelled
-from kvtrio.storage.blockstore import BlockStore
+from kvtrio.storage.blockstore import BlockStore, CorruptBlockError
 from kvtrio.storage.fileops import (
     OS_FILE_OPS,
     FileOps,
@@ -413,7 +413,7 @@ def _read_blocks(
         if verified is not None:
             try:
                 found = verified([(sha, piece) for _, sha, piece in items])
-            except CorruptCacheError as exc:
+            except CorruptBlockError as exc:
                 named = _name_block_field(exc, items)
                 if named is None:
                     raise
@@ -430,17 +430,13 @@ def _read_blocks(
 
 
 def _name_block_field(
-    exc: CorruptCacheError, items: Sequence[tuple[str, str, memoryview]]
+    exc: CorruptBlockError, items: Sequence[tuple[str, str, memoryview]]
 ) -> CorruptCacheError | None:
     """The store's error about block ``<sha256>`` restated with the header field it fills
     (``caches[i].tensors[j].blocks[k]``), as the reader's own checks name fields."""
-    message = str(exc)
     for label, sha, _ in items:
-        prefix = f"block {sha}: "
-        if message.startswith(prefix):
-            detail = message[len(prefix) :]
-            field = ".sha256" if "does not hash" in detail else ".bytes"
-            return CorruptCacheError(f"{label}{field}: {detail}")
+        if sha == exc.name:
+            return CorruptCacheError(f"{label}.{exc.field}: {exc.detail}")
     return None
 
 

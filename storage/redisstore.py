@@ -59,7 +59,12 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import attrs
 from kvtrio.errors import CorruptCacheError, StoreUnavailableError
-from kvtrio.storage.blockstore import BLOCK_NAME_RE, BlockInfo, check_block_name
+from kvtrio.storage.blockstore import (
+    BLOCK_NAME_RE,
+    BlockInfo,
+    CorruptBlockError,
+    check_block_name,
+)
 from kvtrio.storage.tuning import env_int
 
 if TYPE_CHECKING:
@@ -344,7 +349,7 @@ class _ReplyReader:
             raise InvalidResponse(f"unexpected reply to GET: {line[:40]!r}")
         size = int(line[1:])
         if size != len(view):
-            raise CorruptCacheError(f"block {name}: stored size {size} != expected {len(view)}")
+            raise CorruptBlockError(name, "bytes", f"stored size {size} != expected {len(view)}")
         have = min(len(self._buf) - self._pos, size)
         if have:
             with memoryview(self._buf) as ahead:
@@ -476,7 +481,7 @@ class _Verifier:
         hasher, hashed = self._running.pop(index, None) or (hashlib.sha256(), 0)
         hasher.update(view[hashed:])
         if hasher.hexdigest() != name:
-            raise CorruptCacheError(f"block {name}: block content does not hash to its name")
+            raise CorruptBlockError(name, "sha256", "block content does not hash to its name")
         self.checked += 1
 
 
@@ -484,7 +489,7 @@ def _check_blocks(items: Sequence[tuple[str, memoryview]], indices: Sequence[int
     for index in indices:
         name, view = items[index]
         if hashlib.sha256(view).hexdigest() != name:
-            raise CorruptCacheError(f"block {name}: block content does not hash to its name")
+            raise CorruptBlockError(name, "sha256", "block content does not hash to its name")
 
 
 class _PooledVerifier:
@@ -864,8 +869,8 @@ class RedisBlockStore:
             if not isinstance(value, bytes):
                 value = bytes(value) if isinstance(value, (bytearray, memoryview)) else b""
             if len(value) != len(view):
-                raise CorruptCacheError(
-                    f"block {name}: stored size {len(value)} != expected {len(view)}"
+                raise CorruptBlockError(
+                    name, "bytes", f"stored size {len(value)} != expected {len(view)}"
                 )
             view[:] = value
             found.append(True)

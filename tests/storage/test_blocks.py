@@ -5,17 +5,21 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import pickle
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import kvtrio
 import mlx.core as mx
 import pytest
-from kvtrio.storage.blockstore import LocalBlockStore
+from kvtrio.errors import CorruptCacheError
+from kvtrio.storage.blockstore import CorruptBlockError, LocalBlockStore
 from kvtrio.storage.cacheio import materialize, snapshot
 from kvtrio.storage.fileops import OS_FILE_OPS, FaultyFileOps
 from kvtrio.storage.maintenance import collect_garbage, verify_tree
+from kvtrio.storage.reader import allocate_buffers, read_header, read_tensors
 from kvtrio.storage.writer import write_blocks
 from mlx_lm.models import cache as _mlx_cache_module
 
@@ -225,3 +229,50 @@ def test_gc_deletes_nothing_when_a_manifest_cannot_be_read(tmp_path: Path, op: s
         collect_garbage(str(tmp_path), store, grace_s=60, file_ops=FaultyFileOps(OS_FILE_OPS, hook))
     assert len(list(store.iter_blocks())) == 2
     assert kvtrio.load_cache(tmp_path / "live.kvt").caches[0].offset == 256
+
+
+class _StoreVerifyingWith:
+    """A local store with a verifying batched read that raises the error it is given."""
+
+    def __init__(self, inner: LocalBlockStore, error: CorruptBlockError) -> None:
+        self._inner = inner
+        self._error = error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def read_many_verified_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
+        raise self._error
+
+
+@pytest.mark.parametrize("field", ["sha256", "bytes"])
+def test_store_block_error_is_named_by_its_field_not_its_text(
+    tmp_path: Path, field: Literal["sha256", "bytes"]
+) -> None:
+    """The reader restates a store's CorruptBlockError with the header field from its
+    ``field``: a detail that happens to mention hashing does not make it a hash error."""
+    kvtrio.save_cache(tmp_path / "a.kvt", [], [_conversation(300, 0, 0)], layout="blocks")
+    cache_file = read_header(str(tmp_path / "a.kvt"))
+    first = next(iter(cache_file.header.slots())).blocks
+    assert first is not None
+    error = CorruptBlockError(first[0].sha256, field, "stored size 1, does not hash either")
+    store = _StoreVerifyingWith(LocalBlockStore(str(tmp_path / "blocks")), error)
+    buffers = [[memoryview(b) for b in slot] for slot in allocate_buffers(cache_file.header)]
+    with pytest.raises(CorruptCacheError) as info:
+        read_tensors(cache_file, buffers, store=store)
+    assert str(info.value) == (
+        f"caches[0].tensors[0].blocks[0].{field}: stored size 1, does not hash either"
+    )
+    assert info.value.__cause__ is error
+
+
+def test_corrupt_block_error_pickles_with_its_fields() -> None:
+    error = CorruptBlockError("ab" * 32, "bytes", "stored size 5 != expected 8")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (type(copy), str(copy), copy.name, copy.field, copy.detail) == (
+        CorruptBlockError,
+        f"block {'ab' * 32}: stored size 5 != expected 8",
+        "ab" * 32,
+        "bytes",
+        "stored size 5 != expected 8",
+    )
