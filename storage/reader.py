@@ -29,6 +29,7 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import attrs
 import numpy as np
@@ -290,19 +291,10 @@ def _read_single(
     try:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, cache_file.data_start, 0, os.POSIX_FADV_SEQUENTIAL)
-        if _LOAD_DIRECT and any(
-            _address(v) % _DIRECT_ALIGN == 0 and len(v) >= _DIRECT_ALIGN for (v,) in views
-        ):
+        if _LOAD_DIRECT and any(_direct_bulk(v) for (v,) in views):
             dfd = _open_direct(cache_file, file_ops)
-        # Buffered reads drop what they have read a few chunks back from the page cache,
-        # as the streaming writer does (a cold load does not leave the file cached).
-        hints = write_behind_ops(file_ops) if _DROP_BEHIND else None
-        behind: deque[tuple[int, int]] = deque()
         if _WILLNEED and dfd is None and hasattr(os, "posix_fadvise"):
-            for slot, (view,) in zip(slots, views, strict=True):
-                if len(view):
-                    where = cache_file.data_start + (slot.off or 0)
-                    os.posix_fadvise(fd, where, len(view), os.POSIX_FADV_WILLNEED)
+            _advise_willneed(fd, cache_file, slots, views)
         # Optionally (see _PREFAULT_AHEAD, _HASH_THREAD): fresh destinations pre-faulted
         # chunk by chunk on a helper thread ahead of the reads, and each chunk read hashed
         # on another while the next read is in flight.
@@ -311,67 +303,147 @@ def _read_single(
             for (view,) in views
             for start in range(0, len(view), _CHUNK)
         ]
-        hash_pool: ThreadPoolExecutor | None = None
-        if verify and _HASH_THREAD and len(chunks) > 1:
-            hash_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtrio-verify")
-        try:
-            with PrefaultAhead(chunks if _PREFAULT_AHEAD else []) as ahead:
-                k = 0
-                for slot, name, (view,) in zip(slots, names, views, strict=True):
-                    _check_cancel(cancel)
-                    base = cache_file.data_start + (slot.off or 0)
-                    bulk = 0
-                    if dfd is not None and _address(view) % _DIRECT_ALIGN == 0:
-                        bulk = len(view) - len(view) % _DIRECT_ALIGN
-                    hasher = xxhash.xxh3_64()
-                    hashed: list[Future[None]] = []
-                    for start in range(0, len(view), _CHUNK):
-                        _check_cancel(cancel)
-                        chunk = chunks[k]
-                        if _PREFAULT_AHEAD:
-                            ahead.ready(k)
-                        k += 1
-                        direct_part = max(0, min(len(chunk), bulk - start))
-                        got = 0
-                        if direct_part:
-                            assert dfd is not None
-                            got = pread_full(file_ops, dfd, chunk[:direct_part], base + start)
-                        inline = verify and hash_pool is None
-                        if inline and got:
-                            hasher.update(chunk[:got])
-                        if got == direct_part:
-                            # Buffered: 1 MiB pieces, each hashed right after the kernel
-                            # copied it (still in cache), while readahead keeps the device
-                            # busy.
-                            while got < len(chunk):
-                                piece = chunk[got : got + _SUB]
-                                n = pread_full(file_ops, fd, piece, base + start + got)
-                                if inline:
-                                    hasher.update(piece[:n])
-                                got += n
-                                if n < len(piece):
-                                    break
-                        if got != len(chunk):
-                            raise CorruptCacheError(f"{name}: file truncated inside the tensor")
-                        if verify and hash_pool is not None:
-                            hashed.append(hash_pool.submit(hasher.update, chunk))
-                        if hints is not None and dfd is None:
-                            behind.append((base + start, len(chunk)))
-                            while len(behind) > _BEHIND:
-                                hints[1](fd, *behind.popleft())
-                    for future in hashed:
-                        future.result()
-                    if verify and hasher.hexdigest() != slot.xxh3:
-                        raise CorruptCacheError(
-                            f"{name}.xxh3: tensor bytes do not match their hash"
-                        )
-        finally:
-            if hash_pool is not None:  # never leave it reading the caller's buffers
-                hash_pool.shutdown(wait=True, cancel_futures=True)
+        hashing = verify and _HASH_THREAD and len(chunks) > 1
+        with (
+            _hash_pool(hashing) as hash_pool,
+            PrefaultAhead(chunks if _PREFAULT_AHEAD else []) as ahead,
+        ):
+            # Buffered reads drop what they have read a few chunks back from the page
+            # cache, as the streaming writer does (a cold load does not leave the file
+            # cached).
+            hints = write_behind_ops(file_ops) if _DROP_BEHIND and dfd is None else None
+            read = _SingleRead(
+                cache_file,
+                fd,
+                dfd,
+                file_ops,
+                verify,
+                cancel,
+                hash_pool,
+                drop_behind=None if hints is None else hints[1],
+            )
+            for slot, name, (view,) in zip(slots, names, views, strict=True):
+                _check_cancel(cancel)
+                read.tensor(slot, name, view, chunks, ahead)
     finally:
         file_ops.close(fd)
         if dfd is not None:
             file_ops.close(dfd)
+
+
+@contextmanager
+def _hash_pool(wanted: bool) -> Iterator[ThreadPoolExecutor | None]:
+    """A one-thread pool to hash chunks on while the next is read (None unless ``wanted``)."""
+    if not wanted:
+        yield None
+        return
+    pool = ThreadPoolExecutor(1, thread_name_prefix="kvtrio-verify")
+    try:
+        yield pool
+    finally:  # never leave it reading the caller's buffers
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _direct_bulk(view: memoryview) -> int:
+    """How many leading bytes of ``view`` an O_DIRECT read may fill (0: none, unaligned)."""
+    if _address(view) % _DIRECT_ALIGN != 0:
+        return 0
+    return len(view) - len(view) % _DIRECT_ALIGN
+
+
+def _advise_willneed(
+    fd: int, cache_file: CacheFile, slots: list[TensorSlot], views: list[list[memoryview]]
+) -> None:
+    """Ask for each tensor's whole range up front (KVTRIO_LOAD_WILLNEED=1)."""
+    for slot, (view,) in zip(slots, views, strict=True):
+        if len(view):
+            where = cache_file.data_start + (slot.off or 0)
+            os.posix_fadvise(fd, where, len(view), os.POSIX_FADV_WILLNEED)
+
+
+@attrs.define
+class _SingleRead:
+    """One single-layout read in progress: the open descriptors and what each read does.
+
+    Tensors are read in order, chunk by chunk (:data:`_CHUNK`): chunk ``next_chunk`` of
+    the caller's list is the next one to fill. ``dfd`` (O_DIRECT) fills each aligned
+    tensor's aligned bulk; ``fd`` (buffered) the rest, in :data:`_SUB` pieces.
+    """
+
+    cache_file: CacheFile
+    fd: int
+    dfd: int | None
+    file_ops: FileOps
+    verify: bool
+    cancel: Cancel
+    hash_pool: ThreadPoolExecutor | None
+    drop_behind: Callable[[int, int, int], None] | None = None
+    behind: deque[tuple[int, int]] = attrs.field(factory=deque)
+    next_chunk: int = 0
+
+    def tensor(
+        self,
+        slot: TensorSlot,
+        name: str,
+        view: memoryview,
+        chunks: list[memoryview],
+        ahead: PrefaultAhead,
+    ) -> None:
+        """Fill ``view`` with tensor ``name``'s bytes and check them against its xxh3."""
+        base = self.cache_file.data_start + (slot.off or 0)
+        bulk = _direct_bulk(view) if self.dfd is not None else 0
+        hasher = xxhash.xxh3_64()
+        inline = hasher if self.verify and self.hash_pool is None else None
+        hashed: list[Future[None]] = []
+        for start in range(0, len(view), _CHUNK):
+            _check_cancel(self.cancel)
+            chunk = chunks[self.next_chunk]
+            if _PREFAULT_AHEAD:
+                ahead.ready(self.next_chunk)
+            self.next_chunk += 1
+            direct_part = max(0, min(len(chunk), bulk - start))
+            if self._fill(chunk, base + start, direct_part, inline) != len(chunk):
+                raise CorruptCacheError(f"{name}: file truncated inside the tensor")
+            if self.verify and self.hash_pool is not None:
+                hashed.append(self.hash_pool.submit(hasher.update, chunk))
+            self._read_done(base + start, len(chunk))
+        for future in hashed:
+            future.result()
+        if self.verify and hasher.hexdigest() != slot.xxh3:
+            raise CorruptCacheError(f"{name}.xxh3: tensor bytes do not match their hash")
+
+    def _fill(
+        self, chunk: memoryview, offset: int, direct_part: int, hasher: xxhash.xxh3_64 | None
+    ) -> int:
+        """Read ``chunk`` from ``offset`` (its first ``direct_part`` bytes with O_DIRECT),
+        feeding ``hasher`` as bytes arrive; the number of bytes read (short: truncated)."""
+        got = 0
+        if direct_part:
+            assert self.dfd is not None
+            got = pread_full(self.file_ops, self.dfd, chunk[:direct_part], offset)
+        if hasher is not None and got:
+            hasher.update(chunk[:got])
+        if got != direct_part:
+            return got
+        # Buffered: 1 MiB pieces, each hashed right after the kernel copied it (still in
+        # cache), while readahead keeps the device busy.
+        while got < len(chunk):
+            piece = chunk[got : got + _SUB]
+            n = pread_full(self.file_ops, self.fd, piece, offset + got)
+            if hasher is not None:
+                hasher.update(piece[:n])
+            got += n
+            if n < len(piece):
+                break
+        return got
+
+    def _read_done(self, offset: int, length: int) -> None:
+        """Drop the page cache :data:`_BEHIND` chunks back (buffered reads only)."""
+        if self.drop_behind is None:
+            return
+        self.behind.append((offset, length))
+        while len(self.behind) > _BEHIND:
+            self.drop_behind(self.fd, *self.behind.popleft())
 
 
 def _read_blocks(
