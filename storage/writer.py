@@ -471,10 +471,7 @@ def write_single(
     if len(slots) != len(tensors):
         raise ValueError(f"header has {len(slots)} tensor slots, got {len(tensors)} buffers")
     views = [_segments(t) for t in tensors]
-    for i, (slot, view) in enumerate(zip(slots, views, strict=True)):
-        size = sum(len(seg) for seg in view)
-        if size != slot.nbytes:
-            raise ValueError(f"tensor {i}: {size} bytes, slot says {slot.nbytes}")
+    _check_sizes(slots, views)
     prefix, data_start = encode_file_prefix(placed)
     _check_cancel(cancel)
     tmp = _TmpFile(path, file_ops, direct=_DIRECT_DEFAULT if direct is None else direct)
@@ -489,10 +486,7 @@ def write_single(
             where = data_start + (slot.off or 0)
             digest = pipeline.write_hashed(view, where, cancel)
             hashed.append(attrs.evolve(slot, xxh3=digest))
-        final = placed.with_slots(hashed)
-        final_prefix, final_start = encode_file_prefix(final)
-        if final_start != data_start or len(final_prefix) != len(prefix):
-            raise AssertionError("header length changed when hashes were filled in")
+        final, final_prefix = _with_hashes(placed, hashed, len(prefix), data_start)
         _check_cancel(cancel)
         pipeline.write(memoryview(final_prefix), 0)
         pipeline.drain()
@@ -508,6 +502,25 @@ def write_single(
         if pipeline is not None:
             pipeline.close()
     return WriteResult(path=tmp.final, header=final, file_bytes=file_bytes)
+
+
+def _check_sizes(slots: Sequence[TensorSlot], views: Sequence[Sequence[memoryview]]) -> None:
+    for i, (slot, view) in enumerate(zip(slots, views, strict=True)):
+        size = sum(len(seg) for seg in view)
+        if size != slot.nbytes:
+            raise ValueError(f"tensor {i}: {size} bytes, slot says {slot.nbytes}")
+
+
+def _with_hashes(
+    placed: Header, hashed: Sequence[TensorSlot], prefix_len: int, data_start: int
+) -> tuple[Header, bytes]:
+    """The placed header with its tensors' hashes, and its file prefix (which must keep the
+    length of the prefix written first: the data after it is already in place)."""
+    final = placed.with_slots(hashed)
+    final_prefix, final_start = encode_file_prefix(final)
+    if final_start != data_start or len(final_prefix) != prefix_len:
+        raise AssertionError("header length changed when hashes were filled in")
+    return final, final_prefix
 
 
 def write_blocks(
@@ -538,37 +551,7 @@ def write_blocks(
         ranges = piece_ranges(slot, block_tokens)
         if len(ranges) != len(slot_pieces):
             raise ValueError(f"tensor {i}: {len(slot_pieces)} pieces, expected {len(ranges)}")
-        batch: list[tuple[str, memoryview]] = []
-        refs: list[BlockRef] = []
-        used = 0
-        for (start, stop), piece in zip(ranges, slot_pieces, strict=True):
-            _check_cancel(cancel)
-            segments = _segments(piece)
-            size = sum(len(seg) for seg in segments)
-            if size != piece_nbytes(slot, start, stop):
-                raise ValueError(f"tensor {i}: piece [{start}, {stop}) has {size} bytes")
-            hasher = hashlib.sha256()
-            for seg in segments:
-                hasher.update(seg)
-            name = hasher.hexdigest()
-            if len(segments) == 1:
-                view = segments[0]
-            elif not segments:
-                view = memoryview(b"")
-            else:
-                if len(staging) < used + size:
-                    grown = max(slot.nbytes, used + size)
-                    staging = memoryview(mmap.mmap(-1, grown)) if not used else staging
-                    if len(staging) < used + size:  # pieces bigger than the slot says
-                        raise ValueError(f"tensor {i}: pieces exceed {slot.nbytes} bytes")
-                view = staging[used : used + size]
-                where = _address(view)
-                for seg in segments:
-                    ctypes.memmove(where, _address(seg), len(seg))
-                    where += len(seg)
-                used += size
-            batch.append((name, view))
-            refs.append(BlockRef(name, size))
+        batch, refs, staging = _hashed_blocks(i, slot, ranges, slot_pieces, staging, cancel)
         _check_cancel(cancel)
         new_bytes += store.put_many(batch)
         blocked.append(attrs.evolve(slot, off=None, xxh3=None, blocks=tuple(refs)))
@@ -580,3 +563,52 @@ def write_blocks(
     return WriteResult(
         path=os.path.abspath(path), header=manifest, file_bytes=len(data), new_block_bytes=new_bytes
     )
+
+
+def _hashed_blocks(
+    index: int,
+    slot: TensorSlot,
+    ranges: Sequence[tuple[int, int]],
+    pieces: Sequence[Segmented],
+    staging: memoryview,
+    cancel: Cancel,
+) -> tuple[list[tuple[str, memoryview]], list[BlockRef], memoryview]:
+    """Tensor ``index``'s pieces as ``(sha256, contiguous bytes)`` blocks, their refs, and
+    the staging buffer (grown to the slot's size when a segmented piece needs it)."""
+    batch: list[tuple[str, memoryview]] = []
+    refs: list[BlockRef] = []
+    used = 0
+    for (start, stop), piece in zip(ranges, pieces, strict=True):
+        _check_cancel(cancel)
+        segments = _segments(piece)
+        size = sum(len(seg) for seg in segments)
+        if size != piece_nbytes(slot, start, stop):
+            raise ValueError(f"tensor {index}: piece [{start}, {stop}) has {size} bytes")
+        hasher = hashlib.sha256()
+        for seg in segments:
+            hasher.update(seg)
+        name = hasher.hexdigest()
+        if len(segments) == 1:
+            view = segments[0]
+        elif not segments:
+            view = memoryview(b"")
+        else:
+            if len(staging) < used + size:
+                grown = max(slot.nbytes, used + size)
+                staging = memoryview(mmap.mmap(-1, grown)) if not used else staging
+                if len(staging) < used + size:  # pieces bigger than the slot says
+                    raise ValueError(f"tensor {index}: pieces exceed {slot.nbytes} bytes")
+            view = staging[used : used + size]
+            _gather(view, segments)
+            used += size
+        batch.append((name, view))
+        refs.append(BlockRef(name, size))
+    return batch, refs, staging
+
+
+def _gather(view: memoryview, segments: Sequence[memoryview]) -> None:
+    """Copy ``segments`` end to end into ``view`` (memmove: the GIL is released)."""
+    where = _address(view)
+    for seg in segments:
+        ctypes.memmove(where, _address(seg), len(seg))
+        where += len(seg)
