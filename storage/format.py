@@ -680,15 +680,7 @@ def parse_header(body: bytes, preamble: Preamble, file_size: int) -> Header:
     codec = f.f_str("codec")
     if codec != CODEC_ID:
         raise CorruptCacheError(f"codec: unknown codec id {codec!r:.80}")
-    layout_raw = f.f_str("layout")
-    if layout_raw not in ("single", "blocks"):
-        raise CorruptCacheError(f"layout: unknown layout {layout_raw!r:.40}")
-    layout: Layout = "single" if layout_raw == "single" else "blocks"
-    block_tokens = f.f_opt_int("block_tokens", 1, MAX_TOKENS)
-    if layout == "blocks" and block_tokens is None:
-        raise CorruptCacheError("block_tokens: missing in the blocks layout")
-    if layout == "single" and block_tokens is not None:
-        raise CorruptCacheError("block_tokens: not allowed in the single layout")
+    layout, block_tokens = _parse_layout(f)
     created_at = f.get("created_at")
     if isinstance(created_at, bool) or not isinstance(created_at, int | float):
         raise CorruptCacheError("created_at: expected a number")
@@ -699,20 +691,10 @@ def parse_header(body: bytes, preamble: Preamble, file_size: int) -> Header:
         _parse_entry(e, f"caches[{i}]", layout, 1, budget)
         for i, e in enumerate(f.f_list("caches", MAX_ENTRIES))
     )
-    attachments: list[Attachment] = []
-    for i, raw in enumerate(f.f_list("attachments", MAX_ATTACHMENTS)):
-        path = f"attachments[{i}]"
-        a = _Fields(raw, path, frozenset({"schema", "metadata", "tensors"}))
-        attachments.append(
-            Attachment(
-                schema=a.f_str("schema"),
-                metadata=_check_str_map(a.get("metadata"), a.name("metadata")),
-                tensors=tuple(
-                    _parse_slot(s, f"{a.name('tensors')}[{j}]", layout)
-                    for j, s in enumerate(a.f_list("tensors", MAX_TENSORS_PER_ENTRY))
-                ),
-            )
-        )
+    attachments = [
+        _parse_attachment(raw, f"attachments[{i}]", layout)
+        for i, raw in enumerate(f.f_list("attachments", MAX_ATTACHMENTS))
+    ]
     header = Header(
         layout=layout,
         tokens=tokens,
@@ -731,6 +713,32 @@ def parse_header(body: bytes, preamble: Preamble, file_size: int) -> Header:
     else:
         _check_blocks(header)
     return header
+
+
+def _parse_layout(f: _Fields) -> tuple[Layout, int | None]:
+    """The header's ``layout`` and ``block_tokens`` (present exactly in the blocks layout)."""
+    layout_raw = f.f_str("layout")
+    if layout_raw not in ("single", "blocks"):
+        raise CorruptCacheError(f"layout: unknown layout {layout_raw!r:.40}")
+    layout: Layout = "single" if layout_raw == "single" else "blocks"
+    block_tokens = f.f_opt_int("block_tokens", 1, MAX_TOKENS)
+    if layout == "blocks" and block_tokens is None:
+        raise CorruptCacheError("block_tokens: missing in the blocks layout")
+    if layout == "single" and block_tokens is not None:
+        raise CorruptCacheError("block_tokens: not allowed in the single layout")
+    return layout, block_tokens
+
+
+def _parse_attachment(raw: Any, path: str, layout: Layout) -> Attachment:
+    a = _Fields(raw, path, frozenset({"schema", "metadata", "tensors"}))
+    return Attachment(
+        schema=a.f_str("schema"),
+        metadata=_check_str_map(a.get("metadata"), a.name("metadata")),
+        tensors=tuple(
+            _parse_slot(s, f"{a.name('tensors')}[{j}]", layout)
+            for j, s in enumerate(a.f_list("tensors", MAX_TENSORS_PER_ENTRY))
+        ),
+    )
 
 
 def _check_blocks(header: Header) -> None:

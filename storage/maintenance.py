@@ -155,6 +155,23 @@ def collect_garbage(
     )
 
 
+def _verify_file(path: str, store: BlockStore | None, file_ops: FileOps) -> list[str]:
+    """Recheck one cache file's tensor hashes, or list the blocks its manifest names that
+    ``store`` lacks (raises CorruptCacheError, CacheMissError, OSError)."""
+    cache_file = read_header(path, file_ops=file_ops)
+    header = cache_file.header
+    if header.layout == "single":
+        bufs = allocate_buffers(header)
+        views = [[memoryview(b) for b in pieces] for pieces in bufs]
+        read_tensors(cache_file, views, verify=True, file_ops=file_ops)
+        return []
+    if store is None:
+        return []
+    refs = [r.sha256 for s in header.slots() for r in s.blocks or ()]
+    present = store.has_many(refs)
+    return [r for r, ok in zip(refs, present, strict=True) if not ok]
+
+
 def verify_tree(
     manifest_dir: str,
     store: BlockStore | None = None,
@@ -186,16 +203,7 @@ def verify_tree(
     missing: list[tuple[str, str]] = []
     for path in paths:
         try:
-            cache_file = read_header(path, file_ops=file_ops)
-            header = cache_file.header
-            if header.layout == "single":
-                bufs = allocate_buffers(header)
-                views = [[memoryview(b) for b in pieces] for pieces in bufs]
-                read_tensors(cache_file, views, verify=True, file_ops=file_ops)
-            elif store is not None:
-                refs = [r.sha256 for s in header.slots() for r in s.blocks or ()]
-                present = store.has_many(refs)
-                missing.extend((path, r) for r, ok in zip(refs, present, strict=True) if not ok)
+            missing.extend((path, r) for r in _verify_file(path, store, file_ops))
         except (CorruptCacheError, CacheMissError, OSError) as exc:
             bad_files.append((path, str(exc)))
             step()
