@@ -399,16 +399,7 @@ def _receive_expected(
     it are complete), and the caller parses the rest from the bytes handed back. Never
     reads past the expected replies: the buffers hold exactly that many bytes.
     """
-    count = len(views)
-    heads = [b"$%d\r\n" % len(view) for view in views]
-    expected = [heads[0], *(b"\r\n" + head for head in heads[1:]), b"\r\n"]
-    smalls = [bytearray(len(e)) for e in expected]
-    # bufs[2i]: the framing before block i (piece i); bufs[2i + 1]: block i; then the CRLF.
-    bufs: list[memoryview] = []
-    for i in range(count):
-        bufs.append(memoryview(smalls[i]))
-        bufs.append(views[i])
-    bufs.append(memoryview(smalls[count]))
+    expected, smalls, bufs = _expected_framing(views)
     total = len(bufs)
     k = 0  # the buffer being filled
     off = 0  # bytes of it filled
@@ -428,15 +419,8 @@ def _receive_expected(
             piece = k // 2
             if k % 2 == 0 and smalls[piece][off : off + step] != expected[piece][off : off + step]:
                 # Hand back every byte received from the start of this piece on.
-                rest = [bytes(smalls[piece][: off + step])]
-                got -= step
-                j = k + 1
-                while got:
-                    take = min(len(bufs[j]), got)
-                    rest.append(bytes(bufs[j][:take]))
-                    got -= take
-                    j += 1
-                raise _Misaligned(piece, b"".join(rest))
+                head = bytes(smalls[piece][: off + step])
+                raise _Misaligned(piece, _received_from(head, bufs, k + 1, got - step))
             off += step
             got -= step
             if k % 2 and progress is not None and off < len(bufs[k]):
@@ -446,6 +430,36 @@ def _receive_expected(
                     done(k // 2)
                 k += 1
                 off = 0
+
+
+def _expected_framing(
+    views: Sequence[memoryview],
+) -> tuple[list[bytes], list[bytearray], list[memoryview]]:
+    """The framing expected around blocks of ``len(views[i])`` bytes (piece ``i``: the
+    CRLF ending the previous reply and ``$<size>`` CRLF; then a last CRLF), a buffer to
+    receive each piece, and the scatter list: ``bufs[2i]`` the framing before block
+    ``i``, ``bufs[2i + 1]`` block ``i``, then the last CRLF."""
+    count = len(views)
+    heads = [b"$%d\r\n" % len(view) for view in views]
+    expected = [heads[0], *(b"\r\n" + head for head in heads[1:]), b"\r\n"]
+    smalls = [bytearray(len(e)) for e in expected]
+    bufs: list[memoryview] = []
+    for i in range(count):
+        bufs.append(memoryview(smalls[i]))
+        bufs.append(views[i])
+    bufs.append(memoryview(smalls[count]))
+    return expected, smalls, bufs
+
+
+def _received_from(head: bytes, bufs: Sequence[memoryview], j: int, got: int) -> bytes:
+    """``head`` and the ``got`` bytes one receive scattered from ``bufs[j]`` on."""
+    rest = [head]
+    while got:
+        take = min(len(bufs[j]), got)
+        rest.append(bytes(bufs[j][:take]))
+        got -= take
+        j += 1
+    return b"".join(rest)
 
 
 class _Verifier:
