@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 from kvtrio.storage.cacheio import AttachmentData, materialize, restore, snapshot
 from kvtrio.storage.dtypes import DTYPES
-from kvtrio.storage.format import DTYPE_SIZES
+from kvtrio.storage.format import DTYPE_SIZES, Layout
 from kvtrio.storage.hostbuffers import MX_DTYPES, NP_DTYPES, dtype_name
 
 
@@ -34,7 +34,7 @@ def test_header_item_sizes_are_the_mlx_and_numpy_item_sizes() -> None:
 
 
 @pytest.mark.parametrize("layout", ["single", "blocks"])
-def test_every_dtype_round_trips_through_a_file(tmp_path: Path, layout: str) -> None:
+def test_every_dtype_round_trips_through_a_file(tmp_path: Path, layout: Layout) -> None:
     arrays = _one_of_each()
     attachment = AttachmentData("all-dtypes", {}, arrays)
     meta: dict[str, Any] = {"attachments": [attachment]}

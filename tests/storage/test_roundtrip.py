@@ -11,8 +11,8 @@ import mlx.core as mx
 import pytest
 from kvtrio.errors import CacheMismatchError
 from kvtrio.storage.cacheio import AttachmentData
-from kvtrio.storage.structure import trim_caches
 from kvtrio.storage.format import Layout
+from kvtrio.storage.structure import trim_caches
 from mlx_lm.models import cache as _mlx_cache_module
 
 from .conftest import BUILDERS, EMPTY_BUILDERS, assert_same, kv, logical_state
