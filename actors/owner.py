@@ -1,6 +1,6 @@
 """MlxOwner: the one thread that touches MLX.
 
-Theory of operation (DESIGN.md "Threads, and who may touch what"):
+Theory of operation (docs/design.md "Threads, and who may touch what"):
 
 1. Every ``mlx.core`` call kvtrio makes runs as a job on the owner's executor: one
    dedicated OS thread in production (:meth:`MlxOwner.dedicated`), the trio thread in

@@ -3,7 +3,7 @@
 A :class:`Snapshot` is what the owner's ``snapshot`` returns: the storage codec's
 :class:`~kvtrio.storage.cacheio.CacheSnapshot` (the planned header, no placement yet, and
 the lazy MLX views of every tensor slot in ``header.slots()`` order) and the byte count
-the views pin. It is immutable (DESIGN.md invariant 1: the views were made
+the views pin. It is immutable (docs/design.md invariant 1: the views were made
 by the owner at snapshot time, so later appends, trims or ``__setitem__`` on the live
 cache cannot change them). Its owner must call :meth:`Snapshot.release` exactly once,
 on every settle path (invariant 2); the :class:`SnapshotLedger` counts live snapshots so

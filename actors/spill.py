@@ -1,6 +1,6 @@
 """Spill: a serial write-behind queue of snapshots under a byte cap.
 
-Theory of operation (DESIGN.md invariant 3, the seed's SpillQueue)
+Theory of operation (docs/design.md invariant 3, the seed's SpillQueue)
 ------------------------------------------------------------------
 Items are immutable snapshots that pin memory until they are stored. The queue
 keeps these rules, and :class:`SpillQueue` is the one place that keeps them:

@@ -20,7 +20,7 @@ Theory of operation
 2. The spill stores one snapshot at a time, in order: the owner materializes it in short
    jobs (``eval``, then segments of the live buffer, or a contiguous copy where the
    strides do not allow that), then the writer publishes it durably from a worker thread.
-   The snapshot is released exactly once when its ticket settles (invariant 2); the
+   The snapshot is released exactly once when its ticket settles (docs/design.md invariant 2); the
    ledger in :meth:`ColdTier.statistics` counts the live ones.
 3. ``load`` reads and validates the header on a worker thread, checks ``expect``, has
    the owner allocate the destination arrays (one job per tensor), reads the tensors

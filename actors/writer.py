@@ -4,7 +4,7 @@ The writer sees only immutable host bytes (memoryviews the owner materialized) a
 imports MLX. Each write is one job on the runtime's :class:`~kvtrio.runtime.offload.Offload`
 (worker threads behind a capacity limit); trio cancellation sets the job's cancel token,
 the storage core stops at its next tensor, chunk or block boundary, removes its tmp file
-and returns, and only then does the caller see the cancellation (DESIGN.md invariant 6).
+and returns, and only then does the caller see the cancellation (docs/design.md invariant 6).
 No final file exists after a cancelled or failed write (invariant 4).
 
 Which write path (``direct``): ``None`` (the default) keeps storage's default, buffered

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Promises under test (DESIGN.md, untrusted-header rules; invariant 4):
+Promises under test (docs/design.md, untrusted-header rules; invariant 4):
 
 1. Only CorruptCacheError (or, for a manifest naming an absent block, CacheMissError: a
    clean miss) escapes a load of a hostile file; never another exception, never a hang.

@@ -9,7 +9,7 @@ and a producer that submits items of fresh memory at twice that rate for the soa
 duration (3 s in CI, 60 s with ``--full``). A sampler checks, every 10 ms and after every
 submission:
 
-1. pending bytes never exceed the cap plus one item (invariant 3's soft cap);
+1. pending bytes never exceed the cap plus one item (docs/design.md invariant 3's soft cap);
 2. RSS stays bounded: its growth over the run stays under the cap plus a few items plus
    a fixed allowance, while the producer offers many times that much;
 3. every ticket settles once the queue is closed and drained, and the counts add up:

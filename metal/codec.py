@@ -8,7 +8,8 @@ Theory of operation:
    block layout along the token axis. Saved with ``block_tokens`` equal to the pool's block
    size, each stored block is the content of one physical block, named by its sha256, so
    sequences sharing a prompt prefix share those files on disk.
-2. The snapshot is an immutable view (invariant 1): it reads the pool arrays captured at
+2. The snapshot is an immutable view (docs/design.md invariant 1): it reads the pool arrays
+captured at
    snapshot time; later appends, copy-on-write or release rebind the pool's arrays.
 3. The header fields keep the pool geometry, the block table, the pool's id and each
    block's epoch. On load the table is restored: into a private pool (the saved physical

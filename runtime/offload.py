@@ -8,7 +8,7 @@ boundary). Theory of operation:
    waiting for a slot never starts its job.
 2. When the calling task is cancelled while the job runs, the token is set and the caller
    keeps waiting - shielded - until the thread returns. A worker thread holding borrowed
-   buffers is never abandoned (DESIGN.md invariant 6).
+   buffers is never abandoned (docs/design.md invariant 6).
 3. Then the cancellation is re-raised. A job that ended with ``OperationCancelled`` (it saw
    the token) is reported as the trio cancellation; any other error it raised wins.
 

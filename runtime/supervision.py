@@ -5,7 +5,7 @@
 :class:`Restart` restarts the actor in place, keeping its mailbox, at most
 ``max_restarts`` times within any ``within`` seconds (OTP's intensity and period); the
 crash after that escalates. Before each restart it waits an exponential backoff with
-jitter, measured on trio's clock (DESIGN.md invariant 7), so MockClock tests are exact.
+jitter, measured on trio's clock (docs/design.md invariant 7), so MockClock tests are exact.
 """
 
 from __future__ import annotations

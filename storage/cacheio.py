@@ -1,6 +1,6 @@
 """Cache I/O on the MLX side: mlx-lm cache objects <-> header plan + host tensors.
 
-Everything here touches ``mlx.core`` and runs on the MLX owner thread only (DESIGN.md
+Everything here touches ``mlx.core`` and runs on the MLX owner thread only (docs/design.md
 "Threads"); the CPU side (:mod:`~kvtrio.storage.writer`, :mod:`~kvtrio.storage.reader`)
 works on the memoryviews and header records this module produces and consumes. Each
 cache is encoded by its codec (:mod:`kvtrio.storage.codecs`; mlx-lm's in

@@ -16,7 +16,7 @@ writeback of a range just written (``sync_file_range(SYNC_FILE_RANGE_WRITE)``) a
 reuses a few MiB of page cache instead of filling it. They are not durability: the
 writers still fsync the file, rename, and fsync the directory.
 
-Durability helpers (DESIGN.md invariant 5): :meth:`FileOps.fsync` is ``F_FULLFSYNC`` on
+Durability helpers (docs/design.md invariant 5): :meth:`FileOps.fsync` is ``F_FULLFSYNC`` on
 macOS (a plain fsync there does not flush the drive's cache) and ``fsync`` elsewhere;
 :meth:`FileOps.fsync_dir` fsyncs a directory so a rename inside it is durable.
 """

@@ -12,7 +12,8 @@ A manifest (layout ``"blocks"``) is the preamble and header alone; each tensor s
 names a list of sha256 blocks held by a :class:`~kvtrio.storage.blockstore.BlockStore`.
 docs/format.md is the user-facing description.
 
-Theory of operation (the untrusted-header rules of DESIGN.md, kept by :func:`parse_header`):
+Theory of operation (docs/format.md's validation rules, docs/design.md invariant 4, kept by
+:func:`parse_header`):
 
 1. Nothing in the header is trusted before the preamble (magic, version, length cap,
    header inside the file) and the header's xxh3-64 have been checked.

@@ -14,7 +14,7 @@ store's manifests. The mapping keeps the writer's rules:
 1. A tmp file (``open`` with ``O_CREAT | O_EXCL``) lives in memory; ``rename`` onto a
    manifest name is the atomic publication (``ManifestStore.put``). No reader ever sees a
    partial manifest, and a write that fails or is cancelled before its rename leaves
-   nothing in the store (invariant 4).
+   nothing in the store (docs/design.md invariant 4).
 2. ``fsync`` and ``fsync_dir`` are no-ops: ``put`` returns once the store has it (for
    Redis, its persistence settings decide what survives a restart of Redis itself).
 3. A manifest that is absent is ``FileNotFoundError``, as a missing file is; a store that

@@ -12,7 +12,8 @@ host buffers (on any thread) between them:
    checks every tensor's xxh3-64 (single) or every block's sha256 (blocks) before
    returning. :func:`allocate_buffers` makes suitable zero-filled buffers.
 
-Invariant 4: a reader never returns bytes it has not checked against the header's hashes
+docs/design.md invariant 4: a reader never returns bytes it has not checked against the header's
+hashes
 when asked to verify, and never trusts a header field it has not bounds-checked. Every
 validation failure is a CorruptCacheError naming the field; a missing block is a
 CacheMissError (a clean miss). ``cancel()`` is polled at every tensor, chunk and block

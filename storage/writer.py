@@ -13,7 +13,7 @@ produced them with :func:`kvtrio.storage.cacheio.materialize_tensor`).
   (KV tensors token-block-major, so a shared prefix is shared blocks). Blocks go to
   ``store`` and are durable before the manifest naming them is published.
 
-Theory of operation (DESIGN.md invariants 4, 5 and 6):
+Theory of operation (docs/design.md invariants 4, 5 and 6):
 
 1. Bytes go to a tmp file created O_EXCL, mode 0600, in the target's own directory
    (so the rename cannot cross filesystems), named ``.<name>.<random>.kvtrio-tmp``.

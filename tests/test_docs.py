@@ -64,3 +64,34 @@ def test_python_blocks_run(doc: Path, tmp_path: Path) -> None:
         [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, f"{doc.name}'s blocks failed:\n{out.stdout}\n{out.stderr}"
+
+
+def _sources() -> list[Path]:
+    skip = {".venv", "build", ".git"}
+    return sorted(
+        p for p in ROOT.rglob("*") if p.suffix in {".py", ".md"} and p.is_file()
+        and not any(part in skip or part.startswith(".") for part in p.relative_to(ROOT).parts)
+    )
+
+
+def test_cited_invariants_are_docs_design_mds() -> None:
+    """Code and tests cite invariants by number: the file names docs/design.md, and the
+    number is one of the invariants listed there."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    numbers = {int(n) for n in re.findall(r"^(\d+)\. \*\*", design, re.M)}
+    assert numbers == set(range(1, len(numbers) + 1)), "invariants are numbered 1..N"
+    for path in _sources():
+        if path.suffix != ".py":
+            continue
+        text = path.read_text()
+        cited = {int(n) for n in re.findall(r"\b[Ii]nvariants? (\d+)", text)}
+        if cited:
+            where = path.relative_to(ROOT)
+            assert "docs/design.md" in text, f"{where} cites invariants without docs/design.md"
+            assert cited <= numbers, f"{where} cites unknown invariants {cited - numbers}"
+
+
+def test_every_cited_document_exists() -> None:
+    for path in _sources():
+        for doc in set(re.findall(r"\b(?:docs/[\w.-]+\.md|DESIGN\.md)\b", path.read_text())):
+            assert (ROOT / doc).is_file(), f"{path.relative_to(ROOT)} cites missing {doc}"

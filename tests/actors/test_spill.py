@@ -1,4 +1,5 @@
-"""Spill: one test per rule of invariant 3 and the ticket / release contract (invariant 2)."""
+"""Spill: one test per rule of docs/design.md invariant 3 and the ticket / release contract
+(invariant 2)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ TOKENS = list(range(1, 300))
 async def test_save_then_load_is_bit_exact_and_mlx_stays_on_the_owner(
     tmp_path: Path, prefilled: Prefill, kv_bytes: Dump, layout: str
 ) -> None:
-    """Invariant 2 too: no snapshot is left live after the tier closes."""
+    """docs/design.md invariant 2 too: no snapshot is left live after the tier closes."""
     async with MlxOwner.dedicated() as owner:
         with mlx_thread_guard(owner.is_owner_thread) as guard:
             async with ColdTier.open(tmp_path, owner=owner, layout=layout) as tier:  # type: ignore[arg-type]

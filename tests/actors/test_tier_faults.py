@@ -86,7 +86,8 @@ def kv_caches(layers: int, tokens: int) -> list[Any]:
 async def test_cancel_mid_write_removes_the_tmp_file_and_publishes_nothing(
     tmp_path: Path,
 ) -> None:
-    """Invariant 6: the worker stops at the next tensor boundary, removes its tmp file,
+    """docs/design.md invariant 6: the worker stops at the next tensor boundary, removes its tmp
+    file,
     and only then does the ticket settle CANCELLED; no final file ever appears.
 
     The first data write is parked; the writer cannot get past the following tensors

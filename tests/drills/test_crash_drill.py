@@ -8,7 +8,8 @@ from kvtrio.tests.drills.helpers import run_drill_cli
 
 
 def test_crash_matrix_loses_nothing_acknowledged_and_shows_nothing_torn(tmp_path: Path) -> None:
-    """Invariants 4 and 5: after kill -9 (at every file-operation site, at random times,
+    """docs/design.md invariants 4 and 5: after kill -9 (at every file-operation site, at random
+    times,
     and with unsynced data dropped), no final name is torn, every acknowledged save loads
     bit-exact, dangling references are clean misses and GC collects the debris."""
     figures = run_drill_cli("crash", tmp_path)

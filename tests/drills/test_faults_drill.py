@@ -10,7 +10,8 @@ from kvtrio.tests.drills.helpers import run_drill_cli
 def test_an_io_error_at_every_site_is_typed_leaves_nothing_and_the_queue_serves_on(
     tmp_path: Path,
 ) -> None:
-    """Invariants 2, 4 and 5: EIO at each open, write, fsync, rename, fsync_dir, read (and
+    """docs/design.md invariants 2, 4 and 5: EIO at each open, write, fsync, rename, fsync_dir,
+    read (and
     unlink, listdir, mkdir) of every save, load and GC path: a typed error or a FAILED
     ticket, no final name, no tmp file, every snapshot released, the next save works."""
     figures = run_drill_cli("faults", tmp_path)

@@ -10,7 +10,7 @@ from kvtrio.tests.drills.helpers import run_drill_cli
 
 
 def test_gc_never_deletes_a_referenced_block_in_10000_interleavings(tmp_path: Path) -> None:
-    """GC's grace period (DESIGN.md, GC): across seeded interleavings of a dedup writer,
+    """GC's grace period (docs/design.md, GC): across seeded interleavings of a dedup writer,
     a writer that deletes a manifest, and a GC pass, no manifest names a deleted block
     and every acknowledged save loads."""
     figures = run_drill_cli("gcrace", tmp_path)

@@ -17,7 +17,7 @@ EXPECTED: dict[str, dict[str, str]] = json.loads((CORPUS / "expected.json").read
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_each_corpus_file_is_refused_naming_the_field_at_fault(name: str, tmp_path: Path) -> None:
-    """Invariant 4, untrusted-header rules: each crafted file breaks one rule; a load
+    """docs/design.md invariant 4, untrusted-header rules: each crafted file breaks one rule; a load
     through kvtrio.load_cache raises exactly the expected error, whose message starts
     with the field at fault."""
     expected = EXPECTED[name]

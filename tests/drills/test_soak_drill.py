@@ -10,7 +10,8 @@ from kvtrio.tests.drills.helpers import run_drill_cli
 def test_spill_at_twice_the_disk_rate_holds_the_cap_and_settles_every_ticket(
     tmp_path: Path,
 ) -> None:
-    """Invariants 2 and 3 under overload: pending bytes never exceed the cap plus one item,
+    """docs/design.md invariants 2 and 3 under overload: pending bytes never exceed the cap plus
+    one item,
     RSS growth stays bounded, every ticket settles and each item is released once."""
     figures = run_drill_cli("soak", tmp_path)
     assert figures["soak seconds"] >= 3.0

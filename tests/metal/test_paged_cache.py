@@ -169,7 +169,8 @@ def test_trim_all_empties_the_cache() -> None:
 
 
 def test_view_is_immutable_after_appends_cow_and_release() -> None:
-    """Invariant 1: a view taken now keeps its contents whatever the sequence does next."""
+    """docs/design.md invariant 1: a view taken now keeps its contents whatever the sequence does
+    next."""
     pool = BlockPool(16, KV_HEADS, 4, HEAD_DIM, dtype=mx.float16)
     cache = PagedKVCache(pool)
     first = mx.random.normal((1, KV_HEADS, 6, HEAD_DIM)).astype(mx.float16)

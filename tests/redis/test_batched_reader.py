@@ -1,6 +1,7 @@
 """The block-layout reader over Redis: batched round trips, still verifying every block.
 
-Invariant 4: a reader never returns bytes it has not checked against the header's hashes;
+docs/design.md invariant 4: a reader never returns bytes it has not checked against the header's
+hashes;
 with a batched store every block of a batch is re-hashed, a missing one is a clean
 CacheMissError and a corrupted or resized one a CorruptCacheError.
 """

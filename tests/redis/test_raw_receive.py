@@ -3,7 +3,7 @@
 when the replies differ (misses, resized blocks, error replies), re-hashing on arrival
 (``verify=True``) on the receiving thread or on helper threads (``HASH_THREADS``), and the
 public-API path when redis-py's connection has no raw socket.
-Invariant 4: a verified read never returns bytes that do not hash to their name.
+docs/design.md invariant 4: a verified read never returns bytes that do not hash to their name.
 """
 
 from __future__ import annotations

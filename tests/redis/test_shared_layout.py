@@ -121,7 +121,8 @@ def test_missing_manifest_is_file_not_found(tmp_path: Path, redis_url: str) -> N
 
 
 def test_failed_write_publishes_no_manifest(tmp_path: Path, redis_url: str) -> None:
-    """Invariant 4 through ManifestFileOps: a write that fails before rename leaves nothing."""
+    """docs/design.md invariant 4 through ManifestFileOps: a write that fails before rename leaves
+    nothing."""
     blocks, manifests = open_store(redis_url)
     file_ops = ManifestFileOps(manifests, str(tmp_path / "manifests"))
     header, arrays = host.synthetic_cache(32)

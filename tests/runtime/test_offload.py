@@ -36,7 +36,8 @@ async def test_job_gets_token_and_args_and_runs_on_a_worker_thread() -> None:
 
 
 async def test_cancellation_sets_token_and_waits_for_the_thread() -> None:
-    """Invariant 6: on cancellation the worker thread is told to stop and waited for, never
+    """docs/design.md invariant 6: on cancellation the worker thread is told to stop and waited
+    for, never
     abandoned; the caller then sees the trio cancellation."""
     started = threading.Event()
     returned = threading.Event()

@@ -75,7 +75,8 @@ async def test_intake_stops_for_outsiders_but_actors_may_still_talk_while_draini
 async def test_stuck_actor_is_cancelled_at_the_deadline_and_not_before(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Deadline (Invariant 7: trio's clock): a handler that never finishes is cancelled
+    """Deadline (docs/design.md invariant 7: trio's clock): a handler that never finishes is
+    cancelled
     exactly at `grace`, not before; the message queued behind it is counted as dropped and
     its asker gets ShuttingDown."""
     stuck = Counter()

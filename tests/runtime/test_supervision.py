@@ -106,7 +106,8 @@ async def test_crashes_spread_wider_than_the_window_keep_restarting(
 async def test_backoff_delays_are_exact_in_virtual_time(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Backoff, Invariant 7: restarts wait initial * factor**k (capped), measured on trio's
+    """Backoff, docs/design.md invariant 7: restarts wait initial * factor**k (capped), measured on
+    trio's
     clock, so the delays are exact under MockClock."""
     trace = Trace()
     policy = Restart(

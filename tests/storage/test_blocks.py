@@ -65,7 +65,7 @@ def test_same_cache_twice_stores_nothing_new(tmp_path: Path) -> None:
 
 
 def test_blocks_are_durable_before_the_manifest_is_published(tmp_path: Path) -> None:
-    """Invariant 5: every block put (and fsynced) precedes the manifest's rename."""
+    """docs/design.md invariant 5: every block put (and fsynced) precedes the manifest's rename."""
     events: list[str] = []
     ops = FaultyFileOps(OS_FILE_OPS, events.append)
     store = LocalBlockStore(str(tmp_path / "blocks"), file_ops=ops)

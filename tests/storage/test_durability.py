@@ -1,6 +1,6 @@
 """Durable writes: publication order, fault injection at every step, cancellation.
 
-Invariant 4: no final file name ever names a partial or unverified file.
+docs/design.md invariant 4: no final file name ever names a partial or unverified file.
 Invariant 5: a durable acknowledgement means fsync(file), rename, fsync(dir) returned.
 Invariant 6: a cancelled job stops at a tensor/block boundary and removes its tmp file.
 """

@@ -1,6 +1,7 @@
 """Fuzzing untrusted input: only CorruptCacheError ever escapes, allocations stay bounded.
 
-Invariant 4: a reader never trusts a header field it has not bounds-checked. Mutations and
+docs/design.md invariant 4: a reader never trusts a header field it has not bounds-checked.
+Mutations and
 truncations of valid files, structurally mutated headers re-sealed with a correct hash
 (so validation, not the hash, must catch them) and random headers. ~10 s here; the drills
 run the long version.

@@ -1,7 +1,8 @@
 """Pre-faulting load destinations (storage/memadvise.py), the reader's optional helper
 threads, and destinations allocated without a zero fill (hostbuffers._untouched_uint8).
 
-Invariant 4: a reader never returns bytes it has not checked against the header's hashes
+docs/design.md invariant 4: a reader never returns bytes it has not checked against the header's
+hashes
 when asked to verify — with the verify thread and the pre-fault thread on as well.
 """
 

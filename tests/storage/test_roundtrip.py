@@ -83,7 +83,7 @@ def test_header_records_model_identity_and_meta(tmp_path: Path) -> None:
 
 
 def test_published_file_is_private_and_no_tmp_is_left(tmp_path: Path) -> None:
-    """Invariant 4: only the final name remains, mode 0600."""
+    """docs/design.md invariant 4: only the final name remains, mode 0600."""
     kvtrio.save_cache(tmp_path / "p.kvt", [1, 2], [BUILDERS["kv"]()])
     assert os.listdir(tmp_path) == ["p.kvt"]
     assert (tmp_path / "p.kvt").stat().st_mode & 0o777 == 0o600

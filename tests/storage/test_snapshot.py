@@ -1,4 +1,4 @@
-"""Invariant 1: a snapshot is an independent immutable view of the live caches."""
+"""docs/design.md invariant 1: a snapshot is an independent immutable view of the live caches."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Buffered streaming saves: write-behind hints, the hash thread, and the same bytes.
 
-Invariant 4: no final file name ever names a partial or unverified file.
+docs/design.md invariant 4: no final file name ever names a partial or unverified file.
 Invariant 5: a durable acknowledgement means fsync(file), rename, fsync(dir) returned;
 the write-behind hints (sync_file_range, fadvise) come before the fsync and replace none
 of it.

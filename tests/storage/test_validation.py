@@ -1,4 +1,6 @@
-"""One named test per untrusted-header rule (DESIGN.md "Untrusted-header rules").
+"""One named test per untrusted-header rule (docs/format.md "Validation rules").
+
+docs/design.md invariant 4 is what they guard together.
 
 Invariant 4: a reader never trusts a header field it has not bounds-checked, and never
 returns bytes it has not checked against the header's hashes when asked to verify.

@@ -97,7 +97,8 @@ def test_block_layout_bytes_equal_the_copying_path(
 
 
 def test_setitem_after_materialize_cannot_reach_the_segments() -> None:
-    """Invariant 1: an in-place write into the live cache after a zero-copy materialize
+    """docs/design.md invariant 1: an in-place write into the live cache after a zero-copy
+    materialize
     lands in a new buffer (MLX donates only a buffer with one owner)."""
     live = make_kv([300, 1, 1])
     host: list[Any] = materialize(snapshot([live], [1]))
