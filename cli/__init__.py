@@ -94,7 +94,7 @@ BENCHES: dict[str, Command] = {
         "kvtrio.bench.storage",
     ),
     "tier": Command(
-        "cold tier end to end: save/load GB/s and the event loop's heartbeat lateness",
+        "cold tier: save/load GB/s vs O_DIRECT and mlx-lm; event-loop lag during both",
         "kvtrio.bench.tier",
     ),
     "redis": Command(
