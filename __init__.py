@@ -9,6 +9,7 @@ imports neither MLX nor trio):
   MLX);
 - scripts: :func:`save_cache`, :func:`load_cache`, :class:`Expect`, :func:`import_mlx_lm`,
   :func:`export_mlx_lm`, :func:`config_fingerprint`;
+- :class:`IoOptions`, the I/O paths' tuning, passed as ``options=`` (docs/tuning.md);
 - the errors, all subclasses of :class:`KvtrioError`.
 
 The runtime (actors, supervision, shutdown) is :mod:`kvtrio.runtime`; the storage layer
@@ -41,12 +42,14 @@ if TYPE_CHECKING:
     from kvtrio.actors.tiered import Tier, TieredPromptCache, WritePolicy, open_tiered_cache
     from kvtrio.api import Expect, LoadedCache, export_mlx_lm, import_mlx_lm, load_cache, save_cache
     from kvtrio.storage.fingerprint import config_fingerprint
+    from kvtrio.storage.options import IoOptions
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
     "ColdTier": "kvtrio.actors.tier",
     "Expect": "kvtrio.api",
+    "IoOptions": "kvtrio.storage.options",
     "LoadedCache": "kvtrio.api",
     "MlxOwner": "kvtrio.actors.owner",
     "ModelKey": "kvtrio.actors.prefix",
@@ -70,6 +73,7 @@ __all__ = [
     "ColdTier",
     "CorruptCacheError",
     "Expect",
+    "IoOptions",
     "KvtrioError",
     "LoadedCache",
     "MlxOwner",

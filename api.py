@@ -31,9 +31,9 @@ from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
 from kvtrio.storage.cacheio import AttachmentData, Restored, adopt, materialize, snapshot
 from kvtrio.storage.format import Header, Layout
 from kvtrio.storage.hostbuffers import LoadBuffers, allocate_slot, check_allocatable
+from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 from kvtrio.storage.reader import CacheFile, check_blocks, read_header, read_tensors
 from kvtrio.storage.structure import cache_structure, header_structure
-from kvtrio.storage.tuning import env_int
 from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult, write_blocks, write_single
 
 __all__ = [
@@ -48,16 +48,6 @@ __all__ = [
 
 LoadedCache = Restored
 
-
-def _read_threads_from_env() -> int:
-    """Threads reading one :func:`load_cache`'s tensors, one tensor per task, each checking
-    its own tensor's hash: 4 (as MLX's own file reader), or ``KVTRIO_LOAD_THREADS``.
-    Measured (docs/benchmarks.md): 4 threads load 1.1-1.2x faster than 2 on the 2-vCPU
-    development VM and on a 16-core host, where a load waits mostly on the device."""
-    return env_int("KVTRIO_LOAD_THREADS", 4, 1)
-
-
-_READ_THREADS = _read_threads_from_env()
 _HEADER_META_KEYS = frozenset({"model_id", "config_fingerprint", "attachments"})
 
 
@@ -144,14 +134,16 @@ def save_cache(
     layout: Layout = "single",
     store: BlockStore | None = None,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    options: IoOptions = DEFAULT_IO_OPTIONS,
 ) -> WriteResult:
     """Durably save ``caches`` (mlx-lm cache objects) holding ``tokens`` to ``path``.
 
     ``meta`` keys ``model_id`` and ``config_fingerprint`` (str) go into the header fields
     of those names, ``attachments`` (a sequence of
     :class:`~kvtrio.storage.cacheio.AttachmentData`) are saved beside the caches, and every
-    other key must map to a string and is kept in the header's ``meta``. Returns after
-    fsync(file), rename and fsync(dir).
+    other key must map to a string and is kept in the header's ``meta``. ``options``
+    tune the I/O (:class:`~kvtrio.storage.options.IoOptions`; docs/tuning.md), never the
+    bytes written. Returns after fsync(file), rename and fsync(dir).
     """
     meta = dict(meta or {})
     attachments: Sequence[AttachmentData] = meta.get("attachments") or ()
@@ -169,10 +161,11 @@ def save_cache(
     )
     target = os.fspath(path)
     if layout == "single":
-        host = materialize(snap)
-        return write_single(target, snap.header, [h.segments[0] for h in host])
+        host = materialize(snap, options=options)
+        segments = [h.segments[0] for h in host]
+        return write_single(target, snap.header, segments, options=options)
     if layout == "blocks":
-        host = materialize(snap, block_tokens=block_tokens)
+        host = materialize(snap, block_tokens=block_tokens, options=options)
         return write_blocks(
             target,
             snap.header,
@@ -189,13 +182,15 @@ def load_cache(
     expect: Expect | None = None,
     verify: bool = True,
     store: BlockStore | None = None,
+    options: IoOptions = DEFAULT_IO_OPTIONS,
 ) -> LoadedCache:
     """Load a cache file or manifest saved by :func:`save_cache`, bit-exact.
 
     The header is validated before anything in it is used; with ``verify`` (the default)
     every tensor's xxh3 or every block's sha256 is checked before any array is built.
     Raises CorruptCacheError (a bad file), CacheMismatchError (``expect`` not met) or
-    CacheMissError (a block is missing).
+    CacheMissError (a block is missing). ``options`` tune the I/O (``load_threads``
+    threads read the tensors, one tensor per task; docs/tuning.md), never what is checked.
     """
     target = os.fspath(path)
     cache_file = read_header(target)
@@ -206,26 +201,31 @@ def load_cache(
     if store is not None and cache_file.header.layout == "blocks":
         check_blocks(cache_file.header, store)  # before allocating what the manifest claims
     check_allocatable(cache_file.header.nbytes)
-    return adopt(cache_file.header, _read_pipelined(cache_file, store, verify))
+    return adopt(cache_file.header, _read_pipelined(cache_file, store, verify, options))
 
 
-def _read_pipelined(cache_file: CacheFile, store: BlockStore | None, verify: bool) -> LoadBuffers:
+def _read_pipelined(
+    cache_file: CacheFile, store: BlockStore | None, verify: bool, options: IoOptions
+) -> LoadBuffers:
     """Read straight into MLX-owned memory, allocating slot i+1 while slot i is read.
 
     Allocation (page faults) runs on this thread, the MLX owner; reads and hash checks run
     on worker threads, which touch only the byte views. No host-side copy of tensor bytes.
-    The pool is always joined (no thread is abandoned); the first failing slot, in slot
-    order, raises.
+    ``options.load_threads`` threads read, one tensor per task (4, as MLX's own file
+    reader: 1.1-1.2x faster than 2 on the 2-vCPU development VM and on a 16-core host,
+    where a load waits mostly on the device; docs/benchmarks.md). The pool is always
+    joined (no thread is abandoned); the first failing slot, in slot order, raises.
     """
     header = cache_file.header
     stop = threading.Event()
     arrays: list[tuple[Any, ...]] = []
     views: list[tuple[memoryview, ...]] = []
     futures: list[Future[None]] = []
-    with ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="kvtrio-read") as pool:
+    threads = options.load_threads
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtrio-read") as pool:
         try:
             for index in range(sum(1 for _ in header.slots())):
-                slot_arrays, slot_views = allocate_slot(header, index)
+                slot_arrays, slot_views = allocate_slot(header, index, options=options)
                 arrays.append(slot_arrays)
                 views.append(slot_views)
                 futures.append(
@@ -237,6 +237,7 @@ def _read_pipelined(cache_file: CacheFile, store: BlockStore | None, verify: boo
                         store=store,
                         verify=verify,
                         cancel=stop.is_set,
+                        options=options,
                     )
                 )
             for future in futures:

@@ -44,6 +44,7 @@ from kvtrio.storage import cacheio, hostbuffers
 from kvtrio.storage.cacheio import AttachmentData, CacheSnapshot, HostTensor, Restored
 from kvtrio.storage.format import Header
 from kvtrio.storage.hostbuffers import LoadBuffers
+from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 
 __all__ = ["JOB_BUDGET", "STEP_BYTES", "MlxOwner", "release_thread_streams", "steps"]
 
@@ -134,9 +135,14 @@ class MlxOwner:
         return Snapshot.own(key, await self.run(job), ledger)
 
     async def materialize(
-        self, snapshot: Snapshot, *, block_tokens: int | None = None
+        self,
+        snapshot: Snapshot,
+        *,
+        block_tokens: int | None = None,
+        options: IoOptions = DEFAULT_IO_OPTIONS,
     ) -> list[HostTensor]:
-        """Evaluate every tensor of ``snapshot`` into host memoryviews.
+        """Evaluate every tensor of ``snapshot`` into host memoryviews (zero-copy where the
+        strides allow and ``options.zero_copy``).
 
         Each owner job runs tensors until :data:`JOB_BUDGET` has passed (at least one), so
         zero-copy tensors share a job and a copied one gets its own.
@@ -145,7 +151,9 @@ class MlxOwner:
         count = views.tensor_count
         out: list[HostTensor] = []
         while len(out) < count:
-            job = functools.partial(_materialize_some, views, len(out), count, block_tokens)
+            job = functools.partial(
+                _materialize_some, views, len(out), count, block_tokens, options
+            )
             out.extend(await self.run(job))
         return out
 
@@ -160,31 +168,34 @@ class MlxOwner:
 
     # -- load ------------------------------------------------------------------------------
 
-    async def allocate(self, header: Header) -> LoadBuffers:
+    async def allocate(
+        self, header: Header, *, options: IoOptions = DEFAULT_IO_OPTIONS
+    ) -> LoadBuffers:
         """Destination memory for a read of ``header``'s tensors, one owner job per tensor
         (see :meth:`allocate_slot`)."""
         arrays: list[tuple[Any, ...]] = []
         buffers: list[tuple[memoryview, ...]] = []
         for index in range(sum(1 for _ in header.slots())):
-            slot_arrays, slot_buffers = await self.allocate_slot(header, index)
+            slot_arrays, slot_buffers = await self.allocate_slot(header, index, options=options)
             arrays.append(slot_arrays)
             buffers.append(slot_buffers)
         return LoadBuffers(arrays=tuple(arrays), buffers=tuple(buffers))
 
     async def allocate_slot(
-        self, header: Header, index: int
+        self, header: Header, index: int, *, options: IoOptions = DEFAULT_IO_OPTIONS
     ) -> tuple[tuple[Any, ...], tuple[memoryview, ...]]:
         """Destination memory for slot ``index`` (one owner job): MLX arrays made here, and
         writable zero-copy views of them for the reader thread, so the read lands in MLX
-        memory and nothing is copied."""
-        return await self.run(hostbuffers.allocate_slot, header, index)
+        memory and nothing is copied (without a fill unless ``options.alloc_untouched`` is
+        off)."""
+        return (await self.run(_allocate_group, header, [index], options))[0]
 
     async def allocate_slots(
-        self, header: Header, indices: Sequence[int]
+        self, header: Header, indices: Sequence[int], *, options: IoOptions = DEFAULT_IO_OPTIONS
     ) -> list[tuple[tuple[Any, ...], tuple[memoryview, ...]]]:
         """:meth:`allocate_slot` for several slots in one owner job (a step of
         :func:`steps`)."""
-        return await self.run(_allocate_group, header, indices)
+        return await self.run(_allocate_group, header, indices, options)
 
     async def restore(self, header: Header, loaded: LoadBuffers) -> Restored:
         """Build the caches from filled buffers: one owner job per multi-piece tensor (the
@@ -223,18 +234,21 @@ def steps(sizes: Sequence[int]) -> list[range]:
 
 
 def _allocate_group(
-    header: Header, indices: Sequence[int]
+    header: Header, indices: Sequence[int], options: IoOptions
 ) -> list[tuple[tuple[Any, ...], tuple[memoryview, ...]]]:
-    return [hostbuffers.allocate_slot(header, i) for i in indices]
+    return [hostbuffers.allocate_slot(header, i, options=options) for i in indices]
 
 
 def _materialize_some(
-    views: CacheSnapshot, start: int, count: int, block_tokens: int | None
+    views: CacheSnapshot, start: int, count: int, block_tokens: int | None, options: IoOptions
 ) -> list[HostTensor]:
     deadline = time.perf_counter() + JOB_BUDGET
     out: list[HostTensor] = []
     for index in range(start, count):
-        out.append(cacheio.materialize_tensor(views, index, block_tokens=block_tokens))
+        tensor = cacheio.materialize_tensor(
+            views, index, block_tokens=block_tokens, options=options
+        )
+        out.append(tensor)
         if time.perf_counter() >= deadline:
             break
     return out

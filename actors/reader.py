@@ -21,6 +21,7 @@ from kvtrio.runtime.offload import CancelToken, Offload
 from kvtrio.storage.blockstore import BlockStore
 from kvtrio.storage.fileops import OS_FILE_OPS, FileOps
 from kvtrio.storage.format import Header
+from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 from kvtrio.storage.reader import CacheFile, check_blocks, read_header, read_tensors
 
 __all__ = ["Reader", "ReaderStatistics"]
@@ -39,12 +40,14 @@ class ReaderStatistics:
 
 @attrs.define(eq=False)
 class Reader:
-    """Reads cache files and manifests; blocks come from ``block_store``."""
+    """Reads cache files and manifests; blocks come from ``block_store``; ``options`` say
+    how (:class:`~kvtrio.storage.options.IoOptions`)."""
 
     offload: Offload
     file_ops: FileOps = OS_FILE_OPS
     block_store: BlockStore | None = None
     background: float | None = BACKGROUND_SLICE
+    options: IoOptions = DEFAULT_IO_OPTIONS
     _running: int = attrs.field(default=0, init=False)
     _read: int = attrs.field(default=0, init=False)
     _cancelled: int = attrs.field(default=0, init=False)
@@ -122,4 +125,5 @@ class Reader:
                 verify=verify,
                 cancel=token,
                 file_ops=self.file_ops,
+                options=self.options,
             )

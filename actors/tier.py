@@ -72,6 +72,7 @@ from kvtrio.storage.format import Header, Layout
 from kvtrio.storage.hostbuffers import LoadBuffers, check_allocatable
 from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.openstore import ManifestFileOps, is_redis_url, open_store
+from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 from kvtrio.storage.reader import CacheFile
 from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult
 
@@ -167,10 +168,10 @@ class ColdTierStatistics:
 
 
 def _open_shared(
-    token: CancelToken, url: str, file_ops: FileOps
+    token: CancelToken, url: str, file_ops: FileOps, options: IoOptions
 ) -> tuple[BlockStore, ManifestStore]:
     token.check()
-    return open_store(url, file_ops=file_ops)
+    return open_store(url, file_ops=file_ops, options=options)
 
 
 def check_key(key: str) -> str:
@@ -198,8 +199,10 @@ class ColdTier:
         url: str | None = None,
         background: float | None = BACKGROUND_SLICE,
         load_streams: int = 1,
+        options: IoOptions = DEFAULT_IO_OPTIONS,
     ) -> None:
         self.root = root
+        self.options = options
         self.url = url
         self.owner = owner
         self.layout: Layout = layout
@@ -215,8 +218,10 @@ class ColdTier:
             raise ValueError(f"load_streams must be >= 1, not {load_streams}")
         self.load_streams = load_streams
         self.ledger = SnapshotLedger()
-        self.writer = Writer(offload, file_ops, block_store, block_tokens, background)
-        self.reader = Reader(offload, file_ops, block_store, background)
+        self.writer = Writer(
+            offload, file_ops, block_store, block_tokens, background, options=options
+        )
+        self.reader = Reader(offload, file_ops, block_store, background, options=options)
         self.spill: Spill[Snapshot] = Spill(
             self._store,
             Snapshot.release,
@@ -250,6 +255,7 @@ class ColdTier:
         file_ops: FileOps = OS_FILE_OPS,
         background: float | None = BACKGROUND_SLICE,
         load_streams: int = 1,
+        options: IoOptions = DEFAULT_IO_OPTIONS,
     ) -> AsyncIterator[ColdTier]:
         """Open (creating) the tier at ``directory`` and run it until the block exits.
 
@@ -262,7 +268,9 @@ class ColdTier:
         gentler on the event loop than 2 here). ``background``: the scheduler time slice
         (seconds) the tier's own threads ask for, so the event loop preempts them when it
         wakes (:mod:`kvtrio.actors.sched`; Linux >= 6.12, else nothing); None leaves
-        every thread alone.
+        every thread alone. ``options`` tune the I/O paths (direct I/O, drop-behind,
+        helper threads, unfilled destinations: :class:`~kvtrio.storage.options.IoOptions`,
+        docs/tuning.md), never what is written or checked.
         """
         if layout not in ("single", "blocks"):
             raise ValueError(f"layout must be 'single' or 'blocks', not {layout!r}")
@@ -277,7 +285,9 @@ class ColdTier:
             if shared:
                 if layout != "blocks":
                     raise ValueError("a Redis cold tier stores blocks: use layout='blocks'")
-                shared_blocks, manifests = await offload.run(_open_shared, target, file_ops)
+                shared_blocks, manifests = await offload.run(
+                    _open_shared, target, file_ops, options
+                )
                 stack.callback(manifests.close)
                 stack.callback(shared_blocks.close)
                 block_store = shared_blocks
@@ -300,6 +310,7 @@ class ColdTier:
                 url=target if shared else None,
                 background=None if inline else background,
                 load_streams=load_streams,
+                options=options,
             )
             if not shared:
                 await offload.run(tier._prepare_directories)
@@ -406,7 +417,9 @@ class ColdTier:
         block_tokens = None if self.layout == "single" else self.block_tokens
         host: list[HostTensor] = []
         try:
-            host = await self.owner.materialize(snap, block_tokens=block_tokens)
+            host = await self.owner.materialize(
+                snap, block_tokens=block_tokens, options=self.options
+            )
             if block_tokens is None:
                 return await self.writer.write_single(
                     path, snap.plan, [h.segments[0] for h in host]
@@ -480,7 +493,7 @@ class ColdTier:
         async with trio.open_nursery() as nursery:
             for step in steps([slot.nbytes for slot in header.slots()]):
                 try:
-                    allocated = await self.owner.allocate_slots(header, step)
+                    allocated = await self.owner.allocate_slots(header, step, options=self.options)
                 except Exception as exc:
                     errors.append((step.start, exc))
                     nursery.cancel_scope.cancel()

@@ -76,6 +76,7 @@ from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.format import PREAMBLE, Header, Layout, parse_header, parse_preamble
 from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.openstore import ManifestFileOps, is_redis_url
+from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 
 __all__ = [
     "CONVERSATIONS_META",
@@ -1116,6 +1117,7 @@ async def open_tiered_cache(
     shutdown_grace: float = 10.0,
     shared_index: bool = True,
     shared_refresh: float | None = None,
+    options: IoOptions = DEFAULT_IO_OPTIONS,
 ) -> AsyncIterator[TieredPromptCache]:
     """A :class:`TieredPromptCache` over a :class:`ColdTier` at ``directory``.
 
@@ -1126,7 +1128,8 @@ async def open_tiered_cache(
     without an exact hit asks that index for longer prefixes other hosts saved (with
     ``shared_index``, the default; rule 8 of :class:`TieredPromptCache`). ``shared_refresh``
     seconds: also re-read the whole shared catalogue at most that often on such lookups
-    (off by default; for entries saved without index registration).
+    (off by default; for entries saved without index registration). ``options``: the
+    cold tier's I/O tuning (:class:`~kvtrio.storage.options.IoOptions`, docs/tuning.md).
     """
     shared = is_redis_url(os.fspath(directory))
     async with ColdTier.open(
@@ -1135,6 +1138,7 @@ async def open_tiered_cache(
         block_tokens=block_size,
         owner=owner,
         shutdown_grace=shutdown_grace,
+        options=options,
     ) as tier:
         store = await ColdTierStore.create(tier, index_block_size=block_size if shared else None)
         async with TieredPromptCache.open(

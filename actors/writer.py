@@ -13,7 +13,8 @@ a tensor's tail before starting its writeback, caches whose segments cut 4 KiB p
 (length not a multiple of 16 tokens) save as fast as page-aligned ones, and faster than
 through O_DIRECT (``kvtrio bench storage --tokens 4059 --layers 32 --compare-direct``,
 532 MB, development VM: buffered 1.23-1.56 GB/s vs O_DIRECT 1.00-1.19).
-``direct=False``/``True`` forces a path. A job runs with its
+``direct=False``/``True`` forces a path; ``options`` (:class:`~kvtrio.storage.options.IoOptions`)
+choose the rest (``save_direct`` when ``direct`` is None, the hash thread). A job runs with its
 worker thread on a long scheduler time slice (``background``, see
 :func:`kvtrio.actors.sched.background_slice`), so the event loop preempts it on waking.
 """
@@ -30,6 +31,7 @@ from kvtrio.runtime.offload import CancelToken, Offload
 from kvtrio.storage.blockstore import BlockStore
 from kvtrio.storage.fileops import OS_FILE_OPS, FileOps
 from kvtrio.storage.format import Header
+from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 from kvtrio.storage.writer import (
     DEFAULT_BLOCK_TOKENS,
     Segmented,
@@ -74,6 +76,7 @@ class Writer:
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     background: float | None = BACKGROUND_SLICE
     direct: bool | None = None
+    options: IoOptions = DEFAULT_IO_OPTIONS
     _running: int = attrs.field(default=0, init=False)
     _written: int = attrs.field(default=0, init=False)
     _cancelled: int = attrs.field(default=0, init=False)
@@ -114,7 +117,13 @@ class Writer:
     ) -> WriteResult:
         with background_slice(self.background):
             box.result = write_single(
-                path, plan, tensors, file_ops=self.file_ops, cancel=token, direct=self.direct
+                path,
+                plan,
+                tensors,
+                file_ops=self.file_ops,
+                cancel=token,
+                direct=self.direct,
+                options=self.options,
             )
         return box.result
 

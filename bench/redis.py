@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvtrio.bench.redis_server import server_binary
+from kvtrio.storage.options import IoOptions
 
 __all__ = ["add_arguments", "measure", "render"]
 
@@ -96,10 +97,12 @@ def _timed(fn: Callable[..., object], *args: Any) -> float:
     return time.perf_counter() - start
 
 
-def _throughput(url: str, block_size: int, total: int, batch: int, rounds: int) -> dict[str, Any]:
+def _throughput(
+    url: str, block_size: int, total: int, batch: int, rounds: int, io: IoOptions
+) -> dict[str, Any]:
     from kvtrio.storage.redisstore import RedisBlockStore
 
-    store = RedisBlockStore.open(url)
+    store = RedisBlockStore.open(url, options=io)
     client = store.client
     count = max(1, total // block_size)
     nbytes = count * block_size
@@ -306,18 +309,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         url = f"{url}{sep}prefix=kvtrio-bench"
         sizes = [int(kib) * 1024 for kib in args.block_kib.split(",")]
         total = int(args.mib) * 1024 * 1024
-        rows = [_throughput(url, size, total, args.batch, args.rounds) for size in sizes]
+        io: IoOptions = args.io_options  # the KVTRIO_* overrides, read by the CLI
+        rows = [_throughput(url, size, total, args.batch, args.rounds, io) for size in sizes]
         dedup = _dedup(url, args.hosts, args.layers, args.system_tokens, args.user_tokens,
                        args.block_tokens)  # fmt: skip
         lookup = _lookup(url, args.manifests, args.manifest_kib, args.rounds)
-    from kvtrio.storage import redisstore
+    from kvtrio.storage.options import usable_cpus
     from redis.utils import HIREDIS_AVAILABLE
 
     return {
         "server": "given URL" if args.url else "private redis-server (no persistence)",
         "reply_parser": "hiredis" if HIREDIS_AVAILABLE else "python",
-        "hash_threads": redisstore.HASH_THREADS,
-        "cpus": redisstore._usable_cpus(),
+        "hash_threads": io.redis_hash_threads,
+        "cpus": usable_cpus(),
         "throughput": rows,
         "dedup": dedup,
         "lookup": lookup,

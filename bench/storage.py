@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvtrio.storage.options import IoOptions
+
 __all__ = ["add_arguments", "measure", "render"]
 
 _CHUNK = 8 * 1024 * 1024
@@ -145,6 +147,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from mlx_lm.models import cache as mlx_cache_module
 
     mlx_cache: Any = mlx_cache_module
+    io: IoOptions = args.io_options  # the KVTRIO_* overrides, read by the CLI
     total = args.mib * 2**20
     caches, tokens = _make_caches(total, args.layers, args.heads, args.head_dim, args.tokens)
     nbytes = args.layers * 2 * args.heads * tokens * args.head_dim * 2  # the saved bytes
@@ -176,15 +179,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         from kvtrio.storage.writer import write_single
 
         snap = snapshot(caches, token_ids)
-        host = materialize(snap)
-        write_single(kv_direct_path, snap.header, [h.segments[0] for h in host], direct=True)
+        host = materialize(snap, options=io)
+        segments = [h.segments[0] for h in host]
+        write_single(kv_direct_path, snap.header, segments, direct=True, options=io)
 
     def mlx_save() -> None:
         mlx_cache.save_prompt_cache(mlx_path, caches)
         _fsync_file(mlx_path)
 
     def kvtrio_load() -> None:
-        loaded = kvtrio.load_cache(kv_path, verify=True)
+        loaded = kvtrio.load_cache(kv_path, verify=True, options=io)
         mx.eval([c.keys for c in loaded.caches] + [c.values for c in loaded.caches])
 
     def mlx_load() -> None:
@@ -192,7 +196,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         mx.eval([c.keys for c in loaded] + [c.values for c in loaded])
 
     saves: list[tuple[str, Callable[[], Any]]] = [
-        ("kvtrio_save", lambda: kvtrio.save_cache(kv_path, token_ids, caches)),
+        ("kvtrio_save", lambda: kvtrio.save_cache(kv_path, token_ids, caches, options=io)),
         ("direct_write", lambda: _direct_write(direct_path, aligned, nbytes)),
         ("mlx_save", mlx_save),
     ]

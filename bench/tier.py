@@ -242,7 +242,9 @@ async def _measure(
         _, _, idle = await heartbeat.measure(lambda: trio.sleep(0.5))
 
         # -- kvtrio ----------------------------------------------------------------------
-        async with ColdTier.open(directory / "tier", owner=owner, background=background) as tier:
+        async with ColdTier.open(
+            directory / "tier", owner=owner, background=background, options=args.io_options
+        ) as tier:
 
             async def save() -> Any:
                 ticket = await tier.save("bench", tokens, caches)

@@ -7,6 +7,11 @@ only when that command runs (or its ``--help`` is asked for), so ``kvtrio --help
 ``run(args) -> int`` (the exit status); a table entry may name other attributes when one
 module serves several commands. Benchmarks run through :mod:`kvtrio.bench`'s one runner.
 
+The environment is read here and nowhere else: the ``KVTRIO_*`` tuning variables
+(docs/tuning.md) become ``args.io_options``, an
+:class:`~kvtrio.storage.options.IoOptions` that commands and benchmarks pass to the
+library explicitly.
+
 Errors a user can act on (a missing directory, a bad flag value) are printed as one line
 ``kvtrio COMMAND: message`` with exit status 2 (see :class:`UsageError`), never as a
 traceback.
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -157,10 +163,16 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from kvtrio.storage.options import IoOptions
+
     words = list(sys.argv[1:] if argv is None else argv)
     args = _build_parser(words).parse_args(words)
     run: Run = args._run
     try:
+        try:
+            args.io_options = IoOptions.from_environ(os.environ)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         return run(args)
     except UsageError as exc:
         print(f"kvtrio {args.command}: {exc}", file=sys.stderr)

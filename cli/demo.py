@@ -53,6 +53,7 @@ from kvtrio.cli.demo_state import (
     save_probe,
     save_state,
 )
+from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 from kvtrio.tinymodel import TinyModel, build_tiny_model, make_caches, prefill
 
 __all__ = ["DemoOptions", "DemoReport", "add_arguments", "default_data_dir", "run", "run_demo"]
@@ -93,6 +94,7 @@ class DemoOptions:
     policy: WritePolicy = WritePolicy.WRITE_BACK
     seed: int = 0
     quiet: bool = False
+    io: IoOptions = DEFAULT_IO_OPTIONS  # the cold tier's I/O tuning (docs/tuning.md)
 
 
 @attrs.define
@@ -430,6 +432,7 @@ async def run_demo(opts: DemoOptions) -> DemoReport:
                 cold_budget=opts.cold_bytes,
                 policy=opts.policy,
                 block_size=BLOCK_TOKENS,
+                options=opts.io,
             ) as cache:
                 server.cache = cache
                 if phase == "restart":
@@ -636,6 +639,7 @@ def run(args: argparse.Namespace) -> int:
         cold_bytes=int(args.cold_mb * (1 << 20)),
         policy=WritePolicy(args.policy),
         quiet=args.json,
+        io=args.io_options,
     )
     report = trio.run(run_demo, opts)
     if args.json:

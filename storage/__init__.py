@@ -9,6 +9,8 @@
   (mlx-lm's caches), :mod:`~kvtrio.storage.hostbuffers` (zero-copy host views, load
   buffers), :mod:`~kvtrio.storage.structure` (cache structure, trimming).
 - :mod:`~kvtrio.storage.writer` / :mod:`~kvtrio.storage.reader`: durable writes, checked reads.
+- :mod:`~kvtrio.storage.options`: ``IoOptions``, the I/O paths' tuning, passed in explicitly;
+  :mod:`~kvtrio.storage.hashpool`: hashing on helper threads (save, load, Redis reads).
 - :mod:`~kvtrio.storage.blockstore`: content-addressed blocks (``LocalBlockStore``);
   :mod:`~kvtrio.storage.redisstore`: the same on Redis (``RedisBlockStore``).
 - :mod:`~kvtrio.storage.manifeststore`: manifests by name, on disk or on Redis.
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from kvtrio.storage.format import CacheEntry, Header, Layout, TensorSlot, parse_header
     from kvtrio.storage.maintenance import GcReport, VerifyReport, collect_garbage, verify_tree
     from kvtrio.storage.manifeststore import LocalManifestStore, ManifestStore
+    from kvtrio.storage.options import IoOptions
     from kvtrio.storage.reader import CacheFile, read_header, read_tensors
     from kvtrio.storage.redisstore import RedisBlockStore
     from kvtrio.storage.writer import WriteResult, write_blocks, write_single
@@ -45,6 +48,7 @@ _EXPORTS = {
     "FileOps": "kvtrio.storage.fileops",
     "GcReport": "kvtrio.storage.maintenance",
     "Header": "kvtrio.storage.format",
+    "IoOptions": "kvtrio.storage.options",
     "Layout": "kvtrio.storage.format",
     "LocalBlockStore": "kvtrio.storage.blockstore",
     "LocalManifestStore": "kvtrio.storage.manifeststore",
@@ -74,6 +78,7 @@ __all__ = [
     "FileOps",
     "GcReport",
     "Header",
+    "IoOptions",
     "Layout",
     "LocalBlockStore",
     "LocalManifestStore",

@@ -77,6 +77,7 @@ from kvtrio.storage.format import (
     slot_names,
 )
 from kvtrio.storage.hostbuffers import NP_DTYPES, LoadBuffers, dtype_name, materialize_part
+from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 
 __all__ = [
     "AttachmentData",
@@ -233,14 +234,19 @@ def _snapshot_top(cache: Any, n_tokens: int, views: list[TensorView]) -> CacheEn
 
 
 def materialize_tensor(
-    snap: CacheSnapshot, index: int, *, block_tokens: int | None = None
+    snap: CacheSnapshot,
+    index: int,
+    *,
+    block_tokens: int | None = None,
+    options: IoOptions = DEFAULT_IO_OPTIONS,
 ) -> HostTensor:
     """Evaluate tensor ``index`` of ``snap`` (owner thread) into host byte segments.
 
     ``block_tokens=None``: one piece (single layout). Otherwise the pieces of
     :func:`~kvtrio.storage.format.piece_ranges` (block layout). Each piece is the
     evaluated view's own memory, described as contiguous segments (no copy), unless its
-    strides are not an ordered non-overlapping layout: then it is copied contiguous.
+    strides are not an ordered non-overlapping layout (or ``options.zero_copy`` is off):
+    then it is copied contiguous.
     """
     view = snap.views[index]
     slot = nth_slot(snap.header, index)
@@ -251,15 +257,23 @@ def materialize_tensor(
             view_tokens(view.array, view.token_axis, stop, start)
             for start, stop in piece_ranges(slot, block_tokens)
         ]
-    parts = [materialize_part(a) for a in arrays]
+    parts = [materialize_part(a, options=options) for a in arrays]
     return HostTensor(
         segments=tuple(segs for segs, _ in parts), keepalive=tuple(owner for _, owner in parts)
     )
 
 
-def materialize(snap: CacheSnapshot, *, block_tokens: int | None = None) -> list[HostTensor]:
+def materialize(
+    snap: CacheSnapshot,
+    *,
+    block_tokens: int | None = None,
+    options: IoOptions = DEFAULT_IO_OPTIONS,
+) -> list[HostTensor]:
     """Every tensor of ``snap`` (owner thread; for scripts, the actors step one by one)."""
-    return [materialize_tensor(snap, i, block_tokens=block_tokens) for i in range(len(snap.views))]
+    return [
+        materialize_tensor(snap, i, block_tokens=block_tokens, options=options)
+        for i in range(len(snap.views))
+    ]
 
 
 # --------------------------------------------------------------------------- restore

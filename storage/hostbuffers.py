@@ -5,10 +5,12 @@ Owner thread only (everything here touches ``mlx.core``). Two directions:
 - Save: :func:`materialize_part` evaluates an array and hands out its bytes as
   C-contiguous segments of the live (immutable) MLX buffer: for a strided view, one
   segment per run of leading indices, found with ``PyObject_GetBuffer`` through ctypes
-  (numpy cannot parse bfloat16); else one contiguous copy.
+  (numpy cannot parse bfloat16); else one contiguous copy (always, without
+  ``IoOptions.zero_copy``).
 - Load: :func:`allocate_slot` / :func:`allocate_load_buffers` allocate MLX arrays whose
   writable byte views the reader fills in place (4 KiB aligned, for O_DIRECT), by default
-  without a zero fill (:class:`_UnfilledNpy`); :func:`kvtrio.storage.cacheio.adopt`
+  without a zero fill (:class:`_UnfilledNpy`; ``IoOptions.alloc_untouched``);
+  :func:`kvtrio.storage.cacheio.adopt`
   then turns them into caches without copying.
 
 The MLX and numpy dtypes of the closed list derive from :mod:`kvtrio.storage.dtypes`.
@@ -28,6 +30,7 @@ import numpy as np
 from kvtrio.storage.dtypes import DTYPES
 from kvtrio.storage.fileops import byte_view
 from kvtrio.storage.format import DTYPE_SIZES, Header, nth_slot, piece_ranges
+from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 
 __all__ = [
     "MX_DTYPES",
@@ -152,10 +155,13 @@ def _zero_copy_segments(array: Any) -> tuple[memoryview, ...] | None:
     return tuple(out)
 
 
-def materialize_part(array: Any) -> tuple[tuple[memoryview, ...], Any]:
-    """Evaluate ``array``; its segments (zero-copy where its strides allow) and owner."""
+def materialize_part(
+    array: Any, *, options: IoOptions = DEFAULT_IO_OPTIONS
+) -> tuple[tuple[memoryview, ...], Any]:
+    """Evaluate ``array``; its segments (zero-copy where its strides allow, and
+    ``options.zero_copy``) and owner."""
     mx.eval(array)
-    segments = _zero_copy_segments(array) if _ZERO_COPY else None
+    segments = _zero_copy_segments(array) if options.zero_copy else None
     if segments is not None:
         return segments, array
     dense = mx.contiguous(array)
@@ -165,9 +171,6 @@ def materialize_part(array: Any) -> tuple[tuple[memoryview, ...], Any]:
 
 _MIN_SEGMENT = 64
 _MAX_SEGMENTS = 1 << 16
-
-#: Whether materialize may hand out segments of the live buffer (off: always copy).
-_ZERO_COPY = os.environ.get("KVTRIO_SAVE_COPY", "") != "1"
 
 
 @attrs.frozen(eq=False)
@@ -203,13 +206,16 @@ def check_allocatable(nbytes: int) -> None:
         raise MemoryError(f"loading needs {nbytes} bytes, more than the machine's {limit}")
 
 
-def allocate_slot(header: Header, index: int) -> tuple[tuple[Any, ...], tuple[memoryview, ...]]:
+def allocate_slot(
+    header: Header, index: int, *, options: IoOptions = DEFAULT_IO_OPTIONS
+) -> tuple[tuple[Any, ...], tuple[memoryview, ...]]:
     """Allocate (owner thread) MLX arrays for slot ``index``'s pieces, and byte views of them.
 
     Each piece is a view into a slightly larger evaluated uint8 array, placed so that its
     first byte is 4 KiB aligned: the reader can then fill it with O_DIRECT reads. The
     arrays are lazy views; :func:`adopt` evaluates them after the bytes are in. Sizes come
-    from the validated header (single layout: bounded by the file size).
+    from the validated header (single layout: bounded by the file size). Without a fill
+    unless ``options.alloc_untouched`` is off (:func:`_untouched_uint8`).
     """
     slot = nth_slot(header, index)
     check_allocatable(slot.nbytes)
@@ -229,7 +235,7 @@ def allocate_slot(header: Header, index: int) -> tuple[tuple[Any, ...], tuple[me
             arrays.append(empty)
             views.append(memoryview(bytearray()))
             continue
-        backing = _untouched_uint8(nbytes + _ALIGN)
+        backing = _untouched_uint8(nbytes + _ALIGN, options.alloc_untouched)
         raw = _writable_bytes(backing)
         skip = -int(np.frombuffer(raw, dtype=np.uint8).ctypes.data) % _ALIGN
         arrays.append(backing[skip : skip + nbytes].view(MX_DTYPES[slot.dtype]).reshape(shape))
@@ -283,22 +289,18 @@ class _UnfilledNpy(io.RawIOBase):
         return n
 
 
-#: On by default (KVTRIO_ALLOC_UNTOUCHED=0 turns it off): the owner thread no longer
-#: faults load destinations in with a zero fill (the reader's copy does), which frees it
-#: for the server's model steps and keeps the event loop's heartbeat p99 under 2 ms during
-#: a tier load on the development VM (1.03-1.25 vs 1.51-2.81 ms); the zero fill, running
-#: ahead of the reader threads, made loads 5-10% faster there (docs/benchmarks.md).
-_ALLOC_UNTOUCHED = os.environ.get("KVTRIO_ALLOC_UNTOUCHED", "1") != "0"
-
-
-def _untouched_uint8(nbytes: int) -> Any:
+def _untouched_uint8(nbytes: int, untouched: bool) -> Any:
     """An evaluated uint8 array of ``nbytes`` for a load destination (owner thread).
 
-    By default one whose pages MLX has not written (falling back to ``mx.zeros`` if this
-    MLX does not load the stream as expected); with ``KVTRIO_ALLOC_UNTOUCHED=0``,
-    ``mx.zeros``, which faults every page in here, ahead of the reader.
+    ``untouched`` (the default, ``IoOptions.alloc_untouched``): one whose pages MLX has not
+    written (falling back to ``mx.zeros`` if this MLX does not load the stream as
+    expected). The owner thread then no longer faults load destinations in with a zero
+    fill (the reader's copy does), which frees it for the server's model steps and keeps
+    the event loop's heartbeat p99 under 2 ms during a tier load on the development VM
+    (1.03-1.25 vs 1.51-2.81 ms). Otherwise ``mx.zeros``, which faults every page in here,
+    ahead of the reader: that made loads 5-10% faster there (docs/benchmarks.md).
     """
-    if _ALLOC_UNTOUCHED:
+    if untouched:
         try:
             loaded: Any = mx.load(cast(BinaryIO, _UnfilledNpy(nbytes)))
             mx.eval(loaded)
@@ -319,10 +321,13 @@ def _writable_bytes(array: Any) -> memoryview:
     return byte_view(view)
 
 
-def allocate_load_buffers(header: Header) -> LoadBuffers:
+def allocate_load_buffers(
+    header: Header, *, options: IoOptions = DEFAULT_IO_OPTIONS
+) -> LoadBuffers:
     """:func:`allocate_slot` for every slot (owner thread)."""
     check_allocatable(header.nbytes)
-    pairs = [allocate_slot(header, i) for i in range(sum(1 for _ in header.slots()))]
+    count = sum(1 for _ in header.slots())
+    pairs = [allocate_slot(header, i, options=options) for i in range(count)]
     return LoadBuffers(
         arrays=tuple(a for a, _ in pairs),
         buffers=tuple(b for _, b in pairs),

@@ -9,8 +9,9 @@ faults it in 2 MiB at a time (about 7 GB/s there, when the host has those pages
 backed) before the read.
 
 On the development VM neither helped the cold load as measured (docs/benchmarks.md):
-the reader uses this only when asked (``KVTRIO_PREFAULT_AHEAD=1``), and huge pages only
-with ``KVTRIO_PREFAULT_HUGE=1``; ``KVTRIO_PREFAULT=0`` turns the helper off entirely.
+the reader uses this only when asked (``IoOptions.prefault_ahead``), and huge pages only
+with ``huge=True`` (``IoOptions.prefault_huge``); ``IoOptions.prefault=False`` keeps the
+reader from calling it at all.
 
 Both advices leave the bytes as they are (populating a page that is already present
 does nothing; a fresh one reads as zeros either way), so :func:`prefault` is safe on
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -50,12 +50,9 @@ _PAGE = 4096
 # Ranges shorter than this are not worth two system calls.
 _MIN_BYTES = 256 * 1024
 
-#: Off switch (for before/after measurements in one checkout): KVTRIO_PREFAULT=0.
-_ENABLED = sys.platform.startswith("linux") and os.environ.get("KVTRIO_PREFAULT", "1") != "0"
-
 
 def _load_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    if not _ENABLED:
+    if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -70,15 +67,15 @@ def _load_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 _madvise = _load_madvise()
 
 
-# Huge pages are opt-in (KVTRIO_PREFAULT_HUGE=1): on a VM with free page reporting
-# (virtio-balloon, Firecracker) freed 2 MiB blocks are handed back to the host, so a huge
-# page is usually host-cold and populating it ran at 0.4 GB/s instead of 7 (measured).
-_HUGE = os.environ.get("KVTRIO_PREFAULT_HUGE", "0") == "1"
+# Huge pages are opt-in (``huge=True``): on a VM with free page reporting (virtio-balloon,
+# Firecracker) freed 2 MiB blocks are handed back to the host, so a huge page is usually
+# host-cold and populating it ran at 0.4 GB/s instead of 7 (measured).
 
 
 @attrs.define
 class _State:
-    hugepage: bool = _madvise is not None and _HUGE
+    # What the kernel accepts (an advice refused with EINVAL is not asked again).
+    hugepage: bool = _madvise is not None
     populate: bool = _madvise is not None
     calls: int = 0
     populated_bytes: int = 0
@@ -128,8 +125,9 @@ def _advise(address: int, length: int, advice: int) -> bool:
     return False
 
 
-def prefault_address(address: int, length: int) -> int:
-    """Advise and populate the whole pages inside ``[address, address + length)``.
+def prefault_address(address: int, length: int, *, huge: bool = False) -> int:
+    """Advise and populate the whole pages inside ``[address, address + length)`` (its
+    2 MiB-aligned interior advised ``MADV_HUGEPAGE`` first when ``huge``).
 
     Returns the bytes populated (0 where unsupported or refused). Never raises: a
     refusal leaves the range as it was, and the I/O that follows faults it in itself.
@@ -142,7 +140,7 @@ def prefault_address(address: int, length: int) -> int:
         return 0
     huge_start = -(-address // HUGE_PAGE) * HUGE_PAGE
     huge_stop = (address + length) // HUGE_PAGE * HUGE_PAGE
-    if _state.hugepage and huge_stop > huge_start:
+    if huge and _state.hugepage and huge_stop > huge_start:
         _advise(huge_start, huge_stop - huge_start, MADV_HUGEPAGE)
     done = 0
     if _state.populate and _advise(start, stop - start, MADV_POPULATE_WRITE):
@@ -153,11 +151,11 @@ def prefault_address(address: int, length: int) -> int:
     return done
 
 
-def prefault(view: memoryview) -> int:
+def prefault(view: memoryview, *, huge: bool = False) -> int:
     """:func:`prefault_address` over a writable C-contiguous buffer; see there."""
     if view.readonly or not view.c_contiguous or view.nbytes < _MIN_BYTES:
         return 0
-    return prefault_address(buffer_address(view), view.nbytes)
+    return prefault_address(buffer_address(view), view.nbytes, huge=huge)
 
 
 class PrefaultAhead:
@@ -171,8 +169,9 @@ class PrefaultAhead:
     owns the buffers.
     """
 
-    def __init__(self, views: Sequence[memoryview]) -> None:
+    def __init__(self, views: Sequence[memoryview], *, huge: bool = False) -> None:
         self._views = [v for v in views]
+        self._huge = huge
         self._done = [threading.Event() for _ in self._views]
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -193,7 +192,7 @@ class PrefaultAhead:
                 if self._stop.is_set():
                     break
                 try:
-                    prefault(view)
+                    prefault(view, huge=self._huge)
                 finally:
                     done.set()
         finally:

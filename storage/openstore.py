@@ -46,15 +46,20 @@ from kvtrio.storage.manifeststore import (
     ManifestStore,
     RedisManifestStore,
 )
+from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 from kvtrio.storage.redisstore import RedisBlockStore, connect, is_redis_url, parse_redis_url
 
 __all__ = ["ManifestFileOps", "is_redis_url", "open_store"]
 
 
 def open_store(
-    url_or_path: str | os.PathLike[str], *, file_ops: FileOps = OS_FILE_OPS
+    url_or_path: str | os.PathLike[str],
+    *,
+    file_ops: FileOps = OS_FILE_OPS,
+    options: IoOptions = DEFAULT_IO_OPTIONS,
 ) -> tuple[BlockStore, ManifestStore]:
-    """The block store and manifest store of a cold tier at ``url_or_path``.
+    """The block store and manifest store of a cold tier at ``url_or_path`` (``options``:
+    the Redis store's verified reads use ``redis_hash_threads``).
 
     Raises StoreUnavailableError when a Redis URL's server does not answer (or redis-py
     is not installed), ValueError for a malformed URL.
@@ -63,7 +68,7 @@ def open_store(
     if is_redis_url(target_text):
         target = parse_redis_url(target_text)
         client = connect(target)
-        return RedisBlockStore(client, target), RedisManifestStore(client, target)
+        return RedisBlockStore(client, target, options), RedisManifestStore(client, target)
     root = os.path.abspath(target_text)
     blocks = LocalBlockStore(os.path.join(root, "blocks"), file_ops)
     manifests = LocalManifestStore(os.path.join(root, "manifests"), file_ops)

@@ -29,8 +29,6 @@ import hashlib
 import os
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 
 import attrs
 import numpy as np
@@ -54,7 +52,9 @@ from kvtrio.storage.format import (
     piece_ranges,
     slot_names,
 )
+from kvtrio.storage.hashpool import HashBatch, HashPool
 from kvtrio.storage.memadvise import PrefaultAhead, prefault
+from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 
 __all__ = [
     "BLOCK_BATCH_BYTES",
@@ -69,24 +69,19 @@ __all__ = [
 _CHUNK = 8 * 1024 * 1024
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _DIRECT_ALIGN = 4096
-# Options measured on the development VM and left off by default there (neither moved
+# IoOptions measured on the development VM and left off by default there (neither moved
 # the cold load; both cost CPU on two shared cores, see docs/benchmarks.md), for machines
-# with CPU to spare: KVTRIO_LOAD_HASH_THREAD=1 verifies each chunk on a helper thread
-# while the next is read; KVTRIO_PREFAULT_AHEAD=1 pre-faults destinations ahead of the
-# reads (kvtrio.storage.memadvise; add KVTRIO_PREFAULT_HUGE=1 for huge pages).
-_HASH_THREAD = os.environ.get("KVTRIO_LOAD_HASH_THREAD", "0") == "1"
-# Buffered reads by default: the kernel's readahead keeps the device busy while the
-# destination's pages are faulted in and the bytes hashed, where O_DIRECT into fresh
-# memory left the device idle during each read's page faults (measured: 1.40 vs 1.05 GB/s
-# per 512 MiB on the development VM). KVTRIO_LOAD_DIRECT=1: O_DIRECT into aligned buffers.
-_LOAD_DIRECT = os.environ.get("KVTRIO_LOAD_DIRECT", "0") == "1"
-_DROP_BEHIND = os.environ.get("KVTRIO_LOAD_DROP_BEHIND", "1") != "0"
+# with CPU to spare: ``load_hash_thread`` verifies each chunk on a helper thread while the
+# next is read; ``prefault_ahead`` pre-faults destinations ahead of the reads
+# (kvtrio.storage.memadvise; ``prefault_huge`` for huge pages). Buffered reads by
+# default: the kernel's readahead keeps the device busy while the destination's pages
+# are faulted in and the bytes hashed, where O_DIRECT into fresh memory (``load_direct``)
+# left the device idle during each read's page faults (measured: 1.40 vs 1.05 GB/s per
+# 512 MiB on the development VM). ``willneed`` asks for each tensor's whole range up
+# front (POSIX_FADV_WILLNEED) instead of relying on sequential readahead: +5% median
+# here but a wider spread.
 _SUB = 1024 * 1024
 _BEHIND = 2
-# KVTRIO_LOAD_WILLNEED=1: ask for each tensor's whole range up front (POSIX_FADV_WILLNEED)
-# instead of relying on sequential readahead; +5% median here but a wider spread.
-_WILLNEED = os.environ.get("KVTRIO_LOAD_WILLNEED", "0") == "1"
-_PREFAULT_AHEAD = os.environ.get("KVTRIO_PREFAULT_AHEAD", "0") == "1"
 
 # Block-layout reads from a store with ``read_many_into`` go this many bytes per call
 # (one pipelined round trip on Redis): enough to amortize the round trip, bounded so
@@ -207,6 +202,7 @@ def read_tensors(
     verify: bool = True,
     cancel: Cancel = None,
     file_ops: FileOps = OS_FILE_OPS,
+    options: IoOptions = DEFAULT_IO_OPTIONS,
 ) -> None:
     """Fill ``buffers`` with the tensor bytes, verifying hashes when ``verify`` is true.
 
@@ -215,6 +211,8 @@ def read_tensors(
     Single layout: reads the file of ``cache_file`` (which must still be the same file,
     same size). Block layout: reads each block from ``store`` (required), re-hashing it
     against its sha256 name when ``verify``; a missing block raises CacheMissError.
+    ``options`` choose how (direct I/O, drop-behind, helper threads), never what is read
+    or checked.
     """
     header = cache_file.header
     all_slots = list(header.slots())
@@ -235,11 +233,11 @@ def read_tensors(
         names.append(name)
         views.append([_flat(memoryview(b), name, n) for b, n in zip(got, want, strict=True)])
     if header.layout == "single":
-        _read_single(cache_file, slots, names, views, verify, cancel, file_ops)
+        _read_single(cache_file, slots, names, views, verify, cancel, file_ops, options)
     else:
         if store is None:
             raise ValueError("the blocks layout needs a block store")
-        _read_blocks(slots, names, views, store, verify, cancel)
+        _read_blocks(slots, names, views, store, verify, cancel, options)
 
 
 def _open_checked(cache_file: CacheFile, flags: int, file_ops: FileOps) -> int:
@@ -281,10 +279,11 @@ def _read_single(
     verify: bool,
     cancel: Cancel,
     file_ops: FileOps,
+    options: IoOptions,
 ) -> None:
-    # Buffered reads by default (see _LOAD_DIRECT): readahead keeps the device busy while
-    # the destination is faulted in and hashed, and chunks read are dropped behind. With
-    # KVTRIO_LOAD_DIRECT=1, buffers whose address is 4 KiB aligned (made so by
+    # Buffered reads by default (see IoOptions.load_direct): readahead keeps the device
+    # busy while the destination is faulted in and hashed, and chunks read are dropped
+    # behind. With ``load_direct``, buffers whose address is 4 KiB aligned (made so by
     # hostbuffers.allocate_slot) are filled with O_DIRECT reads; the unaligned tail of each
     # tensor, and any unaligned buffer, goes through the page cache either way.
     fd = _open_checked(cache_file, os.O_RDONLY, file_ops)
@@ -292,11 +291,11 @@ def _read_single(
     try:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, cache_file.data_start, 0, os.POSIX_FADV_SEQUENTIAL)
-        if _LOAD_DIRECT and any(_direct_bulk(v) for (v,) in views):
+        if options.load_direct and any(_direct_bulk(v) for (v,) in views):
             dfd = _open_direct(cache_file, file_ops)
-        if _WILLNEED and dfd is None and hasattr(os, "posix_fadvise"):
+        if options.willneed and dfd is None and hasattr(os, "posix_fadvise"):
             _advise_willneed(fd, cache_file, slots, views)
-        # Optionally (see _PREFAULT_AHEAD, _HASH_THREAD): fresh destinations pre-faulted
+        # Optionally (``prefault_ahead``, ``load_hash_thread``): fresh destinations pre-faulted
         # chunk by chunk on a helper thread ahead of the reads, and each chunk read hashed
         # on another while the next read is in flight.
         chunks = [
@@ -304,15 +303,18 @@ def _read_single(
             for (view,) in views
             for start in range(0, len(view), _CHUNK)
         ]
-        hashing = verify and _HASH_THREAD and len(chunks) > 1
+        # One helper thread: a tensor's chunks are hashed in order.
+        hashing = verify and options.load_hash_thread and len(chunks) > 1
+        ahead_views = chunks if options.prefaults_ahead else []
         with (
-            _hash_pool(hashing) as hash_pool,
-            PrefaultAhead(chunks if _PREFAULT_AHEAD else []) as ahead,
+            HashPool(1 if hashing else 0, name="kvtrio-verify") as hash_pool,
+            hash_pool.batch() as hashes,
+            PrefaultAhead(ahead_views, huge=options.prefault_huge) as ahead,
         ):
             # Buffered reads drop what they have read a few chunks back from the page
             # cache, as the streaming writer does (a cold load does not leave the file
             # cached).
-            hints = write_behind_ops(file_ops) if _DROP_BEHIND and dfd is None else None
+            hints = write_behind_ops(file_ops) if options.drop_behind and dfd is None else None
             read = _SingleRead(
                 cache_file,
                 fd,
@@ -320,7 +322,8 @@ def _read_single(
                 file_ops,
                 verify,
                 cancel,
-                hash_pool,
+                hashes,
+                prefault_ahead=bool(ahead_views),
                 drop_behind=None if hints is None else hints[1],
             )
             for slot, name, (view,) in zip(slots, names, views, strict=True):
@@ -330,19 +333,6 @@ def _read_single(
         file_ops.close(fd)
         if dfd is not None:
             file_ops.close(dfd)
-
-
-@contextmanager
-def _hash_pool(wanted: bool) -> Iterator[ThreadPoolExecutor | None]:
-    """A one-thread pool to hash chunks on while the next is read (None unless ``wanted``)."""
-    if not wanted:
-        yield None
-        return
-    pool = ThreadPoolExecutor(1, thread_name_prefix="kvtrio-verify")
-    try:
-        yield pool
-    finally:  # never leave it reading the caller's buffers
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _direct_bulk(view: memoryview) -> int:
@@ -355,7 +345,7 @@ def _direct_bulk(view: memoryview) -> int:
 def _advise_willneed(
     fd: int, cache_file: CacheFile, slots: list[TensorSlot], views: list[list[memoryview]]
 ) -> None:
-    """Ask for each tensor's whole range up front (KVTRIO_LOAD_WILLNEED=1)."""
+    """Ask for each tensor's whole range up front (``IoOptions.willneed``)."""
     for slot, (view,) in zip(slots, views, strict=True):
         if len(view):
             where = cache_file.data_start + (slot.off or 0)
@@ -368,7 +358,9 @@ class _SingleRead:
 
     Tensors are read in order, chunk by chunk (:data:`_CHUNK`): chunk ``next_chunk`` of
     the caller's list is the next one to fill. ``dfd`` (O_DIRECT) fills each aligned
-    tensor's aligned bulk; ``fd`` (buffered) the rest, in :data:`_SUB` pieces.
+    tensor's aligned bulk; ``fd`` (buffered) the rest, in :data:`_SUB` pieces. ``hashes``
+    (a batch on a one-thread pool, or inline) takes each chunk's hash update when it runs
+    on a helper; inline, chunks are hashed piece by piece as they arrive.
     """
 
     cache_file: CacheFile
@@ -377,7 +369,8 @@ class _SingleRead:
     file_ops: FileOps
     verify: bool
     cancel: Cancel
-    hash_pool: ThreadPoolExecutor | None
+    hashes: HashBatch
+    prefault_ahead: bool = False
     drop_behind: Callable[[int, int, int], None] | None = None
     behind: deque[tuple[int, int]] = attrs.field(factory=deque)
     next_chunk: int = 0
@@ -394,22 +387,21 @@ class _SingleRead:
         base = self.cache_file.data_start + (slot.off or 0)
         bulk = _direct_bulk(view) if self.dfd is not None else 0
         hasher = xxhash.xxh3_64()
-        inline = hasher if self.verify and self.hash_pool is None else None
-        hashed: list[Future[None]] = []
+        threaded = self.verify and not self.hashes.inline
+        inline = hasher if self.verify and not threaded else None
         for start in range(0, len(view), _CHUNK):
             _check_cancel(self.cancel)
             chunk = chunks[self.next_chunk]
-            if _PREFAULT_AHEAD:
+            if self.prefault_ahead:
                 ahead.ready(self.next_chunk)
             self.next_chunk += 1
             direct_part = max(0, min(len(chunk), bulk - start))
             if self._fill(chunk, base + start, direct_part, inline) != len(chunk):
                 raise CorruptCacheError(f"{name}: file truncated inside the tensor")
-            if self.verify and self.hash_pool is not None:
-                hashed.append(self.hash_pool.submit(hasher.update, chunk))
+            if threaded:
+                self.hashes.submit(hasher.update, chunk)
             self._read_done(base + start, len(chunk))
-        for future in hashed:
-            future.result()
+        self.hashes.wait()
         if self.verify and hasher.hexdigest() != slot.xxh3:
             raise CorruptCacheError(f"{name}.xxh3: tensor bytes do not match their hash")
 
@@ -454,6 +446,7 @@ def _read_blocks(
     store: BlockStore,
     verify: bool,
     cancel: Cancel,
+    options: IoOptions,
 ) -> None:
     # Every block to read, in order, checked against the header before any I/O.
     wanted: list[tuple[str, str, memoryview]] = []  # (label, sha256, buffer)
@@ -480,9 +473,9 @@ def _read_blocks(
     for batch in _block_batches([len(piece) for _, _, piece in wanted], read_many is not None):
         _check_cancel(cancel)
         items = [wanted[i] for i in batch]
-        if _PREFAULT_AHEAD:
+        if options.prefaults_ahead:
             for _, _, piece in items:
-                prefault(piece)
+                prefault(piece, huge=options.prefault_huge)
         if verified is not None:
             try:
                 found = verified([(sha, piece) for _, sha, piece in items])

@@ -47,25 +47,24 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import attrs
-from kvtrio.errors import CorruptCacheError, StoreUnavailableError
+from kvtrio.errors import StoreUnavailableError
 from kvtrio.storage.blockstore import (
     BLOCK_NAME_RE,
     BlockInfo,
     CorruptBlockError,
     check_block_name,
 )
-from kvtrio.storage.tuning import env_int
+from kvtrio.storage.hashpool import HashBatch, HashPool
+from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 
 if TYPE_CHECKING:
     import redis
@@ -94,40 +93,6 @@ _HEADER_READ = 32  # bytes read at once for a reply header such as "$65536\r\n"
 _IOV_WINDOW = 256  # buffers handed to one recvmsg_into (Linux's IOV_MAX is 1024)
 _HASH_PIECE = 64 * 1024  # a verified read hashes a block's arrived bytes in such pieces
 _HASH_GROUP = 512 * 1024  # with hash threads: complete blocks handed over in such groups
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
-
-
-def _hash_threads_from_env() -> int:
-    """``KVTRIO_REDIS_HASH_THREADS`` (0: hash on the receiving thread), else one helper
-    per four usable CPUs, at most four: none on a two-core machine, where Redis, the
-    receiver and the hashing already share every core (docs/benchmarks.md)."""
-    return env_int("KVTRIO_REDIS_HASH_THREADS", min(4, _usable_cpus() // 4), 0)
-
-
-# Threads that re-hash verified reads' blocks; 0 re-hashes on the receiving thread.
-HASH_THREADS = _hash_threads_from_env()
-_hash_pool: ThreadPoolExecutor | None = None
-_hash_pool_size = 0
-_hash_pool_lock = threading.Lock()
-
-
-def _shared_hash_pool(size: int) -> ThreadPoolExecutor:
-    """The process's sha256 helper threads (hashlib releases the GIL while it hashes)."""
-    global _hash_pool, _hash_pool_size
-    with _hash_pool_lock:
-        if _hash_pool is None or _hash_pool_size != size:
-            old = _hash_pool
-            _hash_pool = ThreadPoolExecutor(size, thread_name_prefix="kvtrio-sha256")
-            _hash_pool_size = size
-            if old is not None:
-                old.shutdown(wait=False)  # its queued work still runs; callers wait on it
-        return _hash_pool
 
 
 # redis-py keeps a connection's socket in this private attribute. Without it (another
@@ -507,23 +472,23 @@ def _check_blocks(items: Sequence[tuple[str, memoryview]], indices: Sequence[int
 
 
 class _PooledVerifier:
-    """Re-hash complete blocks on the shared helper threads (:data:`HASH_THREADS`), in
-    groups of at least :data:`_HASH_GROUP` bytes, while the receiving thread goes on
-    receiving: for machines with cores to spare, where one thread's sha256 (about 0.7 to
-    1.5 GB/s) is slower than the network. :meth:`finish` waits for every group and raises
-    the first mismatch in block order; :meth:`wait` (always called) makes sure no helper
-    is still reading the caller's buffers when the read returns or raises.
+    """Re-hash complete blocks on the store's helper threads
+    (``IoOptions.redis_hash_threads``), in groups of at least :data:`_HASH_GROUP` bytes,
+    while the receiving thread goes on receiving: for machines with cores to spare, where
+    one thread's sha256 (about 0.7 to 1.5 GB/s) is slower than the network. The groups
+    are one :class:`~kvtrio.storage.hashpool.HashBatch`: :meth:`finish` waits for every
+    group and raises the first mismatch in block order; leaving the batch's ``with`` block
+    on an error waits for every helper, so none still reads the caller's buffers when the
+    read returns or raises.
     """
 
-    __slots__ = ("_futures", "_group", "_group_bytes", "_items", "_pool", "checked")
+    __slots__ = ("_batch", "_group", "_group_bytes", "_items")
 
-    def __init__(self, items: Sequence[tuple[str, memoryview]], pool: ThreadPoolExecutor) -> None:
+    def __init__(self, items: Sequence[tuple[str, memoryview]], batch: HashBatch) -> None:
         self._items = items
-        self._pool = pool
+        self._batch = batch
         self._group: list[int] = []
         self._group_bytes = 0
-        self._futures: list[tuple[Future[None], int]] = []
-        self.checked = 0
 
     def __call__(self, index: int) -> None:
         self._group.append(index)
@@ -533,32 +498,14 @@ class _PooledVerifier:
 
     def _flush(self) -> None:
         if self._group:
-            future = self._pool.submit(_check_blocks, self._items, self._group)
-            self._futures.append((future, len(self._group)))
+            self._batch.submit(_check_blocks, self._items, self._group)
             self._group = []
             self._group_bytes = 0
 
-    def _collect(self) -> CorruptCacheError | None:
-        """Wait for every group handed over; the first mismatch in block order, if any."""
-        futures, self._futures = self._futures, []
-        first: CorruptCacheError | None = None
-        for future, count in futures:
-            try:
-                future.result()
-                self.checked += count
-            except CorruptCacheError as exc:
-                first = first or exc
-        return first
-
     def finish(self) -> None:
+        """Hash the last group; wait for every group, raising the first mismatch."""
         self._flush()
-        first = self._collect()
-        if first is not None:
-            raise first
-
-    def wait(self) -> None:
-        self._group = []
-        self._collect()  # a mismatch no longer matters: the read is failing already
+        self._batch.wait()
 
 
 def _ignore(index: int) -> None:
@@ -619,20 +566,28 @@ class RedisBlockStore:
 
     client: redis.Redis
     target: RedisTarget
+    options: IoOptions = DEFAULT_IO_OPTIONS
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
     _counts: dict[str, int] = attrs.field(init=False, factory=dict)
     _translator: translate_redis_errors = attrs.field(init=False)
     _warned_public: bool = attrs.field(init=False, default=False)
+    # sha256 helpers of verified reads (hashlib releases the GIL while it hashes); their
+    # threads start on the first verified read and end with close().
+    _hashes: HashPool = attrs.field(init=False)
 
     @_translator.default
     def _make_translator(self) -> translate_redis_errors:
         return translate_redis_errors(self.target, lambda: self._count(errors=1))
 
+    @_hashes.default
+    def _make_hashes(self) -> HashPool:
+        return HashPool(self.options.redis_hash_threads, name="kvtrio-sha256")
+
     @classmethod
-    def open(cls, url: str) -> RedisBlockStore:
+    def open(cls, url: str, *, options: IoOptions = DEFAULT_IO_OPTIONS) -> RedisBlockStore:
         """Connect to the Redis URL (see :func:`parse_redis_url`) and check it answers."""
         target = parse_redis_url(url)
-        return cls(connect(target), target)
+        return cls(connect(target), target, options)
 
     # -- keys ---------------------------------------------------------------------------
 
@@ -774,8 +729,9 @@ class RedisBlockStore:
                 yield from self._infos(batch)
 
     def close(self) -> None:
-        """Disconnect the client's pooled connections."""
+        """Disconnect the client's pooled connections; let the hash helpers go."""
         self.client.close()
+        self._hashes.close()
 
     # -- extras -------------------------------------------------------------------------
 
@@ -836,27 +792,26 @@ class RedisBlockStore:
         """
         pool = self.client.connection_pool
         conn: Any = pool.get_connection()  # redis-py's Connection is untyped
-        pooled: _PooledVerifier | None = None
-        done: Callable[[int], None] = _ignore
-        if verify and HASH_THREADS > 0:
-            done = pooled = _PooledVerifier(chunk, _shared_hash_pool(HASH_THREADS))
-        elif verify:
-            done = _Verifier(chunk)
         clean = False
         try:
-            conn.send_packed_command(_pack_gets([self.block_key(name) for name, _ in chunk]))
-            sock = getattr(conn, _SOCKET_ATTRIBUTE, None)
-            if not isinstance(sock, socket.socket):
-                found = self._get_public(conn, chunk, done)
-                clean = True
-            else:
-                found, clean = _get_raw(sock, chunk, done)
-            if pooled is not None:
-                pooled.finish()
-            return found
+            with self._hashes.batch() as batch:
+                pooled: _PooledVerifier | None = None
+                done: Callable[[int], None] = _ignore
+                if verify and not batch.inline:
+                    done = pooled = _PooledVerifier(chunk, batch)
+                elif verify:
+                    done = _Verifier(chunk)
+                conn.send_packed_command(_pack_gets([self.block_key(name) for name, _ in chunk]))
+                sock = getattr(conn, _SOCKET_ATTRIBUTE, None)
+                if not isinstance(sock, socket.socket):
+                    found = self._get_public(conn, chunk, done)
+                    clean = True
+                else:
+                    found, clean = _get_raw(sock, chunk, done)
+                if pooled is not None:
+                    pooled.finish()
+                return found
         finally:
-            if pooled is not None:
-                pooled.wait()
             if not clean:
                 conn.disconnect()
             pool.release(conn)

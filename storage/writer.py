@@ -22,7 +22,7 @@ Theory of operation (docs/design.md invariants 4, 5 and 6):
    default the data goes out as buffered writes straight from the sources (no copy in
    user space), with writeback started chunk by chunk and written chunks dropped from
    the page cache, while a helper thread hashes; ``direct=True`` (or
-   ``KVTRIO_SAVE_DIRECT=1``) uses O_DIRECT through aligned bounce buffers instead. Both
+   ``IoOptions.save_direct``) uses O_DIRECT through aligned bounce buffers instead. Both
    make the same file (each tensor's tail zero-padded to 4 KiB).
 3. Publication is fsync(file) -> rename(tmp, final) -> fsync(dir) (F_FULLFSYNC on macOS);
    a final name never names a partial file. The result returns only after all three; if
@@ -41,7 +41,6 @@ import hashlib
 import mmap
 import os
 import secrets
-import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,6 +70,8 @@ from kvtrio.storage.format import (
     piece_ranges,
     place_single,
 )
+from kvtrio.storage.hashpool import HashPool
+from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 
 __all__ = [
     "DEFAULT_BLOCK_TOKENS",
@@ -94,12 +95,9 @@ _SUB = 1024 * 1024
 # Buffered writes: chunks whose writeback may be in flight before the oldest is waited
 # for and dropped from the page cache.
 _BEHIND = 4
-#: Hash on a helper thread while writing (off: KVTRIO_SAVE_HASH_THREAD=0).
-_HASH_THREAD = os.environ.get("KVTRIO_SAVE_HASH_THREAD", "1") != "0"
 # Buffered streaming writes by default (measured faster than O_DIRECT through bounce
 # buffers on the development VM: no copy in user space, see docs/benchmarks.md);
-# KVTRIO_SAVE_DIRECT=1 makes O_DIRECT the default again (Linux; macOS has no O_DIRECT).
-_DIRECT_DEFAULT = sys.platform.startswith("linux") and os.environ.get("KVTRIO_SAVE_DIRECT") == "1"
+# IoOptions.save_direct makes O_DIRECT the default again (macOS has no O_DIRECT).
 
 Cancel = Callable[[], bool] | None
 
@@ -241,14 +239,15 @@ class _BufferedWrites:
     both paths make the same file.
     """
 
-    def __init__(self, ops: FileOps, fd: int) -> None:
+    def __init__(self, ops: FileOps, fd: int, *, hash_thread: bool = True) -> None:
         self.ops = ops
         self.fd = fd
         self.hints = write_behind_ops(ops)
         self.behind: deque[tuple[int, int]] = deque()
         # xxh3 runs on this helper thread (xxhash releases the GIL above 64 KiB) while
-        # the caller's thread writes: the hash and the kernel's copy overlap.
-        self.hash_pool: ThreadPoolExecutor | None = None
+        # the caller's thread writes: the hash and the kernel's copy overlap. One thread:
+        # a tensor's chunks are hashed in order.
+        self.hash_pool = HashPool(1 if hash_thread else 0)
 
     def _written(self, offset: int, length: int) -> None:
         if self.hints is None or not length:
@@ -265,18 +264,31 @@ class _BufferedWrites:
     def write_hashed(self, segments: Sequence[memoryview], offset: int, cancel: Cancel) -> str:
         hasher = xxhash.xxh3_64()
         chunks = _chunks(segments, _CHUNK)
-        hashed: list[Future[None]] = []
-        if len(chunks) > 1 and _HASH_THREAD:
-            if self.hash_pool is None:
-                self.hash_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtrio-hash")
-            hashed = [self.hash_pool.submit(_update, hasher, parts) for _, parts in chunks]
+        with self.hash_pool.batch() as batch:
+            # One chunk: hashed piece by piece beside its writes, while each is in cache.
+            hashed = len(chunks) > 1 and not batch.inline
+            if hashed:
+                for _, parts in chunks:
+                    batch.submit(_update, hasher, parts)
+            self._write_chunks(chunks, offset, cancel, None if hashed else hasher)
+        return hasher.hexdigest()
+
+    def _write_chunks(
+        self,
+        chunks: Sequence[tuple[int, list[memoryview]]],
+        offset: int,
+        cancel: Cancel,
+        hasher: xxhash.xxh3_64 | None,
+    ) -> None:
+        """Write one tensor's ``chunks`` from ``offset``, feeding ``hasher`` (if any) each
+        piece before it is written."""
         for index, (start, parts) in enumerate(chunks):
             _check_cancel(cancel)
             where = offset + start
             for part in parts:
                 for at in range(0, len(part), _SUB):
                     piece = part[at : at + _SUB]
-                    if not hashed:
+                    if hasher is not None:
                         hasher.update(piece)
                     pwrite_full(self.ops, self.fd, piece, where)
                     where += len(piece)
@@ -291,19 +303,14 @@ class _BufferedWrites:
                     pwrite_full(self.ops, self.fd, memoryview(bytes(pad)), where)
                     where += pad
             self._written(offset + start, where - offset - start)
-        for future in hashed:
-            future.result()
-        return hasher.hexdigest()
 
     def drain(self) -> None:
         """Nothing in flight: the file's pages are written back by fsync."""
         self.behind.clear()
 
     def close(self) -> None:
-        """Wait for the hash thread (never abandon it while it reads the caller's bytes)."""
-        if self.hash_pool is not None:
-            self.hash_pool.shutdown(wait=True, cancel_futures=True)
-            self.hash_pool = None
+        """Let the hash thread go (each tensor's batch already waited for its jobs)."""
+        self.hash_pool.close()
         self.behind.clear()
 
 
@@ -452,6 +459,7 @@ def write_single(
     file_ops: FileOps = OS_FILE_OPS,
     cancel: Cancel = None,
     direct: bool | None = None,
+    options: IoOptions = DEFAULT_IO_OPTIONS,
 ) -> WriteResult:
     """Write ``header`` (a plan; it is placed here) and ``tensors`` as one cache file.
 
@@ -462,9 +470,10 @@ def write_single(
     helper thread computes the xxh3 meanwhile. ``direct=True`` writes with O_DIRECT
     through pipelined, reused aligned bounce buffers (a copy in user space where the
     device refuses unaligned memory, as virtio does; none where it accepts it); a
-    filesystem without O_DIRECT falls back to buffered. ``None`` means False unless
-    ``KVTRIO_SAVE_DIRECT=1``. Both paths write the same bytes; durability is the same
-    fsync, rename, fsync of the directory either way.
+    filesystem without O_DIRECT falls back to buffered. ``None`` means
+    ``options.save_direct``; without ``options.save_hash_thread`` the writing thread
+    hashes. Both paths write the same bytes; durability is the same fsync, rename, fsync
+    of the directory either way.
     """
     placed = place_single(header)
     slots = list(placed.slots())
@@ -474,12 +483,16 @@ def write_single(
     _check_sizes(slots, views)
     prefix, data_start = encode_file_prefix(placed)
     _check_cancel(cancel)
-    tmp = _TmpFile(path, file_ops, direct=_DIRECT_DEFAULT if direct is None else direct)
+    tmp = _TmpFile(path, file_ops, direct=options.save_direct if direct is None else direct)
     pipeline: _DirectWrites | _BufferedWrites | None = None
     try:
         assert tmp.fd is not None
         fd = tmp.fd
-        pipeline = _DirectWrites(file_ops, fd) if tmp.direct else _BufferedWrites(file_ops, fd)
+        pipeline = (
+            _DirectWrites(file_ops, fd)
+            if tmp.direct
+            else _BufferedWrites(file_ops, fd, hash_thread=options.save_hash_thread)
+        )
         hashed: list[TensorSlot] = []
         for slot, view in zip(slots, views, strict=True):
             _check_cancel(cancel)

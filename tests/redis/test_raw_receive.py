@@ -1,7 +1,8 @@
 """RedisBlockStore's GET path: replies scattered straight into the callers' buffers
 (``recvmsg_into`` over the expected framing), the reply-by-reply parser it falls back to
 when the replies differ (misses, resized blocks, error replies), re-hashing on arrival
-(``verify=True``) on the receiving thread or on helper threads (``HASH_THREADS``), and the
+(``verify=True``) on the receiving thread or on helper threads
+(``IoOptions.redis_hash_threads``), and the
 public-API path when redis-py's connection has no raw socket.
 docs/design.md invariant 4: a verified read never returns bytes that do not hash to their name.
 """
@@ -15,7 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 from kvtrio.errors import CorruptCacheError
-from kvtrio.storage import redisstore
+from kvtrio.storage import options, redisstore
+from kvtrio.storage.options import IoOptions
 from kvtrio.storage.redisstore import RedisBlockStore
 
 SIZES = (0, 1, 5, 2048, 65536, 70_000, 300_000)
@@ -27,10 +29,10 @@ def store(request: pytest.FixtureRequest, redis_url: str) -> Iterator[RedisBlock
     re-hashing on the receiving thread, or (``hash threads``) on two helper threads."""
     patch = pytest.MonkeyPatch()
     request.addfinalizer(patch.undo)
-    patch.setattr(redisstore, "HASH_THREADS", 2 if request.param == "hash threads" else 0)
+    threads = IoOptions(redis_hash_threads=2 if request.param == "hash threads" else 0)
     if request.param == "public API":
         patch.setattr(redisstore, "_SOCKET_ATTRIBUTE", "_kvtrio_no_such_attribute")
-    opened = RedisBlockStore.open(redis_url)
+    opened = RedisBlockStore.open(redis_url, options=threads)
     yield opened
     opened.close()
 
@@ -136,12 +138,11 @@ def test_public_api_fallback_is_used_and_counted(redis_url: str) -> None:
 @pytest.mark.parametrize("hash_threads", [0, 2])
 @pytest.mark.parametrize("where", [0, 1_000_000, 3 * 1024 * 1024 - 1])
 def test_verified_read_rejects_a_large_block_corrupted_anywhere(
-    redis_url: str, where: int, hash_threads: int, monkeypatch: pytest.MonkeyPatch
+    redis_url: str, where: int, hash_threads: int
 ) -> None:
     """A block larger than one receive is hashed piece by piece as it arrives (or whole,
     on a helper thread): a flipped byte at its start, middle or end is still caught."""
-    monkeypatch.setattr(redisstore, "HASH_THREADS", hash_threads)
-    store = RedisBlockStore.open(redis_url)
+    store = RedisBlockStore.open(redis_url, options=IoOptions(redis_hash_threads=hash_threads))
     blob = os.urandom(3 * 1024 * 1024)
     name = hashlib.sha256(blob).hexdigest()
     store.put_many([(name, memoryview(blob))])
@@ -160,9 +161,8 @@ def test_first_corrupted_block_in_order_is_reported_with_hash_threads(
 ) -> None:
     """Helper threads finish in any order; the error names the first bad block of the
     batch, and the read waits for every helper before raising (none is left reading)."""
-    monkeypatch.setattr(redisstore, "HASH_THREADS", 3)
     monkeypatch.setattr(redisstore, "_HASH_GROUP", 1)  # one block per helper task
-    store = RedisBlockStore.open(redis_url)
+    store = RedisBlockStore.open(redis_url, options=IoOptions(redis_hash_threads=3))
     blobs = [os.urandom(65536) for _ in range(64)]
     names = [hashlib.sha256(b).hexdigest() for b in blobs]
     store.put_many([(n, memoryview(b)) for n, b in zip(names, blobs, strict=True)])
@@ -180,19 +180,17 @@ def test_first_corrupted_block_in_order_is_reported_with_hash_threads(
 @pytest.mark.parametrize(
     ("raw", "expected"), [("0", 0), ("3", 3), (" 2 ", 2), ("-1", None), ("two", None)]
 )
-def test_hash_threads_setting(
-    monkeypatch: pytest.MonkeyPatch, raw: str, expected: int | None
-) -> None:
-    monkeypatch.setenv("KVTRIO_REDIS_HASH_THREADS", raw)
+def test_hash_threads_setting(raw: str, expected: int | None) -> None:
+    """KVTRIO_REDIS_HASH_THREADS, read at the CLI's edge, sets the store's helpers."""
+    environ = {"KVTRIO_REDIS_HASH_THREADS": raw}
     if expected is None:
-        with pytest.raises(ValueError, match="KVTRIO_REDIS_HASH_THREADS"):
-            redisstore._hash_threads_from_env()
+        with pytest.raises(ValueError, match=r"^KVTRIO_REDIS_HASH_THREADS="):
+            IoOptions.from_environ(environ)
     else:
-        assert redisstore._hash_threads_from_env() == expected
+        assert IoOptions.from_environ(environ).redis_hash_threads == expected
 
 
 def test_hash_threads_default_leaves_two_cores_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("KVTRIO_REDIS_HASH_THREADS", raising=False)
     for cpus, expected in ((1, 0), (2, 0), (4, 1), (8, 2), (16, 4), (64, 4)):
-        monkeypatch.setattr(redisstore, "_usable_cpus", lambda n=cpus: n)
-        assert redisstore._hash_threads_from_env() == expected
+        monkeypatch.setattr(options, "usable_cpus", lambda n=cpus: n)
+        assert IoOptions().redis_hash_threads == expected

@@ -1,5 +1,6 @@
 """Pre-faulting load destinations (storage/memadvise.py), the reader's optional helper
-threads, and destinations allocated without a zero fill (hostbuffers._untouched_uint8).
+threads, and destinations allocated without a zero fill (hostbuffers._untouched_uint8),
+each switched on through IoOptions.
 
 docs/design.md invariant 4: a reader never returns bytes it has not checked against the header's
 hashes
@@ -21,6 +22,7 @@ import mlx.core as mx
 import pytest
 from kvtrio.storage import hostbuffers, memadvise, reader
 from kvtrio.storage.fileops import OsFileOps
+from kvtrio.storage.options import IoOptions
 
 from .conftest import assert_same, make_kv
 
@@ -76,11 +78,29 @@ def test_prefault_stops_asking_a_kernel_that_refuses(
 
     monkeypatch.setattr(memadvise, "_madvise", refusing)
     region = mmap.mmap(-1, 3 * memadvise.HUGE_PAGE)
-    assert memadvise.prefault(memoryview(region)) == 0
+    assert memadvise.prefault(memoryview(region), huge=True) == 0
     assert calls == [memadvise.MADV_HUGEPAGE, memadvise.MADV_POPULATE_WRITE]
     assert not fresh_state.hugepage and not fresh_state.populate and fresh_state.failures == 2
-    assert memadvise.prefault(memoryview(region)) == 0
+    assert memadvise.prefault(memoryview(region), huge=True) == 0
     assert len(calls) == 2
+
+
+def test_huge_pages_are_asked_for_only_when_wanted(
+    monkeypatch: pytest.MonkeyPatch, fresh_state: memadvise._State
+) -> None:
+    """IoOptions.prefault_huge off (the default): MADV_HUGEPAGE is never sent."""
+    calls: list[int] = []
+
+    def accepting(address: int, length: int, advice: int) -> int:
+        calls.append(advice)
+        return 0
+
+    monkeypatch.setattr(memadvise, "_madvise", accepting)
+    region = mmap.mmap(-1, 3 * memadvise.HUGE_PAGE)
+    assert memadvise.prefault(memoryview(region)) == 3 * memadvise.HUGE_PAGE
+    assert calls == [memadvise.MADV_POPULATE_WRITE]
+    memadvise.prefault(memoryview(region), huge=True)
+    assert calls[1:] == [memadvise.MADV_HUGEPAGE, memadvise.MADV_POPULATE_WRITE]
 
 
 def test_prefault_skips_small_and_read_only_ranges(fresh_state: memadvise._State) -> None:
@@ -103,26 +123,28 @@ def test_prefault_ahead_runs_every_range_and_joins(fresh_state: memadvise._State
 
 
 @pytest.fixture
-def helpers_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The reader's optional helper threads on (and unfilled destinations), with small
-    chunks so they run."""
-    monkeypatch.setattr(hostbuffers, "_ALLOC_UNTOUCHED", True)
-    monkeypatch.setattr(reader, "_PREFAULT_AHEAD", True)
-    monkeypatch.setattr(reader, "_HASH_THREAD", True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks small enough that the helper threads run on a small cache."""
     monkeypatch.setattr(reader, "_CHUNK", 64 * 1024)
     monkeypatch.setattr(memadvise, "_MIN_BYTES", 4096)
 
 
-@pytest.mark.usefixtures("helpers_on")
+def _helpers_on(direct: bool) -> IoOptions:
+    """The reader's optional helper threads on, and unfilled destinations."""
+    return IoOptions(
+        alloc_untouched=True, prefault_ahead=True, load_hash_thread=True, load_direct=direct
+    )
+
+
+@pytest.mark.usefixtures("small_chunks")
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("layout", ["single", "blocks"])
 def test_loads_with_the_helper_threads_are_bit_exact(
-    tmp_path: Path, layout: Any, direct: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, layout: Any, direct: bool
 ) -> None:
-    monkeypatch.setattr(reader, "_LOAD_DIRECT", direct)
     original = make_kv([600, 3])
     kvtrio.save_cache(tmp_path / "c.kvt", list(range(603)), [original], layout=layout)
-    loaded = kvtrio.load_cache(tmp_path / "c.kvt").caches[0]
+    loaded = kvtrio.load_cache(tmp_path / "c.kvt", options=_helpers_on(direct)).caches[0]
     assert_same(
         [loaded.keys, loaded.values],
         [original.keys[..., :603, :], original.values[..., :603, :]],
@@ -130,13 +152,10 @@ def test_loads_with_the_helper_threads_are_bit_exact(
     assert _helper_threads() == []
 
 
-@pytest.mark.usefixtures("helpers_on")
+@pytest.mark.usefixtures("small_chunks")
 @pytest.mark.parametrize("direct", [False, True])
-def test_a_corrupt_chunk_is_caught_by_the_verify_thread(
-    tmp_path: Path, direct: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_corrupt_chunk_is_caught_by_the_verify_thread(tmp_path: Path, direct: bool) -> None:
     """Invariant 4: a byte flipped in a late chunk of a tensor fails the load."""
-    monkeypatch.setattr(reader, "_LOAD_DIRECT", direct)
     path = tmp_path / "c.kvt"
     kvtrio.save_cache(path, list(range(603)), [make_kv([600, 3])])
     header = reader.read_header(str(path))
@@ -147,25 +166,46 @@ def test_a_corrupt_chunk_is_caught_by_the_verify_thread(
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(kvtrio.CorruptCacheError, match=r"\.xxh3: tensor bytes do not match"):
-        kvtrio.load_cache(path)
+        kvtrio.load_cache(path, options=_helpers_on(direct))
     assert _helper_threads() == []
 
 
+def _no_zeros(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("mx.zeros called: the unfilled allocation fell back to a zero fill")
+
+
+def _no_load(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("mx.load called: the zero-filled allocation was not asked for")
+
+
 def test_destinations_are_allocated_without_a_fill(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hostbuffers, "_ALLOC_UNTOUCHED", True)
-    array = hostbuffers._untouched_uint8(3 * 4096 + 5)
+    """The unfilled path itself works on this MLX: with mx.zeros made to fail, the
+    fallback cannot pass for it."""
+    monkeypatch.setattr(mx, "zeros", _no_zeros)  # the module hostbuffers calls
+    array = hostbuffers._untouched_uint8(3 * 4096 + 5, untouched=True)
     assert array.shape == (3 * 4096 + 5,) and array.dtype == mx.uint8
     view = memoryview(array)
     assert not view.readonly and view.c_contiguous
+
+
+def test_a_load_allocates_without_a_fill_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """IoOptions() (alloc_untouched on): a load never zero-fills a non-empty destination."""
+    original = make_kv([600, 3])
+    kvtrio.save_cache(tmp_path / "c.kvt", list(range(603)), [original])
+    monkeypatch.setattr(mx, "zeros", _no_zeros)
+    loaded = kvtrio.load_cache(tmp_path / "c.kvt").caches[0]
+    monkeypatch.undo()
+    assert_same([loaded.keys], [original.keys[..., :603, :]])
 
 
 def test_allocation_falls_back_to_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise ValueError("this MLX cannot load that stream")
 
-    monkeypatch.setattr(hostbuffers, "_ALLOC_UNTOUCHED", True)
     monkeypatch.setattr(mx, "load", broken)  # the module hostbuffers calls
-    array = hostbuffers._untouched_uint8(8192)
+    array = hostbuffers._untouched_uint8(8192, untouched=True)
     assert array.shape == (8192,) and not mx.any(array).item()
 
 
@@ -184,17 +224,19 @@ def test_buffered_loads_drop_what_they_read_behind_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool, willneed: bool
 ) -> None:
     """Chunks already read (and hashed) leave the page cache; the bytes are exact."""
-    monkeypatch.setattr(reader, "_WILLNEED", willneed)
     monkeypatch.setattr(reader, "_CHUNK", 16 * 1024)
     monkeypatch.setattr(reader, "_SUB", 4096)
-    monkeypatch.setattr(reader, "_LOAD_DIRECT", False)
     original = make_kv([600, 3])
     kvtrio.save_cache(tmp_path / "c.kvt", list(range(603)), [original])
     cache_file = reader.read_header(str(tmp_path / "c.kvt"))
     ops = DropRecorder()
     bufs = reader.allocate_buffers(cache_file.header)
     reader.read_tensors(
-        cache_file, [[memoryview(b) for b in p] for p in bufs], verify=verify, file_ops=ops
+        cache_file,
+        [[memoryview(b) for b in p] for p in bufs],
+        verify=verify,
+        file_ops=ops,
+        options=IoOptions(willneed=willneed, load_direct=False),
     )
     dense: Any = mx.contiguous(original.keys[..., :603, :])
     keys = bytes(memoryview(dense).cast("B"))
@@ -208,8 +250,8 @@ def test_buffered_loads_drop_what_they_read_behind_them(
 
 
 def test_zero_filled_allocation_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KVTRIO_ALLOC_UNTOUCHED=0: load destinations are MLX zeros (every page touched)."""
-    monkeypatch.setattr(hostbuffers, "_ALLOC_UNTOUCHED", False)
-    array = hostbuffers._untouched_uint8(3 * 4096 + 1)
+    """alloc_untouched off: load destinations are MLX zeros (every page touched)."""
+    monkeypatch.setattr(mx, "load", _no_load)
+    array = hostbuffers._untouched_uint8(3 * 4096 + 1, untouched=False)
     assert array.shape == (3 * 4096 + 1,) and array.dtype == mx.uint8
     assert not mx.any(array).item()

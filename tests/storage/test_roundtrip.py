@@ -144,15 +144,13 @@ def test_unknown_cache_type_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("threads", [1, 3, 8])
 def test_any_number_of_read_threads_loads_bit_exact(
-    tmp_path: Path, threads: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, threads: int
 ) -> None:
-    """load_cache reads tensors on ``KVTRIO_LOAD_THREADS`` threads; the count never
+    """load_cache reads tensors on ``IoOptions.load_threads`` threads; the count never
     changes the result (slot order kept, every hash checked)."""
-    from kvtrio import api
-
-    monkeypatch.setattr(api, "_READ_THREADS", threads)
     originals = [BUILDERS[kind]() for kind in sorted(BUILDERS)]
-    loaded = _save_load(tmp_path / "c.kvt", originals, "single")
+    kvtrio.save_cache(tmp_path / "c.kvt", list(range(17)), originals)
+    loaded = kvtrio.load_cache(tmp_path / "c.kvt", options=kvtrio.IoOptions(load_threads=threads))
     for got, want in zip(loaded.caches, originals, strict=True):
         assert_same(logical_state(got), logical_state(want))
 
@@ -160,14 +158,11 @@ def test_any_number_of_read_threads_loads_bit_exact(
 @pytest.mark.parametrize(
     ("raw", "expected"), [("", 4), ("1", 1), (" 6 ", 6), ("0", None), ("x", None)]
 )
-def test_load_threads_setting(
-    monkeypatch: pytest.MonkeyPatch, raw: str, expected: int | None
-) -> None:
-    from kvtrio import api
-
-    monkeypatch.setenv("KVTRIO_LOAD_THREADS", raw)
+def test_load_threads_setting(raw: str, expected: int | None) -> None:
+    """KVTRIO_LOAD_THREADS, read at the CLI's edge, sets ``load_threads`` (default 4)."""
+    environ = {"KVTRIO_LOAD_THREADS": raw}
     if expected is None:
-        with pytest.raises(ValueError, match="KVTRIO_LOAD_THREADS"):
-            api._read_threads_from_env()
+        with pytest.raises(ValueError, match=r"^KVTRIO_LOAD_THREADS="):
+            kvtrio.IoOptions.from_environ(environ)
     else:
-        assert api._read_threads_from_env() == expected
+        assert kvtrio.IoOptions.from_environ(environ).load_threads == expected

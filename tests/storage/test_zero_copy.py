@@ -13,6 +13,7 @@ import pytest
 from kvtrio.storage import hostbuffers
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.cacheio import materialize, snapshot
+from kvtrio.storage.options import IoOptions
 from kvtrio.storage.writer import write_blocks, write_single
 
 from .conftest import H, make_kv
@@ -65,8 +66,7 @@ def test_written_bytes_equal_the_copying_path(
     snap = snapshot([live], [1, 2, 3])  # one header plan (it carries created_at)
     outputs: list[bytes] = []
     for zero_copy in (False, True):
-        monkeypatch.setattr(hostbuffers, "_ZERO_COPY", zero_copy)
-        host = materialize(snap)
+        host = materialize(snap, options=IoOptions(zero_copy=zero_copy))
         assert max(len(h.segments[0]) for h in host) == (H if zero_copy else 1)
         path = tmp_path / f"single-{zero_copy}.kvt"
         write_single(str(path), snap.header, [h.segments[0] for h in host], direct=direct)
@@ -81,10 +81,9 @@ def test_block_layout_bytes_equal_the_copying_path(
     snap = snapshot([live], [1, 2, 3])  # one header plan (it carries created_at)
     trees: list[dict[str, bytes]] = []
     for zero_copy in (False, True):
-        monkeypatch.setattr(hostbuffers, "_ZERO_COPY", zero_copy)
         root = tmp_path / f"z{zero_copy}"
         os.makedirs(root)
-        host = materialize(snap, block_tokens=128)
+        host = materialize(snap, block_tokens=128, options=IoOptions(zero_copy=zero_copy))
         write_blocks(
             str(root / "m.kvt"),
             snap.header,
