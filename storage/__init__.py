@@ -28,7 +28,7 @@ from kvtrio._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
-    from kvtrio.storage.codecs import CacheCodec, register_codec
+    from kvtrio.storage.codecs import CacheCodec, register_codec, unregister_codec
     from kvtrio.storage.fileops import FaultyFileOps, FileOps, OsFileOps
     from kvtrio.storage.fingerprint import config_fingerprint
     from kvtrio.storage.format import CacheEntry, Header, Layout, TensorSlot, parse_header
@@ -64,6 +64,7 @@ _EXPORTS = {
     "read_header": "kvtrio.storage.reader",
     "read_tensors": "kvtrio.storage.reader",
     "register_codec": "kvtrio.storage.codecs",
+    "unregister_codec": "kvtrio.storage.codecs",
     "verify_tree": "kvtrio.storage.maintenance",
     "write_blocks": "kvtrio.storage.writer",
     "write_single": "kvtrio.storage.writer",
@@ -94,6 +95,7 @@ __all__ = [
     "read_header",
     "read_tensors",
     "register_codec",
+    "unregister_codec",
     "verify_tree",
     "write_blocks",
     "write_single",

@@ -39,6 +39,7 @@ __all__ = [
     "field_int",
     "min_reusable_offset",
     "register_codec",
+    "unregister_codec",
     "view_tokens",
 ]
 
@@ -95,6 +96,17 @@ def register_codec(codec: CacheCodec, *, replace: bool = False) -> None:
     _BY_KIND[codec.kind] = codec
     for t in codec.cache_types:
         _BY_TYPE[t] = codec
+
+
+def unregister_codec(codec: CacheCodec) -> None:
+    """Undo :func:`register_codec` of ``codec`` (a test's toy codec, a plugin unloaded):
+    its kind and cache types no longer resolve. KeyError if it is not the codec
+    registered for its kind."""
+    if _BY_KIND.get(codec.kind) is not codec:
+        raise KeyError(f"codec for kind {codec.kind!r} is not registered")
+    del _BY_KIND[codec.kind]
+    for t in [t for t, registered in _BY_TYPE.items() if registered is codec]:
+        del _BY_TYPE[t]
 
 
 def codec_for_kind(kind: str) -> CacheCodec:

@@ -1,15 +1,27 @@
-"""The codec registration hook (the paged cache registers its codec through it)."""
+"""The codec registration hook (the paged cache registers its codec through it).
+
+The toy codec is registered for each test that needs it and unregistered after, so no
+other test of the run sees it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import kvtrio
 import mlx.core as mx
 import pytest
-from kvtrio.storage.codecs import CodecState, TensorView, expect_shape, field_int, register_codec
+from kvtrio.storage.codecs import (
+    CodecState,
+    TensorView,
+    codec_for_kind,
+    expect_shape,
+    field_int,
+    register_codec,
+    unregister_codec,
+)
 from kvtrio.storage.format import CacheEntry, Layout
 
 
@@ -47,9 +59,15 @@ class ToyPagedCodec:
         return cache
 
 
-register_codec(ToyPagedCodec())
+@pytest.fixture
+def toy_codec() -> Iterator[ToyPagedCodec]:
+    codec = ToyPagedCodec()
+    register_codec(codec)
+    yield codec
+    unregister_codec(codec)
 
 
+@pytest.mark.usefixtures("toy_codec")
 @pytest.mark.parametrize("layout", ["single", "blocks"])
 def test_registered_codec_round_trips(tmp_path: Path, layout: Layout) -> None:
     original = ToyPagedCache(16)
@@ -60,6 +78,7 @@ def test_registered_codec_round_trips(tmp_path: Path, layout: Layout) -> None:
     assert mx.array_equal(loaded.pool, original.pool).item()
 
 
+@pytest.mark.usefixtures("toy_codec")
 def test_a_kind_cannot_be_registered_twice() -> None:
     with pytest.raises(ValueError, match=r"^a codec for kind 'toy-paged' is already registered$"):
         register_codec(ToyPagedCodec())
@@ -69,3 +88,18 @@ def test_codec_field_checks_name_the_field() -> None:
     entry = CacheEntry("toy-paged", 1, 0, True, {"block_size": -1}, ())
     with pytest.raises(kvtrio.CorruptCacheError, match=r"^fields\.block_size: -1 is not an "):
         ToyPagedCodec().restore(entry, [], [])
+
+
+def test_an_unregistered_codec_no_longer_encodes_or_decodes(tmp_path: Path) -> None:
+    codec = ToyPagedCodec()
+    register_codec(codec)
+    kvtrio.save_cache(tmp_path / "p.kvt", [1], [ToyPagedCache(16)])
+    unregister_codec(codec)
+    with pytest.raises(TypeError, match=r"^no kvtrio codec for cache type ToyPagedCache$"):
+        kvtrio.save_cache(tmp_path / "q.kvt", [1], [ToyPagedCache(16)])
+    with pytest.raises(kvtrio.CorruptCacheError, match=r"^kind: no codec for cache kind 'toy-"):
+        codec_for_kind("toy-paged")
+    with pytest.raises(kvtrio.CorruptCacheError, match=r"kind 'toy-paged'"):
+        kvtrio.load_cache(tmp_path / "p.kvt")
+    with pytest.raises(KeyError, match=r"toy-paged"):
+        unregister_codec(codec)
