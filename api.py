@@ -31,7 +31,7 @@ from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
 from kvtrio.storage.cacheio import AttachmentData, Restored, adopt, materialize, snapshot
 from kvtrio.storage.format import Header, Layout
 from kvtrio.storage.hostbuffers import LoadBuffers, allocate_slot, check_allocatable
-from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
+from kvtrio.storage.options import DEFAULT_IO_OPTIONS, SCRIPT_LOAD_STREAMS, IoOptions
 from kvtrio.storage.reader import CacheFile, check_blocks, read_header, read_tensors
 from kvtrio.storage.structure import cache_structure, header_structure
 from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult, write_blocks, write_single
@@ -189,7 +189,7 @@ def load_cache(
     The header is validated before anything in it is used; with ``verify`` (the default)
     every tensor's xxh3 or every block's sha256 is checked before any array is built.
     Raises CorruptCacheError (a bad file), CacheMismatchError (``expect`` not met) or
-    CacheMissError (a block is missing). ``options`` tune the I/O (``load_threads``
+    CacheMissError (a block is missing). ``options`` tune the I/O (``load_streams``
     threads read the tensors, one tensor per task; docs/tuning.md), never what is checked.
     """
     target = os.fspath(path)
@@ -211,17 +211,16 @@ def _read_pipelined(
 
     Allocation (page faults) runs on this thread, the MLX owner; reads and hash checks run
     on worker threads, which touch only the byte views. No host-side copy of tensor bytes.
-    ``options.load_threads`` threads read, one tensor per task (4, as MLX's own file
-    reader: 1.1-1.2x faster than 2 on the 2-vCPU development VM and on a 16-core host,
-    where a load waits mostly on the device; docs/benchmarks.md). The pool is always
-    joined (no thread is abandoned); the first failing slot, in slot order, raises.
+    ``options.load_streams`` threads read, one tensor per task (by default
+    :data:`~kvtrio.storage.options.SCRIPT_LOAD_STREAMS`, 4). The pool is always joined
+    (no thread is abandoned); the first failing slot, in slot order, raises.
     """
     header = cache_file.header
     stop = threading.Event()
     arrays: list[tuple[Any, ...]] = []
     views: list[tuple[memoryview, ...]] = []
     futures: list[Future[None]] = []
-    threads = options.load_threads
+    threads = options.streams(SCRIPT_LOAD_STREAMS)
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtrio-read") as pool:
         try:
             for index in range(sum(1 for _ in header.slots())):

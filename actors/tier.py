@@ -72,7 +72,7 @@ from kvtrio.storage.format import Header, Layout
 from kvtrio.storage.hostbuffers import LoadBuffers, check_allocatable
 from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.openstore import ManifestFileOps, is_redis_url, open_store
-from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
+from kvtrio.storage.options import DEFAULT_IO_OPTIONS, TIER_LOAD_STREAMS, IoOptions
 from kvtrio.storage.reader import CacheFile
 from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult
 
@@ -198,7 +198,6 @@ class ColdTier:
         block_store: BlockStore | None = None,
         url: str | None = None,
         background: float | None = BACKGROUND_SLICE,
-        load_streams: int = 1,
         options: IoOptions = DEFAULT_IO_OPTIONS,
     ) -> None:
         self.root = root
@@ -214,9 +213,7 @@ class ColdTier:
             block_store = LocalBlockStore(str(self.block_dir), file_ops)
         self.block_store = block_store
         self.file_ops = file_ops
-        if load_streams < 1:
-            raise ValueError(f"load_streams must be >= 1, not {load_streams}")
-        self.load_streams = load_streams
+        self.load_streams = options.streams(TIER_LOAD_STREAMS)
         self.ledger = SnapshotLedger()
         self.writer = Writer(
             offload, file_ops, block_store, block_tokens, background, options=options
@@ -254,7 +251,6 @@ class ColdTier:
         shutdown_grace: float = 10.0,
         file_ops: FileOps = OS_FILE_OPS,
         background: float | None = BACKGROUND_SLICE,
-        load_streams: int = 1,
         options: IoOptions = DEFAULT_IO_OPTIONS,
     ) -> AsyncIterator[ColdTier]:
         """Open (creating) the tier at ``directory`` and run it until the block exits.
@@ -263,9 +259,9 @@ class ColdTier:
         share one thread); by default the tier starts its own. ``inline=True`` runs the
         owner and the I/O on the trio thread, for deterministic tests. ``cap_bytes``
         bounds the bytes queued for writing (soft for the newest save). ``io_threads``
-        bounds concurrent worker-thread I/O jobs; ``load_streams`` how many of them one
-        load reads tensors with (1: one sequential stream, which measured both faster and
-        gentler on the event loop than 2 here). ``background``: the scheduler time slice
+        bounds concurrent worker-thread I/O jobs; ``options.load_streams`` how many of them
+        one load reads tensors with (by default one sequential stream, which measured both
+        faster and gentler on the event loop than 2 here). ``background``: the scheduler time slice
         (seconds) the tier's own threads ask for, so the event loop preempts them when it
         wakes (:mod:`kvtrio.actors.sched`; Linux >= 6.12, else nothing); None leaves
         every thread alone. ``options`` tune the I/O paths (direct I/O, drop-behind,
@@ -309,7 +305,6 @@ class ColdTier:
                 block_store=block_store,
                 url=target if shared else None,
                 background=None if inline else background,
-                load_streams=load_streams,
                 options=options,
             )
             if not shared:
@@ -466,11 +461,9 @@ class ColdTier:
 
     async def _read_pipelined(self, cache_file: CacheFile, verify: bool) -> LoadBuffers:
         """Allocate the next step's tensors on the owner while the previous step's are read
-        on a worker thread (``load_streams`` reads at once, within ``io_threads``). One
-        stream is the default: in one process, alternating, 1 GiB cold loads ran at
-        1.25-1.53 GB/s with heartbeat p99 1.61-1.65 ms, against 1.16-1.31 GB/s and
-        2.28-2.91 ms with two streams (interleaved O_DIRECT reads of two tensors, and two
-        threads hashing beside the owner on two CPUs). A step is one tensor, or
+        on a worker thread (``options.load_streams`` reads at once, within
+        ``io_threads``; one by default, :data:`~kvtrio.storage.options.TIER_LOAD_STREAMS`
+        says why). The same knob bounds :func:`kvtrio.load_cache`'s reads. A step is one tensor, or
         several small ones up to :data:`~kvtrio.actors.owner.STEP_BYTES`. The first failing
         slot, in slot order, raises; the other reads stop at their next boundary and are
         waited for."""

@@ -18,6 +18,7 @@ from kvtrio.actors.tier import ColdTier
 from kvtrio.errors import CacheMismatchError, CacheMissError, CorruptCacheError, ShuttingDown
 from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FaultyFileOps
 from kvtrio.storage.format import Header
+from kvtrio.storage.options import IoOptions
 from kvtrio.storage.reader import read_header
 
 Prefill = Callable[[Sequence[int]], list[Any]]
@@ -201,7 +202,8 @@ async def test_a_load_reads_with_load_streams_reads_at_once(
     running = 0
     peak = 0
     async with MlxOwner.dedicated() as owner:
-        async with ColdTier.open(tmp_path, owner=owner, load_streams=streams) as tier:
+        options = IoOptions(load_streams=streams)
+        async with ColdTier.open(tmp_path, owner=owner, options=options) as tier:
             caches = await owner.run(prefilled, TOKENS)
             want = await owner.run(kv_bytes, caches)
             assert (await (await tier.save("conv-1", TOKENS, caches)).wait()).written
@@ -226,7 +228,13 @@ async def test_a_load_reads_with_load_streams_reads_at_once(
     assert peak == streams
 
 
-async def test_load_streams_must_be_positive(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"^load_streams must be >= 1, not 0$"):
-        async with ColdTier.open(tmp_path, inline=True, load_streams=0):
-            pass  # pragma: no cover
+async def test_load_streams_must_be_positive() -> None:
+    with pytest.raises(ValueError, match=r"^'load_streams' must be >= 1: 0$"):
+        IoOptions(load_streams=0)
+
+
+async def test_a_tier_reads_one_stream_by_default(tmp_path: Path) -> None:
+    async with ColdTier.open(tmp_path, inline=True) as tier:
+        assert tier.load_streams == 1
+    async with ColdTier.open(tmp_path, inline=True, options=IoOptions(load_streams=3)) as tier:
+        assert tier.load_streams == 3

@@ -30,7 +30,8 @@ def test_defaults_are_the_measured_ones() -> None:
         True,
         True,
     )
-    assert (options.load_threads, options.load_direct, options.drop_behind) == (4, False, True)
+    assert (options.load_streams, options.load_direct, options.drop_behind) == (None, False, True)
+    assert options.streams(4) == 4 and IoOptions(load_streams=2).streams(4) == 2
     assert (options.willneed, options.load_hash_thread, options.alloc_untouched) == (
         False,
         False,
@@ -55,7 +56,7 @@ def test_an_empty_environment_changes_nothing() -> None:
         ("KVTRIO_SAVE_DIRECT", "1", "save_direct", sys.platform.startswith("linux")),
         ("KVTRIO_SAVE_HASH_THREAD", "0", "save_hash_thread", False),
         ("KVTRIO_SAVE_COPY", "1", "zero_copy", False),
-        ("KVTRIO_LOAD_THREADS", "7", "load_threads", 7),
+        ("KVTRIO_LOAD_THREADS", "7", "load_streams", 7),
         ("KVTRIO_LOAD_DIRECT", "1", "load_direct", True),
         ("KVTRIO_LOAD_DROP_BEHIND", "0", "drop_behind", False),
         ("KVTRIO_LOAD_WILLNEED", "1", "willneed", True),
@@ -82,8 +83,8 @@ def test_prefault_off_wins_over_prefault_ahead() -> None:
 
 
 def test_counts_are_validated() -> None:
-    with pytest.raises(ValueError, match=r"^'load_threads' must be >= 1: 0$"):
-        IoOptions(load_threads=0)
+    with pytest.raises(ValueError, match=r"^'load_streams' must be >= 1: 0$"):
+        IoOptions(load_streams=0)
     with pytest.raises(ValueError, match=r"^'redis_hash_threads' must be >= 0: -1$"):
         IoOptions(redis_hash_threads=-1)
 

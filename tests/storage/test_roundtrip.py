@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import pytest
 from kvtrio.errors import CacheMismatchError
 from kvtrio.storage.cacheio import AttachmentData
 from kvtrio.storage.format import Layout
+from kvtrio.storage.reader import read_header, read_tensors
 from kvtrio.storage.structure import trim_caches
 from mlx_lm.models import cache as _mlx_cache_module
 
@@ -144,13 +147,36 @@ def test_unknown_cache_type_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("threads", [1, 3, 8])
 def test_any_number_of_read_threads_loads_bit_exact(
-    tmp_path: Path, threads: int
+    tmp_path: Path, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """load_cache reads tensors on ``IoOptions.load_threads`` threads; the count never
-    changes the result (slot order kept, every hash checked)."""
+    """load_cache reads tensors on ``IoOptions.load_streams`` threads; the count never
+    changes the result (slot order kept, every hash checked), and never more than that
+    many reads run at once."""
+    from kvtrio import api
+
     originals = [BUILDERS[kind]() for kind in sorted(BUILDERS)]
     kvtrio.save_cache(tmp_path / "c.kvt", list(range(17)), originals)
-    loaded = kvtrio.load_cache(tmp_path / "c.kvt", options=kvtrio.IoOptions(load_threads=threads))
+    running = peak = 0
+    lock = threading.Lock()
+
+    def slow_read(*args: Any, **kwargs: Any) -> None:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        try:
+            time.sleep(0.01)
+            read_tensors(*args, **kwargs)
+        finally:
+            with lock:
+                running -= 1
+
+    monkeypatch.setattr(api, "read_tensors", slow_read)
+    options = kvtrio.IoOptions(load_streams=threads)
+    loaded = kvtrio.load_cache(tmp_path / "c.kvt", options=options)
+    monkeypatch.undo()
+    slots = sum(1 for _ in read_header(str(tmp_path / "c.kvt")).header.slots())
+    assert 1 <= peak <= min(threads, slots) and (threads == 1 or peak > 1)
     for got, want in zip(loaded.caches, originals, strict=True):
         assert_same(logical_state(got), logical_state(want))
 
@@ -159,10 +185,11 @@ def test_any_number_of_read_threads_loads_bit_exact(
     ("raw", "expected"), [("", 4), ("1", 1), (" 6 ", 6), ("0", None), ("x", None)]
 )
 def test_load_threads_setting(raw: str, expected: int | None) -> None:
-    """KVTRIO_LOAD_THREADS, read at the CLI's edge, sets ``load_threads`` (default 4)."""
+    """KVTRIO_LOAD_THREADS, read at the CLI's edge, sets ``load_streams``."""
     environ = {"KVTRIO_LOAD_THREADS": raw}
     if expected is None:
         with pytest.raises(ValueError, match=r"^KVTRIO_LOAD_THREADS="):
             kvtrio.IoOptions.from_environ(environ)
     else:
-        assert kvtrio.IoOptions.from_environ(environ).load_threads == expected
+        got = kvtrio.IoOptions.from_environ(environ)
+        assert got.streams(4) == expected and got.streams(1) == (1 if raw == "" else expected)
