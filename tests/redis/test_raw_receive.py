@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -194,3 +195,19 @@ def test_hash_threads_default_leaves_two_cores_alone(monkeypatch: pytest.MonkeyP
     for cpus, expected in ((1, 0), (2, 0), (4, 1), (8, 2), (16, 4), (64, 4)):
         monkeypatch.setattr(options, "usable_cpus", lambda n=cpus: n)
         assert IoOptions().redis_hash_threads == expected
+
+
+def test_the_hash_helpers_end_with_the_store(redis_url: str) -> None:
+    """The store's sha256 helpers start on the first verified read and are joined by
+    close(): none outlives the store."""
+    before = set(threading.enumerate())
+    store = RedisBlockStore.open(redis_url, options=IoOptions(redis_hash_threads=2))
+    blobs = [os.urandom(65536) for _ in range(32)]
+    names = [hashlib.sha256(b).hexdigest() for b in blobs]
+    store.put_many([(n, memoryview(b)) for n, b in zip(names, blobs, strict=True)])
+    items = [(n, memoryview(bytearray(65536))) for n in names]
+    assert store.read_many_into(items, verify=True) == [True] * len(names)
+    helpers = [t for t in set(threading.enumerate()) - before if t.name.startswith("kvtrio-sha256")]
+    assert helpers
+    store.close()
+    assert not any(t.is_alive() for t in helpers)
