@@ -31,6 +31,7 @@ from kvtrio.errors import (
     CorruptCacheError,
     KvtrioError,
     OperationCancelled,
+    PinLimitError,
     ShuttingDown,
     StoreUnavailableError,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "MlxOwner",
     "ModelKey",
     "OperationCancelled",
+    "PinLimitError",
     "ShuttingDown",
     "StoreUnavailableError",
     "Tier",

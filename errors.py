@@ -16,6 +16,7 @@ __all__ = [
     "CorruptCacheError",
     "KvtrioError",
     "OperationCancelled",
+    "PinLimitError",
     "ShuttingDown",
     "StoreUnavailableError",
 ]
@@ -63,3 +64,7 @@ class CacheMissError(KvtrioError):
 
 class StoreUnavailableError(KvtrioError):
     """A shared block store (e.g. Redis) could not be reached; the operation did not happen."""
+
+
+class PinLimitError(KvtrioError):
+    """Pinning the entry would pin more bytes than the tier's pin limit allows."""

@@ -1,0 +1,612 @@
+"""Eviction and write-admission policies for the tiered cache's tiers, pins and TTLs.
+
+A tier (the RAM tier or the disk tier) keeps its entries; a policy only orders them. The
+tier tells its :class:`EvictionPolicy` of every entry that arrives (``on_insert``), is used
+(``on_hit``) or leaves for a reason of its own (``on_remove``: superseded, corrupt); when
+it is over its byte budget it asks for ``victim()``, which takes the least valuable entry
+out of the policy and names it. A write-back asks an :class:`AdmissionPolicy` whether an
+entry leaving RAM is worth writing to disk at all; :class:`WearAccount` counts what the
+disk was given and what it gave back.
+
+Theory of operation
+-------------------
+1. :class:`LruPolicy`: the least recently used entry is the victim (an ordered dict).
+2. :class:`GreedyDualPolicy` (GreedyDual-Size, optionally -Frequency): every entry has a
+   priority ``H = L + uses * cost / bytes``, where ``cost`` is the seconds it would take
+   to prefill its tokens again (a :class:`PrefillCost`, measured at run time, per model),
+   ``uses`` is 1 (or its hit count, with ``frequency``), and ``L`` is the priority of the
+   last victim. The victim is the lowest ``H``. ``L`` only grows, so an entry that is not
+   used again ages: newer entries start above it, and a hit lifts an entry to the
+   current ``L`` plus its value. Cheap-per-byte entries (short chats) go before costly
+   ones (long documents, whose prefill grows faster than their bytes) of the same age.
+3. A pinned entry is never a victim and never expires. Its bytes stay in :attr:`nbytes`
+   (the tier's budget sees them); ``pin`` refuses (:class:`~kvtrio.errors.PinLimitError`)
+   when the pinned bytes would exceed ``pin_limit``.
+4. An entry inserted with a TTL expires ``ttl`` seconds after its last use (insert or
+   hit) on the policy's clock (trio's by default: docs/design.md invariant 7);
+   :meth:`EvictionPolicy.expire` takes the expired entries out and names them.
+
+Costs (N entries in the policy): LRU is O(1) per operation. GreedyDual keeps a binary
+heap with lazy deletion: ``on_insert`` and ``on_hit`` push one item (O(log N)),
+``on_remove`` is O(1) (its item goes stale), ``victim`` pops stale items until a live
+one, O(log N) amortized: the heap is rebuilt (O(N)) whenever it holds more than twice
+the live entries plus 64, so stale items never outnumber live ones for long. ``expire``
+costs O(log N) per entry it takes out (plus stale deadlines, amortized the same way).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import heapq
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+import attrs
+import trio
+from kvtrio.errors import PinLimitError
+
+__all__ = [
+    "DEFAULT_PREFILL_TOKENS_PER_SECOND",
+    "AdmissionCandidate",
+    "AdmissionPolicy",
+    "AdmitAll",
+    "AllOf",
+    "EntryCost",
+    "EvictionPolicy",
+    "EvictionStatistics",
+    "GreedyDualPolicy",
+    "LruPolicy",
+    "MinimumTokens",
+    "PolicyKind",
+    "PrefillCost",
+    "RecomputePerByte",
+    "SecondUse",
+    "WearAccount",
+    "WearStatistics",
+    "make_eviction_policy",
+]
+
+# A prefill speed for models not yet measured (tokens per second; a 7B model on a laptop).
+DEFAULT_PREFILL_TOKENS_PER_SECOND = 1000.0
+
+Clock = Callable[[], float]
+
+
+# -- the recompute cost, measured at run time ------------------------------------------
+
+
+@attrs.define
+class _Fit:
+    """Least-squares sums for ``seconds = a * (end - start) + b * (end**2 - start**2)``."""
+
+    xx11: float = 0.0
+    xx12: float = 0.0
+    xx22: float = 0.0
+    xy1: float = 0.0
+    xy2: float = 0.0
+    observations: int = 0
+
+    def add(self, start: int, end: int, seconds: float) -> None:
+        x1, x2 = float(end - start), float(end * end - start * start)
+        self.xx11 += x1 * x1
+        self.xx12 += x1 * x2
+        self.xx22 += x2 * x2
+        self.xy1 += x1 * seconds
+        self.xy2 += x2 * seconds
+        self.observations += 1
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b), both non-negative: the two-term fit when it is well posed and has
+        non-negative terms, else the linear term alone."""
+        det = self.xx11 * self.xx22 - self.xx12 * self.xx12
+        if det > 1e-9 * self.xx11 * self.xx22:
+            a = (self.xy1 * self.xx22 - self.xy2 * self.xx12) / det
+            b = (self.xx11 * self.xy2 - self.xx12 * self.xy1) / det
+            if a >= 0 and b >= 0:
+                return a, b
+        return max(0.0, self.xy1 / self.xx11), 0.0
+
+
+@attrs.define
+class PrefillCost:
+    """Seconds to prefill ``n`` tokens from scratch, per model, fitted to what the server
+    measures: ``t(n) = a * n + b * n**2`` (attention makes long prompts cost more than
+    their length). Until a model has an observation, ``n / default_tokens_per_second``.
+
+    Costs: :meth:`observe` is O(1); :meth:`seconds` is O(1) (the fit is cached until the
+    next observation of that model).
+    """
+
+    default_tokens_per_second: float = DEFAULT_PREFILL_TOKENS_PER_SECOND
+    _fits: dict[Hashable, _Fit] = attrs.field(init=False, factory=dict)
+    _coefficients: dict[Hashable, tuple[float, float]] = attrs.field(init=False, factory=dict)
+
+    def observe(self, model: Hashable, start: int, end: int, seconds: float) -> None:
+        """A prefill of tokens ``start .. end`` (a cached prefix of ``start`` tokens was
+        reused) took ``seconds``."""
+        if not 0 <= start < end or seconds < 0:
+            raise ValueError("a prefill observation needs 0 <= start < end and seconds >= 0")
+        self._fits.setdefault(model, _Fit()).add(start, end, seconds)
+        self._coefficients.pop(model, None)
+
+    def coefficients(self, model: Hashable) -> tuple[float, float]:
+        """(a, b) of ``model``'s fit (the default speed's ``(1 / speed, 0)`` if unmeasured)."""
+        found = self._coefficients.get(model)
+        if found is None:
+            fit = self._fits.get(model)
+            if fit is None:
+                return 1.0 / self.default_tokens_per_second, 0.0
+            found = self._coefficients[model] = fit.coefficients()
+        return found
+
+    def seconds(self, model: Hashable, tokens: int) -> float:
+        a, b = self.coefficients(model)
+        return a * tokens + b * tokens * tokens
+
+
+# -- eviction --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class EntryCost:
+    """What a policy knows of an entry: its bytes in the tier, its tokens, its model."""
+
+    nbytes: int
+    tokens: int
+    model: Hashable = None
+
+
+@attrs.frozen
+class EvictionStatistics:
+    """Counters of one eviction policy (derived from its live state where it can be)."""
+
+    entries: int
+    nbytes: int
+    pinned_entries: int
+    pinned_bytes: int
+    victims: int
+    expired: int
+
+
+@attrs.define
+class _Slot:
+    cost: EntryCost
+    ttl: float | None
+    deadline: float  # +inf without a TTL
+    pinned: bool = False
+    uses: int = 1
+
+
+@attrs.define(eq=False)
+class EvictionPolicy(abc.ABC):
+    """The order in which one tier gives up its entries (see the module's rules 3, 4).
+
+    Subclasses keep the order (:meth:`_order_add`, :meth:`_order_touch`,
+    :meth:`_order_discard`, :meth:`_order_pop`); this class keeps the bytes, the pins and
+    the TTLs. A pinned entry is out of the order altogether, so ``victim`` never sees it.
+    """
+
+    pin_limit: int = 0  # bytes that may be pinned at once
+    default_ttl: float | None = None
+    clock: Clock = trio.current_time
+    _slots: dict[str, _Slot] = attrs.field(init=False, factory=dict)
+    _nbytes: int = attrs.field(init=False, default=0)
+    _pinned_bytes: int = attrs.field(init=False, default=0)
+    _pinned: int = attrs.field(init=False, default=0)
+    _deadlines: list[tuple[float, int, str]] = attrs.field(init=False, factory=list)
+    _seq: itertools.count[int] = attrs.field(init=False, factory=itertools.count)
+    _victims: int = attrs.field(init=False, default=0)
+    _expired: int = attrs.field(init=False, default=0)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slots
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every entry in the policy, pinned ones included."""
+        return self._nbytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._pinned_bytes
+
+    def on_insert(self, key: str, cost: EntryCost, *, ttl: float | None = None) -> None:
+        """``key`` arrived in the tier (again: replaces what was known, pin kept).
+        ``ttl`` (else ``default_ttl``): it expires that many seconds after its last use."""
+        old = self._slots.get(key)
+        pinned = old is not None and old.pinned
+        if old is not None:
+            self.on_remove(key)
+        ttl = self.default_ttl if ttl is None else ttl
+        if ttl is not None and ttl < 0:
+            raise ValueError("ttl must be >= 0")
+        slot = self._slots[key] = _Slot(cost, ttl, self._deadline_of(ttl))
+        self._nbytes += cost.nbytes
+        self._push_deadline(key, slot)
+        if pinned:
+            self._set_pinned(key, slot)
+        else:
+            self._order_add(key, slot)
+
+    def on_hit(self, key: str) -> None:
+        """``key`` served a lookup (absent: nothing)."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return
+        slot.uses += 1
+        slot.deadline = self._deadline_of(slot.ttl)
+        self._push_deadline(key, slot)
+        if not slot.pinned:
+            self._order_touch(key, slot)
+
+    def on_remove(self, key: str) -> None:
+        """``key`` left the tier for a reason of its own (absent: nothing)."""
+        slot = self._slots.pop(key, None)
+        if slot is None:
+            return
+        self._nbytes -= slot.cost.nbytes
+        if slot.pinned:
+            self._pinned_bytes -= slot.cost.nbytes
+            self._pinned -= 1
+        else:
+            self._order_discard(key, slot)
+
+    def victim(self) -> str | None:
+        """Take the least valuable unpinned entry out of the policy and name it (None:
+        nothing left but pinned entries). The tier then evicts it."""
+        key = self._order_pop()
+        if key is None:
+            return None
+        slot = self._slots.pop(key)
+        self._nbytes -= slot.cost.nbytes
+        self._victims += 1
+        return key
+
+    def expire(self) -> list[str]:
+        """Take every expired unpinned entry out of the policy and name them (rule 4)."""
+        now = self.clock()
+        out: list[str] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, _, key = heapq.heappop(self._deadlines)
+            slot = self._slots.get(key)
+            if slot is None or slot.pinned or slot.deadline != deadline:
+                continue  # stale: removed, pinned, or used since
+            self.on_remove(key)
+            out.append(key)
+        self._expired += len(out)
+        if len(self._deadlines) > 2 * len(self._slots) + 64:
+            self._deadlines = [
+                (s.deadline, next(self._seq), k)
+                for k, s in self._slots.items()
+                if s.deadline != float("inf")
+            ]
+            heapq.heapify(self._deadlines)
+        return out
+
+    def pin(self, key: str) -> None:
+        """Never evict or expire ``key`` (rule 3). KeyError if absent; PinLimitError if
+        the pinned bytes would exceed ``pin_limit``."""
+        slot = self._slots[key]
+        if slot.pinned:
+            return
+        if self._pinned_bytes + slot.cost.nbytes > self.pin_limit:
+            raise PinLimitError(
+                f"pinning {slot.cost.nbytes} bytes would exceed the pin limit of "
+                f"{self.pin_limit} bytes ({self._pinned_bytes} pinned)"
+            )
+        self._order_discard(key, slot)
+        self._set_pinned(key, slot)
+
+    def unpin(self, key: str) -> None:
+        """Make ``key`` evictable again, as if just used (absent or unpinned: nothing)."""
+        slot = self._slots.get(key)
+        if slot is None or not slot.pinned:
+            return
+        slot.pinned = False
+        self._pinned_bytes -= slot.cost.nbytes
+        self._pinned -= 1
+        slot.deadline = self._deadline_of(slot.ttl)
+        self._push_deadline(key, slot)
+        self._order_add(key, slot)
+
+    def is_pinned(self, key: str) -> bool:
+        slot = self._slots.get(key)
+        return slot is not None and slot.pinned
+
+    def statistics(self) -> EvictionStatistics:
+        return EvictionStatistics(
+            entries=len(self._slots),
+            nbytes=self._nbytes,
+            pinned_entries=self._pinned,
+            pinned_bytes=self._pinned_bytes,
+            victims=self._victims,
+            expired=self._expired,
+        )
+
+    def _set_pinned(self, key: str, slot: _Slot) -> None:
+        slot.pinned = True
+        self._pinned_bytes += slot.cost.nbytes
+        self._pinned += 1
+
+    def _deadline_of(self, ttl: float | None) -> float:
+        return float("inf") if ttl is None else self.clock() + ttl
+
+    def _push_deadline(self, key: str, slot: _Slot) -> None:
+        if slot.ttl is not None:
+            heapq.heappush(self._deadlines, (slot.deadline, next(self._seq), key))
+
+    @abc.abstractmethod
+    def _order_add(self, key: str, slot: _Slot) -> None: ...
+
+    @abc.abstractmethod
+    def _order_touch(self, key: str, slot: _Slot) -> None: ...
+
+    @abc.abstractmethod
+    def _order_discard(self, key: str, slot: _Slot) -> None: ...
+
+    @abc.abstractmethod
+    def _order_pop(self) -> str | None: ...
+
+
+@attrs.define(eq=False)
+class LruPolicy(EvictionPolicy):
+    """Least recently used first (rule 1). O(1) per operation."""
+
+    _lru: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)
+
+    def _order_add(self, key: str, slot: _Slot) -> None:
+        self._lru[key] = None
+
+    def _order_touch(self, key: str, slot: _Slot) -> None:
+        self._lru.move_to_end(key)
+
+    def _order_discard(self, key: str, slot: _Slot) -> None:
+        self._lru.pop(key, None)
+
+    def _order_pop(self) -> str | None:
+        if not self._lru:
+            return None
+        key, _ = self._lru.popitem(last=False)
+        return key
+
+
+@attrs.define(eq=False)
+class GreedyDualPolicy(EvictionPolicy):
+    """GreedyDual-Size (rule 2): the lowest ``L + uses * recompute seconds / bytes`` goes
+    first. ``frequency``: ``uses`` counts the entry's hits (GreedyDual-Size-Frequency),
+    else it is 1. O(log N) per operation (see the module's costs)."""
+
+    prefill: PrefillCost = attrs.field(factory=PrefillCost)
+    frequency: bool = False
+    _inflation: float = attrs.field(init=False, default=0.0)  # L
+    _heap: list[tuple[float, int, str]] = attrs.field(init=False, factory=list)
+    _priority: dict[str, tuple[float, int]] = attrs.field(init=False, factory=dict)
+
+    @property
+    def inflation(self) -> float:
+        """L: the priority of the last victim (0 before the first)."""
+        return self._inflation
+
+    def priority(self, key: str) -> float | None:
+        """The entry's current H (None: absent or pinned)."""
+        found = self._priority.get(key)
+        return None if found is None else found[0]
+
+    def value(self, slot_cost: EntryCost, uses: int) -> float:
+        """Recompute seconds per byte (times uses, with ``frequency``)."""
+        seconds = self.prefill.seconds(slot_cost.model, slot_cost.tokens)
+        weight = uses if self.frequency else 1
+        return weight * seconds / max(1, slot_cost.nbytes)
+
+    def _order_add(self, key: str, slot: _Slot) -> None:
+        item = (self._inflation + self.value(slot.cost, slot.uses), next(self._seq))
+        self._priority[key] = item
+        heapq.heappush(self._heap, (*item, key))
+        if len(self._heap) > 2 * len(self._priority) + 64:
+            self._heap = [(h, seq, k) for k, (h, seq) in self._priority.items()]
+            heapq.heapify(self._heap)
+
+    def _order_touch(self, key: str, slot: _Slot) -> None:
+        self._order_add(key, slot)  # the old item goes stale
+
+    def _order_discard(self, key: str, slot: _Slot) -> None:
+        self._priority.pop(key, None)
+
+    def _order_pop(self) -> str | None:
+        while self._heap:
+            h, seq, key = heapq.heappop(self._heap)
+            if self._priority.get(key) == (h, seq):
+                del self._priority[key]
+                self._inflation = max(self._inflation, h)
+                return key
+        return None
+
+
+class PolicyKind(enum.Enum):
+    """The eviction policies a tier can be configured with."""
+
+    LRU = "lru"
+    COST = "cost"  # GreedyDual-Size with recompute cost (the default)
+    COST_FREQUENCY = "cost-frequency"  # GreedyDual-Size-Frequency
+
+
+def make_eviction_policy(
+    kind: PolicyKind,
+    *,
+    prefill: PrefillCost | None = None,
+    pin_limit: int = 0,
+    default_ttl: float | None = None,
+    clock: Clock = trio.current_time,
+) -> EvictionPolicy:
+    """A fresh policy of ``kind``; the cost-aware ones share ``prefill`` (one per process
+    is the point: the RAM and disk tiers then value entries by the same measurements)."""
+    if kind is PolicyKind.LRU:
+        return LruPolicy(pin_limit, default_ttl, clock)
+    return GreedyDualPolicy(
+        pin_limit,
+        default_ttl,
+        clock,
+        prefill if prefill is not None else PrefillCost(),
+        kind is PolicyKind.COST_FREQUENCY,
+    )
+
+
+# -- write admission -------------------------------------------------------------------
+
+
+@attrs.frozen
+class AdmissionCandidate:
+    """An entry leaving RAM, offered to the disk."""
+
+    key: str
+    tokens: int
+    nbytes: int
+    uses: int  # lookups it served while in RAM
+    recompute_seconds: float  # PrefillCost.seconds of its tokens
+
+
+class AdmissionPolicy(abc.ABC):
+    """Whether an entry leaving RAM is written to disk (the rest are simply forgotten)."""
+
+    @abc.abstractmethod
+    def admit(self, candidate: AdmissionCandidate) -> bool: ...
+
+
+@attrs.frozen
+class AdmitAll(AdmissionPolicy):
+    """Write every entry (kvtrio's behaviour before admission existed)."""
+
+    def admit(self, candidate: AdmissionCandidate) -> bool:
+        return True
+
+
+@attrs.frozen
+class MinimumTokens(AdmissionPolicy):
+    """Write entries of at least ``tokens`` tokens."""
+
+    tokens: int
+
+    def admit(self, candidate: AdmissionCandidate) -> bool:
+        return candidate.tokens >= self.tokens
+
+
+@attrs.frozen
+class RecomputePerByte(AdmissionPolicy):
+    """Write entries that save at least ``seconds_per_gib`` of prefill per GiB written."""
+
+    seconds_per_gib: float
+
+    def admit(self, candidate: AdmissionCandidate) -> bool:
+        gib = max(1, candidate.nbytes) / (1 << 30)
+        return candidate.recompute_seconds >= self.seconds_per_gib * gib
+
+
+@attrs.define(eq=False)
+class SecondUse(AdmissionPolicy):
+    """Write an entry on its second chance: it served a lookup while in RAM, or it was
+    refused once before (a bounded memory of ``remember`` refused keys: a prompt that comes
+    back and is recomputed is written the next time it leaves RAM). O(1) per decision."""
+
+    remember: int = 4096
+    _refused: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)
+
+    def admit(self, candidate: AdmissionCandidate) -> bool:
+        if candidate.uses > 0:
+            return True
+        if candidate.key in self._refused:
+            del self._refused[candidate.key]
+            return True
+        self._refused[candidate.key] = None
+        if len(self._refused) > self.remember:
+            self._refused.popitem(last=False)
+        return False
+
+
+@attrs.frozen
+class AllOf(AdmissionPolicy):
+    """Write an entry only if every one of ``policies`` would (each is asked, in order,
+    until one refuses)."""
+
+    policies: tuple[AdmissionPolicy, ...]
+
+    def admit(self, candidate: AdmissionCandidate) -> bool:
+        return all(p.admit(candidate) for p in self.policies)
+
+
+# -- wear ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class WearStatistics:
+    """What the disk was given, and what it gave back.
+
+    ``bytes_reused`` counts each written entry's bytes once, the first time it is read
+    back; ``reuse_ratio`` is ``bytes_reused / bytes_written`` (0 before any write).
+    """
+
+    bytes_written: int
+    bytes_read: int
+    bytes_reused: int
+    entries_written: int
+    entries_read_back: int
+    admitted: int
+    refused: int
+    bytes_refused: int
+
+    @property
+    def reuse_ratio(self) -> float:
+        return self.bytes_reused / self.bytes_written if self.bytes_written else 0.0
+
+
+@attrs.define
+class WearAccount:
+    """Counts disk writes, reads, and which written entries were ever read back.
+
+    O(1) per event; it holds one integer per written entry not yet read back or removed.
+    """
+
+    _unread: dict[str, int] = attrs.field(init=False, factory=dict)
+    _counts: dict[str, int] = attrs.field(init=False, factory=dict)
+
+    def on_admission(self, candidate: AdmissionCandidate, admitted: bool) -> None:
+        if admitted:
+            self._add("admitted")
+        else:
+            self._add("refused")
+            self._add("bytes_refused", candidate.nbytes)
+
+    def on_written(self, key: str, nbytes: int) -> None:
+        self._add("bytes_written", nbytes)
+        self._add("entries_written")
+        self._unread[key] = self._unread.get(key, 0) + nbytes
+
+    def on_read(self, key: str, nbytes: int) -> None:
+        self._add("bytes_read", nbytes)
+        written = self._unread.pop(key, None)
+        if written is not None:
+            self._add("bytes_reused", written)
+            self._add("entries_read_back")
+
+    def on_removed(self, key: str) -> None:
+        self._unread.pop(key, None)
+
+    def statistics(self) -> WearStatistics:
+        c = self._counts.get
+        return WearStatistics(
+            bytes_written=c("bytes_written", 0),
+            bytes_read=c("bytes_read", 0),
+            bytes_reused=c("bytes_reused", 0),
+            entries_written=c("entries_written", 0),
+            entries_read_back=c("entries_read_back", 0),
+            admitted=c("admitted", 0),
+            refused=c("refused", 0),
+            bytes_refused=c("bytes_refused", 0),
+        )
+
+    def _add(self, name: str, n: int = 1) -> None:
+        self._counts[name] = self._counts.get(name, 0) + n
