@@ -48,11 +48,13 @@ import trio
 from kvtrio.errors import PinLimitError
 
 __all__ = [
+    "DEFAULT_ADMIT_SECONDS_PER_GIB",
     "DEFAULT_PREFILL_TOKENS_PER_SECOND",
     "AdmissionCandidate",
     "AdmissionPolicy",
     "AdmitAll",
     "AllOf",
+    "AnyOf",
     "EntryCost",
     "EvictionPolicy",
     "EvictionStatistics",
@@ -65,11 +67,16 @@ __all__ = [
     "SecondUse",
     "WearAccount",
     "WearStatistics",
+    "default_admission",
     "make_eviction_policy",
 ]
 
 # A prefill speed for models not yet measured (tokens per second; a 7B model on a laptop).
 DEFAULT_PREFILL_TOKENS_PER_SECOND = 1000.0
+
+# The default admission's threshold: seconds of prefill an entry saves per GiB it writes
+# (for Llama-3-8B in fp16 at about 1000 tokens/s, entries of 16k tokens and more).
+DEFAULT_ADMIT_SECONDS_PER_GIB = 12.0
 
 Clock = Callable[[], float]
 
@@ -536,6 +543,25 @@ class AllOf(AdmissionPolicy):
 
     def admit(self, candidate: AdmissionCandidate) -> bool:
         return all(p.admit(candidate) for p in self.policies)
+
+
+@attrs.frozen
+class AnyOf(AdmissionPolicy):
+    """Write an entry if any one of ``policies`` would (each is asked, in order, until
+    one admits: a stateful one such as :class:`SecondUse` is asked only if reached)."""
+
+    policies: tuple[AdmissionPolicy, ...]
+
+    def admit(self, candidate: AdmissionCandidate) -> bool:
+        return any(p.admit(candidate) for p in self.policies)
+
+
+def default_admission() -> AdmissionPolicy:
+    """The write admission chosen on ``kvtrio bench policy``'s workload: entries that save
+    at least :data:`DEFAULT_ADMIT_SECONDS_PER_GIB` of prefill per GiB written (there it
+    cut bytes written 2.3x to 3.8x for at most 3.5 % less prefill time saved;
+    docs/benchmarks.md, "Eviction and write admission")."""
+    return RecomputePerByte(DEFAULT_ADMIT_SECONDS_PER_GIB)
 
 
 # -- wear ------------------------------------------------------------------------------

@@ -107,6 +107,11 @@ BENCHES: dict[str, Command] = {
         "shared tier on Redis: block put/get GB/s vs raw SET/GET; dedup across hosts",
         "kvtrio.bench.redis",
     ),
+    "policy": Command(
+        "eviction and write admission replayed on a synthetic chat and document trace: "
+        "prefill time saved and bytes written, cost-aware vs LRU",
+        "kvtrio.bench.policy",
+    ),
     "attention": Command(
         "decode attention over a paged cache: direct kernel and gather+sdpa vs contiguous "
         "sdpa",

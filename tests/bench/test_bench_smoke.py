@@ -18,3 +18,24 @@ def test_bench_runtime_prints_json_figures_and_ratios() -> None:
         assert figures[name] > 0, name
     assert figures["ask_ratio"] == figures["ask"] / figures["raw_ping_pong"]
     assert figures["tell_ratio"] == figures["tell"] / figures["raw_stream"]
+
+
+def test_bench_policy_prints_json_figures_and_headline_ratios() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtrio", "bench", "policy", "--json",
+         "--chats", "200", "--docs", "4", "--budgets", "2:8"],
+        capture_output=True, text=True, check=True,
+    )
+    figures = json.loads(out.stdout)
+    assert len(figures["runs"]) == 3 * 4  # eviction policies x admission policies
+    for run in figures["runs"]:
+        assert 0 < run["saved_share"] <= figures["unbounded"]["saved_share"] + 1e-9, run
+        assert run["gib_written"] >= 0 and 0 <= run["reuse_ratio"] <= 1
+    (headline,) = figures["headline"]
+    runs = {(r["policy"], r["admission"]): r for r in figures["runs"]}
+    assert headline["saved_vs_lru"] == (
+        runs["cost", "all"]["hours_saved"] / runs["lru", "all"]["hours_saved"]
+    )
+    assert headline["written_cut"] == (
+        runs["cost", "all"]["gib_written"] / runs["cost", "default"]["gib_written"]
+    )
