@@ -281,6 +281,30 @@ class PrefixIndex:
             return PrefixMatch(shorter, MatchKind.SHORTER, short_len)
         return None
 
+    def refused_longer(
+        self, model: ModelKey, tokens: Sequence[int], reuse: int
+    ) -> tuple[PrefixEntry, int] | None:
+        """The longer entry that rule 3 refused although it would have kept more than
+        ``reuse`` tokens of the query (not trimmable, or below its minimum reusable offset),
+        and what it would have kept; None when there is none. Same cost as :meth:`lookup`
+        (explained misses, :mod:`kvtrio.actors.misses`)."""
+        query = tuple(int(t) for t in tokens)
+        if not query:
+            return None
+        deepest = self._walk(model, query)[-1]
+        start = deepest.depth * self.block_size
+        best: tuple[PrefixEntry, int] | None = None
+        for key in deepest.passing:
+            entry = self._entries[key]
+            common = _common_prefix(entry.tokens, query, start)
+            if common >= len(entry.tokens):
+                continue
+            kept = min(len(query) - 1, common)
+            usable = entry.trimmable and kept >= entry.min_reusable_offset
+            if kept > reuse and not usable and (best is None or kept > best[1]):
+                best = (entry, kept)
+        return best
+
     def _walk(self, model: ModelKey, query: tuple[int, ...]) -> list[_Node]:
         root = self._nodes.get(model.root())
         if root is None:
