@@ -19,6 +19,8 @@ Theory of operation
    used again ages: newer entries start above it, and a hit lifts an entry to the
    current ``L`` plus its value. Cheap-per-byte entries (short chats) go before costly
    ones (long documents, whose prefill grows faster than their bytes) of the same age.
+   An entry given ``reload_seconds`` (in RAM, one the disk holds or will admit) costs the
+   lesser of its recompute and its reload: losing it from RAM loses only the reload.
 3. A pinned entry is never a victim and never expires. Its bytes stay in :attr:`nbytes`
    (the tier's budget sees them); ``pin`` refuses (:class:`~kvtrio.errors.PinLimitError`)
    when the pinned bytes would exceed ``pin_limit``.
@@ -158,11 +160,14 @@ class PrefillCost:
 
 @attrs.frozen
 class EntryCost:
-    """What a policy knows of an entry: its bytes in the tier, its tokens, its model."""
+    """What a policy knows of an entry: its bytes in the tier, its tokens, its model, and
+    (``reload_seconds``) how long it would take to get it back from a lower tier, when it
+    is there or will be (the RAM tier over a disk that holds or will admit the entry)."""
 
     nbytes: int
     tokens: int
     model: Hashable = None
+    reload_seconds: float | None = None
 
 
 @attrs.frozen
@@ -404,11 +409,14 @@ class GreedyDualPolicy(EvictionPolicy):
         found = self._priority.get(key)
         return None if found is None else found[0]
 
-    def value(self, slot_cost: EntryCost, uses: int) -> float:
-        """Recompute seconds per byte (times uses, with ``frequency``)."""
-        seconds = self.prefill.seconds(slot_cost.model, slot_cost.tokens)
+    def value(self, cost: EntryCost, uses: int) -> float:
+        """What losing the entry costs, per byte: its recompute seconds, or its reload
+        seconds when that is less (times uses, with ``frequency``)."""
+        seconds = self.prefill.seconds(cost.model, cost.tokens)
+        if cost.reload_seconds is not None:
+            seconds = min(seconds, cost.reload_seconds)
         weight = uses if self.frequency else 1
-        return weight * seconds / max(1, slot_cost.nbytes)
+        return weight * seconds / max(1, cost.nbytes)
 
     def _order_add(self, key: str, slot: _Slot) -> None:
         item = (self._inflation + self.value(slot.cost, slot.uses), next(self._seq))
@@ -481,7 +489,13 @@ class AdmissionPolicy(abc.ABC):
     """Whether an entry leaving RAM is written to disk (the rest are simply forgotten)."""
 
     @abc.abstractmethod
-    def admit(self, candidate: AdmissionCandidate) -> bool: ...
+    def admit(self, candidate: AdmissionCandidate) -> bool:
+        """Decide (a stateful policy remembers the decision)."""
+
+    def would_admit(self, candidate: AdmissionCandidate) -> bool:
+        """What :meth:`admit` would answer now, remembering nothing (for valuing an entry
+        in RAM by its reload cost when the disk will take it)."""
+        return self.admit(candidate)
 
 
 @attrs.frozen
@@ -522,6 +536,9 @@ class SecondUse(AdmissionPolicy):
     remember: int = 4096
     _refused: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)
 
+    def would_admit(self, candidate: AdmissionCandidate) -> bool:
+        return candidate.uses > 0 or candidate.key in self._refused
+
     def admit(self, candidate: AdmissionCandidate) -> bool:
         if candidate.uses > 0:
             return True
@@ -544,6 +561,9 @@ class AllOf(AdmissionPolicy):
     def admit(self, candidate: AdmissionCandidate) -> bool:
         return all(p.admit(candidate) for p in self.policies)
 
+    def would_admit(self, candidate: AdmissionCandidate) -> bool:
+        return all(p.would_admit(candidate) for p in self.policies)
+
 
 @attrs.frozen
 class AnyOf(AdmissionPolicy):
@@ -554,6 +574,9 @@ class AnyOf(AdmissionPolicy):
 
     def admit(self, candidate: AdmissionCandidate) -> bool:
         return any(p.admit(candidate) for p in self.policies)
+
+    def would_admit(self, candidate: AdmissionCandidate) -> bool:
+        return any(p.would_admit(candidate) for p in self.policies)
 
 
 def default_admission() -> AdmissionPolicy:

@@ -266,3 +266,27 @@ def test_wear_counts_bytes_read_back_once_per_write() -> None:
     assert (stats.entries_written, stats.entries_read_back) == (2, 1)
     assert (stats.admitted, stats.refused, stats.bytes_refused) == (1, 1, 10 * BPT)
     assert stats.reuse_ratio == pytest.approx(0.25)
+
+
+def test_an_entry_the_disk_holds_is_valued_by_its_reload_in_ram() -> None:
+    """In RAM, losing an entry the disk holds costs its reload, not its recompute: a long
+    document already on disk goes before a chat only RAM has."""
+    gds = GreedyDualPolicy(clock=lambda: 0.0, prefill=_quadratic())
+    gds.on_insert("doc", EntryCost(10_000 * BPT, 10_000, "m", reload_seconds=0.005))
+    gds.on_insert("chat", _cost(1_000))
+    assert gds.victim() == "doc"
+    gds.on_insert("doc", EntryCost(10_000 * BPT, 10_000, "m", reload_seconds=1e9))
+    assert gds.victim() == "chat"  # a reload slower than recomputing changes nothing
+
+
+def test_would_admit_remembers_nothing() -> None:
+    second = SecondUse()
+    assert not second.would_admit(_candidate("a", 10))
+    assert not second.would_admit(_candidate("a", 10))
+    assert not second.admit(_candidate("a", 10))
+    assert second.would_admit(_candidate("a", 10))
+    assert second.admit(_candidate("a", 10))
+    assert not second.would_admit(_candidate("a", 10))
+    both = AllOf((MinimumTokens(5), SecondUse()))
+    assert both.would_admit(_candidate("b", 10, uses=1))
+    assert not both.would_admit(_candidate("b", 4, uses=1))
