@@ -18,7 +18,7 @@ Theory of operation
    on a tie the order of :class:`MissReason` decides (the most actionable first). With
    no candidate the reason is NO_ENTRY, unless the match was exact (reason None).
 3. :class:`Departures` is itself a small prefix index of entries that left, bounded by
-   count (oldest forgotten first); an entry that comes back (re-inserted, re-found) is
+   count and by tokens (oldest forgotten first); an entry that comes back (re-inserted, re-found) is
    taken out of it, so it never explains a miss it did not cause.
 
 Costs: :func:`explain` is O(prompt blocks + candidates examined) per index asked: the live
@@ -44,6 +44,7 @@ from kvtrio.actors.prefix import (
 )
 
 __all__ = [
+    "DEFAULT_DEPARTED_TOKENS",
     "DEFAULT_DEPARTURES",
     "Departures",
     "Explanation",
@@ -53,8 +54,11 @@ __all__ = [
     "explain",
 ]
 
-# How many departed entries are remembered for explanations by default.
+# How many departed entries are remembered for explanations by default, and how many of
+# their tokens (a departed entry keeps its token tuple: about 8 bytes a token, shared with
+# nothing once the entry is gone).
 DEFAULT_DEPARTURES = 4096
+DEFAULT_DEPARTED_TOKENS = 1 << 21
 
 
 class MissReason(enum.Enum):
@@ -109,8 +113,10 @@ class Departures:
 
     block_size: int = DEFAULT_BLOCK_SIZE
     limit: int = DEFAULT_DEPARTURES
+    token_limit: int = DEFAULT_DEPARTED_TOKENS
     _index: PrefixIndex = attrs.field(init=False)
     _reasons: OrderedDict[str, MissReason] = attrs.field(init=False, factory=OrderedDict)
+    _tokens: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self._index = PrefixIndex(block_size=self.block_size)
@@ -122,17 +128,23 @@ class Departures:
         """``entry`` left the cache for ``reason`` (one of the departure reasons)."""
         if reason not in _DEPARTURE_REASONS:
             raise ValueError(f"{reason.value} is not a reason an entry leaves the cache")
-        self._reasons.pop(entry.key, None)
+        self.forget(entry.key)
         self._reasons[entry.key] = reason
         self._index.add(entry)
-        while len(self._reasons) > self.limit:
+        self._tokens += len(entry.tokens)
+        while len(self._reasons) > self.limit or self._tokens > self.token_limit:
             key, _ = self._reasons.popitem(last=False)
-            self._index.remove(key)
+            self._drop(key)
 
     def forget(self, key: str) -> None:
         """``key`` is back in the cache (absent: nothing)."""
         if self._reasons.pop(key, None) is not None:
-            self._index.remove(key)
+            self._drop(key)
+
+    def _drop(self, key: str) -> None:
+        gone = self._index.remove(key)
+        assert gone is not None
+        self._tokens -= len(gone.tokens)
 
     def best(self, model: ModelKey, tokens: Sequence[int]) -> tuple[PrefixMatch, MissReason] | None:
         match = self._index.lookup(model, tokens)

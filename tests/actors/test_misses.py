@@ -128,6 +128,15 @@ def test_departures_are_bounded_oldest_forgotten_first() -> None:
     assert departures.best(MODEL, [0, *DOC, 1]) is None
     found = departures.best(MODEL, [2, *DOC, 1])
     assert found is not None and found[0].kind is MatchKind.SHORTER
+    by_tokens = Departures(block_size=B, token_limit=45)
+    for i in range(3):
+        by_tokens.note(index.make_entry(MODEL, [i, *DOC]), MissReason.EVICTED)
+    assert len(by_tokens) == 2  # 21 tokens each: three would exceed 45
+    by_tokens.note(index.make_entry(MODEL, [7] * 40), MissReason.EVICTED)
+    assert len(by_tokens) == 1  # 40 tokens: only it fits
+    by_tokens.forget(index.make_entry(MODEL, [7] * 40).key)
+    by_tokens.note(index.make_entry(MODEL, [0, *DOC]), MissReason.EVICTED)
+    assert len(by_tokens) == 1
     with pytest.raises(ValueError, match=r"^no-entry is not a reason an entry leaves the cache$"):
         departures.note(index.make_entry(MODEL, DOC), MissReason.NO_ENTRY)
 
