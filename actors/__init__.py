@@ -7,7 +7,10 @@
 - :class:`SpillActor` (:mod:`~kvtrio.actors.spill`): the byte-capped queue in front of
   the disk; :class:`Writer` / :class:`Reader`: CPU-only I/O in worker threads;
 - :class:`PrefixIndex` / :class:`ModelKey` (:mod:`~kvtrio.actors.prefix`): the
-  longest-prefix index over token-block hash chains.
+  longest-prefix index over token-block hash chains;
+- eviction and write admission (:mod:`~kvtrio.actors.policy`), explained misses
+  (:mod:`~kvtrio.actors.misses`) and Prometheus text (:mod:`~kvtrio.actors.metrics`):
+  docs/metrics.md.
 
 Names load on first use (importing this package imports neither MLX nor trio).
 See docs/actors.md and docs/tiered.md.
@@ -20,7 +23,20 @@ from typing import TYPE_CHECKING
 from kvtrio._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from kvtrio.actors.metrics import Histogram, tiered_metrics
+    from kvtrio.actors.misses import Departures, Explanation, MissReason, explain
     from kvtrio.actors.owner import MlxOwner
+    from kvtrio.actors.policy import (
+        AdmissionPolicy,
+        EvictionPolicy,
+        GreedyDualPolicy,
+        LruPolicy,
+        PolicyKind,
+        PrefillCost,
+        WearAccount,
+        default_admission,
+        make_eviction_policy,
+    )
     from kvtrio.actors.prefix import MatchKind, ModelKey, PrefixIndex, PrefixMatch
     from kvtrio.actors.reader import Reader
     from kvtrio.actors.spill import SpillActor, SpillOutcome, SpillStatistics, SpillTicket
@@ -38,13 +54,23 @@ if TYPE_CHECKING:
     from kvtrio.actors.writer import Writer
 
 _EXPORTS = {
+    "AdmissionPolicy": "kvtrio.actors.policy",
     "ColdEntryInfo": "kvtrio.actors.tiered",
     "ColdTier": "kvtrio.actors.tier",
     "ColdTierStatistics": "kvtrio.actors.tier",
+    "Departures": "kvtrio.actors.misses",
+    "EvictionPolicy": "kvtrio.actors.policy",
+    "Explanation": "kvtrio.actors.misses",
     "Fetched": "kvtrio.actors.tiered",
+    "GreedyDualPolicy": "kvtrio.actors.policy",
+    "Histogram": "kvtrio.actors.metrics",
+    "LruPolicy": "kvtrio.actors.policy",
     "MatchKind": "kvtrio.actors.prefix",
+    "MissReason": "kvtrio.actors.misses",
     "MlxOwner": "kvtrio.actors.owner",
     "ModelKey": "kvtrio.actors.prefix",
+    "PolicyKind": "kvtrio.actors.policy",
+    "PrefillCost": "kvtrio.actors.policy",
     "PrefixIndex": "kvtrio.actors.prefix",
     "PrefixMatch": "kvtrio.actors.prefix",
     "Reader": "kvtrio.actors.reader",
@@ -57,20 +83,35 @@ _EXPORTS = {
     "Tier": "kvtrio.actors.tiered",
     "TieredPromptCache": "kvtrio.actors.tiered",
     "TieredStatistics": "kvtrio.actors.tiered",
+    "WearAccount": "kvtrio.actors.policy",
     "WritePolicy": "kvtrio.actors.tiered",
     "Writer": "kvtrio.actors.writer",
+    "default_admission": "kvtrio.actors.policy",
+    "explain": "kvtrio.actors.misses",
+    "make_eviction_policy": "kvtrio.actors.policy",
     "mlx_thread_guard": "kvtrio.actors.testing",
     "open_tiered_cache": "kvtrio.actors.tiered",
+    "tiered_metrics": "kvtrio.actors.metrics",
 }
 
 __all__ = [
+    "AdmissionPolicy",
     "ColdEntryInfo",
     "ColdTier",
     "ColdTierStatistics",
+    "Departures",
+    "EvictionPolicy",
+    "Explanation",
     "Fetched",
+    "GreedyDualPolicy",
+    "Histogram",
+    "LruPolicy",
     "MatchKind",
+    "MissReason",
     "MlxOwner",
     "ModelKey",
+    "PolicyKind",
+    "PrefillCost",
     "PrefixIndex",
     "PrefixMatch",
     "Reader",
@@ -83,10 +124,15 @@ __all__ = [
     "Tier",
     "TieredPromptCache",
     "TieredStatistics",
+    "WearAccount",
     "WritePolicy",
     "Writer",
+    "default_admission",
+    "explain",
+    "make_eviction_policy",
     "mlx_thread_guard",
     "open_tiered_cache",
+    "tiered_metrics",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
