@@ -33,7 +33,8 @@ heap with lazy deletion: ``on_insert`` and ``on_hit`` push one item (O(log N)),
 ``on_remove`` is O(1) (its item goes stale), ``victim`` pops stale items until a live
 one, O(log N) amortized: the heap is rebuilt (O(N)) whenever it holds more than twice
 the live entries plus 64, so stale items never outnumber live ones for long. ``expire``
-costs O(log N) per entry it takes out (plus stale deadlines, amortized the same way).
+costs O(log N) per entry it takes out, plus the stale deadlines it skips (rebuilt the same
+way when they outnumber the entries).
 """
 
 from __future__ import annotations
@@ -228,8 +229,9 @@ class EvictionPolicy(abc.ABC):
         return self._pinned_bytes
 
     def on_insert(self, key: str, cost: EntryCost, *, ttl: float | None = None) -> None:
-        """``key`` arrived in the tier (again: replaces what was known, pin kept).
-        ``ttl`` (else ``default_ttl``): it expires that many seconds after its last use."""
+        """``key`` arrived in the tier (again: replaces what was known; a pin is kept, even
+        if the new size takes the pinned bytes past ``pin_limit``). ``ttl`` (else
+        ``default_ttl``): it expires that many seconds after its last use."""
         old = self._slots.get(key)
         pinned = old is not None and old.pinned
         if old is not None:
@@ -291,13 +293,6 @@ class EvictionPolicy(abc.ABC):
             self.on_remove(key)
             out.append(key)
         self._expired += len(out)
-        if len(self._deadlines) > 2 * len(self._slots) + 64:
-            self._deadlines = [
-                (s.deadline, next(self._seq), k)
-                for k, s in self._slots.items()
-                if s.deadline != float("inf")
-            ]
-            heapq.heapify(self._deadlines)
         return out
 
     def pin(self, key: str) -> None:
@@ -349,8 +344,16 @@ class EvictionPolicy(abc.ABC):
         return float("inf") if ttl is None else self.clock() + ttl
 
     def _push_deadline(self, key: str, slot: _Slot) -> None:
-        if slot.ttl is not None:
-            heapq.heappush(self._deadlines, (slot.deadline, next(self._seq), key))
+        if slot.ttl is None:
+            return
+        heapq.heappush(self._deadlines, (slot.deadline, next(self._seq), key))
+        if len(self._deadlines) > 2 * len(self._slots) + 64:  # stale items: rebuild, O(N)
+            self._deadlines = [
+                (s.deadline, next(self._seq), k)
+                for k, s in self._slots.items()
+                if s.ttl is not None and not s.pinned
+            ]
+            heapq.heapify(self._deadlines)
 
     @abc.abstractmethod
     def _order_add(self, key: str, slot: _Slot) -> None: ...

@@ -149,6 +149,13 @@ def test_victim_costs_stay_logarithmic_in_heap_size() -> None:
         for i in range(100):
             gds.on_hit(f"k{i}")
     assert len(gds._heap) <= 2 * len(gds) + 64 + 1
+    ttl = LruPolicy(default_ttl=10.0, clock=lambda: 0.0)  # deadlines too, without expire()
+    for i in range(100):
+        ttl.on_insert(f"k{i}", _cost(10))
+    for _ in range(50):
+        for i in range(100):
+            ttl.on_hit(f"k{i}")
+    assert len(ttl._deadlines) <= 2 * len(ttl) + 64 + 1
 
 
 def test_a_pinned_entry_is_never_a_victim_but_counts_against_the_budget() -> None:
