@@ -20,6 +20,7 @@ from kvtrio.actors.policy import (
     RecomputePerByte,
     SecondUse,
     WearAccount,
+    default_admission,
     make_eviction_policy,
 )
 from kvtrio.errors import PinLimitError
@@ -232,6 +233,11 @@ def test_prefill_cost_fits_what_is_measured() -> None:
 
 def _candidate(key: str, tokens: int, uses: int = 0) -> AdmissionCandidate:
     return AdmissionCandidate(key, tokens, tokens * BPT, uses, 1e-3 * tokens)
+
+
+def test_the_default_admission_is_12_seconds_of_prefill_per_gib() -> None:
+    """docs/metrics.md and docs/benchmarks.md state this threshold."""
+    assert default_admission() == RecomputePerByte(12.0)
 
 
 def test_admission_decisions() -> None:
