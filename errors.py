@@ -19,6 +19,7 @@ __all__ = [
     "PinLimitError",
     "ShuttingDown",
     "StoreUnavailableError",
+    "UnsupportedCacheError",
 ]
 
 
@@ -68,3 +69,12 @@ class StoreUnavailableError(KvtrioError):
 
 class PinLimitError(KvtrioError):
     """Pinning the entry would pin more bytes than the tier's pin limit allows."""
+
+
+class UnsupportedCacheError(KvtrioError):
+    """A cache object's class has no kvtrio codec (or cannot be saved per sequence): it stays
+    in RAM only. ``cache_class`` names the class."""
+
+    def __init__(self, cache_class: str, message: str | None = None) -> None:
+        self.cache_class = cache_class
+        super().__init__(message or f"cache class {cache_class} cannot be saved by kvtrio")

@@ -40,6 +40,7 @@ import mlx.core as mx
 from kvtrio.actors.sched import BACKGROUND_SLICE, set_thread_slice
 from kvtrio.actors.snapshot import Snapshot, SnapshotLedger
 from kvtrio.runtime.executor import DedicatedThreadExecutor, InlineExecutor
+from kvtrio.runtime.external import ExternalThreadExecutor
 from kvtrio.storage import cacheio, hostbuffers
 from kvtrio.storage.cacheio import AttachmentData, CacheSnapshot, HostTensor, Restored
 from kvtrio.storage.format import Header
@@ -59,7 +60,7 @@ JOB_BUDGET = 0.001
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
-AnyExecutor = DedicatedThreadExecutor | InlineExecutor
+AnyExecutor = DedicatedThreadExecutor | InlineExecutor | ExternalThreadExecutor
 
 
 def release_thread_streams() -> None:
@@ -100,6 +101,12 @@ class MlxOwner:
         """An owner that runs jobs on the calling trio thread (deterministic tests)."""
         async with InlineExecutor(name="mlx-owner-inline") as executor:
             yield cls(executor)
+
+    @classmethod
+    def external(cls, executor: ExternalThreadExecutor) -> MlxOwner:
+        """An owner whose jobs run on a thread the server already has (mlx-lm's generation
+        thread), when that thread pumps ``executor`` (:mod:`kvtrio.runtime.external`)."""
+        return cls(executor)
 
     async def run(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
         """Run ``fn(*args)`` on the owner thread (e.g. the server's own model step)."""

@@ -1,0 +1,320 @@
+"""TieredLRUPromptCache: mlx-lm's LRUPromptCache, with kvtrio's cold tier beneath its RAM.
+
+A drop-in for ``mlx_lm.models.cache.LRUPromptCache`` in any threaded server (mlx-lm's own
+first): same constructor, same synchronous methods (``fetch_nearest_cache``,
+``insert_cache``, ``trim_to``, ``nbytes``, ``len()``, ``stats_by_type``), called from the
+one thread that makes the server's MLX calls.
+
+::
+
+    tier = TierThread(TierOptions(directory, model_key))
+    tier.start()
+    cache = TieredLRUPromptCache(max_size=10, tier=tier, tier_model=mlx_model_key)
+    # on the generation thread:
+    tier.bind()
+    cache, rest = cache.fetch_nearest_cache(mlx_model_key, prompt)   # RAM, else disk
+    ...
+    cache.insert_cache(mlx_model_key, tokens, prompt_cache)          # RAM; evictions spill
+    cache.pump()                                                     # between steps
+    cache.close()                                                    # at exit: RAM -> disk
+
+Theory of operation:
+
+1. RAM is mlx-lm's: this class *is* an LRUPromptCache (its trie, its per-``cache_type``
+   LRU ordering, ``max_size``/``max_bytes``, ``trim_to``); nothing of its semantics
+   changes. The trie is replaced by one that records what LRUPromptCache evicts.
+2. An entry LRUPromptCache evicts (count, bytes, ``trim_to``) is handed to the cold tier
+   (:meth:`TieredPromptCache.spill`): the call returns at once; the snapshot, the
+   materialization and the release run later as owner jobs on this thread
+   (:meth:`pump`), the write on worker threads. Entries dropped as prefixes of a longer
+   trimmable entry are not written: the longer one covers them.
+3. A lookup asks RAM first, then the cold index (one round trip to the tier's loop, no
+   I/O). Only when disk reuses more tokens than RAM does it load, on this thread's
+   behalf: the caller waits at most ``load_timeout`` seconds (running owner jobs for the
+   load meanwhile), then the lookup is RAM's answer (a miss at worst).
+4. Only entries of ``tier_model`` (mlx-lm's model key of the model the tier was opened
+   for) go to disk; other models stay RAM-only, exactly as in mlx-lm.
+5. Caches kvtrio cannot save stay in RAM: a batch cache of one sequence is extracted to
+   its per-sequence cache first (``extract(0)``, what mlx-lm's BatchGenerator does); a
+   batch cache of several sequences, or a class without a codec, is refused with
+   :class:`~kvtrio.errors.UnsupportedCacheError` by :func:`saveable`, counted, and kept
+   RAM-only.
+6. :meth:`close` spills every RAM entry, then closes the tier (its writes drain within
+   the tier's shutdown grace), pumping owner jobs meanwhile.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import attrs
+from kvtrio.actors.tiered import Fetched
+from kvtrio.errors import KvtrioError, UnsupportedCacheError
+from kvtrio.serve.bridge import TierThread
+from kvtrio.storage import codecs
+from mlx_lm.models import cache as _mlx_cache
+
+__all__ = [
+    "CacheTier",
+    "FetchInfo",
+    "TieredLRUPromptCache",
+    "TieredLRUStatistics",
+    "per_sequence",
+    "saveable",
+]
+
+logger = logging.getLogger(__name__)
+
+mlx_cache: Any = _mlx_cache
+
+#: Batch cache classes and how a one-sequence batch becomes a per-sequence cache.
+BATCH_CLASSES: tuple[str, ...] = ("BatchKVCache", "BatchRotatingKVCache")
+
+
+class CacheTier(enum.Enum):
+    """Where a lookup's reused tokens came from."""
+
+    HOT = "hot"
+    COLD = "cold"
+    MISS = "miss"
+
+
+@attrs.frozen
+class FetchInfo:
+    """The last lookup: its tier and the tokens it reused."""
+
+    tier: CacheTier
+    reused: int
+
+
+@attrs.frozen
+class TieredLRUStatistics:
+    """Counters of the adapter (RAM side; the tier's own are ``tier.cache.statistics()``)."""
+
+    ram_entries: int
+    ram_bytes: int
+    hits_hot: int
+    hits_cold: int
+    misses: int
+    spilled: int
+    refused: int
+    load_timeouts: int
+    load_failures: int
+
+
+def _batch_size(cache: Any) -> int:
+    keys = getattr(cache, "keys", None)
+    if keys is not None:
+        return int(keys.shape[0])
+    return len(cache.left_padding.tolist())
+
+
+def per_sequence(caches: Sequence[Any]) -> list[Any]:
+    """``caches`` with every one-sequence batch cache extracted to its per-sequence cache
+    (rule 5); UnsupportedCacheError naming the class for a batch of several sequences."""
+    out: list[Any] = []
+    for cache in caches:
+        name = type(cache).__name__
+        if name in BATCH_CLASSES and type(cache) is getattr(mlx_cache, name):
+            size = _batch_size(cache)
+            if size != 1:
+                raise UnsupportedCacheError(
+                    name, f"cache class {name} holds {size} sequences: extract one first"
+                )
+            if getattr(cache, "keys", None) is None:  # empty: extract() needs arrays
+                cache = (
+                    mlx_cache.KVCache()
+                    if name == "BatchKVCache"
+                    else mlx_cache.RotatingKVCache(cache.max_size)
+                )
+            else:
+                cache = cache.extract(0)
+        out.append(cache)
+    return out
+
+
+def saveable(caches: Sequence[Any]) -> None:
+    """Raise UnsupportedCacheError naming the first cache class kvtrio has no codec for
+    (nested caches included)."""
+    for cache in caches:
+        if not _has_codec(cache):
+            name = type(cache).__name__
+            raise UnsupportedCacheError(name, f"cache class {name} has no kvtrio codec")
+        saveable(getattr(cache, "caches", ()) if type(cache).__name__ == "CacheList" else ())
+
+
+def _has_codec(cache: Any) -> bool:
+    try:
+        codecs.codec_for_cache(cache)
+    except TypeError:
+        return False
+    return True
+
+
+class _RecordingTrie(mlx_cache.PromptTrie):  # type: ignore[misc]
+    """mlx-lm's PromptTrie, noting the entries LRUPromptCache evicts (its only ``pop``
+    callers are the eviction loops; prefixes dropped for a longer entry use
+    ``pop_prefixes``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.evicted: list[tuple[Any, list[int], Any]] = []
+
+    def pop(self, model: Any, tokens: list[int]) -> Any:
+        value = super().pop(model, tokens)
+        self.evicted.append((model, list(tokens), value))
+        return value
+
+
+class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
+    """mlx-lm's LRUPromptCache over kvtrio's cold tier (see the module doc)."""
+
+    def __init__(
+        self,
+        max_size: int = 10,
+        max_bytes: int = 1 << 63,
+        *,
+        tier: TierThread | None = None,
+        tier_model: Hashable | None = None,
+        load_timeout: float = 30.0,
+        pump_budget: float = 0.005,
+    ) -> None:
+        super().__init__(max_size, max_bytes)
+        self._trie = _RecordingTrie()
+        self.tier = tier
+        self.tier_model = tier_model
+        self.load_timeout = load_timeout
+        self.pump_budget = pump_budget
+        self.last_fetch: FetchInfo | None = None
+        self._counts: dict[str, int] = {}
+
+    # -- mlx-lm's interface ------------------------------------------------------------
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+        self.pump()
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        reused = len(tokens) - len(rest)
+        tier = CacheTier.HOT if cache is not None else CacheTier.MISS
+        fetched = self._fetch_cold(model, tokens, reused)
+        if fetched is not None and fetched.caches is not None:
+            cache, rest, tier = fetched.caches, list(fetched.remaining), CacheTier.COLD
+            reused = len(tokens) - len(rest)
+        self._count({CacheTier.HOT: "hits_hot", CacheTier.COLD: "hits_cold"}.get(tier, "misses"))
+        self.last_fetch = FetchInfo(tier, reused)
+        return cache, rest
+
+    def insert_cache(
+        self,
+        model: Any,
+        tokens: list[int],
+        prompt_cache: list[Any],
+        *,
+        cache_type: str = "assistant",
+    ) -> None:
+        try:
+            prompt_cache = per_sequence(prompt_cache)
+        except UnsupportedCacheError:
+            self._count("refused")
+            logger.debug("kvtrio: a batch cache of several sequences stays out of the cache")
+            return
+        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        self._spill_evicted()
+        self.pump()
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+        self._spill_evicted()
+
+    # -- kvtrio's additions ------------------------------------------------------------
+
+    def pump(self, budget: float | None = None) -> int:
+        """Run the tier's queued MLX jobs (owner thread) for up to ``budget`` seconds
+        (``pump_budget`` by default); call it between model steps."""
+        if self.tier is None:
+            return 0
+        return self.tier.pump(self.pump_budget if budget is None else budget)
+
+    def close(self, *, timeout: float | None = None) -> bool:
+        """Write every RAM entry of the tier's model to disk, close the tier (rule 6);
+        True when everything settled within ``timeout``."""
+        self.trim_to(n_sequences=0)
+        if self.tier is None:
+            return True
+        return self.tier.close(timeout=timeout)
+
+    def statistics(self) -> TieredLRUStatistics:
+        c = self._counts.get
+        return TieredLRUStatistics(
+            ram_entries=len(self),
+            ram_bytes=self.nbytes,
+            hits_hot=c("hits_hot", 0),
+            hits_cold=c("hits_cold", 0),
+            misses=c("misses", 0),
+            spilled=c("spilled", 0),
+            refused=c("refused", 0),
+            load_timeouts=c("load_timeouts", 0),
+            load_failures=c("load_failures", 0),
+        )
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._counts[name] = self._counts.get(name, 0) + n
+
+    def _cold_for(self, model: Any) -> TierThread | None:
+        tier = self.tier
+        if tier is None or not tier.alive or model != self.tier_model or tier.cache is None:
+            return None
+        return tier
+
+    def _fetch_cold(self, model: Any, tokens: list[int], reused: int) -> Fetched | None:
+        """Rule 3: a disk load, when the index says disk reuses more than RAM did."""
+        tier = self._cold_for(model)
+        if tier is None or not tokens:
+            return None
+        cold = tier.cache
+        assert cold is not None
+        try:
+            match = tier.peek(cold.peek, tokens)
+            if match is None or match.reuse <= reused:
+                return None
+            fetched = tier.call(_fetch_unadmitted, cold, tokens, timeout=self.load_timeout)
+        except TimeoutError:
+            self._count("load_timeouts")
+            return None
+        except KvtrioError:
+            self._count("load_failures")
+            return None
+        if fetched.caches is None or fetched.reused <= reused:
+            return None
+        return fetched
+
+    def _spill_evicted(self) -> None:
+        trie: _RecordingTrie = self._trie
+        evicted, trie.evicted = trie.evicted, []
+        for model, tokens, entry in evicted:
+            tier = self._cold_for(model)
+            if tier is None or not tokens:
+                continue
+            try:
+                saveable(entry.prompt_cache)
+            except UnsupportedCacheError:
+                self._count("refused")
+                continue
+            cold = tier.cache
+            assert cold is not None
+            meta = {"mlx_lm.cache_type": str(entry.cache_type)}
+            tier.submit(_spill, cold, tokens, entry.prompt_cache, meta)
+            self._count("spilled")
+
+
+async def _fetch_unadmitted(cold: Any, tokens: list[int]) -> Fetched:
+    fetched: Fetched = await cold.fetch_nearest(tokens, admit=False)
+    return fetched
+
+
+async def _spill(cold: Any, tokens: list[int], caches: list[Any], meta: dict[str, str]) -> None:
+    await cold.spill(tokens, caches, meta=meta)

@@ -1,0 +1,209 @@
+"""TieredLRUPromptCache: mlx-lm's LRUPromptCache with a cold tier, called synchronously
+from one thread (the generation thread), which is also the tier's MLX owner."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+from kvtrio.actors.prefix import ModelKey
+from kvtrio.actors.testing import mlx_thread_guard
+from kvtrio.serve.adapter import CacheTier, FetchInfo, TieredLRUPromptCache
+from kvtrio.serve.bridge import TierOptions, TierThread
+from kvtrio.tinymodel import TinyModel, build_tiny_model, make_caches, prefill
+from mlx_lm.models.cache import LRUPromptCache
+
+MODEL = ("tiny", None, None)  # mlx-lm's model key: (path, adapter, draft)
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def tiny() -> TinyModel:
+    return build_tiny_model(seed=3)
+
+
+def _prefilled(tiny: TinyModel, tokens: list[int]) -> list[Any]:
+    caches = make_caches(tiny)
+    prefill(tiny, caches, tokens)
+    return caches
+
+
+def _bytes(caches: list[Any]) -> list[bytes]:
+    """What a cache holds: its offset and the bytes of its live keys and values."""
+    out = []
+    for c in caches:
+        out.append(str(c.offset).encode())
+        for a in c.keys_and_values():
+            out.append(bytes(np.array(a)))
+    return out
+
+
+@contextmanager
+def _adapter(
+    tiny: TinyModel, directory: Path, **kwargs: Any
+) -> Iterator[tuple[TieredLRUPromptCache, TierThread]]:
+    tier = TierThread(
+        TierOptions(str(directory), ModelKey(tiny.model_id, tiny.fingerprint), block_size=BLOCK)
+    )
+    tier.start()
+    tier.bind()
+    cache = TieredLRUPromptCache(tier=tier, tier_model=MODEL, **kwargs)
+    try:
+        yield cache, tier
+    finally:
+        assert cache.close(timeout=30)
+
+
+def _pump_until(cache: TieredLRUPromptCache, done: Any, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        cache.pump(0.01)
+        time.sleep(0.001)
+
+
+def _cold_entries(tier: TierThread) -> int:
+    assert tier.cache is not None
+    return tier.peek(lambda: tier.cache.statistics().cold_entries)  # type: ignore[union-attr]
+
+
+def test_an_evicted_entry_is_served_from_disk_bit_exact_after_a_restart(
+    tiny: TinyModel, tmp_path: Path
+) -> None:
+    a = list(range(1, 41))
+    b = list(range(100, 150))
+    with mlx_thread_guard(lambda: tier_ref[0].executor.is_owner_thread()) as guard:
+        tier_ref: list[TierThread] = []
+        with _adapter(tiny, tmp_path, max_size=1) as (cache, tier):
+            tier_ref.append(tier)
+            original = _prefilled(tiny, a)
+            expected = _bytes(original)
+            cache.insert_cache(MODEL, a, original)
+            cache.insert_cache(MODEL, b, _prefilled(tiny, b))  # evicts a (max_size=1)
+            assert len(cache) == 1
+            _pump_until(cache, lambda: _cold_entries(tier) == 1)
+            got, rest = cache.fetch_nearest_cache(MODEL, a)
+            assert rest == [] and cache.last_fetch is not None
+            assert cache.last_fetch.tier is CacheTier.COLD and cache.last_fetch.reused == len(a)
+            assert _bytes(got) == expected
+        assert tier.cache is not None
+        ledger = tier.cache.cold.tier.ledger.statistics()  # type: ignore[attr-defined]
+        assert ledger.created >= 2 and ledger.live == 0
+
+        # Restart: both entries (b was in RAM and written at close) come back from disk.
+        with _adapter(tiny, tmp_path, max_size=1) as (cache, tier):
+            tier_ref[0] = tier
+            got, rest = cache.fetch_nearest_cache(MODEL, [*b, 7, 8])
+            assert rest == [7, 8] and cache.last_fetch == FetchInfo(CacheTier.COLD, len(b))
+            got, rest = cache.fetch_nearest_cache(MODEL, a)
+            assert rest == [] and _bytes(got) == expected
+            assert cache.statistics().hits_cold == 2
+    assert guard.calls > 0 and guard.violations == []
+
+
+def test_ram_semantics_are_mlx_lms(tiny: TinyModel) -> None:
+    """Same inserts, same lookups, same answers as LRUPromptCache (cache_type ordering,
+    max_size, prefix removal, trimming a longer entry): RAM is mlx-lm's own code."""
+    plain = LRUPromptCache(max_size=3)
+    cache = TieredLRUPromptCache(max_size=3)
+    sequences = [
+        (list(range(1, 30)), "system"),
+        (list(range(1, 40)), "user"),
+        (list(range(50, 80)), "assistant"),
+        (list(range(1, 45)), "assistant"),
+        (list(range(200, 230)), "user"),
+        (list(range(300, 330)), "assistant"),
+    ]
+    queries = [list(range(1, 35)), list(range(50, 90)), list(range(1, 45)), [9, 9, 9]]
+    for tokens, kind in sequences:
+        caches = _prefilled(tiny, tokens)
+        plain.insert_cache(MODEL, tokens, caches, cache_type=kind)
+        cache.insert_cache(MODEL, tokens, _prefilled(tiny, tokens), cache_type=kind)
+        assert len(cache) == len(plain) and cache.nbytes == plain.nbytes
+        assert cache.stats_by_type() == plain.stats_by_type()
+        for query in queries:
+            mine, rest = cache.fetch_nearest_cache(MODEL, query)
+            theirs, their_rest = plain.fetch_nearest_cache(MODEL, query)
+            assert rest == their_rest and (mine is None) == (theirs is None)
+            if mine is not None:
+                assert _bytes(mine) == _bytes(theirs)
+    cache.trim_to(n_bytes=plain.nbytes // 2)
+    plain.trim_to(n_bytes=plain.nbytes // 2)
+    assert len(cache) == len(plain) and cache.stats_by_type() == plain.stats_by_type()
+
+
+def test_other_models_stay_in_ram(tiny: TinyModel, tmp_path: Path) -> None:
+    other = ("other", None, None)
+    with _adapter(tiny, tmp_path, max_size=1) as (cache, tier):
+        cache.insert_cache(other, [1, 2, 3], _prefilled(tiny, [1, 2, 3]))
+        cache.insert_cache(other, [4, 5, 6], _prefilled(tiny, [4, 5, 6]))
+        assert cache.statistics().spilled == 0
+    with _adapter(tiny, tmp_path) as (cache, tier):
+        assert _cold_entries(tier) == 0
+
+
+def test_a_save_never_makes_the_generation_thread_wait_for_the_disk(
+    tiny: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every cold write stuck on a worker thread, inserts and pumps still return at
+    once; the write lands when the disk comes back."""
+    from kvtrio.actors.tiered import ColdTierStore
+
+    gate = threading.Event()
+    real_store = ColdTierStore.store
+
+    async def slow_store(self: Any, *args: Any, **kwargs: Any) -> Any:
+        await trio.to_thread.run_sync(gate.wait)
+        return await real_store(self, *args, **kwargs)
+
+    monkeypatch.setattr(ColdTierStore, "store", slow_store)
+    with _adapter(tiny, tmp_path, max_size=1) as (cache, tier):
+        slowest = 0.0
+        for i in range(6):
+            tokens = list(range(10 * i + 1, 10 * i + 30))
+            caches = _prefilled(tiny, tokens)
+            start = time.perf_counter()
+            cache.insert_cache(MODEL, tokens, caches)
+            for _ in range(5):
+                cache.pump(0.005)
+            slowest = max(slowest, time.perf_counter() - start)
+        assert cache.statistics().spilled == 5 and _cold_entries(tier) == 0
+        assert slowest < 0.1, slowest
+        gate.set()
+        _pump_until(cache, lambda: _cold_entries(tier) == 5)
+
+
+def test_a_cold_load_that_outlives_its_timeout_is_a_miss(
+    tiny: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtrio.actors.tiered import ColdTierStore
+
+    tokens = list(range(1, 40))
+    with _adapter(tiny, tmp_path, max_size=1) as (cache, _tier):
+        cache.insert_cache(MODEL, tokens, _prefilled(tiny, tokens))
+    gate = threading.Event()
+    real_fetch = ColdTierStore.fetch
+
+    async def stuck_fetch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        await trio.to_thread.run_sync(gate.wait, abandon_on_cancel=True)
+        return await real_fetch(self, *args, **kwargs)
+
+    monkeypatch.setattr(ColdTierStore, "fetch", stuck_fetch)
+    with _adapter(tiny, tmp_path, load_timeout=0.3) as (cache, _):
+        start = time.monotonic()
+        got, rest = cache.fetch_nearest_cache(MODEL, tokens)
+        waited = time.monotonic() - start
+        assert got is None and rest == tokens and 0.3 <= waited < 2.0
+        assert cache.statistics().load_timeouts == 1
+        assert cache.last_fetch is not None and cache.last_fetch.tier is CacheTier.MISS
+        gate.set()
+        monkeypatch.setattr(ColdTierStore, "fetch", real_fetch)
+        got, rest = cache.fetch_nearest_cache(MODEL, tokens)
+        assert rest == [] and cache.last_fetch == FetchInfo(CacheTier.COLD, len(tokens))

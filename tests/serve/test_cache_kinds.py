@@ -1,0 +1,79 @@
+"""Every cache class of the installed mlx_lm.models.cache is either saved by kvtrio (a codec,
+or extraction to a per-sequence cache first) or refused with a typed error naming it."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from kvtrio.errors import UnsupportedCacheError
+from kvtrio.serve.adapter import per_sequence, saveable
+from mlx_lm.models import cache as mlx_cache
+
+# How to build one of each class (the test fails when mlx-lm adds a class not listed).
+MAKERS: dict[str, Any] = {
+    "KVCache": lambda: mlx_cache.KVCache(),
+    "RotatingKVCache": lambda: mlx_cache.RotatingKVCache(max_size=8),
+    "QuantizedKVCache": lambda: mlx_cache.QuantizedKVCache(),
+    "ChunkedKVCache": lambda: mlx_cache.ChunkedKVCache(8),
+    "ArraysCache": lambda: mlx_cache.ArraysCache(2),
+    "CacheList": lambda: mlx_cache.CacheList(mlx_cache.KVCache(), mlx_cache.KVCache()),
+    "ConcatenateKVCache": lambda: mlx_cache.ConcatenateKVCache(),
+    "BatchKVCache": lambda: mlx_cache.BatchKVCache([0]),
+    "BatchRotatingKVCache": lambda: mlx_cache.BatchRotatingKVCache(8, [0]),
+}
+SAVED = {
+    "KVCache",
+    "RotatingKVCache",
+    "QuantizedKVCache",
+    "ChunkedKVCache",
+    "ArraysCache",
+    "CacheList",
+    "BatchKVCache",
+    "BatchRotatingKVCache",
+}
+
+
+def _cache_classes() -> set[str]:
+    base = mlx_cache._BaseCache
+    return {
+        name
+        for name, cls in inspect.getmembers(mlx_cache, inspect.isclass)
+        if issubclass(cls, base) and cls is not base and cls.__module__ == mlx_cache.__name__
+    }
+
+
+def test_every_cache_class_is_listed() -> None:
+    assert _cache_classes() == set(MAKERS)
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_each_class_is_saved_or_refused_by_name(name: str) -> None:
+    caches = [MAKERS[name]()]
+    if name in SAVED:
+        saveable(per_sequence(caches))
+        return
+    with pytest.raises(UnsupportedCacheError) as info:
+        saveable(per_sequence(caches))
+    assert info.value.cache_class == name
+
+
+def test_a_batch_of_several_sequences_is_refused_by_name() -> None:
+    batch = mlx_cache.BatchKVCache([0, 0])
+    keys = mx.ones((2, 1, 4, 8))
+    batch.update_and_fetch(keys, keys)
+    with pytest.raises(UnsupportedCacheError) as info:
+        per_sequence([batch])
+    assert info.value.cache_class == "BatchKVCache"
+
+
+def test_a_one_sequence_batch_is_extracted_without_losing_a_token() -> None:
+    batch = mlx_cache.BatchKVCache([2])
+    keys = mx.arange(1 * 1 * 6 * 4, dtype=mx.float32).reshape(1, 1, 6, 4)
+    batch.update_and_fetch(keys, keys + 1)
+    (single,) = per_sequence([batch])
+    assert type(single) is mlx_cache.KVCache and single.offset == 4
+    k, v = single.keys_and_values()
+    assert mx.array_equal(k, keys[:, :, 2:]) and mx.array_equal(v, keys[:, :, 2:] + 1)
