@@ -61,6 +61,10 @@ COMMANDS: dict[str, Command] = {
         "every hit",
         "kvtrio.cli.demo",
     ),
+    "serve": Command(
+        "mlx_lm.server with a prompt cache that survives restarts and spills to disk",
+        "kvtrio.cli.serve",
+    ),
     "showcase": Command(
         "the actor runtime, live: backpressure, supervision, shutdown", "kvtrio.cli.showcase"
     ),

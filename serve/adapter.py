@@ -189,6 +189,7 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         self.load_timeout = load_timeout
         self.pump_budget = pump_budget
         self.last_fetch: FetchInfo | None = None
+        self.fetch_count = 0  # lookups made so far (kvtrio serve tags requests with them)
         self._counts: dict[str, int] = {}
 
     # -- mlx-lm's interface ------------------------------------------------------------
@@ -204,6 +205,7 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
             reused = len(tokens) - len(rest)
         self._count({CacheTier.HOT: "hits_hot", CacheTier.COLD: "hits_cold"}.get(tier, "misses"))
         self.last_fetch = FetchInfo(tier, reused)
+        self.fetch_count += 1
         return cache, rest
 
     def insert_cache(

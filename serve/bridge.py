@@ -122,6 +122,10 @@ class TierThread:
         """Run the tier's queued MLX jobs for up to ``budget`` seconds (owner thread)."""
         return self.executor.pump(budget)
 
+    def pending(self) -> bool:
+        """Whether MLX jobs of the tier wait for the owner (cheap; any thread)."""
+        return self.executor.pending()
+
     def submit(self, fn: Callable[[*Ts], Awaitable[object]], *args: *Ts) -> None:
         """Run ``fn(*args)`` on the loop; return at once (rule 2)."""
         if not self.alive:

@@ -1,0 +1,26 @@
+"""``kvtrio serve``: mlx_lm.server's flags and kvtrio's, then :func:`kvtrio.serve.server.serve`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvtrio.cli.demo import default_data_dir
+    from kvtrio.serve.server import add_kvtrio_arguments, add_mlx_server_arguments
+
+    add_mlx_server_arguments(parser)
+    add_kvtrio_arguments(parser, default_cache_dir=default_data_dir() / "serve")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtrio.serve.server import serve
+
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s - %(levelname)s - %(message)s",
+    )
+    return serve(args)

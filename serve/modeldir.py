@@ -1,0 +1,96 @@
+"""A tiny random-weight llama as a real mlx-lm model directory, built here, offline.
+
+``write_tiny_model_dir(path)`` writes what ``mlx_lm.load`` (and so ``mlx_lm.server`` and
+``kvtrio serve``) reads: ``config.json``, ``model.safetensors``, and a byte-level BPE
+tokenizer trained locally with the ``tokenizers`` package on a small built-in text
+(``tokenizer.json``, ``tokenizer_config.json`` with a ChatML chat template). The answers
+mean nothing; every code path (tokenizer, chat template, prefill, decode, caches) is the
+real one. Needs the ``tokenizers`` package (kvtrio's test extra). Calls MLX: run it on
+the thread that owns MLX in the calling process (before a server starts, typically).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvtrio.tinymodel import TINY_CONFIG
+
+__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "write_tiny_model_dir"]
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. A prompt cache keeps the keys and values "
+    "of a conversation so the next turn does not compute them again. Servers restart, "
+    "conversations continue; what was computed once is read back from disk. "
+    "What is the capital of France? The capital of France is Paris. "
+    "system user assistant hello world tokens cache disk memory model answer question "
+)
+
+
+def _tokenizer(vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return tokenizer
+
+
+def write_tiny_model_dir(
+    path: str | Path, *, config: Mapping[str, Any] = TINY_CONFIG, seed: int = 0
+) -> Path:
+    """Write the model directory at ``path`` (created); return it."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+    from mlx_lm.utils import save_model
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab_size = int(config["vocab_size"])
+    tokenizer = _tokenizer(vocab_size)
+    tokenizer.save(str(out / "tokenizer.json"))
+    eos = tokenizer.token_to_id("<|im_end|>")
+    full = {**config, "eos_token_id": eos, "bos_token_id": tokenizer.token_to_id("<|endoftext|>")}
+    mx.random.seed(seed)
+    from_dict: Any = llama.ModelArgs.from_dict
+    model = llama.Model(from_dict(dict(full)))
+    mx.eval(model.parameters())
+    save_model(out, model)
+    (out / "config.json").write_text(json.dumps(full, indent=2, sort_keys=True))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": CHAT_TEMPLATE,
+                "eos_token": "<|im_end|>",
+                "bos_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": None,
+                "model_max_length": int(config.get("max_position_embeddings", 16384)),
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+    )
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"})
+    )
+    return out

@@ -1,0 +1,484 @@
+"""``kvtrio serve``: mlx-lm's OpenAI-compatible server with a prompt cache that survives restarts.
+
+mlx_lm.server's own HTTP server (``APIHandler`` on a ``ThreadingHTTPServer``), its
+``ModelProvider`` and its ``ResponseGenerator`` (generation thread, batching, chat
+templates, tool calls, sampling), with :class:`~kvtrio.serve.adapter.TieredLRUPromptCache`
+in place of LRUPromptCache. It takes mlx_lm.server's flags unchanged (read from the
+installed mlx_lm.server, so they follow its version) plus kvtrio's.
+
+Theory of operation:
+
+1. Threads: mlx-lm's generation thread is the MLX owner. It binds the tier's executor
+   before its loop starts and pumps the tier's MLX jobs (snapshots, materialization,
+   load buffers) whenever it looks for a new request, so a save costs it only those
+   short jobs, never a wait for the disk. Jobs queued while it sleeps wake it up; jobs
+   queued while it decodes a batch end the batch's time slice after the current step
+   (:class:`_PumpingBudget`), so they run between model steps.
+2. Which tier served a request: the adapter records each lookup; the request's response
+   queue, wrapped when the generation thread takes the request, tags the request's
+   context with the first lookup made after that (mlx-lm's loop looks the request up
+   right after taking it). The handler waits for the tag before it sends its headers and
+   sends ``X-Kvtrio-Cache: hot|cold|miss`` and ``X-Kvtrio-Cached-Tokens``.
+   ``usage.prompt_tokens_details.cached_tokens`` is mlx-lm's count of reused tokens, from
+   either tier.
+3. Shutdown (first SIGTERM or SIGINT): stop accepting (the listener closes), let requests
+   in flight finish for ``--grace`` seconds, then cut the rest (each stops at its next
+   step) and give them ``--grace`` more; stop the generation thread, which writes every
+   RAM entry to disk (the tier drains its queue within the same grace) and ends; exit 0.
+   A second signal exits at once with status 1: every file is published by rename after
+   fsync, so nothing on disk is torn (a tmp file at worst, removed by the next start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import types
+from collections.abc import Iterator
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from queue import Queue
+from typing import Any
+
+import attrs
+from kvtrio.actors.prefix import ModelKey
+from kvtrio.serve.adapter import CacheTier, FetchInfo, TieredLRUPromptCache
+from kvtrio.serve.bridge import TierOptions, TierThread
+from kvtrio.storage.fingerprint import config_fingerprint
+
+__all__ = [
+    "CACHE_HEADER",
+    "CACHED_TOKENS_HEADER",
+    "ServeOptions",
+    "add_kvtrio_arguments",
+    "add_mlx_server_arguments",
+    "mlx_server_parser",
+    "serve",
+]
+
+logger = logging.getLogger(__name__)
+
+CACHE_HEADER = "X-Kvtrio-Cache"
+CACHED_TOKENS_HEADER = "X-Kvtrio-Cached-Tokens"
+
+#: Seconds a handler waits for its request's lookup before sending headers without it.
+TAG_WAIT = 120.0
+
+
+# -- flags -----------------------------------------------------------------------------
+
+
+class _Captured(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__("parser captured")
+        self.parser = parser
+
+
+class _CapturingParser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["add_help"] = False
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, *args: Any, **kwargs: Any) -> Any:
+        raise _Captured(self)
+
+
+def mlx_server_parser() -> argparse.ArgumentParser:
+    """mlx_lm.server's own argument parser (without -h), taken from its ``main`` as
+    installed: its ``parse_args`` call hands the parser back instead of parsing."""
+    mlx_server = _mlx_server()
+    shim = types.SimpleNamespace(**vars(argparse))
+    shim.ArgumentParser = _CapturingParser
+    saved = mlx_server.argparse
+    mlx_server.argparse = shim
+    try:
+        mlx_server.main()
+    except _Captured as captured:
+        return captured.parser
+    finally:
+        mlx_server.argparse = saved
+    raise RuntimeError("mlx_lm.server.main() built no argument parser")
+
+
+def add_mlx_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every flag of mlx_lm.server to ``parser``, unchanged."""
+    parser._add_container_actions(mlx_server_parser())
+
+
+def _size(text: str) -> int:
+    from mlx_lm import utils
+
+    parse: Any = utils._parse_size
+    return int(parse(text))
+
+
+def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: Path) -> None:
+    """kvtrio's own flags (see docs/serve.md)."""
+    group = parser.add_argument_group("kvtrio")
+    group.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=default_cache_dir,
+        help="the cold tier's directory (default: the user cache directory)",
+    )
+    group.add_argument(
+        "--redis",
+        metavar="URL",
+        default=None,
+        help="a redis:// URL: keep the cold tier in Redis, shared by several hosts",
+    )
+    group.add_argument(
+        "--hot-bytes",
+        type=_size,
+        default=None,
+        help="RAM budget of the prompt cache (default: mlx-lm's, --prompt-cache-size only)",
+    )
+    group.add_argument(
+        "--cold-bytes", type=_size, default=8 << 30, help="disk budget (default: 8GB)"
+    )
+    group.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        help="seconds for requests in flight at shutdown, and again for the disk writes",
+    )
+    group.add_argument(
+        "--cold-load-timeout",
+        type=float,
+        default=30.0,
+        help="a disk load taking longer is a miss for its request (seconds)",
+    )
+
+
+@attrs.frozen
+class ServeOptions:
+    """kvtrio's part of ``kvtrio serve``'s options."""
+
+    cache_dir: str
+    hot_bytes: int | None = None
+    cold_bytes: int = 8 << 30
+    grace: float = 10.0
+    cold_load_timeout: float = 30.0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeOptions:
+        return cls(
+            cache_dir=args.redis or os.fspath(args.cache_dir),
+            hot_bytes=args.hot_bytes,
+            cold_bytes=args.cold_bytes,
+            grace=args.grace,
+            cold_load_timeout=args.cold_load_timeout,
+        )
+
+
+def model_identity(args: argparse.Namespace) -> ModelKey:
+    """The tier's model key: the model argument, and a fingerprint of its config, its
+    weight files (names and sizes), adapter, draft model and KV quantization."""
+    from mlx_lm.utils import _download
+
+    path = Path(args.model)
+    if not path.exists():
+        path = Path(_download(args.model))
+    config = json.loads((path / "config.json").read_text())
+    weights = hashlib.sha256()
+    for item in sorted(path.glob("*.safetensors")):
+        weights.update(f"{item.name}:{item.stat().st_size};".encode())
+    weights.update(f"adapter={args.adapter_path};draft={args.draft_model}".encode())
+    fingerprint = config_fingerprint(
+        config,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size if args.kv_bits else None,
+        quantized_kv_start=args.quantized_kv_start if args.kv_bits else None,
+        weights_id=weights.hexdigest(),
+    )
+    return ModelKey(str(args.model), fingerprint)
+
+
+# -- the generation thread -------------------------------------------------------------
+
+
+def _mlx_server() -> Any:
+    from mlx_lm import server
+
+    return server
+
+
+_WAKE = object()  # a request-queue item: the tier queued MLX jobs (rule 1)
+
+
+@attrs.define(eq=False)
+class _Tag:
+    """Which tier served a request (rule 2); ``ready`` once known."""
+
+    ready: threading.Event = attrs.field(factory=threading.Event)
+    fetch: FetchInfo | None = None
+
+
+class _TaggingQueue:
+    """A request's response queue, as the generation thread sees it (rule 2)."""
+
+    def __init__(self, inner: Queue[Any], adapter: TieredLRUPromptCache) -> None:
+        self.inner = inner
+        self.adapter = adapter
+        self.start = adapter.fetch_count
+        self.tag: _Tag | None = None
+        self.tagged = False
+
+    def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
+        if self.tag is None and isinstance(item, _mlx_server().GenerationContext):
+            self.tag = _Tag()
+            item.kvtrio = self.tag
+        if not self.tagged and self.adapter.fetch_count > self.start and self.tag is not None:
+            self.tagged = True
+            self.tag.fetch = self.adapter.last_fetch
+            self.tag.ready.set()
+        self.inner.put(item, *args, **kwargs)
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.get(*args, **kwargs)
+
+
+def _pumping_budget(adapter: TieredLRUPromptCache) -> Any:
+    base = _mlx_server().TimeBudget
+
+    class PumpingBudget(base):  # type: ignore[misc,valid-type]
+        """mlx-lm's decode time slice, ended early (after one step at least) when the tier
+        has MLX jobs queued (rule 1)."""
+
+        def __iter__(self) -> Any:
+            self._kvtrio_steps = 0
+            return super().__iter__()
+
+        def __next__(self) -> Any:
+            self._kvtrio_steps += 1
+            if self._kvtrio_steps > 1 and adapter.tier is not None and adapter.tier.pending():
+                raise StopIteration
+            return super().__next__()
+
+    return PumpingBudget()
+
+
+def _generator_class() -> type:
+    server = _mlx_server()
+
+    class KvtrioResponseGenerator(server.ResponseGenerator):  # type: ignore[misc,name-defined]
+        """mlx-lm's ResponseGenerator whose generation thread owns kvtrio's tier."""
+
+        prompt_cache: TieredLRUPromptCache
+
+        def __init__(self, model_provider: Any, prompt_cache: TieredLRUPromptCache) -> None:
+            self.adapter = prompt_cache
+            self.active: dict[int, Any] = {}  # id(ctx) -> ctx (contexts are unhashable)
+            self._active_lock = threading.Lock()
+            self._wake_pending = threading.Event()
+            self.closed_in_time: bool | None = None
+            self._local = threading.local()
+            if prompt_cache.tier is not None:
+                prompt_cache.tier.executor.on_queued = self._wake
+            super().__init__(model_provider, prompt_cache)
+
+        # generation thread
+
+        def _wake(self) -> None:
+            if not self._wake_pending.is_set():
+                self._wake_pending.set()
+                self.requests.put(_WAKE)
+
+        def _generate(self) -> None:
+            adapter = self.adapter
+            if adapter.tier is not None:
+                adapter.tier.bind()
+            self._time_budget = _pumping_budget(adapter)
+            try:
+                super()._generate()
+            finally:
+                grace = float(getattr(self.cli_args, "grace", 10.0))
+                self.closed_in_time = adapter.close(timeout=grace * 2 + 5)
+
+        def _next_request(self, timeout: float | None = None) -> Any:
+            self.adapter.pump()
+            request = super()._next_request(timeout)
+            if request is _WAKE:
+                self._wake_pending.clear()
+                self.adapter.pump()
+                return None
+            if request is None:
+                return None
+            rqueue, body, args = request
+            return _TaggingQueue(rqueue, self.adapter), body, args
+
+        # handler threads
+
+        def generate(
+            self, request: Any, generation_args: Any, progress_callback: Any = None
+        ) -> Any:
+            ctx, response = super().generate(request, generation_args, progress_callback)
+            self._local.ctx = ctx
+            with self._active_lock:
+                self.active[id(ctx)] = ctx
+            return ctx, self._track(ctx, response)
+
+        def _track(self, ctx: Any, response: Iterator[Any]) -> Iterator[Any]:
+            try:
+                yield from response
+            finally:
+                with self._active_lock:
+                    self.active.pop(id(ctx), None)
+                self._local.ctx = None
+
+        def current_tag(self) -> _Tag | None:
+            ctx = getattr(self._local, "ctx", None)
+            return getattr(ctx, "kvtrio", None) if ctx is not None else None
+
+        def cut_all(self) -> int:
+            """Ask every request in flight to stop at its next step (shutdown)."""
+            with self._active_lock:
+                active = list(self.active.values())
+            for ctx in active:
+                ctx.stop()
+            return len(active)
+
+    return KvtrioResponseGenerator
+
+
+def _handler_class() -> type:
+    server = _mlx_server()
+
+    class KvtrioHandler(server.APIHandler):  # type: ignore[misc,name-defined]
+        """mlx-lm's APIHandler, sending which tier served the request (rule 2)."""
+
+        def _kvtrio_headers(self) -> None:
+            # The context was tagged before the handler got it; the lookup may still run.
+            tag = self.response_generator.current_tag()
+            if tag is None or not tag.ready.wait(TAG_WAIT):
+                return
+            fetch = tag.fetch
+            tier = fetch.tier if fetch is not None else CacheTier.MISS
+            self.send_header(CACHE_HEADER, tier.value)
+            self.send_header(CACHED_TOKENS_HEADER, str(fetch.reused if fetch else 0))
+
+        def _set_completion_headers(self, status_code: int = 200) -> None:
+            super()._set_completion_headers(status_code)
+            if status_code == 200:
+                self._kvtrio_headers()
+
+        def _set_stream_headers(self, status_code: int = 200) -> None:
+            super()._set_stream_headers(status_code)
+            if status_code == 200:
+                self._kvtrio_headers()
+
+        def do_POST(self) -> None:
+            tracker: _InFlight = self.server.kvtrio_in_flight
+            with tracker:
+                super().do_POST()
+
+    return KvtrioHandler
+
+
+@attrs.define(eq=False)
+class _InFlight:
+    """Requests being handled (shutdown waits for them)."""
+
+    count: int = 0
+    lock: threading.Condition = attrs.field(factory=threading.Condition)
+
+    def __enter__(self) -> None:
+        with self.lock:
+            self.count += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            self.count -= 1
+            self.lock.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self.lock:
+            return self.lock.wait_for(lambda: self.count == 0, timeout)
+
+
+# -- the server ------------------------------------------------------------------------
+
+
+def _http_server(host: str, port: int, generator: Any) -> ThreadingHTTPServer:
+    server = _mlx_server()
+    handler = _handler_class()
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, address = next(iter(infos))
+
+    class Server(ThreadingHTTPServer):
+        address_family = family
+        daemon_threads = True
+
+    fingerprint = server.get_system_fingerprint()
+    httpd = Server(
+        address,  # type: ignore[arg-type]
+        lambda *a, **k: handler(generator, *a, system_fingerprint=fingerprint, **k),
+    )
+    httpd.kvtrio_in_flight = _InFlight()  # type: ignore[attr-defined]
+    return httpd
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run ``kvtrio serve`` until SIGTERM/SIGINT (rule 3); the exit status."""
+    import mlx.core as mx
+
+    server = _mlx_server()
+    if mx.distributed.init().size() > 1:
+        raise SystemExit("kvtrio serve: distributed runs are not supported")
+    if args.model is None:
+        raise SystemExit("kvtrio serve: --model is required")
+    options = ServeOptions.from_args(args)
+    tier = TierThread(
+        TierOptions(
+            options.cache_dir,
+            model_identity(args),
+            cold_budget=options.cold_bytes,
+            shutdown_grace=options.grace,
+        )
+    )
+    tier.start()
+    adapter = TieredLRUPromptCache(
+        args.prompt_cache_size,
+        options.hot_bytes if options.hot_bytes is not None else 1 << 63,
+        tier=tier,
+        tier_model=(args.model, args.adapter_path, args.draft_model),
+        load_timeout=options.cold_load_timeout,
+    )
+    provider = server.ModelProvider(args)
+    generator = _generator_class()(provider, adapter)
+    httpd = _http_server(args.host, args.port, generator)
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if stopping.is_set():
+            os._exit(1)  # second signal: at once (rule 3)
+        stopping.set()
+        threading.Thread(target=httpd.shutdown, name="kvtrio-stop", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    host, port = str(httpd.server_address[0]), httpd.server_address[1]
+    logger.info("kvtrio serve: cold tier at %s", options.cache_dir)
+    print(f"kvtrio serve: listening on {host}:{port}", flush=True)
+    try:
+        httpd.serve_forever()
+    finally:
+        httpd.server_close()
+    in_flight: _InFlight = httpd.kvtrio_in_flight  # type: ignore[attr-defined]
+    if not in_flight.wait_idle(options.grace):
+        logger.info("kvtrio serve: cutting %d requests after the grace", generator.cut_all())
+        in_flight.wait_idle(options.grace)
+    generator.stop_and_join()
+    stats = adapter.statistics()
+    print(
+        f"kvtrio serve: stopped (RAM entries written: {stats.spilled}, "
+        f"hot hits {stats.hits_hot}, cold hits {stats.hits_cold}, misses {stats.misses})",
+        flush=True,
+    )
+    return 0 if generator.closed_in_time else 1
