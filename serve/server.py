@@ -47,6 +47,7 @@ from queue import Queue
 from typing import Any
 
 import attrs
+from kvtrio.actors.owner import release_thread_streams
 from kvtrio.actors.prefix import ModelKey
 from kvtrio.serve.adapter import CacheTier, FetchInfo, TieredLRUPromptCache
 from kvtrio.serve.bridge import TierOptions, TierThread
@@ -299,7 +300,11 @@ def _generator_class() -> type:
                 super()._generate()
             finally:
                 grace = float(getattr(self.cli_args, "grace", 10.0))
-                self.closed_in_time = adapter.close(timeout=grace * 2 + 5)
+                try:
+                    self.closed_in_time = adapter.close(timeout=grace * 2 + 5)
+                finally:
+                    # MLX's per-thread streams must end with their thread, not at exit.
+                    release_thread_streams()
 
         def _next_request(self, timeout: float | None = None) -> Any:
             self.adapter.pump()

@@ -207,3 +207,26 @@ def test_a_cold_load_that_outlives_its_timeout_is_a_miss(
         monkeypatch.setattr(ColdTierStore, "fetch", real_fetch)
         got, rest = cache.fetch_nearest_cache(MODEL, tokens)
         assert rest == [] and cache.last_fetch == FetchInfo(CacheTier.COLD, len(tokens))
+
+
+def test_no_snapshot_is_leaked_over_many_requests_and_restarts(
+    tiny: TinyModel, tmp_path: Path
+) -> None:
+    """180 turns over 3 restarts, every RAM eviction written: each snapshot made is released
+    (the tier's ledger counts them), and every written entry is on disk at the end."""
+    made = 0
+    for run in range(3):
+        with _adapter(tiny, tmp_path, max_size=2) as (cache, tier):
+            for i in range(60):
+                tokens = [run + 1, i + 1, *range(3, 3 + i % 7)]
+                hit, rest = cache.fetch_nearest_cache(MODEL, tokens)
+                caches = hit if hit is not None else make_caches(tiny)
+                if rest:
+                    prefill(tiny, caches, rest)
+                cache.insert_cache(MODEL, tokens, caches)
+                cache.pump(0.002)
+        assert tier.cache is not None
+        ledger = tier.cache.cold.tier.ledger.statistics()  # type: ignore[attr-defined]
+        assert ledger.live == 0 and ledger.created == ledger.released
+        made += ledger.created
+    assert made >= 180

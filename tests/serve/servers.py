@@ -1,0 +1,103 @@
+"""Start ``kvtrio serve`` or plain ``mlx_lm.server`` on 127.0.0.1 for the serve tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import attrs
+
+START_TIMEOUT = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@attrs.define
+class Server:
+    process: subprocess.Popen[str]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def client(self) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.url, api_key="none", max_retries=0, timeout=120)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise AssertionError(f"server did not exit; log:\n{self.log.read_text()}") from None
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+
+def _wait_listening(process: subprocess.Popen[str], port: int, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"server exited {process.returncode}:\n{log.read_text()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    raise AssertionError(f"server did not listen within {START_TIMEOUT}s:\n{log.read_text()}")
+
+
+def _start(argv: Sequence[str], port: int, log: Path) -> Server:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    out: IO[str] = log.open("w")
+    process = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
+    out.close()
+    _wait_listening(process, port, log)
+    return Server(process, port, log)
+
+
+def start_kvtrio(
+    model: Path, cache_dir: Path, log: Path, *extra: str, port: int | None = None
+) -> Server:
+    port = port or free_port()
+    argv = [sys.executable, "-m", "kvtrio", "serve", "--model", str(model)]
+    argv += ["--port", str(port), "--cache-dir", str(cache_dir), "--log-level", "WARNING"]
+    return _start([*argv, *extra], port, log)
+
+
+def start_mlx_lm(model: Path, log: Path, *extra: str) -> Server:
+    port = free_port()
+    argv = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model)]
+    argv += ["--port", str(port), "--log-level", "WARNING"]
+    return _start([*argv, *extra], port, log)
+
+
+def exit_summary(server: Server) -> dict[str, int]:
+    """The counters ``kvtrio serve`` prints when it stops."""
+    match = re.search(
+        r"RAM entries written: (\d+), hot hits (\d+), cold hits (\d+), misses (\d+)",
+        server.output(),
+    )
+    assert match is not None, server.output()
+    names = ("spilled", "hits_hot", "hits_cold", "misses")
+    return dict(zip(names, map(int, match.groups()), strict=True))

@@ -1,0 +1,196 @@
+"""``kvtrio serve`` with real parts: a tiny random-weight llama saved as an mlx-lm model
+directory (tokenizer and chat template built locally), loaded by mlx_lm.load, driven by
+the ``openai`` client over HTTP on 127.0.0.1, next to plain ``mlx_lm.server``."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvtrio.serve.modeldir import write_tiny_model_dir
+from kvtrio.tests.serve.servers import Server, exit_summary, start_kvtrio, start_mlx_lm
+
+pytest.importorskip("openai")
+
+SYSTEM = "You are a helpful assistant. Answer briefly. " * 3
+TURN1 = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny-llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def shared(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One kvtrio serve for the tests that need no restart."""
+    root = tmp_path_factory.mktemp("shared")
+    server = start_kvtrio(model_dir, root / "cache", root / "log.txt", "--max-tokens", "16")
+    yield server
+    assert server.stop() == 0, server.output()
+
+
+def _chat(
+    client: Any, messages: list[dict[str, str]], *, max_tokens: int = 8, **kwargs: Any
+) -> Any:
+    raw = client.chat.completions.with_raw_response.create(
+        model="default_model", messages=messages, temperature=0.0, max_tokens=max_tokens, **kwargs
+    )
+    return raw, raw.parse()
+
+
+def _logprobs(raw: Any) -> list[tuple[int, float]]:
+    body = json.loads(raw.text)
+    return [(t["id"], t["logprob"]) for t in body["choices"][0]["logprobs"]["content"]]
+
+
+def test_chat_streaming_and_not_and_text_completions(shared: Server) -> None:
+    client = shared.client()
+    raw, reply = _chat(client, TURN1)
+    assert raw.headers["X-Kvtrio-Cache"] == "miss"
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 8
+    text = reply.choices[0].message.content or ""
+
+    stream = client.chat.completions.create(
+        model="default_model",
+        messages=TURN1,
+        temperature=0.0,
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage and usage[0].prompt_tokens_details.cached_tokens > 0  # the first turn, hot
+
+    completion = client.completions.create(
+        model="default_model", prompt="The capital of France is", max_tokens=5, temperature=0.0
+    )
+    assert completion.choices[0].finish_reason == "length"
+    assert isinstance(completion.choices[0].text, str) and completion.usage.completion_tokens == 5
+
+
+def test_a_restart_between_turns_serves_turn_two_from_disk_as_mlx_lm_would(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Turn 2 after a restart: cached tokens from disk, and the same tokens and logprobs at
+    temperature 0 as plain mlx_lm.server gives without a restart (turn 1 then turn 2)."""
+    options = {"logprobs": True, "top_logprobs": 2}
+    first = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "a.txt")
+    raw_one, one = _chat(first.client(), TURN1, **options)
+    assert first.stop() == 0, first.output()
+    assert exit_summary(first)["spilled"] >= 1
+
+    turn2 = [
+        *TURN1,
+        {"role": "assistant", "content": one.choices[0].message.content or ""},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    second = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "b.txt")
+    raw, two = _chat(second.client(), turn2, **options)
+    assert second.stop() == 0, second.output()
+    cached = two.usage.prompt_tokens_details.cached_tokens
+    assert raw.headers["X-Kvtrio-Cache"] == "cold"
+    assert cached > 0 and int(raw.headers["X-Kvtrio-Cached-Tokens"]) == cached
+
+    plain = start_mlx_lm(model_dir, tmp_path / "plain.txt")
+    try:
+        raw_plain_one, _ = _chat(plain.client(), TURN1, **options)
+        raw_plain_two, plain_two = _chat(plain.client(), turn2, **options)
+    finally:
+        plain.stop()
+    assert _logprobs(raw_plain_one) == _logprobs(raw_one)
+    assert plain_two.usage.prompt_tokens_details.cached_tokens == cached
+    assert _logprobs(raw_plain_two) == _logprobs(raw)
+    assert plain_two.choices[0].message.content == two.choices[0].message.content
+
+
+def test_eight_concurrent_clients_with_batching(shared: Server) -> None:
+    client = shared.client()
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def ask(i: int) -> None:
+        try:
+            messages = [{"role": "user", "content": f"Question number {i}: what is {i} + {i}?"}]
+            results[i] = _chat(client, messages, max_tokens=12)[1]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == [] and sorted(results) == list(range(8))
+    assert all(r.usage.completion_tokens == 12 for r in results.values())
+
+
+def _post(port: int, body: dict[str, Any]) -> http.client.HTTPConnection:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    payload = json.dumps(body)
+    connection.request(
+        "POST", "/v1/chat/completions", payload, {"Content-Type": "application/json"}
+    )
+    return connection
+
+
+def test_a_client_that_disconnects_mid_stream_leaves_the_server_serving(shared: Server) -> None:
+    messages = [{"role": "user", "content": "Tell me a long story about caches."}]
+    connection = _post(
+        shared.port, {"messages": messages, "stream": True, "max_tokens": 400, "temperature": 0}
+    )
+    response = connection.getresponse()
+    assert response.status == 200
+    seen = 0
+    while seen < 3:
+        line = response.readline()
+        assert line, "stream ended early"
+        seen += line.startswith(b"data: ")
+    connection.close()  # mid-stream
+    _, reply = _chat(shared.client(), TURN1)
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_sigterm_during_a_long_prefill_exits_zero_within_the_grace(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    server = start_kvtrio(
+        model_dir,
+        tmp_path / "cache",
+        tmp_path / "log.txt",
+        "--prefill-step-size",
+        "16",
+        "--grace",
+        "1",
+    )
+    long_text = " ".join(f"word{i}" for i in range(1500))
+    connection = _post(
+        server.port,
+        {"messages": [{"role": "user", "content": long_text}], "stream": True, "max_tokens": 4},
+    )
+    response = connection.getresponse()
+    assert response.status == 200
+    line = b""
+    while not line.startswith(b": keepalive"):  # the prefill is under way
+        line = response.readline()
+        assert line, "stream ended before the prefill reported progress"
+    started = time.monotonic()
+    code = server.stop(signal.SIGTERM, timeout=60)
+    elapsed = time.monotonic() - started
+    assert code == 0, server.output()
+    assert elapsed < 20, elapsed
+    connection.close()
