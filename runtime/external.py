@@ -24,6 +24,9 @@ Theory of operation:
    server whose owner sleeps on its own queue uses it to wake the owner up.
 6. After :meth:`close`, :meth:`run` raises ClosedResourceError; jobs already queued
    still run when the owner pumps.
+7. A job that pumps (a callback that calls back into the caller's code) runs nothing:
+   :meth:`pump` inside a job returns 0, so jobs never nest and a reply is only ever
+   taken by the :meth:`wait` it belongs to.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class ExternalThreadExecutor:
         self._completed = 0
         self._skipped = 0
         self._abandoned = 0
+        self._in_job = False
 
     # -- the owner thread --------------------------------------------------------------
 
@@ -96,6 +100,8 @@ class ExternalThreadExecutor:
         """Run queued jobs until none is left or ``budget`` seconds passed (rule 3);
         return how many ran. Owner thread only."""
         self._check_owner()
+        if self._in_job:
+            return 0  # rule 7
         deadline = time.perf_counter() + budget
         ran = 0
         while True:
@@ -116,6 +122,8 @@ class ExternalThreadExecutor:
         """Run jobs until ``reply`` has arrived (True) or ``timeout`` passed (False).
         Owner thread only (rule 4)."""
         self._check_owner()
+        if self._in_job:
+            raise AssertionError("a job may not wait for the trio side (rule 7)")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:  # until the reply itself is taken off the queue
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -153,10 +161,13 @@ class ExternalThreadExecutor:
             self._started += 1
         value: Any = None
         error: BaseException | None = None
+        self._in_job = True
         try:
             value = fn()
         except BaseException as exc:
             error = exc
+        finally:
+            self._in_job = False
         del fn
         with self._lock:
             self._completed += 1

@@ -41,13 +41,17 @@ Theory of operation:
    RAM-only.
 6. :meth:`close` spills every RAM entry, then closes the tier (its writes drain within
    the tier's shutdown grace), pumping owner jobs meanwhile.
+7. :meth:`prefetch` is rule 3 without the wait, for a server that can set a request
+   aside (kvtrio serve does): it starts the disk load and returns; the loaded entry is
+   inserted into RAM by an owner job, and the server's callback then releases the
+   request, whose lookup is a RAM hit. Meanwhile the generation thread serves the others.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import attrs
@@ -103,6 +107,7 @@ class TieredLRUStatistics:
     refused: int
     load_timeouts: int
     load_failures: int
+    prefetches: int
 
 
 def _batch_size(cache: Any) -> int:
@@ -232,6 +237,46 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
 
     # -- kvtrio's additions ------------------------------------------------------------
 
+    def prefetch(self, model: Any, tokens: list[int], on_done: Callable[[bool], object]) -> bool:
+        """Start loading, without waiting, the disk entry that would serve ``tokens``
+        better than RAM does now (rule 7); False when there is none. Once it is in RAM
+        (or the load failed), ``on_done(loaded)`` runs on this thread, in a pump."""
+        tier = self._cold_for(model)
+        if tier is None or not tokens:
+            return False
+        cold = tier.cache
+        assert cold is not None
+        try:
+            match = tier.peek(cold.peek, tokens)
+        except TimeoutError:
+            return False
+        if match is None or match.reuse <= self._ram_reuse(model, tokens):
+            return False
+
+        def admit(caches: list[Any] | None) -> None:
+            if caches is not None:
+                self.insert_cache(model, list(match.entry.tokens), caches)
+            else:
+                self._count("load_failures")
+            on_done(caches is not None)
+
+        tier.submit(_prefetch, cold, match.entry.tokens, admit)
+        self._count("prefetches")
+        return True
+
+    def _ram_reuse(self, model: Any, tokens: list[int]) -> int:
+        """How many tokens :meth:`fetch_nearest_cache` would reuse from RAM (LRUPromptCache's
+        rules, without copying the entry)."""
+        result = self._trie.search(model, tokens)
+        if result.exact is not None:
+            return len(tokens)
+        short = len(result.shorter) if result.shorter is not None else 0
+        if result.longer is not None and result.common_prefix > short:
+            entry = self._trie.get(result.model, result.longer)
+            if mlx_cache.can_trim_prompt_cache(entry.prompt_cache):
+                return min(len(tokens) - 1, int(result.common_prefix))
+        return short
+
     def pump(self, budget: float | None = None) -> int:
         """Run the tier's queued MLX jobs (owner thread) for up to ``budget`` seconds
         (``pump_budget`` by default); call it between model steps."""
@@ -259,6 +304,7 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
             refused=c("refused", 0),
             load_timeouts=c("load_timeouts", 0),
             load_failures=c("load_failures", 0),
+            prefetches=c("prefetches", 0),
         )
 
     # -- internals ---------------------------------------------------------------------
@@ -316,6 +362,19 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
 async def _fetch_unadmitted(cold: Any, tokens: list[int]) -> Fetched:
     fetched: Fetched = await cold.fetch_nearest(tokens, admit=False)
     return fetched
+
+
+async def _prefetch(
+    cold: Any, tokens: tuple[int, ...], admit: Callable[[list[Any] | None], None]
+) -> None:
+    """Load the entry holding exactly ``tokens`` and hand it to ``admit`` on the owner."""
+    caches: list[Any] | None = None
+    try:
+        fetched: Fetched = await cold.fetch_nearest(tokens, admit=False)
+        if fetched.caches is not None and not fetched.remaining:
+            caches = fetched.caches
+    finally:
+        await cold.owner.run(admit, caches)
 
 
 async def _spill(cold: Any, tokens: list[int], caches: list[Any], meta: dict[str, str]) -> None:

@@ -21,7 +21,13 @@ Theory of operation:
    sends ``X-Kvtrio-Cache: hot|cold|miss`` and ``X-Kvtrio-Cached-Tokens``.
    ``usage.prompt_tokens_details.cached_tokens`` is mlx-lm's count of reused tokens, from
    either tier.
-3. Shutdown (first SIGTERM or SIGINT): stop accepting (the listener closes), let requests
+3. A cold load blocks only the request that needs it: when the generation thread takes a
+   request whose prompt disk serves better than RAM, it sets the request aside, starts
+   the load (the adapter's ``prefetch``) and goes on with the others; the load's MLX jobs
+   run between their steps, and once the entry is in RAM the request is taken again
+   (its lookup a RAM hit, reported as ``cold``). A load outliving
+   ``--cold-load-timeout`` releases the request anyway (a recompute).
+4. Shutdown (first SIGTERM or SIGINT): stop accepting (the listener closes), let requests
    in flight finish for ``--grace`` seconds, then cut the rest (each stops at its next
    step) and give them ``--grace`` more; stop the generation thread, which writes every
    RAM entry to disk (the tier drains its queue within the same grace) and ends; exit 0.
@@ -39,6 +45,7 @@ import os
 import signal
 import socket
 import threading
+import time
 import types
 from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
@@ -224,9 +231,12 @@ class _Tag:
 class _TaggingQueue:
     """A request's response queue, as the generation thread sees it (rule 2)."""
 
-    def __init__(self, inner: Queue[Any], adapter: TieredLRUPromptCache) -> None:
+    def __init__(
+        self, inner: Queue[Any], adapter: TieredLRUPromptCache, *, from_disk: bool = False
+    ) -> None:
         self.inner = inner
         self.adapter = adapter
+        self.from_disk = from_disk  # its entry was loaded for it: a RAM hit is a disk hit
         self.start = adapter.fetch_count
         self.tag: _Tag | None = None
         self.tagged = False
@@ -237,7 +247,10 @@ class _TaggingQueue:
             item.kvtrio = self.tag
         if not self.tagged and self.adapter.fetch_count > self.start and self.tag is not None:
             self.tagged = True
-            self.tag.fetch = self.adapter.last_fetch
+            fetch = self.adapter.last_fetch
+            if self.from_disk and fetch is not None and fetch.tier is CacheTier.HOT:
+                fetch = FetchInfo(CacheTier.COLD, fetch.reused)
+            self.tag.fetch = fetch
             self.tag.ready.set()
         self.inner.put(item, *args, **kwargs)
 
@@ -280,6 +293,10 @@ def _generator_class() -> type:
             self._wake_pending = threading.Event()
             self.closed_in_time: bool | None = None
             self._local = threading.local()
+            # Requests set aside while their disk entry loads (rule 3), and those released.
+            self._deferred: dict[object, Any] = {}
+            self._deferred_since: dict[object, float] = {}
+            self._ready: list[tuple[Any, bool]] = []
             if prompt_cache.tier is not None:
                 prompt_cache.tier.executor.on_queued = self._wake
             super().__init__(model_provider, prompt_cache)
@@ -308,15 +325,64 @@ def _generator_class() -> type:
 
         def _next_request(self, timeout: float | None = None) -> Any:
             self.adapter.pump()
+            ready = self._take_ready()
+            if ready is not None:
+                return ready
             request = super()._next_request(timeout)
             if request is _WAKE:
                 self._wake_pending.clear()
                 self.adapter.pump()
-                return None
-            if request is None:
+                return self._take_ready()
+            if request is None or self._defer(request):
                 return None
             rqueue, body, args = request
             return _TaggingQueue(rqueue, self.adapter), body, args
+
+        def _defer(self, request: Any) -> bool:
+            """Rule 3: set a request aside while its disk entry loads; True if it was."""
+            _, body, args = request
+            provider = self.model_provider
+            model = args.model
+            key = (
+                provider._model_map.get(model.model, model.model),
+                provider._adapter_map.get(model.model, model.adapter),
+                provider._draft_model_map.get(model.draft, model.draft),
+            )
+            if key != self.adapter.tier_model or provider.tokenizer is None:
+                return False
+            if any(server._image_parts(body.messages)):
+                return False
+            try:
+                prompt = self._tokenize(provider.tokenizer, body, args)[0]
+            except Exception:
+                return False  # mlx-lm's loop reports it
+            token = object()
+
+            def done(loaded: bool) -> None:
+                if self._deferred.pop(token, None) is not None:
+                    self._ready.append((request, loaded))
+
+            self._deferred[token] = request
+            self._deferred_since[token] = time.monotonic()
+            if not self.adapter.prefetch(key, prompt, done):
+                self._deferred.pop(token, None)
+                self._deferred_since.pop(token, None)
+                return False
+            return True
+
+        def _take_ready(self) -> Any:
+            now = time.monotonic()
+            limit = self.adapter.load_timeout
+            for token, since in list(self._deferred_since.items()):
+                if token not in self._deferred:
+                    del self._deferred_since[token]
+                elif now - since > limit:  # the load outlived its timeout: serve anyway
+                    del self._deferred_since[token]
+                    self._ready.append((self._deferred.pop(token), False))
+            if not self._ready:
+                return None
+            (rqueue, body, args), loaded = self._ready.pop(0)
+            return _TaggingQueue(rqueue, self.adapter, from_disk=loaded), body, args
 
         # handler threads
 
@@ -430,7 +496,7 @@ def _http_server(host: str, port: int, generator: Any) -> ThreadingHTTPServer:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run ``kvtrio serve`` until SIGTERM/SIGINT (rule 3); the exit status."""
+    """Run ``kvtrio serve`` until SIGTERM/SIGINT (rule 4); the exit status."""
     import mlx.core as mx
 
     server = _mlx_server()
@@ -462,7 +528,7 @@ def serve(args: argparse.Namespace) -> int:
 
     def on_signal(signum: int, frame: object) -> None:
         if stopping.is_set():
-            os._exit(1)  # second signal: at once (rule 3)
+            os._exit(1)  # second signal: at once (rule 4)
         stopping.set()
         threading.Thread(target=httpd.shutdown, name="kvtrio-stop", daemon=True).start()
 
@@ -483,7 +549,8 @@ def serve(args: argparse.Namespace) -> int:
     stats = adapter.statistics()
     print(
         f"kvtrio serve: stopped (RAM entries written: {stats.spilled}, "
-        f"hot hits {stats.hits_hot}, cold hits {stats.hits_cold}, misses {stats.misses})",
+        f"hot hits {stats.hits_hot}, cold hits {stats.hits_cold}, misses {stats.misses}, "
+        f"disk loads set aside {stats.prefetches})",
         flush=True,
     )
     return 0 if generator.closed_in_time else 1

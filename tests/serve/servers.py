@@ -95,9 +95,10 @@ def start_mlx_lm(model: Path, log: Path, *extra: str) -> Server:
 def exit_summary(server: Server) -> dict[str, int]:
     """The counters ``kvtrio serve`` prints when it stops."""
     match = re.search(
-        r"RAM entries written: (\d+), hot hits (\d+), cold hits (\d+), misses (\d+)",
+        r"RAM entries written: (\d+), hot hits (\d+), cold hits (\d+), misses (\d+), "
+        r"disk loads set aside (\d+)",
         server.output(),
     )
     assert match is not None, server.output()
-    names = ("spilled", "hits_hot", "hits_cold", "misses")
+    names = ("spilled", "hits_hot", "hits_cold", "misses", "prefetches")
     return dict(zip(names, map(int, match.groups()), strict=True))
