@@ -242,12 +242,12 @@ def test_prefetch_loads_without_waiting_and_the_lookup_is_then_a_ram_hit(
         cache.insert_cache(MODEL, tokens, original)
     with _adapter(tiny, tmp_path) as (cache, _):
         settled: list[bool] = []
-        assert cache.prefetch(MODEL, tokens + [5], settled.append)
+        assert cache.prefetch(MODEL, [*tokens, 5], settled.append)
         assert settled == [] and len(cache) == 0  # returned before the load
         _pump_until(cache, lambda: bool(settled))
         assert settled == [True] and len(cache) == 1
-        got, rest = cache.fetch_nearest_cache(MODEL, tokens + [5])
+        got, rest = cache.fetch_nearest_cache(MODEL, [*tokens, 5])
         assert rest == [5] and cache.last_fetch == FetchInfo(CacheTier.HOT, len(tokens))
         assert _bytes(got) == expected
         # RAM now serves it as well as disk: nothing more to prefetch.
-        assert not cache.prefetch(MODEL, tokens + [5], settled.append)
+        assert not cache.prefetch(MODEL, [*tokens, 5], settled.append)
