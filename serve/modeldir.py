@@ -16,9 +16,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvtrio.tinymodel import TINY_CONFIG
+__all__ = ["CHAT_TEMPLATE", "MODEL_CONFIG", "SPECIAL_TOKENS", "write_tiny_model_dir"]
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "write_tiny_model_dir"]
+#: The llama written by default: the shape of kvtrio.tinymodel's TINY_CONFIG.
+MODEL_CONFIG: Mapping[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "intermediate_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 512,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 16384,
+}
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -55,7 +68,7 @@ def _tokenizer(vocab_size: int) -> Any:
 
 
 def write_tiny_model_dir(
-    path: str | Path, *, config: Mapping[str, Any] = TINY_CONFIG, seed: int = 0
+    path: str | Path, *, config: Mapping[str, Any] = MODEL_CONFIG, seed: int = 0
 ) -> Path:
     """Write the model directory at ``path`` (created); return it."""
     import mlx.core as mx
