@@ -103,6 +103,11 @@ BENCHES: dict[str, Command] = {
         "storage: sync save and cold load GB/s vs O_DIRECT and mlx-lm on the same bytes",
         "kvtrio.bench.storage",
     ),
+    "serve": Command(
+        "kvtrio serve vs mlx_lm.server vs a naive save_prompt_cache baseline: TTFT after a "
+        "restart, decode tokens/s",
+        "kvtrio.bench.serve",
+    ),
     "tier": Command(
         "cold tier: save/load GB/s vs O_DIRECT and mlx-lm; event-loop lag during both",
         "kvtrio.bench.tier",

@@ -1,0 +1,284 @@
+"""``kvtrio bench serve``: plain mlx_lm.server, a naive persistence baseline and kvtrio serve,
+on one model directory in one run.
+
+For each conversation length: turn 1, a server restart (SIGTERM, start again), then turn 2
+(turn 1, its answer, a new question) streamed: the time to its first token is the
+headline (plain mlx_lm.server recomputes the whole prompt; the naive baseline loads the
+file mlx-lm's ``save_prompt_cache`` wrote on every insert, on the generation thread; kvtrio
+serves it from its cold tier). Then decode tokens/s and inter-token latency, one stream
+and 8 at once. Ratios are against plain mlx_lm.server in the same run. The default model
+is the tiny random-weight llama of :mod:`kvtrio.serve.modeldir` (or ``--model DIR``): on a
+CPU, MLX's matmuls are slow, so recompute times measured here are MLX-CPU bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_arguments", "measure", "render"]
+
+KINDS = ("mlx_lm", "naive", "kvtrio")
+QUESTION = "Please summarise the document above in one sentence."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lengths", default="1024,4096", help="turn-1 prompt lengths in tokens (1024,4096)"
+    )
+    parser.add_argument("--model", help="a model directory (default: the tiny llama, built)")
+    parser.add_argument("--decode-tokens", type=int, default=48, help="tokens per stream (48)")
+    parser.add_argument("--streams", type=int, default=8, help="concurrent streams (8)")
+    parser.add_argument("--dir", help="working directory (default: a tmp dir)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="decode runs per server, alternating (2; median)"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Server:
+    def __init__(self, kind: str, model: Path, work: Path, log: Path) -> None:
+        self.port = _free_port()
+        common = ["--model", str(model), "--port", str(self.port), "--log-level", "WARNING"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVTRIO_NAIVE_DIR": str(work / "naive")}
+        exe = sys.executable
+        argv = {
+            "mlx_lm": [exe, "-m", "mlx_lm", "server", *common],
+            "naive": [exe, "-m", "kvtrio.bench.serve_naive", *common],
+            "kvtrio": [exe, "-m", "kvtrio", "serve", *common, "--cache-dir", str(work / "kv")],
+        }[kind]
+        started = time.perf_counter()
+        with log.open("a") as out:
+            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{kind} server exited; see {log}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        self.start_s = time.perf_counter() - started
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+        """Stream a temperature-0 chat turn; arrival times of its tokens and its usage."""
+        body = {
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        sent = time.perf_counter()
+        connection.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        arrivals: list[float] = []
+        text, usage = "", {}
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                content = choice.get("delta", {}).get("content")
+                if content is not None:
+                    arrivals.append(time.perf_counter())
+                    text += content
+        connection.close()
+        return {"sent": sent, "arrivals": arrivals, "text": text, "usage": usage}
+
+
+def _prompt_words(model: Path, tokens: int) -> str:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    words = [f"item{i % 97} value{i % 13}." for i in range(tokens)]
+    lo, hi = 1, len(words)
+    while lo < hi:  # the fewest words whose text has at least `tokens` tokens
+        mid = (lo + hi) // 2
+        if len(tokenizer.encode(" ".join(words[:mid])).ids) >= tokens:
+            hi = mid
+        else:
+            lo = mid + 1
+    return " ".join(words[:lo])
+
+
+def _restart_turn(kind: str, model: Path, work: Path, length: int, log: Path) -> dict[str, Any]:
+    document = _prompt_words(model, length)
+    turn1 = [{"role": "user", "content": document}]
+    server = _Server(kind, model, work, log)
+    one = server.chat(turn1, 8)
+    server.stop()
+    turn2 = [*turn1, {"role": "assistant", "content": one["text"]}]
+    turn2.append({"role": "user", "content": QUESTION})
+    server = _Server(kind, model, work, log)
+    two = server.chat(turn2, 8)
+    server.stop()
+    first = two["arrivals"][0] if two["arrivals"] else time.perf_counter()
+    details = two["usage"].get("prompt_tokens_details") or {}
+    return {
+        "ttft_s": first - two["sent"],
+        "restart_s": server.start_s,
+        "prompt_tokens": two["usage"].get("prompt_tokens", 0),
+        "cached_tokens": details.get("cached_tokens", 0),
+        "answer": two["text"],
+    }
+
+
+def _itl(arrivals: Sequence[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(arrivals)]
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _decode(
+    kind: str, model: Path, work: Path, tokens: int, streams: int, log: Path
+) -> dict[str, Any]:
+    server = _Server(kind, model, work, log)
+    try:
+        server.chat([{"role": "user", "content": "warm up"}], 4)
+        one = server.chat([{"role": "user", "content": "Tell me about caches."}], tokens)
+        results: list[dict[str, Any]] = []
+
+        def ask(i: int) -> None:
+            results.append(server.chat([{"role": "user", "content": f"Stream {i}."}], tokens))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(streams)]
+        began = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - began
+    finally:
+        server.stop()
+    single = one["arrivals"]
+    itl = [x for r in results for x in _itl(r["arrivals"])]
+    return {
+        "tok_s_1": (len(single) - 1) / (single[-1] - single[0]) if len(single) > 1 else 0.0,
+        "itl_p50_ms_1": 1e3 * _pct(_itl(single), 0.5),
+        "itl_p99_ms_1": 1e3 * _pct(_itl(single), 0.99),
+        f"tok_s_{streams}": sum(len(r["arrivals"]) for r in results) / wall,
+        f"itl_p50_ms_{streams}": 1e3 * _pct(itl, 0.5),
+        f"itl_p99_ms_{streams}": 1e3 * _pct(itl, 0.99),
+    }
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    lengths = [int(x) for x in str(args.lengths).split(",") if x]
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root = Path(tmp)
+        log = root / "servers.log"
+        if args.model:
+            model = Path(args.model)
+        else:
+            from kvtrio.serve.modeldir import write_tiny_model_dir
+
+            model = write_tiny_model_dir(root / "tiny-llama")
+        restart: dict[str, dict[str, Any]] = {}
+        for length in lengths:
+            for kind in KINDS:
+                work = root / f"{kind}-{length}"
+                restart.setdefault(str(length), {})[kind] = _restart_turn(
+                    kind, model, work, length, log
+                )
+        decode = {
+            kind: _decode(
+                kind, model, root / f"{kind}-decode", args.decode_tokens, args.streams, log
+            )
+            for kind in KINDS
+        }
+    ratios: dict[str, Any] = {}
+    for name, by_kind in restart.items():
+        plain = by_kind["mlx_lm"]["ttft_s"]
+        ratios[name] = {
+            "ttft_kvtrio_vs_mlx_lm": by_kind["kvtrio"]["ttft_s"] / plain,
+            "ttft_naive_vs_mlx_lm": by_kind["naive"]["ttft_s"] / plain,
+            "ttft_kvtrio_vs_naive": by_kind["kvtrio"]["ttft_s"] / by_kind["naive"]["ttft_s"],
+            "same_answer_as_mlx_lm": by_kind["kvtrio"]["answer"] == by_kind["mlx_lm"]["answer"],
+        }
+    streams = args.streams
+    base = decode["mlx_lm"]
+    ratios["decode"] = {
+        "tok_s_1_kvtrio_vs_mlx_lm": decode["kvtrio"]["tok_s_1"] / base["tok_s_1"],
+        f"tok_s_{streams}_kvtrio_vs_mlx_lm": decode["kvtrio"][f"tok_s_{streams}"]
+        / base[f"tok_s_{streams}"],
+    }
+    for by_kind in restart.values():
+        for figures in by_kind.values():
+            figures.pop("answer")
+    return {
+        "model": str(args.model or "tiny random llama (kvtrio.serve.modeldir)"),
+        "restart": restart,
+        "decode": decode,
+        "ratios": ratios,
+        "command": "kvtrio bench serve " + " ".join(sys.argv[3:]),
+    }
+
+
+def render(figures: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"after a restart: turn 2 ({figures['model']})")
+    for column in ("length", "server", "TTFT s", "vs mlx_lm", "cached", "prompt", "start s"):
+        table.add_column(column)
+    for length, by_kind in figures["restart"].items():
+        plain = by_kind["mlx_lm"]["ttft_s"]
+        for kind, f in by_kind.items():
+            table.add_row(
+                length,
+                kind,
+                f"{f['ttft_s']:.3f}",
+                f"{f['ttft_s'] / plain:.3f}x",
+                str(f["cached_tokens"]),
+                str(f["prompt_tokens"]),
+                f"{f['restart_s']:.2f}",
+            )
+    console.print(table)
+    decode = Table(title="decode")
+    keys = list(next(iter(figures["decode"].values())))
+    decode.add_column("server")
+    for key in keys:
+        decode.add_column(key)
+    for kind, f in figures["decode"].items():
+        decode.add_row(kind, *(f"{f[k]:.2f}" for k in keys))
+    console.print(decode)
+    console.print_json(json.dumps(figures["ratios"]))
