@@ -148,7 +148,7 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
         help="RAM budget of the prompt cache (default: mlx-lm's, --prompt-cache-size only)",
     )
     group.add_argument(
-        "--cold-bytes", type=_size, default=8 << 30, help="disk budget (default: 8GB)"
+        "--cold-bytes", type=_size, default=8 << 30, help="disk budget (default: 8 GiB)"
     )
     group.add_argument(
         "--grace",
