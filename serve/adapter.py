@@ -56,7 +56,7 @@ from typing import Any
 
 import attrs
 from kvtrio.actors.tiered import Fetched
-from kvtrio.errors import KvtrioError, UnsupportedCacheError
+from kvtrio.errors import UnsupportedCacheError
 from kvtrio.serve.bridge import TierThread
 from kvtrio.storage import codecs
 from mlx_lm.models import cache as _mlx_cache
@@ -248,7 +248,7 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         assert cold is not None
         try:
             match = tier.peek(cold.peek, tokens)
-        except TimeoutError:
+        except Exception:  # a tier out of reach: no prefetch, the lookup decides
             return False
         if match is None or match.reuse <= self._ram_reuse(model, tokens):
             return False
@@ -260,7 +260,8 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
                 self._count("load_failures")
             on_done(caches is not None)
 
-        tier.submit(_prefetch, cold, match.entry.tokens, admit)
+        if not tier.submit(_prefetch, cold, match.entry.tokens, admit):
+            return False
         self._count("prefetches")
         return True
 
@@ -333,8 +334,9 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         except TimeoutError:
             self._count("load_timeouts")
             return None
-        except KvtrioError:
+        except Exception:  # every error around the cold tier is a counted miss
             self._count("load_failures")
+            logger.exception("kvtrio: a cold lookup failed; served from RAM")
             return None
         if fetched.caches is None or fetched.reused <= reused:
             return None
@@ -355,8 +357,8 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
             cold = tier.cache
             assert cold is not None
             meta = {"mlx_lm.cache_type": str(entry.cache_type)}
-            tier.submit(_spill, cold, tokens, entry.prompt_cache, meta)
-            self._count("spilled")
+            if tier.submit(_spill, cold, tokens, entry.prompt_cache, meta):
+                self._count("spilled")
 
 
 async def _fetch_unadmitted(cold: Any, tokens: list[int]) -> Fetched:

@@ -15,7 +15,7 @@ Theory of operation:
    (:meth:`call`). No MLX call is made on the tier's thread or its workers.
 2. :meth:`submit` hands a coroutine to the loop and returns at once (a save: the
    generation thread never waits for the disk). Its failure is logged and counted; the
-   cold tier is best effort.
+   cold tier is best effort. Once the loop is closing it refuses (returns False).
 3. :meth:`call` runs a coroutine on the loop and waits for its result, running owner jobs
    meanwhile (a cold load needs them). Given ``timeout``, it cancels the coroutine when it
    runs out and raises :class:`TimeoutError`; the caller then treats the lookup as a miss.
@@ -126,12 +126,12 @@ class TierThread:
         """Whether MLX jobs of the tier wait for the owner (cheap; any thread)."""
         return self.executor.pending()
 
-    def submit(self, fn: Callable[[*Ts], Awaitable[object]], *args: *Ts) -> None:
-        """Run ``fn(*args)`` on the loop; return at once (rule 2)."""
-        if not self.alive:
-            raise ShuttingDown("the cold tier is closed")
+    def submit(self, fn: Callable[[*Ts], Awaitable[object]], *args: *Ts) -> bool:
+        """Run ``fn(*args)`` on the loop; return at once (rule 2). False (and nothing
+        runs) once the loop is closing or gone."""
         nursery, token = self._nursery, self._token
-        assert nursery is not None and token is not None
+        if not self.alive or nursery is None or token is None:
+            return False
 
         async def run() -> None:
             try:
@@ -140,7 +140,11 @@ class TierThread:
                 self.submit_failures += 1
                 logger.exception("kvtrio: a cold-tier task failed")
 
-        token.run_sync_soon(nursery.start_soon, run)
+        try:
+            token.run_sync_soon(nursery.start_soon, run)
+        except trio.RunFinishedError:
+            return False
+        return True
 
     def call(
         self,
@@ -169,7 +173,10 @@ class TierThread:
                 if not isinstance(exc, Exception):
                     raise
 
-        token.run_sync_soon(nursery.start_soon, run)
+        try:
+            token.run_sync_soon(nursery.start_soon, run)
+        except trio.RunFinishedError:
+            raise ShuttingDown("the cold tier is closed") from None
         if not self.executor.wait(reply, timeout=timeout):
             reply.abandoned = True
             token.run_sync_soon(scope.cancel)
@@ -191,7 +198,10 @@ class TierThread:
             except Exception as exc:
                 self.executor.post(reply, error=exc)
 
-        token.run_sync_soon(run)
+        try:
+            token.run_sync_soon(run)
+        except trio.RunFinishedError:
+            raise ShuttingDown("the cold tier is closed") from None
         if not self.executor.wait(reply, timeout=timeout):
             reply.abandoned = True
             raise TimeoutError(f"the cold tier did not answer within {timeout:g}s")
