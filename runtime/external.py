@@ -98,7 +98,7 @@ class ExternalThreadExecutor:
 
     def pump(self, budget: float = 0.005) -> int:
         """Run queued jobs until none is left or ``budget`` seconds passed (rule 3);
-        return how many ran. Owner thread only."""
+        return how many ran (skipped ones do not count). Owner thread only."""
         self._check_owner()
         if self._in_job:
             return 0  # rule 7
@@ -112,9 +112,8 @@ class ExternalThreadExecutor:
             if isinstance(item, Reply):
                 _check_stray(item)
                 continue
-            self._run_job(item)
+            ran += self._run_job(item)
             del item
-            ran += 1
             if time.perf_counter() >= deadline:
                 return ran
 
@@ -152,11 +151,12 @@ class ExternalThreadExecutor:
         if not self.is_owner_thread():
             raise AssertionError(f"executor {self.name!r}: only its owner thread may pump")
 
-    def _run_job(self, job: _Job[Any]) -> None:
+    def _run_job(self, job: _Job[Any]) -> bool:
+        """Run ``job`` unless it was skipped; whether it ran."""
         fn, job.fn = job.fn, _released
         with self._lock:
             if job.state is not _State.PENDING:
-                return  # skipped (rule 2)
+                return False  # skipped (rule 2)
             job.state = _State.STARTED
             self._started += 1
         value: Any = None
@@ -172,7 +172,7 @@ class ExternalThreadExecutor:
         with self._lock:
             self._completed += 1
             if job.state is _State.ABANDONED:
-                return
+                return True
             job.state = _State.DONE
             job.value = value
             job.error = error
@@ -181,6 +181,7 @@ class ExternalThreadExecutor:
             job.trio_token.run_sync_soon(trio.lowlevel.reschedule, job.task)
         except trio.RunFinishedError:
             pass
+        return True
 
     # -- the trio side -----------------------------------------------------------------
 
