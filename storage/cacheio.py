@@ -57,7 +57,10 @@ import attrs
 import mlx.core as mx
 import numpy as np
 from kvtrio.errors import CorruptCacheError
-from kvtrio.storage import mlxlm_codecs  # noqa: F401  (registers mlx-lm's codecs)
+from kvtrio.storage import (
+    concat_codec,  # noqa: F401  (registers ConcatenateKVCache's)
+    mlxlm_codecs,  # noqa: F401  (registers mlx-lm's codecs)
+)
 from kvtrio.storage.codecs import (
     MIN_REUSABLE_ATTR,
     TensorView,

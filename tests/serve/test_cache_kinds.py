@@ -25,6 +25,7 @@ MAKERS: dict[str, Any] = {
     "BatchRotatingKVCache": lambda: mlx_cache.BatchRotatingKVCache(8, [0]),
 }
 SAVED = {
+    "ConcatenateKVCache",
     "KVCache",
     "RotatingKVCache",
     "QuantizedKVCache",
@@ -77,3 +78,16 @@ def test_a_one_sequence_batch_is_extracted_without_losing_a_token() -> None:
     assert type(single) is mlx_cache.KVCache and single.offset == 4
     k, v = single.keys_and_values()
     assert mx.array_equal(k, keys[:, :, 2:]) and mx.array_equal(v, keys[:, :, 2:] + 1)
+
+
+def test_a_concatenate_cache_round_trips_bit_exact(tmp_path: Any) -> None:
+    from kvtrio.api import load_cache, save_cache
+
+    cache = mlx_cache.ConcatenateKVCache()
+    keys = mx.arange(2 * 6 * 4, dtype=mx.float32).reshape(1, 2, 6, 4)
+    cache.update_and_fetch(keys, keys * 2)
+    save_cache(tmp_path / "c.kvc", list(range(6)), [cache])
+    back: Any = load_cache(tmp_path / "c.kvc").caches[0]
+    assert type(back) is mlx_cache.ConcatenateKVCache and back.offset == 6
+    stored_keys, stored_values = back.keys_and_values()
+    assert mx.array_equal(stored_keys, keys) and mx.array_equal(stored_values, keys * 2)
