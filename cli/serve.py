@@ -17,7 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvtrio.cli import UsageError
     from kvtrio.serve.server import serve
+
+    if args.model is None:
+        raise UsageError("--model is required (a model directory or a Hugging Face repo)")
 
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),

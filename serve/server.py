@@ -502,8 +502,6 @@ def serve(args: argparse.Namespace) -> int:
     server = _mlx_server()
     if mx.distributed.init().size() > 1:
         raise SystemExit("kvtrio serve: distributed runs are not supported")
-    if args.model is None:
-        raise SystemExit("kvtrio serve: --model is required")
     options = ServeOptions.from_args(args)
     tier = TierThread(
         TierOptions(

@@ -195,3 +195,14 @@ def test_sigterm_during_a_long_prefill_exits_zero_within_the_grace(
     assert code == 0, server.output()
     assert elapsed < 20, elapsed
     connection.close()
+
+
+def test_serve_takes_mlx_lm_servers_flags_and_needs_a_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvtrio.cli import main
+
+    assert main(["serve", "--decode-concurrency", "4", "--cold-bytes", "1GB"]) == 2
+    assert capsys.readouterr().err == (
+        "kvtrio serve: --model is required (a model directory or a Hugging Face repo)\n"
+    )
