@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=int, default=8, help="concurrent streams (8)")
     parser.add_argument("--dir", help="working directory (default: a tmp dir)")
     parser.add_argument(
+        "--entries", type=int, default=1000, help="entries on disk for the restart time (1000)"
+    )
+    parser.add_argument(
         "--rounds", type=int, default=2, help="decode runs per server, alternating (2; median)"
     )
 
@@ -200,6 +203,67 @@ def _decode(
     }
 
 
+def _disk_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def _shared_system_prompt(kind: str, model: Path, work: Path, log: Path, n: int) -> int:
+    """Bytes on disk after ``n`` conversations sharing a 1k-token system prompt."""
+    system = _prompt_words(model, 1024)
+    server = _Server(kind, model, work, log)
+    for i in range(n):
+        question = f"Question {i}: what is item {i}?"
+        server.chat(
+            [{"role": "system", "content": system}, {"role": "user", "content": question}], 4
+        )
+    server.stop()
+    return _disk_bytes(work / ("kv" if kind == "kvtrio" else "naive"))
+
+
+def _fill(kind: str, model: Path, work: Path, entries: int) -> float:
+    """Write ``entries`` small entries where ``kind`` keeps its cache; seconds taken."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+
+    loaded: Any = load(str(model))
+    llm = loaded[0]
+    import mlx.core as mx
+
+    def caches_for(tokens: list[int]) -> list[Any]:
+        caches = make_prompt_cache(llm)
+        llm(mx.array([tokens]), cache=caches)
+        mx.eval([c.state for c in caches])
+        return list(caches)
+
+    started = time.perf_counter()
+    if kind == "naive":
+        directory = work / "naive"
+        directory.mkdir(parents=True, exist_ok=True)
+        for i in range(entries):
+            tokens = [1 + i % 500, 1 + i // 500, *range(3, 35)]
+            save_prompt_cache(str(directory / f"{i}.safetensors"), caches_for(tokens))
+            (directory / f"{i}.json").write_text(json.dumps(tokens))
+    elif kind == "kvtrio":
+        from kvtrio.serve.adapter import TieredLRUPromptCache
+        from kvtrio.serve.bridge import TierOptions, TierThread
+        from kvtrio.serve.server import model_identity
+
+        flags = argparse.Namespace(
+            model=str(model), adapter_path=None, draft_model=None, kv_bits=None
+        )
+        options = TierOptions(str(work / "kv"), model_identity(flags), shutdown_grace=3600)
+        tier = TierThread(options)
+        tier.start()
+        tier.bind()
+        cache = TieredLRUPromptCache(64, tier=tier, tier_model=(str(model), None, None))
+        for i in range(entries):
+            tokens = [1 + i % 500, 1 + i // 500, *range(3, 35)]
+            cache.insert_cache((str(model), None, None), tokens, caches_for(tokens))
+            cache.pump(0.01)
+        cache.close()  # the rest is written here
+    return time.perf_counter() - started
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     lengths = [int(x) for x in str(args.lengths).split(",") if x]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -224,6 +288,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             )
             for kind in KINDS
         }
+        disk = {
+            kind: _shared_system_prompt(kind, model, root / f"{kind}-shared", log, 8)
+            for kind in ("naive", "kvtrio")
+        }
+        starts: dict[str, dict[str, float]] = {}
+        for kind in KINDS:
+            work = root / f"{kind}-entries"
+            fill_s = _fill(kind, model, work, args.entries)
+            server = _Server(kind, model, work, log)
+            server.stop()
+            starts[kind] = {"fill_s": fill_s, "start_s": server.start_s}
     ratios: dict[str, Any] = {}
     for name, by_kind in restart.items():
         plain = by_kind["mlx_lm"]["ttft_s"]
@@ -240,6 +315,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         f"tok_s_{streams}_kvtrio_vs_mlx_lm": decode["kvtrio"][f"tok_s_{streams}"]
         / base[f"tok_s_{streams}"],
     }
+    ratios["disk_bytes_naive_vs_kvtrio"] = disk["naive"] / max(1, disk["kvtrio"])
+    ratios[f"start_with_{args.entries}_entries_kvtrio_vs_naive"] = (
+        starts["kvtrio"]["start_s"] / starts["naive"]["start_s"]
+    )
     for by_kind in restart.values():
         for figures in by_kind.values():
             figures.pop("answer")
@@ -247,6 +326,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(args.model or "tiny random llama (kvtrio.serve.modeldir)"),
         "restart": restart,
         "decode": decode,
+        "shared_system_prompt_disk_bytes": disk,
+        f"start_with_{args.entries}_entries": starts,
         "ratios": ratios,
         "command": "kvtrio bench serve " + " ".join(sys.argv[3:]),
     }
@@ -281,4 +362,6 @@ def render(figures: dict[str, Any]) -> None:
     for kind, f in figures["decode"].items():
         decode.add_row(kind, *(f"{f[k]:.2f}" for k in keys))
     console.print(decode)
+    extra = {k: v for k, v in figures.items() if k.startswith(("shared_", "start_with_"))}
+    console.print_json(json.dumps(extra))
     console.print_json(json.dumps(figures["ratios"]))
