@@ -280,7 +280,9 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
 
     def pump(self, budget: float | None = None) -> int:
         """Run the tier's queued MLX jobs (owner thread) for up to ``budget`` seconds
-        (``pump_budget`` by default); call it between model steps."""
+        (``pump_budget`` by default); call it between model steps. It returns at once when
+        nothing is queued: a loop that only pumps must also block or sleep, or it holds
+        the GIL that the tier's loop and workers need."""
         if self.tier is None:
             return 0
         return self.tier.pump(self.pump_budget if budget is None else budget)
