@@ -206,3 +206,25 @@ def test_serve_takes_mlx_lm_servers_flags_and_needs_a_model(
     assert capsys.readouterr().err == (
         "kvtrio serve: --model is required (a model directory or a Hugging Face repo)\n"
     )
+
+
+def test_a_second_signal_exits_at_once_with_status_one(model_dir: Path, tmp_path: Path) -> None:
+    server = start_kvtrio(
+        model_dir, tmp_path / "cache", tmp_path / "log.txt", "--prefill-step-size", "16"
+    )
+    long_text = " ".join(f"word{i}" for i in range(1500))
+    connection = _post(
+        server.port,
+        {"messages": [{"role": "user", "content": long_text}], "stream": True, "max_tokens": 4},
+    )
+    response = connection.getresponse()
+    line = b""
+    while not line.startswith(b": keepalive"):
+        line = response.readline()
+        assert line, "stream ended before the prefill reported progress"
+    server.process.send_signal(signal.SIGTERM)  # graceful: --grace 10 for the request
+    time.sleep(0.5)
+    started = time.monotonic()
+    assert server.stop(signal.SIGTERM, timeout=30) == 1
+    assert time.monotonic() - started < 5
+    connection.close()
