@@ -1,29 +1,35 @@
 """Paged attention: the reference path and the direct split-K decode kernel, with dispatch.
 
-An attention view is captured from a sequence (:meth:`PagedKVCache.attention_view`): the pool
-tensors as they are now, the block table and the length. It is immutable: later appends,
-copy-on-write or retiring the sequence replace the pool's arrays and never touch the ones
-the view holds.
+An attention view is captured from one sequence (:meth:`PagedKVCache.attention_view`) or a
+batch of sequences of one pool (:meth:`BatchPagedKVCache.attention_view`): the pool tensors as
+they are now, the block tables and the lengths. A view is immutable: later appends,
+copy-on-write or retiring a sequence replace the pool's arrays and never touch the ones the
+view holds.
 
 ``attend`` picks a path per call:
 
-- direct (the split-K kernel reading blocks in place) on a GPU (CUDA or Metal) for at most
-  :data:`DIRECT_MAX_QUERIES` queries without an array mask, when the shapes fit the kernel;
-- the reference path otherwise (always on the CPU): gather the blocks in token order, then
-  ``mx.fast.scaled_dot_product_attention`` (mlx-lm's quantized attention for quantized pools),
-  which is exactly what mlx-lm computes on a ``KVCache``/``QuantizedKVCache``.
+- direct (the split-K kernel reading blocks in place, one launch for the whole batch) on a
+  GPU for at most :data:`DIRECT_MAX_QUERIES` queries per sequence without an array mask, when
+  the shapes fit the kernel (:func:`direct_backend` says which GPUs: CUDA always; Metal only
+  after :func:`allow_unmeasured_direct`, and a backend not yet measured on hardware passes a
+  self-check against the reference path on first use, or the process keeps the reference);
+- the reference path otherwise (always on the CPU): per sequence, gather the blocks in token
+  order, then ``mx.fast.scaled_dot_product_attention`` (mlx-lm's quantized attention for
+  quantized pools), which is exactly what mlx-lm computes on a ``KVCache``/``QuantizedKVCache``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import struct
+import warnings
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models import base as mlx_base
 
 if TYPE_CHECKING:
@@ -32,16 +38,24 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_TUNING",
     "DIRECT_MAX_QUERIES",
+    "MEASURED_BACKENDS",
+    "BatchPagedAttentionView",
     "KernelTuning",
     "PagedAttentionView",
+    "allow_unmeasured_direct",
     "direct_backend",
     "scaled_dot_product_attention",
+    "self_check",
     "use_paged_attention",
 ]
 
 DIRECT_MAX_QUERIES = 8
-# Partitions the merge kernel accepts (its shared weights); longer contexts get longer parts.
+# Partitions of one sequence the merge kernel accepts (its shared weights); longer contexts
+# get longer parts.
 _MAX_PARTS = 1024
+# Backends whose direct kernels ran and passed tests/metal/test_direct_gpu.py on hardware
+# (CUDA: an NVIDIA H200). Any other backend is used only after it passes :func:`self_check`.
+MEASURED_BACKENDS = frozenset({"cuda"})
 
 
 @attrs.frozen
@@ -56,19 +70,27 @@ class KernelTuning:
     target_blocks: int = 1024  # thread blocks to aim for: a few per multiprocessor
     min_part_tokens: int = 128
     # The tensor-core kernel (float16/bfloat16 pools; 8 query rows per block and 16 tokens
-    # per warp step): whether to use it (None: where the backend has tensor cores, i.e. CUDA;
+    # per warp tile): whether to use it (None: where the backend has tensor cores, i.e. CUDA;
     # Metal's version emulates them), its warps per block and thread blocks to aim for.
     mma: bool | None = None
     mma_warps: int = 8
     mma_blocks: int = 264  # 2 per multiprocessor of an H200 (from the sweep)
+    mma_tiles: int = 1  # 16-token tiles a warp loads before using any (bytes in flight)
+    mma_prefetch: bool = False  # ask L2 for the warp's next step before loading this one
+    # A batch of several sequences aims for this many times the blocks above: its items end
+    # at different times, and more, smaller items keep the GPU full to the end.
+    batch_waves: int = 4
 
     @classmethod
     def parse(cls, text: str) -> KernelTuning:
-        """``warps,rows,unroll,pipeline,blocks[,mma[,mma_warps,mma_blocks]]`` (pipeline 0 or 1;
-        mma 0, 1 or -1 for the backend's default); fields left out keep their defaults."""
+        """``warps,rows,unroll,pipeline,blocks[,mma[,mma_warps,mma_blocks[,mma_tiles,
+        mma_prefetch[,batch_waves]]]]`` (pipeline and mma_prefetch 0 or 1; mma 0, 1 or -1 for
+        the backend's default); fields left out keep their defaults."""
         fields = [int(x) for x in text.split(",")]
-        if len(fields) not in (5, 6, 8):
-            raise ValueError(f"expected 5, 6 or 8 comma-separated integers, got {text!r}")
+        if len(fields) not in (5, 6, 8, 10, 11):
+            raise ValueError(
+                f"expected 5, 6, 8, 10 or 11 comma-separated integers, got {text!r}"
+            )
         tuning = cls(
             warps=fields[0], rows=fields[1], unroll=fields[2], pipeline=bool(fields[3]),
             target_blocks=fields[4],
@@ -77,32 +99,377 @@ class KernelTuning:
             tuning = attrs.evolve(tuning, mma=None if fields[5] < 0 else bool(fields[5]))
         if len(fields) > 6:
             tuning = attrs.evolve(tuning, mma_warps=fields[6], mma_blocks=fields[7])
+        if len(fields) > 8:
+            tuning = attrs.evolve(tuning, mma_tiles=fields[8], mma_prefetch=bool(fields[9]))
+        if len(fields) > 10:
+            tuning = attrs.evolve(tuning, batch_waves=fields[10])
         return tuning
 
     def text(self) -> str:
         """The ``--tuning`` argument that parses back to this shape."""
         fields = [self.warps, self.rows, self.unroll, int(self.pipeline), self.target_blocks,
-                  -1 if self.mma is None else int(self.mma), self.mma_warps, self.mma_blocks]
+                  -1 if self.mma is None else int(self.mma), self.mma_warps, self.mma_blocks,
+                  self.mma_tiles, int(self.mma_prefetch), self.batch_waves]
         return ",".join(str(x) for x in fields)
 
 
 DEFAULT_TUNING = KernelTuning()
 _LOG2E = 1.4426950408889634
 
+# -- which backend, and whether to trust it ------------------------------------------------
+
+_allow_unmeasured = False
+_checked: dict[str, bool] = {}
+
+
+def allow_unmeasured_direct(enabled: bool = True) -> None:
+    """Let :func:`direct_backend` pick backends not in :data:`MEASURED_BACKENDS` (Metal).
+
+    Off by default, since the Metal kernels have not run on Apple hardware. When on, the
+    first direct call per process and backend runs :func:`self_check`; a failure warns once
+    and keeps the reference path for the rest of the process.
+    """
+    global _allow_unmeasured
+    _allow_unmeasured = enabled
+
 
 def direct_backend() -> ModuleType | None:
-    """The kernel module for the default device (CUDA or Metal), or None on the CPU."""
+    """The kernel module for the default device, or None (the CPU; Metal unless allowed)."""
     if mx.default_device() != mx.gpu:
         return None
     if mx.cuda.is_available():
         from kvtrio.metal import kernels_cuda
 
         return kernels_cuda
-    if mx.metal.is_available():
+    if mx.metal.is_available() and _allow_unmeasured:
         from kvtrio.metal import kernels_metal
 
         return kernels_metal
     return None
+
+
+def _trusted(backend: ModuleType) -> bool:
+    """Whether ``backend``'s direct kernels may serve calls (self-checked once if unmeasured)."""
+    name = str(backend.NAME)
+    if name in MEASURED_BACKENDS:
+        return True
+    if name not in _checked:
+        _checked[name] = self_check(backend)
+    return _checked[name]
+
+
+# Relative-error bounds of the self-check against the float32 reference (see
+# tests/metal/test_direct_gpu.py for where they come from).
+_CHECK_TOLERANCE = {mx.float16: 4e-3, mx.float32: 1e-3}
+# (kv heads, GQA ratio, head dim, lengths of the batch, queries per sequence, pool dtype)
+_CHECK_CASES = [
+    (2, 4, 64, (37,), 1, mx.float16),
+    (1, 8, 128, (300,), 1, mx.float32),
+    (2, 2, 128, (70, 5, 129), 3, mx.float16),
+    (1, 4, 64, (17, 200), 1, mx.float32),
+]
+
+
+def self_check(backend: ModuleType, tuning: KernelTuning | None = None) -> bool:
+    """Run ``backend``'s direct kernels against the reference path on small random inputs
+    (a few shapes and batches, float16 and float32); True when every case agrees within
+    ``_CHECK_TOLERANCE``. A failure or an error (a kernel that does not compile) warns once,
+    naming the case, and returns False."""
+    from kvtrio.metal.pool import BlockPool
+
+    name = str(backend.NAME)
+    for kv_heads, ratio, dim, lengths, n, dtype in _CHECK_CASES:
+        case = f"kv_heads={kv_heads} ratio={ratio} dim={dim} lengths={lengths} n={n} {dtype}"
+        try:
+            block_size = 16
+            pool = BlockPool(sum(-(-x // block_size) for x in lengths) + 2, kv_heads,
+                             block_size, dim, dtype=dtype)
+            tables = []
+            for length in lengths:
+                table = [pool.allocate() for _ in range(-(-length // block_size))]
+                positions = range(length)
+                pool.write(
+                    [table[p // block_size] for p in positions],
+                    [p % block_size for p in positions],
+                    mx.random.normal((1, kv_heads, length, dim)).astype(dtype),
+                    mx.random.normal((1, kv_heads, length, dim)).astype(dtype),
+                )
+                tables.append(table)
+            view = BatchPagedAttentionView.capture(pool, tables, lengths)
+            queries = mx.random.normal((len(lengths), kv_heads * ratio, n, dim)).astype(dtype)
+            mask = "causal" if n > 1 else None
+            got = view.attend_direct(queries, dim**-0.5, mask, backend, tuning or DEFAULT_TUNING)
+            want = view.attend_reference(queries.astype(mx.float32), dim**-0.5, mask,
+                                         upcast=True)
+            mx.eval(got, want)
+            got32 = got.astype(mx.float32)
+            error = float(mx.linalg.norm((got32 - want).reshape(-1))
+                          / mx.linalg.norm(want.reshape(-1)))
+            if not error <= _CHECK_TOLERANCE[dtype]:  # NaN fails too
+                raise _SelfCheckMismatch(f"relative error {error:.2e}")
+        except Exception as exc:  # a kernel that fails to build or run falls back too
+            warnings.warn(
+                f"kvtrio: the direct paged-attention kernel on {name} failed its self-check "
+                f"({case}: {type(exc).__name__}: {exc}); this process uses the reference path",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return False
+    return True
+
+
+class _SelfCheckMismatch(Exception):
+    """The direct kernel's output differs from the reference path's (self-check only)."""
+
+
+# -- views ---------------------------------------------------------------------------------
+
+
+def _gather(array: mx.array, blocks: mx.array, length: int) -> mx.array:
+    """One sequence's rows of a pool tensor in token order, ``[1, heads, length, width]``."""
+    heads, width = array.shape[1], array.shape[3]
+    if length == 0:
+        return mx.zeros((1, heads, 0, width), dtype=array.dtype)
+    picked = mx.take(array, blocks, axis=0)
+    flat = picked.transpose(1, 0, 2, 3).reshape(heads, -1, width)
+    return flat[None, :, :length, :]
+
+
+@attrs.frozen
+class BatchPagedAttentionView:
+    """B sequences of one pool at capture time, each read through its own block table.
+
+    The direct kernel serves the whole batch in one launch (plus one merge launch): the
+    sequences' partitions ("work items") are cut to one size and scheduled together, so
+    short and long sequences fill the GPU at once. Costs on the host: capture copies the
+    block tables once (O(total blocks)); each launch shape's kernel table is built once per
+    view and kept.
+    """
+
+    arrays: tuple[mx.array, ...]  # keys, values (+ key scales, biases, value scales, biases)
+    lengths: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
+    block_size: int
+    bits: int | None
+    group_size: int
+    direct: bool
+    _kernel_tables: dict[int, mx.array] = attrs.field(factory=dict, eq=False, repr=False)
+
+    @classmethod
+    def capture(
+        cls,
+        pool: BlockPool,
+        block_tables: Sequence[Sequence[int]],
+        lengths: Sequence[int],
+        direct: bool = True,
+    ) -> BatchPagedAttentionView:
+        if len(block_tables) != len(lengths):
+            raise ValueError("one block table per sequence")
+        tables = []
+        for table, length in zip(block_tables, lengths, strict=True):
+            needed = -(-length // pool.block_size)
+            if length < 0 or len(table) < needed:
+                raise ValueError(f"a block table of {len(table)} blocks cannot hold {length}")
+            tables.append(tuple(table[:needed]))
+        # stop_gradient gives new array objects sharing the buffers (no copy): the pool's
+        # later writes rebind its own attributes, so these keep today's contents.
+        return cls(
+            arrays=tuple(mx.stop_gradient(a) for a in pool.arrays()),
+            lengths=tuple(lengths),
+            block_tables=tuple(tables),
+            block_size=pool.block_size,
+            bits=pool.bits,
+            group_size=pool.group_size,
+            direct=direct,
+        )
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def kv_heads(self) -> int:
+        return int(self.arrays[0].shape[1])
+
+    def sequence(self, index: int) -> PagedAttentionView:
+        """Sequence ``index`` alone, as a one-sequence view of the same arrays."""
+        return PagedAttentionView(
+            arrays=self.arrays,
+            blocks=mx.array(self.block_tables[index], dtype=mx.int32),
+            block_table=self.block_tables[index],
+            length=self.lengths[index],
+            block_size=self.block_size,
+            bits=self.bits,
+            group_size=self.group_size,
+            direct=self.direct,
+        )
+
+    # -- attention ----------------------------------------------------------------------------
+
+    def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
+        """Attention of ``queries`` ``[B, q_heads, n, dim]``, sequence b over its own tokens
+        (``mask`` None, or ``"causal"`` for the n queries being the last n tokens)."""
+        backend = direct_backend()
+        if backend is not None and self.uses_direct(queries, mask) and _trusted(backend):
+            return self.attend_direct(queries, scale, mask, backend)
+        return self.attend_reference(queries, scale, mask)
+
+    def attend_reference(
+        self, queries: mx.array, scale: float, mask: Any = None, *, upcast: bool = False
+    ) -> mx.array:
+        """Per sequence: gather, then the attention mlx-lm runs on a contiguous cache (with
+        ``upcast``, on float32 keys and values, dequantized first: the accuracy reference)."""
+        if queries.shape[0] != self.batch:
+            raise ValueError(f"expected {self.batch} query rows, got {queries.shape}")
+        outs = [
+            self.sequence(b).attend_reference(queries[b : b + 1], scale, mask, upcast=upcast)
+            for b in range(self.batch)
+        ]
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+    def uses_direct(self, queries: mx.array, mask: Any) -> bool:
+        """Whether the direct kernel serves these shapes (device aside)."""
+        batch, q_heads, n, dim = queries.shape
+        per_word = 32 // self.bits if self.bits else 1
+        k_dim = self.arrays[0].shape[3] * per_word
+        v_dim = self.arrays[1].shape[3] * per_word
+        return (
+            self.direct
+            and batch == self.batch >= 1
+            and min(self.lengths) > 0
+            and 1 <= n <= DIRECT_MAX_QUERIES
+            and (mask is None or isinstance(mask, str))
+            and q_heads % self.kv_heads == 0
+            and dim == k_dim == v_dim
+            and dim in (64, 128)  # the head dims tested on hardware
+            and (self.bits is None or (self.bits in (4, 8) and self.group_size % 8 == 0))
+            and self.arrays[-1].dtype in (mx.float16, mx.bfloat16, mx.float32)
+        )
+
+    def uses_mma(self, tuning: KernelTuning, backend: ModuleType) -> bool:
+        """Whether the direct kernel runs on tensor cores (float16/bfloat16 pools)."""
+        wanted = tuning.mma if tuning.mma is not None else bool(backend.TENSOR_CORES)
+        return (
+            wanted
+            and self.bits is None
+            and self.arrays[0].dtype in (mx.float16, mx.bfloat16)
+            and self.arrays[0].shape[3] % 32 == 0
+        )
+
+    def part_tokens(self, row_blocks: int, per_step: int, target_blocks: int,
+                    tuning: KernelTuning) -> int:
+        """Tokens per work item: enough items over the whole batch to give about
+        ``target_blocks`` thread blocks, at most ``_MAX_PARTS`` items per sequence, whole
+        kernel steps each."""
+        wanted = max(1, target_blocks // row_blocks)
+        tokens = max(
+            -(-sum(self.lengths) // wanted),
+            -(-max(self.lengths) // _MAX_PARTS),
+            tuning.min_part_tokens,
+        )
+        return -(-tokens // per_step) * per_step
+
+    def kernel_table(self, part: int) -> mx.array:
+        """The kernel's table for items of ``part`` tokens (kvtrio.metal.kernels, point 1)."""
+        table = self._kernel_tables.get(part)
+        if table is None:
+            lengths = np.array(self.lengths, dtype=np.int64)
+            parts = -(-lengths // part)
+            batch, items = len(lengths), int(parts.sum())
+            counts = np.array([len(t) for t in self.block_tables], dtype=np.int64)
+            blocks_at = 3 + 3 * batch + items + np.concatenate([[0], np.cumsum(counts)[:-1]])
+            first = np.concatenate([[0], np.cumsum(parts)[:-1]])
+            flat = np.fromiter(
+                (b for t in self.block_tables for b in t), dtype=np.int64, count=int(counts.sum())
+            )
+            host = np.concatenate([
+                np.array([part, batch, items]),
+                np.stack([lengths, blocks_at, first], axis=1).reshape(-1),
+                np.repeat(np.arange(batch), parts),
+                flat,
+            ])
+            table = mx.array(host.astype(np.int32))
+            self._kernel_tables[part] = table
+        return table
+
+    def attend_direct(
+        self,
+        queries: mx.array,
+        scale: float,
+        mask: Any,
+        backend: ModuleType,
+        tuning: KernelTuning = DEFAULT_TUNING,
+        *,
+        poison: float | None = None,
+    ) -> mx.array:
+        """The split-K kernel over the whole batch: partial softmax per work item, then a
+        log-sum-exp merge per sequence (``poison`` pre-fills every output, for tests that
+        check each element is written)."""
+        _, q_heads, n, dim = queries.shape
+        kv_heads = self.kv_heads
+        rows = (q_heads // kv_heads) * n
+        scale_bits = struct.unpack("<i", struct.pack("<f", scale * _LOG2E))[0]
+        causal = n > 1 and mask is not None
+        waves = tuning.batch_waves if self.batch > 1 else 1
+        if self.uses_mma(tuning, backend):
+            # Tensor cores: blocks of 8 query rows (one mma tile), 16-token tiles per warp.
+            warps = tuning.mma_warps
+            chunks = -(-rows // 8)
+            part = self.part_tokens(kv_heads * chunks, warps * 16 * tuning.mma_tiles,
+                                    tuning.mma_blocks * waves, tuning)
+            kernel = backend.partial_mma()
+            template: list[tuple[str, Any]] = [
+                ("HK", kv_heads), ("G", q_heads // kv_heads), ("N", n), ("D", dim),
+                ("BS", self.block_size), ("WARPS", warps), ("TILES", tuning.mma_tiles),
+                ("PREFETCH", tuning.mma_prefetch), ("CAUSAL", causal),
+                ("SCALE_BITS", scale_bits),
+            ]
+        else:
+            warps = tuning.warps
+            rows_per_block = min(rows, tuning.rows)
+            chunks = -(-rows // rows_per_block)
+            unroll = tuning.unroll if rows_per_block <= 4 else min(tuning.unroll, 2)
+            per_step = warps * (32 // (dim // 8)) * unroll
+            part = self.part_tokens(kv_heads * chunks, per_step, tuning.target_blocks * waves,
+                                    tuning)
+            kernel = backend.partial(self.bits is not None)
+            template = [
+                ("HK", kv_heads), ("G", q_heads // kv_heads), ("N", n),
+                ("D", dim), ("BS", self.block_size), ("RC", rows_per_block),
+                ("WARPS", warps), ("U", unroll), ("PIPE", tuning.pipeline),
+                ("CAUSAL", causal), ("SCALE_BITS", scale_bits),
+            ]
+            if self.bits is None:
+                template.append(("T", self.arrays[0].dtype))
+            else:
+                template += [
+                    ("BITS", self.bits), ("GS", self.group_size), ("T", self.arrays[2].dtype)
+                ]
+        table = self.kernel_table(part)
+        items = sum(-(-length // part) for length in self.lengths)
+        hqn = q_heads * n
+        partial_out, normal = kernel(
+            inputs=[queries, self.arrays[0], self.arrays[1], table, *self.arrays[2:]],
+            template=template,
+            grid=(32 * warps * items, kv_heads * chunks, 1),
+            threadgroup=(32 * warps, 1, 1),
+            output_shapes=[(hqn, items, dim), (hqn, items, 2)],
+            output_dtypes=[mx.float32, mx.float32],
+            init_value=poison,
+        )
+        split = 1024 // dim  # threads of a merge block that share one output element
+        (out,) = backend.merge()(
+            inputs=[partial_out, normal, table],
+            template=[("D", dim), ("J", split), ("MAX_PARTS", _MAX_PARTS), ("HQN", hqn),
+                      ("OutT", queries.dtype)],
+            grid=(dim, split * self.batch * hqn, 1),
+            threadgroup=(dim, split, 1),
+            output_shapes=[(self.batch, q_heads, n, dim)],
+            output_dtypes=[queries.dtype],
+            init_value=poison,
+        )
+        result: mx.array = out
+        return result
 
 
 @attrs.frozen
@@ -110,22 +477,24 @@ class PagedAttentionView:
     """One sequence's keys and values at capture time, read through its block table."""
 
     arrays: tuple[mx.array, ...]  # keys, values (+ key scales, biases, value scales, biases)
-    table: mx.array  # int32 [length, block numbers...]: the kernel's one argument array
+    blocks: mx.array  # int32 block numbers (the gather's index)
+    block_table: tuple[int, ...]
     length: int
     block_size: int
     bits: int | None
     group_size: int
     direct: bool
+    _batch: list[BatchPagedAttentionView] = attrs.field(factory=list, eq=False, repr=False)
 
     @classmethod
     def capture(
         cls, pool: BlockPool, block_table: Sequence[int], length: int, direct: bool = True
     ) -> PagedAttentionView:
-        # stop_gradient gives new array objects sharing the buffers (no copy): the pool's
-        # later writes rebind its own attributes, so these keep today's contents.
+        table = tuple(block_table[: -(-length // pool.block_size)])
         return cls(
             arrays=tuple(mx.stop_gradient(a) for a in pool.arrays()),
-            table=mx.array([length, *block_table], dtype=mx.int32),
+            blocks=mx.array(table, dtype=mx.int32),
+            block_table=table,
             length=length,
             block_size=pool.block_size,
             bits=pool.bits,
@@ -137,17 +506,19 @@ class PagedAttentionView:
     def kv_heads(self) -> int:
         return int(self.arrays[0].shape[1])
 
-    def _gather(self, array: mx.array) -> mx.array:
-        heads, width = array.shape[1], array.shape[3]
-        if self.length == 0:
-            return mx.zeros((1, heads, 0, width), dtype=array.dtype)
-        picked = mx.take(array, self.table[1:], axis=0)
-        flat = picked.transpose(1, 0, 2, 3).reshape(heads, -1, width)
-        return flat[None, :, : self.length, :]
+    def as_batch(self) -> BatchPagedAttentionView:
+        """This sequence as a batch of one (the direct kernel's form), made once."""
+        if not self._batch:
+            self._batch.append(BatchPagedAttentionView(
+                arrays=self.arrays, lengths=(self.length,), block_tables=(self.block_table,),
+                block_size=self.block_size, bits=self.bits, group_size=self.group_size,
+                direct=self.direct,
+            ))
+        return self._batch[0]
 
     def gather(self) -> tuple[Any, Any]:
         """Keys and values in token order, ``[1, kv_heads, length, dim]`` (quantized: triples)."""
-        parts = [self._gather(a) for a in self.arrays]
+        parts = [_gather(a, self.blocks, self.length) for a in self.arrays]
         if self.bits is None:
             return parts[0], parts[1]
         return (parts[0], parts[2], parts[3]), (parts[1], parts[4], parts[5])
@@ -157,13 +528,26 @@ class PagedAttentionView:
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         """Attention of ``queries`` ``[1, q_heads, n, dim]`` over the view's tokens."""
         backend = direct_backend()
-        if backend is not None and self.uses_direct(queries, mask):
+        if backend is not None and self.uses_direct(queries, mask) and _trusted(backend):
             return self.attend_direct(queries, scale, mask, backend)
         return self.attend_reference(queries, scale, mask)
 
-    def attend_reference(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
-        """Gather, then the attention mlx-lm runs on a contiguous cache (bit-exact with it)."""
+    def attend_reference(
+        self, queries: mx.array, scale: float, mask: Any = None, *, upcast: bool = False
+    ) -> mx.array:
+        """Gather, then the attention mlx-lm runs on a contiguous cache (bit-exact with it);
+        with ``upcast``, sdpa on float32 keys and values (dequantized first) instead."""
         keys, values = self.gather()
+        if upcast:
+            if self.bits is not None:
+                keys = mx.dequantize(keys[0], keys[1], keys[2], group_size=self.group_size,
+                                     bits=self.bits)
+                values = mx.dequantize(values[0], values[1], values[2],
+                                       group_size=self.group_size, bits=self.bits)
+            return mx.fast.scaled_dot_product_attention(
+                queries.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32),
+                scale=scale, mask=mask,
+            )
         if self.bits is None:
             return mx.fast.scaled_dot_product_attention(
                 queries, keys, values, scale=scale, mask=mask
@@ -176,22 +560,11 @@ class PagedAttentionView:
 
     def uses_direct(self, queries: mx.array, mask: Any) -> bool:
         """Whether the direct kernel serves these shapes (device aside)."""
-        batch, q_heads, n, dim = queries.shape
-        keys = self.arrays[0]
-        k_dim = keys.shape[3] * (32 // self.bits if self.bits else 1)
-        v_dim = self.arrays[1].shape[3] * (32 // self.bits if self.bits else 1)
-        return (
-            self.direct
-            and self.length > 0
-            and batch == 1
-            and 1 <= n <= DIRECT_MAX_QUERIES
-            and (mask is None or isinstance(mask, str))
-            and q_heads % self.kv_heads == 0
-            and dim == k_dim == v_dim
-            and dim in (64, 128)  # the head dims tested on hardware
-            and (self.bits is None or (self.bits in (4, 8) and self.group_size % 8 == 0))
-            and self.arrays[-1].dtype in (mx.float16, mx.bfloat16, mx.float32)
-        )
+        return queries.shape[0] == 1 and self.as_batch().uses_direct(queries, mask)
+
+    def uses_mma(self, tuning: KernelTuning, backend: ModuleType) -> bool:
+        """Whether the direct kernel runs on tensor cores (float16/bfloat16 pools)."""
+        return self.as_batch().uses_mma(tuning, backend)
 
     def attend_direct(
         self,
@@ -200,86 +573,12 @@ class PagedAttentionView:
         mask: Any,
         backend: ModuleType,
         tuning: KernelTuning = DEFAULT_TUNING,
+        *,
+        poison: float | None = None,
     ) -> mx.array:
         """The split-K kernel: partial softmax per partition, then a log-sum-exp merge."""
-        _, q_heads, n, dim = queries.shape
-        kv_heads = self.kv_heads
-        rows = (q_heads // kv_heads) * n
-        scale_bits = struct.unpack("<i", struct.pack("<f", scale * _LOG2E))[0]
-        causal = n > 1 and mask is not None
-        if self.uses_mma(tuning, backend):
-            # Tensor cores: blocks of 8 query rows (one mma tile), 16-token tiles per warp.
-            warps = tuning.mma_warps
-            chunks = -(-rows // 8)
-            part = self._part_tokens(kv_heads * chunks, warps * 16, tuning.mma_blocks, tuning)
-            parts = -(-self.length // part)
-            kernel = backend.partial_mma()
-            template: list[tuple[str, Any]] = [
-                ("HK", kv_heads), ("G", q_heads // kv_heads), ("N", n), ("D", dim),
-                ("BS", self.block_size), ("WARPS", warps), ("CAUSAL", causal),
-                ("SCALE_BITS", scale_bits),
-            ]
-        else:
-            warps = tuning.warps
-            rows_per_block = min(rows, tuning.rows)
-            chunks = -(-rows // rows_per_block)
-            unroll = tuning.unroll if rows_per_block <= 4 else min(tuning.unroll, 2)
-            per_step = warps * (32 // (dim // 8)) * unroll
-            part = self._part_tokens(kv_heads * chunks, per_step, tuning.target_blocks, tuning)
-            parts = -(-self.length // part)
-            kernel = backend.partial(self.bits is not None)
-            template = [
-                ("HQ", q_heads), ("HK", kv_heads), ("G", q_heads // kv_heads), ("N", n),
-                ("D", dim), ("BS", self.block_size), ("RC", rows_per_block),
-                ("WARPS", warps), ("U", unroll), ("PIPE", tuning.pipeline),
-                ("CAUSAL", causal), ("SCALE_BITS", scale_bits),
-            ]
-            if self.bits is None:
-                template.append(("T", self.arrays[0].dtype))
-            else:
-                template += [
-                    ("BITS", self.bits), ("GS", self.group_size), ("T", self.arrays[2].dtype)
-                ]
-        inputs = [queries, self.arrays[0], self.arrays[1], self.table]
-        partial_out, normal = kernel(
-            inputs=inputs + list(self.arrays[2:]),
-            template=template,
-            grid=(32 * warps * parts, kv_heads * chunks, 1),
-            threadgroup=(32 * warps, 1, 1),
-            output_shapes=[(q_heads * n, parts, dim), (q_heads * n, parts, 2)],
-            output_dtypes=[mx.float32, mx.float32],
-        )
-        split = 1024 // dim  # threads of a merge block that share one output element
-        (out,) = backend.merge()(
-            inputs=[partial_out, normal],
-            template=[("D", dim), ("J", split), ("MAX_PARTS", _MAX_PARTS), ("OutT", queries.dtype)],
-            grid=(dim, split * q_heads * n, 1),
-            threadgroup=(dim, split, 1),
-            output_shapes=[(1, q_heads, n, dim)],
-            output_dtypes=[queries.dtype],
-        )
-        result: mx.array = out
-        return result
-
-    def uses_mma(self, tuning: KernelTuning, backend: ModuleType) -> bool:
-        """Whether the direct kernel runs on tensor cores (float16/bfloat16 pools)."""
-        wanted = tuning.mma if tuning.mma is not None else bool(backend.TENSOR_CORES)
-        return (
-            wanted
-            and self.bits is None
-            and self.arrays[0].dtype in (mx.float16, mx.bfloat16)
-            and self.arrays[0].shape[3] % 32 == 0
-        )
-
-    def _part_tokens(
-        self, row_blocks: int, per_step: int, target_blocks: int, tuning: KernelTuning
-    ) -> int:
-        """Tokens per partition: enough partitions to fill the GPU, whole block steps each."""
-        wanted = max(1, target_blocks // row_blocks)
-        tokens = max(
-            -(-self.length // wanted), -(-self.length // _MAX_PARTS), tuning.min_part_tokens
-        )
-        return -(-tokens // per_step) * per_step
+        return self.as_batch().attend_direct(queries, scale, mask, backend, tuning,
+                                             poison=poison)
 
 
 def scaled_dot_product_attention(
@@ -293,8 +592,9 @@ def scaled_dot_product_attention(
 ) -> mx.array:
     """Drop-in for mlx-lm's ``scaled_dot_product_attention`` that reads paged caches in place.
 
-    For a paged cache the gathered ``keys``/``values`` the model passes are ignored (MLX never
-    computes them) and the cache's attention view is used instead.
+    For a paged cache (one sequence, or a :class:`BatchPagedKVCache`) the gathered
+    ``keys``/``values`` the model passes are ignored (MLX never computes them) and the
+    cache's attention view is used instead.
     """
     attention_view = getattr(cache, "attention_view", None)
     if attention_view is None or sinks is not None:
@@ -302,7 +602,11 @@ def scaled_dot_product_attention(
             queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
         )
         return out
-    view: PagedAttentionView = attention_view()
+    view: PagedAttentionView | BatchPagedAttentionView = attention_view()
+    if isinstance(view, BatchPagedAttentionView):
+        # The batch cache's mask only hides the left padding of its gathered keys; the view
+        # knows each sequence's length, so attention is causal over each one's own tokens.
+        return view.attend(queries, scale, "causal" if queries.shape[2] > 1 else None)
     return view.attend(queries, scale, mask)
 
 
