@@ -77,3 +77,25 @@ def test_the_command_refuses_impossible_sizes(capsys: pytest.CaptureFixture[str]
 
     assert main(["demo", "--doc-tokens", "10"]) == 2
     assert capsys.readouterr().err == "kvtrio demo: --doc-tokens must be >= 321\n"
+
+
+def test_recompute_tolerance_is_derived_and_still_catches_a_wrong_hit() -> None:
+    """The tolerance is TOLERANCE_MARGIN x the device's two-chunk prefill difference (at
+    least TOLERANCE), and a "hit" whose prefix is another prompt's lands far outside it."""
+    import random
+
+    import mlx.core as mx
+    from kvtrio.cli.demo import TOLERANCE, TOLERANCE_MARGIN, recompute_tolerance
+    from kvtrio.tinymodel import build_tiny_model, make_caches, prefill
+
+    tiny = build_tiny_model()
+    rng = random.Random(3)
+    prompt = [rng.randrange(1, 200) for _ in range(300)]
+    tolerance, diff = recompute_tolerance(tiny, prompt)
+    assert tolerance == max(TOLERANCE, TOLERANCE_MARGIN * diff)
+    full = prefill(tiny, make_caches(tiny), prompt)
+    wrong = make_caches(tiny)
+    prefill(tiny, wrong, [t + 1 for t in prompt[:150]])
+    off = mx.max(mx.abs(prefill(tiny, wrong, prompt[150:]) - full)).item()
+    assert isinstance(off, float)
+    assert off > 10 * tolerance

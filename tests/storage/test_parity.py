@@ -7,6 +7,7 @@ full KVCache layers, and an lfm2 hybrid mixing KVCache with ArraysCache conv sta
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -123,4 +124,11 @@ def test_quantized_kv_cache_logits_parity(tmp_path: Path) -> None:
     caches = mlx_cache.make_prompt_cache(model)
     mx.eval(model(mx.random.randint(0, 97, (1, 40)), cache=caches))
     quantized = [c.to_quantized(group_size=32, bits=8) for c in caches]
+    if mx.default_device() == mx.gpu and mx.cuda.is_available():
+        # MLX's CUDA build lacks quantized_matmul for this decode shape, in mlx-lm's own live
+        # decode (before kvtrio is involved): skip with MLX's words rather than fail.
+        try:
+            _decode(model, [copy.deepcopy(c) for c in quantized], 3)
+        except (ValueError, RuntimeError) as exc:  # how MLX reports an unsupported shape
+            pytest.skip(f"MLX CUDA gap in mlx-lm's quantized decode: {exc}")
     assert _check_parity(tmp_path, model, quantized, "single") == ["QuantizedKVCache"] * 2
