@@ -1,0 +1,128 @@
+"""One device session's work for the paged kernels, in few calls (run on the GPU host).
+
+``python tests/metal/device_session.py tests`` runs the GPU tests (tests/metal, the parity
+test) and ``kvtrio demo``; ``... bench`` runs the attention benches (single sequence, with
+launch-shape variants; batched mixes) with the copy and read ceilings measured in the same
+process. Everything lands as JSON and logs under ``$OUT`` (the device tool's output folder),
+with a short table printed last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+OUT = Path(os.environ.get("OUT", "/tmp/out"))
+
+
+def _sh(cmd: list[str], log: str, timeout: float, env: dict[str, str] | None = None) -> int:
+    began = time.time()
+    with open(OUT / log, "w") as f:
+        try:
+            done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                                  env={**os.environ, **(env or {})}, check=False)
+            rc = done.returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    print(f"{log}: rc {rc} in {time.time() - began:.0f} s", flush=True)
+    return rc
+
+
+def tests(budget: float) -> None:
+    began = time.time()
+    _sh([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "tests/metal",
+         "tests/storage/test_parity.py", "-rs"], "pytest.log", budget * 0.75,
+        env={"KVTRIO_GPU_ERRORS": str(OUT / "batch_errors.json")})
+    left = budget - (time.time() - began)
+    _sh([sys.executable, "-m", "kvtrio", "demo", "--json", "--data-dir", "/tmp/kvdemo"],
+        "demo.json", max(30.0, left - 10))
+    tail = (OUT / "pytest.log").read_text().splitlines()[-15:]
+    print("\n".join(tail))
+    if (OUT / "batch_errors.json").exists():
+        errors = json.loads((OUT / "batch_errors.json").read_text())
+        worst: dict[str, float] = {}
+        for e in errors:
+            key = f"{e['dtype']} bits={e['bits']}"
+            worst[key] = max(worst.get(key, 0.0), e["error"])
+        print("worst batched relative error:", json.dumps(worst))
+    try:
+        demo = json.loads((OUT / "demo.json").read_text())
+        print("demo ok", demo.get("ok"), "tolerance", demo.get("tolerance"), "chunking_diff",
+              demo.get("chunking_diff"), "max_diff", demo.get("max_diff"))
+    except (OSError, ValueError) as exc:
+        print("demo: no JSON", exc)
+
+
+def bench(budget: float) -> None:
+    import attrs
+    import mlx.core as mx
+    from kvtrio.bench import attention as b
+    from kvtrio.metal.attention import DEFAULT_TUNING
+
+    began = time.time()
+    results: dict[str, Any] = {"device": str(mx.default_device())}
+    shape = {"q_heads": 32, "kv_heads": 8, "dim": 128, "dtype": mx.float16, "block_size": 16}
+    results["ceilings"] = b.ceilings(4 << 30, 10)
+    print("ceilings", results["ceilings"], flush=True)
+    variants = {
+        "default": DEFAULT_TUNING,
+        "tiles2": attrs.evolve(DEFAULT_TUNING, mma_tiles=2),
+        "prefetch": attrs.evolve(DEFAULT_TUNING, mma_prefetch=True),
+        "blocks528": attrs.evolve(DEFAULT_TUNING, mma_blocks=528),
+        "tiles2_prefetch": attrs.evolve(DEFAULT_TUNING, mma_tiles=2, mma_prefetch=True),
+    }
+    mixes = [(32, 1024, 32768), (32, 1024, 4096), (64, 512, 8192), (8, 16384, 131072)]
+    batch_tunings = {
+        "batched": DEFAULT_TUNING,
+        "waves1": attrs.evolve(DEFAULT_TUNING, batch_waves=1),
+        "waves2": attrs.evolve(DEFAULT_TUNING, batch_waves=2),
+        "waves8": attrs.evolve(DEFAULT_TUNING, batch_waves=8),
+        "tiles2": attrs.evolve(DEFAULT_TUNING, mma_tiles=2),
+        "prefetch": attrs.evolve(DEFAULT_TUNING, mma_prefetch=True),
+    }
+    results["batch"] = []
+    import random
+
+    for batch, lo, hi in mixes:
+        if time.time() - began > budget * 0.5:
+            break
+        rng = random.Random(16)
+        lengths = [rng.randint(lo, hi) for _ in range(batch)]
+        row = b.measure_batch(lengths, iters=10, tunings=batch_tunings,
+                              padded=batch * hi <= 32 * 32768, **shape)  # type: ignore[arg-type]
+        row["mix"] = f"{batch}x{lo}:{hi}"
+        row["batched_of_copy"] = row["batched_gbs"] / results["ceilings"]["copy_gbs"]
+        row["batched_of_read"] = row["batched_gbs"] / results["ceilings"]["read_gbs"]
+        results["batch"].append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                          for k, v in row.items()}), flush=True)
+        mx.clear_cache()
+    results["single"] = []
+    for length in (4096, 32768, 131072):
+        for name, tuning in variants.items():
+            if time.time() - began > budget * 0.95:
+                break
+            if name != "default" and length == 4096:
+                continue
+            row = b.measure_length(length, bits=[4] if name == "default" else [], group_size=64,
+                            iters=10, tuning=tuning, **shape)  # type: ignore[arg-type]
+            row["variant"] = name
+            gbs = row["direct_gbs"]
+            assert isinstance(gbs, float)
+            row["direct_of_copy"] = gbs / results["ceilings"]["copy_gbs"]
+            row["direct_of_read"] = gbs / results["ceilings"]["read_gbs"]
+            results["single"].append(row)
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                              for k, v in row.items()}), flush=True)
+    (OUT / "bench.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    OUT.mkdir(parents=True, exist_ok=True)
+    what, budget = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 500.0
+    {"tests": tests, "bench": bench}[what](budget)
