@@ -76,7 +76,7 @@ class KernelTuning:
     mma_warps: int = 8
     mma_blocks: int = 264  # 2 per multiprocessor of an H200 (from the sweep)
     mma_tiles: int = 1  # 16-token tiles a warp loads before using any (bytes in flight)
-    mma_prefetch: bool = False  # ask L2 for the warp's next step before loading this one
+    mma_wide_l2: bool = False  # loads ask L2 for 256-byte lines (CUDA's L2::256B hint)
     # A batch of several sequences aims for this many times the blocks above: its items end
     # at different times, and more, smaller items keep the GPU full to the end.
     batch_waves: int = 4
@@ -84,7 +84,7 @@ class KernelTuning:
     @classmethod
     def parse(cls, text: str) -> KernelTuning:
         """``warps,rows,unroll,pipeline,blocks[,mma[,mma_warps,mma_blocks[,mma_tiles,
-        mma_prefetch[,batch_waves]]]]`` (pipeline and mma_prefetch 0 or 1; mma 0, 1 or -1 for
+        mma_wide_l2[,batch_waves]]]]`` (pipeline and mma_wide_l2 0 or 1; mma 0, 1 or -1 for
         the backend's default); fields left out keep their defaults."""
         fields = [int(x) for x in text.split(",")]
         if len(fields) not in (5, 6, 8, 10, 11):
@@ -100,7 +100,7 @@ class KernelTuning:
         if len(fields) > 6:
             tuning = attrs.evolve(tuning, mma_warps=fields[6], mma_blocks=fields[7])
         if len(fields) > 8:
-            tuning = attrs.evolve(tuning, mma_tiles=fields[8], mma_prefetch=bool(fields[9]))
+            tuning = attrs.evolve(tuning, mma_tiles=fields[8], mma_wide_l2=bool(fields[9]))
         if len(fields) > 10:
             tuning = attrs.evolve(tuning, batch_waves=fields[10])
         return tuning
@@ -109,7 +109,7 @@ class KernelTuning:
         """The ``--tuning`` argument that parses back to this shape."""
         fields = [self.warps, self.rows, self.unroll, int(self.pipeline), self.target_blocks,
                   -1 if self.mma is None else int(self.mma), self.mma_warps, self.mma_blocks,
-                  self.mma_tiles, int(self.mma_prefetch), self.batch_waves]
+                  self.mma_tiles, int(self.mma_wide_l2), self.batch_waves]
         return ",".join(str(x) for x in fields)
 
 
@@ -421,7 +421,7 @@ class BatchPagedAttentionView:
             template: list[tuple[str, Any]] = [
                 ("HK", kv_heads), ("G", q_heads // kv_heads), ("N", n), ("D", dim),
                 ("BS", self.block_size), ("WARPS", warps), ("TILES", tuning.mma_tiles),
-                ("PREFETCH", tuning.mma_prefetch), ("CAUSAL", causal),
+                ("WIDE_L2", tuning.mma_wide_l2), ("CAUSAL", causal),
                 ("SCALE_BITS", scale_bits),
             ]
         else:

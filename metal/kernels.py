@@ -263,9 +263,10 @@ PARTIAL = (
 # The float16/bfloat16 partition kernel on tensor cores. Grid as in PARTIAL, with blocks of
 # 8 query rows (one mma column tile; rows past the last are zero). Warp w takes the item's
 # token steps w, w + WARPS, ...; a step is TILES 16-token tiles, all loaded before any is
-# used, and with PREFETCH the warp asks L2 for its next step's rows first (more bytes in
-# flight per warp without more registers). Lane 4 g + c loads tokens g and g + 8 of a tile,
-# dims 32 j + 8 c .. + 8 of each (16 bytes per j), keys and values alike.
+# used (more bytes in flight per warp); with WIDE_L2 each load asks L2 for the whole
+# 256-byte line around it (a token row of 128 float16 dims is one such line). Lane 4 g + c
+# loads tokens g and g + 8 of a tile, dims 32 j + 8 c .. + 8 of each (16 bytes per j), keys
+# and values alike.
 # - Scores S (16 tokens x 8 rows) = K (16 x D) Q^T, D / 16 mma steps. The mma's reduction
 #   index k stands for a permutation of the dims; the query words use the same one, so the
 #   dot products are exact sums over all dims. Lane 4 g + c gets the scores of tokens g and
@@ -322,16 +323,6 @@ PARTIAL_MMA = (
     for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
   }
   for (int step = start + warp * 16 * TILES; step < stop; step += STEP) {
-    if (PREFETCH && step + STEP < stop) {
-      // Ask L2 for this warp's next step now: lane 2 t + h takes half h of token t's rows.
-#pragma unroll
-      for (int tile = 0; tile < TILES; ++tile) {
-        const int t = kvt_min(step + STEP + 16 * tile + lane / 2, stop - 1);
-        const int row = (table[blocks_at + t / BS] * HK + hk) * BS + t % BS;
-        kvt_prefetch(keys + row * D + (lane % 2) * (D / 2));
-        kvt_prefetch(values + row * D + (lane % 2) * (D / 2));
-      }
-    }
     uint4 ka[TILES][DJ];
     uint4 kb[TILES][DJ];
     uint4 va[TILES][DJ];
@@ -344,13 +335,13 @@ PARTIAL_MMA = (
       const int rowb = (table[blocks_at + tb / BS] * HK + hk) * BS + tb % BS;
 #pragma unroll
       for (int j = 0; j < DJ; ++j) {
-        ka[tile][j] = kvt_load16(keys + rowa * D + 32 * j + 8 * c);
-        kb[tile][j] = kvt_load16(keys + rowb * D + 32 * j + 8 * c);
+        ka[tile][j] = kvt_load16<WIDE_L2>(keys + rowa * D + 32 * j + 8 * c);
+        kb[tile][j] = kvt_load16<WIDE_L2>(keys + rowb * D + 32 * j + 8 * c);
       }
 #pragma unroll
       for (int j = 0; j < DJ; ++j) {
-        va[tile][j] = kvt_load16(values + rowa * D + 32 * j + 8 * c);
-        vb[tile][j] = kvt_load16(values + rowb * D + 32 * j + 8 * c);
+        va[tile][j] = kvt_load16<WIDE_L2>(values + rowa * D + 32 * j + 8 * c);
+        vb[tile][j] = kvt_load16<WIDE_L2>(values + rowb * D + 32 * j + 8 * c);
       }
     }
 #pragma unroll

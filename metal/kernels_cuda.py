@@ -172,13 +172,19 @@ __device__ __forceinline__ uint32_t kvt_trans(uint32_t x, int lane) {
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
   return y;
 }
-// 16 bytes of a key or value row, through the read-only data path.
+// 16 bytes of a key or value row, through the read-only data path (WIDE: asking L2 to
+// fetch the 256-byte line around them).
+template <bool WIDE>
 __device__ __forceinline__ uint4 kvt_load16(const void* p) {
-  return __ldg(reinterpret_cast<const uint4*>(p));
-}
-// Ask L2 for the 128-byte line at p (no register waits for it).
-__device__ __forceinline__ void kvt_prefetch(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+  if constexpr (WIDE) {
+    uint4 r;
+    asm("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+  } else {
+    return __ldg(reinterpret_cast<const uint4*>(p));
+  }
 }
 """
 )

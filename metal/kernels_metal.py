@@ -166,14 +166,11 @@ inline uint kvt_trans(uint x, int lane) {
   const uint shift = 16 * (g % 2);
   return ((lo >> shift) & 0xffffu) | (((hi >> shift) & 0xffffu) << 16);
 }
-// 16 bytes of a key or value row.
-template <typename P>
+// 16 bytes of a key or value row (WIDE, a CUDA cache hint, has no Metal counterpart).
+template <bool WIDE, typename P>
 inline uint4 kvt_load16(const device P* p) {
   return *((const device uint4*)(p));
 }
-// A hint only: Metal has no portable L2 prefetch, so this does nothing.
-template <typename P>
-inline void kvt_prefetch(const device P* p) {}
 """
 )
 

@@ -70,14 +70,14 @@ def instantiations() -> list[tuple[str, str]]:
     units = []
     f, b, q = "float16", "bfloat16", "float32"
     for dtype in (f, b):
-        for tiles, prefetch in ((1, False), (2, False), (1, True)):
+        for tiles, wide in ((1, False), (2, False), (1, True)):
             tpl: list[tuple[str, int | bool | str]] = [
                 ("HK", 8), ("G", 4), ("N", 1), ("D", 128), ("BS", 16), ("WARPS", 8),
-                ("TILES", tiles), ("PREFETCH", prefetch), ("CAUSAL", False),
+                ("TILES", tiles), ("WIDE_L2", wide), ("CAUSAL", False),
                 ("SCALE_BITS", 1040187392),
             ]
-            units.append((f"mma {dtype} tiles={tiles} prefetch={prefetch}", wrap(
-                f"mma_{dtype}_{tiles}_{int(prefetch)}",
+            units.append((f"mma {dtype} tiles={tiles} wide_l2={wide}", wrap(
+                f"mma_{dtype}_{tiles}_{int(wide)}",
                 kernels_cuda.HEADER_MMA, kernels_cuda.PARTIAL_MMA_SOURCE,
                 [("q", dtype), ("keys", dtype), ("values", dtype), ("table", "int32")],
                 [("out", q), ("normal", q)], tpl)))

@@ -54,7 +54,7 @@ def test_metal_body_mirrors_cuda(name: str, body: str) -> None:
     [
         ("HEADER", ["kvt_fetch", "kvt_unpack", "kvt_weight", "kvt_shfl_xor"]),
         ("HEADER_QUANTIZED", ["kvt_fetchq", "kvt_unpackq", "kvt_weight"]),
-        ("HEADER_MMA", ["kvt_mma", "kvt_trans", "kvt_pack", "kvt_load16", "kvt_prefetch",
+        ("HEADER_MMA", ["kvt_mma", "kvt_trans", "kvt_pack", "kvt_load16",
                         "kvt_weight"]),
     ],
 )
