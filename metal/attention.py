@@ -76,7 +76,7 @@ class KernelTuning:
     mma_warps: int = 8
     mma_blocks: int = 264  # 2 per multiprocessor of an H200 (from the sweep)
     mma_tiles: int = 1  # 16-token tiles a warp loads before using any (bytes in flight)
-    mma_wide_l2: bool = False  # loads ask L2 for 256-byte lines (CUDA's L2::256B hint)
+    mma_wide_l2: bool = True  # loads ask L2 for 256-byte lines (CUDA's L2::256B hint)
     # A batch of several sequences aims for this many times the blocks above: its items end
     # at different times, and more, smaller items keep the GPU full to the end.
     batch_waves: int = 4
@@ -336,8 +336,10 @@ class BatchPagedAttentionView:
         return (
             self.direct
             and batch == self.batch >= 1
-            and min(self.lengths) > 0
             and 1 <= n <= DIRECT_MAX_QUERIES
+            # n queries are the sequence's last n tokens: a shorter sequence leaves some
+            # query rows nothing to see (the reference path decides what that means)
+            and min(self.lengths) >= n
             and (mask is None or isinstance(mask, str))
             and q_heads % self.kv_heads == 0
             and dim == k_dim == v_dim

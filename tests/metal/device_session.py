@@ -38,7 +38,8 @@ def _sh(cmd: list[str], log: str, timeout: float, env: dict[str, str] | None = N
 def tests(budget: float) -> None:
     began = time.time()
     _sh([sys.executable, "-m", "pytest", "-q", "-rs", "--timeout", "120",
-         "tests/storage/test_parity.py", "tests/metal/test_direct_gpu.py", "-k", SELECT],
+         "tests/storage/test_parity.py", "tests/metal/test_direct_gpu.py",
+         *(["-k", SELECT] if SELECT else [])],
         "pytest.log", budget * 0.75, env={"KVTRIO_GPU_ERRORS": str(OUT / "batch_errors.json")})
     left = budget - (time.time() - began)
     _sh([sys.executable, "-m", "kvtrio", "demo", "--json", "--data-dir", "/tmp/kvdemo"],

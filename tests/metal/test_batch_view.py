@@ -120,6 +120,10 @@ def test_capture_rejects_short_tables_and_trims_long_ones() -> None:
     assert view.block_tables == ((0, 1), ())
     queries = mx.zeros((2, 2, 1, 32))
     assert not view.uses_direct(queries, None)  # an empty sequence takes the reference
+    wide = BlockPool(8, 1, BLOCK, 64, dtype=mx.float32)
+    view = BatchPagedAttentionView.capture(wide, [[0, 1, 2], [3]], [17, 3])
+    assert view.uses_direct(mx.zeros((2, 2, 3, 64)), "causal")
+    assert not view.uses_direct(mx.zeros((2, 2, 4, 64)), "causal")  # 4 queries, 3 tokens
 
 
 # -- the kernel table -------------------------------------------------------------------------
