@@ -445,7 +445,7 @@ async def run_demo(opts: DemoOptions) -> DemoReport:
         system = random_tokens(random.Random(f"{opts.seed}/system"), opts.system_tokens)
         convs = plan_conversations(previous, opts, run)
         server = _Server(opts, owner, tiny, root / "probes", system)
-        probe = _tokens(random.Random(f"{opts.seed}/tolerance"), 1024)
+        probe = random_tokens(random.Random(f"{opts.seed}/tolerance"), 1024)
         server.tolerance, server.chunking_diff = await owner.run(
             recompute_tolerance, tiny, system + probe
         )
