@@ -14,7 +14,9 @@ __all__ = [
     "CacheMismatchError",
     "CacheMissError",
     "CorruptCacheError",
+    "DirectoryLockedError",
     "KvtrioError",
+    "LifecycleError",
     "OperationCancelled",
     "PinLimitError",
     "ShuttingDown",
@@ -78,3 +80,21 @@ class UnsupportedCacheError(KvtrioError):
     def __init__(self, cache_class: str, message: str | None = None) -> None:
         self.cache_class = cache_class
         super().__init__(message or f"cache class {cache_class} cannot be saved by kvtrio")
+
+
+class DirectoryLockedError(KvtrioError):
+    """Another process holds the cold-tier directory's lock (one owner per directory).
+
+    ``directory`` and ``holder_pid`` (None when the lock file names none) say whose it is.
+    """
+
+    def __init__(self, directory: str, holder_pid: int | None, waited: float) -> None:
+        self.directory = directory
+        self.holder_pid = holder_pid
+        self.waited = waited
+        holder = f"process {holder_pid}" if holder_pid is not None else "another process"
+        super().__init__(f"cold tier {directory} is held by {holder} (waited {waited:g} s)")
+
+
+class LifecycleError(KvtrioError):
+    """A cold entry was asked to make a transition its state table forbids (a bug)."""

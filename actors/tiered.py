@@ -4,20 +4,28 @@ A server asks ``fetch_nearest(tokens)`` before prefill and calls ``insert(tokens
 caches)`` after a turn. Entries live in the hot tier (live MLX caches, LRU by bytes)
 and/or the cold tier (files written by the actors' ColdTier, LRU by bytes, aware of
 free disk space). One :class:`~kvtrio.actors.prefix.PrefixIndex` over both tiers finds
-the longest reusable prefix; on open it is rebuilt from the files on disk, so a restart
-keeps the cache.
+the longest reusable prefix; on open it is rebuilt from the cold store's catalogue, so a
+restart keeps the cache.
 
 Theory of operation
 -------------------
 1. The hot tier owns private copies: ``insert`` clones the caller's caches on the MLX
    owner thread, and ``fetch_nearest`` hands out a fresh clone (trimmed when the match
    was a longer entry), so neither side can change what the other holds.
-2. Budgets are soft by at most one entry: after an insert, least recently used hot
+2. Budgets are soft by at most one entry. Hot: after an insert, least recently used hot
    entries are evicted while the hot bytes exceed the budget and more than one entry is
-   hot; the cold tier likewise after each completed write.
+   hot. Cold: one ledger (:class:`~kvtrio.actors.lifecycle.ColdLedger`) counts the bytes
+   that exist plus the reservations of writes in flight; a write reserves its bytes
+   *before* it starts, and the one eviction loop (run by the one writer task, before each
+   write) evicts least recently used entries until used + reserved fits the effective
+   budget: ``min(cold_budget, used + free - min_free_bytes)``, where ``min_free_bytes``
+   defaults to :data:`DEFAULT_MIN_FREE_SHARE` of the volume. A failed write releases its
+   reservation at once; a write that found the volume full evicts and retries once.
 3. Policy ``write-back`` writes an entry to the cold tier when it leaves the hot tier;
-   ``write-through`` writes every insert at once. Until a write is durable the entry is
-   findable only while it is hot: an entry in neither tier is not in the index.
+   ``write-through`` writes every insert at once. Pending writes wait in a queue capped
+   by bytes (``pending_budget``; the oldest is dropped, counted, when a new one would
+   exceed it, so a burst holds at most hot budget + cap in RAM). Until a write is durable
+   the entry is findable only while it is hot: an entry in neither tier is not indexed.
 4. A checkpoint supersedes the older entry of the same conversation that it extends: the
    older one leaves RAM at once and the disk once the newer one is durable there.
 5. The cold tier is best effort: a failed or dropped write, a missing or corrupt file is
@@ -34,26 +42,49 @@ Theory of operation
    was registered, leaves the lookup a miss. Re-reading the whole catalogue
    (``shared_refresh``) remains as an optional fallback for entries saved without
    registration.
+9. Every entry's cold side moves only through the transition table of
+   :mod:`kvtrio.actors.lifecycle`; the cold LRU, the pending queue and the reserved bytes
+   derive from it, and an entry is indexed iff it is hot or DURABLE.
+
+Costs (N entries, P prompt blocks, C candidates examined): ``open`` is O(N) in batches
+of :data:`OPEN_BATCH` entries with a checkpoint between batches; a lookup is O(P + C)
+(:class:`~kvtrio.actors.prefix.PrefixIndex`); an eviction is O(1) per victim plus its
+removal's I/O.
+
+Seams for callers that harden the boundary: every cold read goes through
+:meth:`TieredPromptCache._load_cold` (content binding belongs there) and every cold
+error is turned into a counted drop in :meth:`_load_cold` and :meth:`_write` (error
+containment belongs there).
 """
 
 from __future__ import annotations
 
 import copy
 import enum
-import functools
-import json
 import math
-import os
-import shutil
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import trio
-from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.coldside import (
+    DEFAULT_MIN_FREE_SHARE,
+    DEFAULT_PENDING_BYTES,
+    CacheRecord,
+    ColdSideMixin,
+)
+from kvtrio.actors.coldstore import (
+    CONVERSATIONS_META,
+    SHARED_CANDIDATES,
+    ColdEntryInfo,
+    ColdStore,
+    ColdTierStore,
+    SharedColdStore,
+    StoreResult,
+)
+from kvtrio.actors.lifecycle import ColdEvent, ColdLedger, ColdState
 from kvtrio.actors.prefix import (
     DEFAULT_BLOCK_SIZE,
     MatchKind,
@@ -61,25 +92,24 @@ from kvtrio.actors.prefix import (
     PrefixEntry,
     PrefixIndex,
     PrefixMatch,
-    index_keys,
-    probe_keys,
 )
-from kvtrio.actors.tier import SUFFIX, ColdTier, TierEntry
+from kvtrio.actors.sharedlookup import SHARED_READS, SharedLookupMixin
 from kvtrio.errors import (
     CacheMismatchError,
     CacheMissError,
     CorruptCacheError,
-    KvtrioError,
     StoreUnavailableError,
 )
-from kvtrio.storage.blockstore import LocalBlockStore
-from kvtrio.storage.format import PREAMBLE, Header, Layout, parse_header, parse_preamble
-from kvtrio.storage.manifeststore import ManifestStore
-from kvtrio.storage.openstore import ManifestFileOps, is_redis_url
-from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
+
+if TYPE_CHECKING:
+    from kvtrio.actors.factory import open_tiered_cache
 
 __all__ = [
     "CONVERSATIONS_META",
+    "DEFAULT_MIN_FREE_SHARE",
+    "DEFAULT_PENDING_BYTES",
+    "SHARED_CANDIDATES",
+    "SHARED_READS",
     "ColdEntryInfo",
     "ColdStore",
     "ColdTierStore",
@@ -95,18 +125,17 @@ __all__ = [
 ]
 
 
-# At most this many manifests are read per lookup from a shared store's prefix index.
-SHARED_READS = 4
-# At most this many names are fetched per index key (the chain hashes of a prefix that
-# many entries share, a system prompt, name them all; any of them covers that prefix).
-SHARED_CANDIDATES = 8
-# Seconds a failed index lookup pauses the next ones (doubling while failures go on).
-SHARED_PAUSE_MIN = 1.0
-SHARED_PAUSE_MAX = 30.0
+def __getattr__(name: str) -> Any:
+    # The factory imports this module; re-exporting it lazily keeps the old import path.
+    if name == "open_tiered_cache":
+        from kvtrio.actors.factory import open_tiered_cache
 
-# Header meta key holding the JSON list of conversations an entry is the checkpoint of, so
-# supersession keeps working after a restart.
-CONVERSATIONS_META = "kvtrio.conversations"
+        return open_tiered_cache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# Entries indexed per step of open, between checkpoints (rule: no long loop stall).
+OPEN_BATCH = 2000
 
 
 class WritePolicy(enum.Enum):
@@ -123,89 +152,10 @@ class Tier(enum.Enum):
     COLD = "cold"
 
 
-@attrs.frozen
-class ColdEntryInfo:
-    """What the cold tier knows of one stored entry (from its header and file)."""
-
-    key: str
-    model: ModelKey
-    tokens: tuple[int, ...]
-    trimmable: bool
-    min_reusable_offset: int
-    mtime: float
-    conversations: tuple[str, ...] = ()  # whose checkpoint it is (see CONVERSATIONS_META)
-
-
-@attrs.frozen
-class StoreResult:
-    """A cold write that settled: durable (``written``) or not (dropped or superseded)."""
-
-    written: bool
-    disk_bytes: int = 0  # net change of the bytes on disk (a rewrite frees the old file)
-    bytes_written: int = 0
-    bytes_deduplicated: int = 0
-
-
 class OwnerLike(Protocol):
     """The MLX owner: runs ``fn(*args)`` on the one thread that may touch MLX."""
 
     async def run(self, fn: Any, *args: Any) -> Any: ...
-
-
-class ColdStore(Protocol):
-    """The cold tier as the tiered cache uses it (an adapter over the actors' ColdTier)."""
-
-    @property
-    def directory(self) -> Path: ...
-
-    async def store(
-        self,
-        key: str,
-        model: ModelKey,
-        tokens: Sequence[int],
-        caches: list[Any],
-        *,
-        meta: Mapping[str, str],
-    ) -> StoreResult:
-        """Write ``caches`` under ``key``; return once it is durable or settled otherwise."""
-        ...
-
-    async def fetch(self, key: str, *, model: ModelKey) -> tuple[list[Any], int]:
-        """Restored caches (on the owner) and the bytes read; CacheMissError or
-        CorruptCacheError when the entry is gone or bad."""
-        ...
-
-    async def remove(self, key: str) -> int:
-        """Delete the entry (absent: nothing); return the disk bytes freed."""
-        ...
-
-    async def usage(self) -> int:
-        """Bytes the cold tier occupies on disk now."""
-        ...
-
-    async def entries(self) -> list[ColdEntryInfo]:
-        """Every valid entry on disk."""
-        ...
-
-
-@runtime_checkable
-class SharedColdStore(Protocol):
-    """A cold store other hosts write to as well, with a prefix index (rule 8)."""
-
-    async def find(self, model: ModelKey, tokens: Sequence[int]) -> list[tuple[str, int]]:
-        """Keys of stored entries registered under the query's prefix-index keys, deepest
-        first, each with a bound on the tokens of ``tokens`` it can cover (one round
-        trip). StoreUnavailableError when the store is out of reach."""
-        ...
-
-    async def entry(self, key: str) -> ColdEntryInfo | None:
-        """What the store holds under ``key`` (its manifest alone), None when gone."""
-        ...
-
-    async def forget(self, key: str, model: ModelKey, tokens: Sequence[int]) -> None:
-        """Drop ``key`` from the index keys of ``tokens`` if its manifest is gone (a stale
-        registration found by :meth:`find`), so no host reads it again."""
-        ...
 
 
 @attrs.frozen
@@ -252,19 +202,13 @@ class TieredStatistics:
     shared_vanished: int = 0
     shared_refreshes: int = 0
     shared_errors: int = 0  # index lookups that failed (store out of reach): then paused
-
-
-@attrs.define(eq=False)
-class _Record:
-    entry: PrefixEntry
-    conversations: set[str] = attrs.field(factory=set)
-    hot: list[Any] | None = None
-    hot_bytes: int = 0
-    on_disk: bool = False  # durable in the cold tier
-    writing: bool = False
-    removed: bool = False
-    retired: bool = False  # superseded: never promoted to RAM again
-    supersedes: list[_Record] = attrs.field(factory=list)  # deleted once this is durable
+    # The ledger (rule 2) and the pending write-backs (rule 3).
+    cold_reserved: int = 0  # bytes reserved by writes in flight
+    pending_writes: int = 0
+    pending_bytes: int = 0
+    pending_budget: int = 0
+    pending_dropped: int = 0  # pending write-backs shed by the byte cap (also in drops)
+    no_space_retries: int = 0  # writes that found the volume full, evicted and retried
 
 
 def _cache_nbytes(caches: Sequence[Any]) -> int:
@@ -290,13 +234,6 @@ def _clone_trimmed(caches: list[Any], trim: int) -> list[Any]:
     return out
 
 
-def _trim(caches: list[Any], trim: int) -> None:
-    """Owner thread: trim ``caches`` back by ``trim`` tokens, in place."""
-    from mlx_lm.models.cache import trim_prompt_cache
-
-    trim_prompt_cache(caches, trim)
-
-
 def _describe(caches: list[Any]) -> tuple[int, bool, int]:
     """Owner thread: bytes, trimmability and minimum reusable offset of ``caches``."""
     from mlx_lm.models.cache import can_trim_prompt_cache
@@ -305,7 +242,7 @@ def _describe(caches: list[Any]) -> tuple[int, bool, int]:
 
 
 @attrs.define(eq=False)
-class TieredPromptCache:
+class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
     """The prompt cache a server embeds. Open with :meth:`open`."""
 
     owner: OwnerLike
@@ -314,25 +251,27 @@ class TieredPromptCache:
     hot_budget: int
     cold_budget: int
     policy: WritePolicy = WritePolicy.WRITE_BACK
-    min_free_bytes: int = 0
+    # Bytes to leave free on the cold tier's volume (None: DEFAULT_MIN_FREE_SHARE of it).
+    min_free_bytes: int | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
     # Seconds between catalogue refreshes from a shared cold store (None: none; a local
     # store, which this process alone writes, has an index authoritative after open).
     shared_refresh: float | None = None
     # Ask the shared cold store's prefix index on lookups without an exact entry (rule 8).
     shared_index: bool = False
+    pending_budget: int = DEFAULT_PENDING_BYTES
     _nursery: trio.Nursery | None = None
     _index: PrefixIndex = attrs.field(init=False)
-    _records: dict[str, _Record] = attrs.field(init=False, factory=dict)
+    _records: dict[str, CacheRecord] = attrs.field(init=False, factory=dict)
     _hot_lru: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)
-    _cold_lru: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)
+    _ledger: ColdLedger = attrs.field(init=False, factory=ColdLedger)
     _conversations: dict[str, str] = attrs.field(init=False, factory=dict)
     _key_tail: dict[str, trio.Event] = attrs.field(init=False, factory=dict)
     _hot_bytes: int = attrs.field(init=False, default=0)
-    _cold_bytes: int = attrs.field(init=False, default=0)
     _counts: dict[str, int] = attrs.field(init=False, factory=dict)
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
-    _writes_in_flight: int = attrs.field(init=False, default=0)
+    _busy: int = attrs.field(init=False, default=0)  # queued writes + background tasks
+    _wake: trio.Event = attrs.field(init=False, factory=trio.Event)
     _refreshed_at: float = attrs.field(init=False, default=-math.inf)
     _refreshing: bool = attrs.field(init=False, default=False)
     _shared_paused_until: float = attrs.field(init=False, default=-math.inf)
@@ -353,11 +292,12 @@ class TieredPromptCache:
         hot_budget: int,
         cold_budget: int,
         policy: WritePolicy = WritePolicy.WRITE_BACK,
-        min_free_bytes: int = 0,
+        min_free_bytes: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         flush_on_close: bool = True,
         shared_refresh: float | None = None,
         shared_index: bool = False,
+        pending_budget: int = DEFAULT_PENDING_BYTES,
     ) -> AsyncIterator[TieredPromptCache]:
         """Rebuild the index from ``cold`` and serve.
 
@@ -366,6 +306,8 @@ class TieredPromptCache:
         longer prefix another host saved (rule 8). ``shared_refresh``: such a lookup also
         re-reads the store's whole catalogue, at most once per ``shared_refresh`` seconds
         (trio's clock): a fallback for entries saved without index registration.
+        ``min_free_bytes``: the free-space floor of the cold tier's volume (rule 2);
+        ``pending_budget``: the byte cap of pending write-backs (rule 3).
 
         Leaving the block normally writes the hot entries not yet on disk (with
         ``flush_on_close``, so a graceful restart keeps them) and waits for every write.
@@ -381,12 +323,14 @@ class TieredPromptCache:
             block_size,
             shared_refresh,
             shared_index,
+            pending_budget,
         )
         if shared_index and not isinstance(cold, SharedColdStore):
             raise TypeError("shared_index needs a cold store with find() and entry()")
         await self._load_index()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._writer)
             try:
                 yield self
                 if flush_on_close:
@@ -394,20 +338,17 @@ class TieredPromptCache:
                 await self.wait_writes_settled()
             finally:
                 self._nursery = None
+                nursery.cancel_scope.cancel()  # the writer task: idle now, or abandoned
 
     # -- the server's API ------------------------------------------------------------
 
-    async def fetch_nearest(
-        self, tokens: Sequence[int], *, need_logits: bool = False, admit: bool = True
-    ) -> Fetched:
+    async def fetch_nearest(self, tokens: Sequence[int], *, need_logits: bool = False) -> Fetched:
         """The caches of the longest reusable prefix of ``tokens`` (see mlx-lm's
         ``LRUPromptCache.fetch_nearest_cache``), and the tokens still to process.
 
         An exact hit leaves no token to process. With ``need_logits``, at least one is
         left: the exact entry is trimmed by one token when it may be, else the lookup is
-        made for ``tokens[:-1]``. ``admit=False``: a disk hit is handed over as loaded
-        (trimmed in place, not cloned) and not promoted to RAM (a caller with a RAM tier
-        of its own, such as kvtrio.serve's adapter).
+        made for ``tokens[:-1]``.
         """
         query = tuple(int(t) for t in tokens)
         if self.shared_index or self.shared_refresh is not None:
@@ -427,18 +368,14 @@ class TieredPromptCache:
             record = self._records[match.entry.key]
             if record.hot is not None:
                 caches = await self.owner.run(_clone_trimmed, record.hot, match.trim)
-                self._touch_hot(record)
+                self._touch(record)
                 self._count("hits_hot")
                 return Fetched(caches, query[match.reuse :], Tier.HOT, match)
             loaded = await self._load_cold(record)
             if loaded is None:
                 continue
-            self._count("hits_cold")
-            if not admit:
-                if match.trim:
-                    await self.owner.run(_trim, loaded, match.trim)
-                return Fetched(loaded, query[match.reuse :], Tier.COLD, match)
             caches = await self.owner.run(_clone_trimmed, loaded, match.trim)
+            self._count("hits_cold")
             await self._admit_hot(record, loaded)
             return Fetched(caches, query[match.reuse :], Tier.COLD, match)
         self._count("misses")
@@ -469,58 +406,30 @@ class TieredPromptCache:
         entry = self._index.make_entry(
             self.model, tokens, trimmable=trimmable, min_reusable_offset=min_offset
         )
-        previous = self._records.get(entry.key)
-        if previous is not None:
-            self._drop_hot(previous)
-        record = previous or _Record(entry)
+        record = self._records.get(entry.key)
+        if record is not None and record.cold.state in (
+            ColdState.EVICTING,
+            ColdState.WRITING_DOOMED,
+        ):
+            # On its way out: it finishes leaving on its own (rule 7 orders its removal
+            # before this key's next write); the new entry starts afresh.
+            self._set_hot(record, None)
+            self._records.pop(entry.key, None)
+            record = None
+        if record is None:
+            record = self._records[entry.key] = CacheRecord.of(entry, nbytes)
         record.entry = entry
-        record.removed = False
-        self._records[entry.key] = record
-        self._index.add(entry)
-        record.hot, record.hot_bytes = clone, nbytes
-        self._hot_bytes += nbytes
-        self._hot_lru[entry.key] = None
+        self._set_hot(record, clone, nbytes)
         if conversation is not None:
             await self._supersede(conversation, record)
-        if self.policy is WritePolicy.WRITE_THROUGH and not (record.on_disk or record.writing):
-            self._start_write(record, meta or {})
+        if self.policy is WritePolicy.WRITE_THROUGH and record.cold.state is ColdState.NONE:
+            self._queue_write(record, clone, meta or {})
         await self._enforce_hot_budget(meta or {})
         return entry.key
 
-    def peek(self, tokens: Sequence[int]) -> PrefixMatch | None:
-        """What :meth:`fetch_nearest` would reuse for ``tokens`` now (either tier), loading
-        nothing (the index alone; a shared store is not asked)."""
-        return self._index.lookup(self.model, tuple(int(t) for t in tokens))
-
-    async def spill(
-        self, tokens: Sequence[int], caches: list[Any], *, meta: Mapping[str, str] | None = None
-    ) -> str:
-        """Write ``caches`` (which hold exactly ``tokens``) to the cold tier without keeping
-        a copy in RAM; return its key. The caller hands them over: it must not change them
-        (a server's own RAM tier evicting an entry). Findable once durable (rule 3); an
-        entry already on disk, or being written, is left as it is."""
-        _nbytes, trimmable, min_offset = await self.owner.run(_describe, caches)
-        entry = self._index.make_entry(
-            self.model, tokens, trimmable=trimmable, min_reusable_offset=min_offset
-        )
-        previous = self._records.get(entry.key)
-        if previous is not None and not previous.removed:
-            if previous.on_disk or previous.writing:
-                return entry.key
-            self._drop_hot(previous)
-        record = previous or _Record(entry)
-        record.entry = entry
-        record.removed = False
-        self._records[entry.key] = record
-        record.writing = True
-        before, done = self._reserve(entry.key)
-        self._spawn(self._write, record, caches, dict(meta or {}), before, done)
-        await trio.lowlevel.checkpoint()
-        return entry.key
-
     async def wait_writes_settled(self) -> None:
-        """Wait until every cold write started so far has settled."""
-        while self._writes_in_flight:
+        """Wait until every cold write queued or started so far has settled."""
+        while self._busy:
             await self._idle.wait()
         await trio.lowlevel.checkpoint()
 
@@ -528,8 +437,8 @@ class TieredPromptCache:
         """Write every hot entry not yet on disk to the cold tier, and wait for it."""
         for key in list(self._hot_lru):
             record = self._records[key]
-            if not record.on_disk and not record.writing and record.hot is not None:
-                self._start_write(record, {})
+            if record.cold.state is ColdState.NONE and record.hot is not None:
+                self._queue_write(record, record.hot, {}, droppable=False)
         await self.wait_writes_settled()
 
     def statistics(self) -> TieredStatistics:
@@ -538,8 +447,8 @@ class TieredPromptCache:
             hot_entries=len(self._hot_lru),
             hot_bytes=self._hot_bytes,
             hot_budget=self.hot_budget,
-            cold_entries=len(self._cold_lru),
-            cold_bytes=self._cold_bytes,
+            cold_entries=self._ledger.durable_count(),
+            cold_bytes=self._ledger.used,
             cold_budget=self.cold_budget,
             hits_hot=c("hits_hot", 0),
             hits_cold=c("hits_cold", 0),
@@ -556,101 +465,63 @@ class TieredPromptCache:
             shared_vanished=c("shared_vanished", 0),
             shared_refreshes=c("shared_refreshes", 0),
             shared_errors=c("shared_errors", 0),
+            cold_reserved=self._ledger.reserved,
+            pending_writes=self._ledger.queued_count(),
+            pending_bytes=self._ledger.queued_bytes,
+            pending_budget=self.pending_budget,
+            pending_dropped=c("pending_dropped", 0),
+            no_space_retries=c("no_space_retries", 0),
         )
 
-    # -- internals -------------------------------------------------------------------
+    def check(self) -> None:
+        """Check every derived figure against the records (tests; O(entries)):
+        AssertionError when one disagrees."""
+        self._ledger.check()
+        for key, record in self._records.items():
+            assert record.entry.key == key
+            assert record.hot is not None or record.cold.state is not ColdState.NONE, key
+            assert (key in self._index) is record.findable, key
+            assert (key in self._hot_lru) is (record.hot is not None), key
+        assert all(key in self._records for key in self._index_keys())
+        assert self._hot_bytes == sum(self._records[k].hot_bytes for k in self._hot_lru)
+        durable = {k for k, r in self._records.items() if r.cold.state is ColdState.DURABLE}
+        assert set(self._ledger.durable_keys()) == durable
 
-    def _count(self, name: str, n: int = 1) -> None:
-        self._counts[name] = self._counts.get(name, 0) + n
+    # -- internals: the index and the hot side ------------------------------------------
+
+    def _index_keys(self) -> list[str]:
+        return [entry.key for entry in self._index]
+
+    def _set_hot(self, record: CacheRecord, caches: list[Any] | None, nbytes: int = 0) -> None:
+        key = record.entry.key
+        if record.hot is not None:
+            self._hot_bytes -= record.hot_bytes
+            self._hot_lru.pop(key, None)
+        record.hot, record.hot_bytes = caches, (nbytes if caches is not None else 0)
+        if caches is not None:
+            self._hot_bytes += nbytes
+            self._hot_lru[key] = None
+        self._sync(record)
+
+    def _touch(self, record: CacheRecord) -> None:
+        """Mark a hit as most recent in both tiers (it may have left them while cloning)."""
+        key = record.entry.key
+        if key in self._hot_lru:
+            self._hot_lru.move_to_end(key)
+        self._ledger.touch(record.cold)
 
     async def _load_index(self) -> None:
-        self._add_cold_entries(await self.cold.entries())
-        self._cold_bytes = await self.cold.usage()
+        self._ledger.used = await self.cold.usage()
+        await self._add_cold_entries(await self.cold.entries())
 
-    async def _refresh_shared(self) -> None:
-        """Add the entries of this model that other hosts stored in the shared cold store
-        since the last refresh (at most one per ``shared_refresh`` seconds, one at a time).
-
-        The catalogue is read on the store's worker threads; a store out of reach leaves
-        the index as it is (the lookup goes on, at worst a miss).
-        """
-        assert self.shared_refresh is not None
-        now = trio.current_time()
-        if self._refreshing or now - self._refreshed_at < self.shared_refresh:
-            return
-        self._refreshing, self._refreshed_at = True, now
-        self._count("shared_refreshes")
-        try:
-            infos = await self.cold.entries()
-        except (KvtrioError, OSError):
-            return
-        finally:
-            self._refreshing = False
-        self._add_cold_entries(
-            info for info in infos if info.model == self.model and info.key not in self._records
-        )
-
-    async def _find_shared(self, query: tuple[int, ...], local: PrefixMatch | None) -> None:
-        """Add to the index the entry another host saved with the longest prefix of
-        ``query``, if it beats ``local`` (rule 8): one index round trip, then the manifests
-        of at most :data:`SHARED_READS` candidates, deepest first, until one does.
-
-        Runs on the store's worker threads; a store out of reach, or a registered entry
-        whose manifest is gone, leaves the index as it is (at worst the lookup misses).
-        After a failed index lookup, lookups skip the index for a pause (trio's clock) that
-        doubles from :data:`SHARED_PAUSE_MIN` up to :data:`SHARED_PAUSE_MAX` seconds while
-        the store stays out of reach, so an unreachable Redis (connect timeouts) does not
-        delay every request.
-        """
-        assert isinstance(self.cold, SharedColdStore)
-        now = trio.current_time()
-        if now < self._shared_paused_until:
-            return
-        best = local.reuse if local is not None else 0
-        try:
-            candidates = await self.cold.find(self.model, query)
-        except (KvtrioError, OSError):
-            self._count("shared_errors")
-            self._shared_backoff = min(
-                SHARED_PAUSE_MAX, max(SHARED_PAUSE_MIN, 2 * self._shared_backoff)
-            )
-            self._shared_paused_until = trio.current_time() + self._shared_backoff
-            return
-        self._shared_backoff = 0.0
-        self._count("shared_lookups")
-        reads = 0
-        for key, bound in candidates:
-            if bound <= best or reads >= SHARED_READS:
-                break  # deepest first: no later candidate can do better
-            if key in self._records:
-                continue  # known here: the local lookup already weighed it
-            reads += 1
-            try:
-                info = await self.cold.entry(key)
-            except (KvtrioError, OSError):
-                return
-            if info is None or info.model != self.model:
-                self._count("shared_vanished")
-                if info is None:  # a stale registration: clean it up for every host
-                    self._spawn(self._forget_shared, key, query)
+    async def _add_cold_entries(self, infos: Iterable[ColdEntryInfo]) -> None:
+        """Index stored entries, least recently used first, :data:`OPEN_BATCH` at a time
+        with a checkpoint between batches (the loop never stalls for all N at once)."""
+        for n, info in enumerate(sorted(infos, key=lambda info: info.mtime)):
+            if n and n % OPEN_BATCH == 0:
+                await trio.lowlevel.checkpoint()
+            if info.key in self._records:
                 continue
-            if key in self._records:  # added while the manifest was being read
-                continue
-            self._add_cold_entries([info])
-            self._count("shared_found")
-            match = self._index.lookup(self.model, query)
-            if match is not None and match.reuse > best:
-                return
-
-    async def _forget_shared(self, key: str, query: tuple[int, ...]) -> None:
-        assert isinstance(self.cold, SharedColdStore)
-        try:
-            await self.cold.forget(key, self.model, query)
-        except (KvtrioError, OSError):
-            return  # best effort: the next host to miss on it tries again
-
-    def _add_cold_entries(self, infos: Iterable[ColdEntryInfo]) -> None:
-        for info in sorted(infos, key=lambda info: info.mtime):
             entry = PrefixEntry(
                 key=info.key,
                 model=info.model,
@@ -658,54 +529,40 @@ class TieredPromptCache:
                 trimmable=info.trimmable,
                 min_reusable_offset=info.min_reusable_offset,
             )
-            record = _Record(entry, on_disk=True, conversations=set(info.conversations))
-            self._records[info.key] = record
-            self._index.add(entry)
-            self._cold_lru[info.key] = None
+            record = self._records[info.key] = CacheRecord.of(entry)
+            record.conversations.update(info.conversations)
+            self._apply(record, ColdEvent.FOUND)
             for conversation in info.conversations:  # the latest checkpoint is the longest
                 latest = self._records.get(self._conversations.get(conversation, ""))
                 if latest is None or len(latest.entry.tokens) < len(entry.tokens):
                     self._conversations[conversation] = info.key
 
-    def _touch_hot(self, record: _Record) -> None:
-        """Mark a hit as most recent in both tiers (it may have left them while cloning)."""
-        key = record.entry.key
-        if key in self._hot_lru:
-            self._hot_lru.move_to_end(key)
-        if key in self._cold_lru:
-            self._cold_lru.move_to_end(key)
+    # -- internals: the cold side -------------------------------------------------------
 
-    def _effective_cold_budget(self) -> int:
-        try:
-            free = shutil.disk_usage(self.cold.directory).free
-        except OSError:
-            return self.cold_budget
-        return min(self.cold_budget, max(0, self._cold_bytes + free - self.min_free_bytes))
-
-    async def _load_cold(self, record: _Record) -> list[Any] | None:
+    async def _load_cold(self, record: CacheRecord) -> list[Any] | None:
+        """Read a DURABLE entry's caches (None: gone or bad, counted and forgotten)."""
         key = record.entry.key
         try:
             caches, nbytes = await self.cold.fetch(key, model=self.model)
         except (CacheMissError, CorruptCacheError, CacheMismatchError):
             self._count("drops")
-            self._forget_cold(record)
-            self._maybe_forget(record)
-            self._spawn_removal(key)
+            if record.cold.state is ColdState.DURABLE:
+                self._evict(record)
+                self._spawn_removal(record)
             return None
         except StoreUnavailableError:
             # A shared store (Redis) out of reach: a miss for this request. The entry is
             # forgotten here only; it stays in the store for every host (and this one's
             # next open).
             self._count("drops")
-            self._forget_cold(record)
-            self._maybe_forget(record)
+            if record.cold.state is ColdState.DURABLE:
+                self._apply(record, ColdEvent.FORGET)
             return None
         self._count("bytes_read", nbytes)
-        if key in self._cold_lru:  # it may have been superseded while loading
-            self._cold_lru.move_to_end(key)
+        self._ledger.touch(record.cold)
         return caches
 
-    async def _admit_hot(self, record: _Record, caches: list[Any]) -> None:
+    async def _admit_hot(self, record: CacheRecord, caches: list[Any]) -> None:
         """Promote a disk hit to RAM, unless the entry changed while it was loading."""
         nbytes = await self.owner.run(_cache_nbytes, caches)
         if (
@@ -714,52 +571,21 @@ class TieredPromptCache:
             or self._records.get(record.entry.key) is not record
         ):
             return
-        record.hot, record.hot_bytes = caches, nbytes
-        self._hot_bytes += nbytes
-        self._hot_lru[record.entry.key] = None
+        self._set_hot(record, caches, nbytes)
         await self._enforce_hot_budget({})
-
-    def _drop_hot(self, record: _Record) -> None:
-        if record.hot is None:
-            return
-        self._hot_bytes -= record.hot_bytes
-        record.hot, record.hot_bytes = None, 0
-        self._hot_lru.pop(record.entry.key, None)
-
-    def _forget_cold(self, record: _Record) -> None:
-        record.on_disk = False
-        self._cold_lru.pop(record.entry.key, None)
-
-    def _maybe_forget(self, record: _Record) -> None:
-        """Rule 3: an entry in neither tier leaves the index."""
-        if record.hot is None and not record.on_disk and not record.writing and self._owns(record):
-            self._index.remove(record.entry.key)
-            del self._records[record.entry.key]
-            for conversation in record.conversations:
-                if self._conversations.get(conversation) == record.entry.key:
-                    del self._conversations[conversation]
 
     async def _enforce_hot_budget(self, meta: Mapping[str, str]) -> None:
         while self._hot_bytes > self.hot_budget and len(self._hot_lru) > 1:
-            key = next(iter(self._hot_lru))
-            record = self._records[key]
-            if (
-                self.policy is WritePolicy.WRITE_BACK
-                and not record.on_disk
-                and not record.writing
-                and record.hot is not None
-            ):
-                self._start_write(record, meta)
-            self._drop_hot(record)
+            record = self._records[next(iter(self._hot_lru))]
+            caches = record.hot
+            if self.policy is WritePolicy.WRITE_BACK and record.cold.state is ColdState.NONE:
+                assert caches is not None
+                self._queue_write(record, caches, meta)
+            self._set_hot(record, None)  # rule 3: findable again once durable
             self._count("hot_evictions")
-            if not record.writing:
-                self._maybe_forget(record)
-            else:
-                # Rule 3: not findable until the write is durable.
-                self._index.remove(key)
         await trio.lowlevel.checkpoint()
 
-    async def _supersede(self, conversation: str, record: _Record) -> None:
+    async def _supersede(self, conversation: str, record: CacheRecord) -> None:
         old_key = self._conversations.get(conversation)
         self._conversations[conversation] = record.entry.key
         record.conversations.add(conversation)
@@ -776,427 +602,27 @@ class TieredPromptCache:
         old.retired = True
         record.supersedes.extend(old.supersedes)
         old.supersedes.clear()
-        if record.on_disk:
+        if record.cold.state is ColdState.DURABLE:
             await self._remove(old)
             return
         # Rule 4: the old checkpoint leaves RAM now, and the disk once the new one is durable
         # there (a crash in between keeps the old one; the new write shares its blocks).
-        self._drop_hot(old)
-        if old.on_disk or old.writing:
-            record.supersedes.append(old)
-        else:
+        self._set_hot(old, None)
+        if old.cold.state is ColdState.NONE:
             await self._remove(old)
-
-    def _owns(self, record: _Record) -> bool:
-        """Whether ``record`` is still the live record of its key (not replaced)."""
-        return self._records.get(record.entry.key) is record
-
-    async def _remove(self, record: _Record) -> None:
-        record.removed = True
-        self._drop_hot(record)
-        if record.on_disk:
-            self._forget_cold(record)
-            # In the background: the store may be busy with a write (never on the request path).
-            self._spawn_removal(record.entry.key)
-        if self._owns(record):
-            self._index.remove(record.entry.key)
-            if not record.writing:
-                del self._records[record.entry.key]
-        await trio.lowlevel.checkpoint()
-
-    # Rule 7: cold operations on one key run one at a time, in the order they were started
-    # (a removal started before a rewrite of the same key must not delete the new file).
-
-    def _reserve(self, key: str) -> tuple[trio.Event | None, trio.Event]:
-        previous = self._key_tail.get(key)
-        done = self._key_tail[key] = trio.Event()
-        return previous, done
-
-    def _release(self, key: str, done: trio.Event) -> None:
-        done.set()
-        if self._key_tail.get(key) is done:
-            del self._key_tail[key]
-
-    def _spawn_removal(self, key: str) -> trio.Event:
-        previous, done = self._reserve(key)
-        self._spawn(self._removal, key, previous, done)
-        return done
-
-    async def _removal(self, key: str, previous: trio.Event | None, done: trio.Event) -> None:
-        try:
-            if previous is not None:
-                await previous.wait()
-            await self._remove_cold_file(key)
-        finally:
-            self._release(key, done)
-
-    async def _remove_cold_file(self, key: str) -> None:
-        try:
-            freed = await self.cold.remove(key)
-            self._cold_bytes -= freed  # not `-= await`: that reads the total before the await
-        except KvtrioError:
-            self._count("drops")
-
-    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
-        """Run ``fn(*args)`` in the background; ``wait_writes_settled`` waits for it."""
-        if self._nursery is None:
-            raise RuntimeError("TieredPromptCache is not open")
-        self._writes_in_flight += 1
-        if self._idle.is_set():  # keep the event waiters hold while work is in flight
-            self._idle = trio.Event()
-        self._nursery.start_soon(self._settle, fn, *args)
-
-    async def _settle(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
-        try:
-            await fn(*args)
-        finally:
-            self._writes_in_flight -= 1
-            if not self._writes_in_flight:
-                self._idle.set()
-
-    def _start_write(self, record: _Record, meta: Mapping[str, str]) -> None:
-        assert record.hot is not None
-        record.writing = True
-        previous, done = self._reserve(record.entry.key)
-        self._spawn(self._write, record, record.hot, dict(meta), previous, done)
-
-    async def _write(
-        self,
-        record: _Record,
-        caches: list[Any],
-        meta: dict[str, str],
-        previous: trio.Event | None,
-        done: trio.Event,
-    ) -> None:
-        key = record.entry.key
-        try:
-            if previous is not None:
-                await previous.wait()
-            written = await self._store(record, caches, meta)
-        finally:
-            record.writing = False
-            self._release(key, done)
-        if written:
-            for old in record.supersedes:
-                if self._owns(old):
-                    await self._remove(old)
-            record.supersedes.clear()
-            await self._enforce_cold_budget()
-        if record.removed:
-            if self._owns(record):
-                del self._records[key]
         else:
-            self._maybe_forget(record)
+            record.supersedes.append(old)
 
-    async def _store(self, record: _Record, caches: list[Any], meta: dict[str, str]) -> bool:
-        """Write ``record`` (its key's turn held); True when it is now durable and live."""
-        key = record.entry.key
-        if record.conversations:
-            meta[CONVERSATIONS_META] = json.dumps(sorted(record.conversations))
-        try:
-            result = await self.cold.store(
-                key, record.entry.model, record.entry.tokens, caches, meta=meta
-            )
-        except KvtrioError:
-            result = StoreResult(written=False)
-        self._cold_bytes += result.disk_bytes  # a failed rewrite may still have freed bytes
-        if not result.written:
-            self._count("drops")
-            return False
-        self._count("bytes_written", result.bytes_written)
-        self._count("bytes_deduplicated", result.bytes_deduplicated)
-        if record.removed or not self._owns(record):
-            await self._remove_cold_file(key)
-            return False
-        record.on_disk = True
-        self._cold_lru[key] = None
-        if key not in self._index:
-            self._index.add(record.entry)
-        return True
-
-    async def _enforce_cold_budget(self) -> None:
-        while self._cold_bytes > self._effective_cold_budget() and len(self._cold_lru) > 1:
-            key = next(iter(self._cold_lru))
-            record = self._records[key]
-            self._forget_cold(record)
-            self._count("cold_evictions")
-            self._maybe_forget(record)
-            await self._spawn_removal(key).wait()
-
-
-def _conversations_of(meta: Mapping[str, str]) -> tuple[str, ...]:
-    """The conversation ids a header's meta names (none when absent or malformed)."""
-    try:
-        names = json.loads(meta.get(CONVERSATIONS_META, "[]"))
-    except ValueError:
-        return ()
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        return ()
-    return tuple(names)
-
-
-@attrs.frozen
-class _SameModel:
-    """A load expectation: the header names this model id and config fingerprint."""
-
-    model: ModelKey
-
-    def check(self, header: Header) -> None:
-        found = ModelKey(header.model_id or "", header.config_fingerprint or "")
-        if found != self.model:
-            raise CacheMismatchError(f"cache is for {found}, not {self.model}")
-
-
-@attrs.define(eq=False)
-class ColdTierStore:
-    """:class:`ColdStore` over the actors' :class:`~kvtrio.actors.tier.ColdTier`.
-
-    In the blocks layout, entries sharing a prefix share blocks, so deleting a manifest
-    frees only the blocks no other manifest names. The store keeps a reference count per
-    block (rebuilt from the manifests at :meth:`create`, when unreferenced blocks from
-    earlier runs are swept) and deletes a block when its count drops to zero. Writes and
-    sweeps take one lock: a write may re-reference a block a sweep is about to delete.
-
-    On a shared (Redis) tier it is also a :class:`SharedColdStore`: created with
-    ``index_block_size``, every manifest the tier publishes is registered in the store's
-    prefix index under its chain hashes at that block size, and :meth:`find` asks that
-    index (block reference counts stay local: see docs/shared-tier.md).
-    """
-
-    tier: ColdTier
-    _blocks: LocalBlockStore
-    _refs: dict[str, int] = attrs.field(factory=dict)
-    _block_sizes: dict[str, int] = attrs.field(factory=dict)
-    _entry_blocks: dict[str, tuple[str, ...]] = attrs.field(factory=dict)
-    _entry_bytes: dict[str, int] = attrs.field(factory=dict)
-    _lock: trio.Lock = attrs.field(factory=trio.Lock)
-    _usage: int = 0
-    _shared: ManifestStore | None = None  # the shared manifest store with a prefix index
-    _index_block_size: int = DEFAULT_BLOCK_SIZE
-
-    @classmethod
-    async def create(cls, tier: ColdTier, *, index_block_size: int | None = None) -> ColdTierStore:
-        """Index the tier's files and sweep blocks that no manifest names.
-
-        ``index_block_size``: on a shared tier, register every published manifest in the
-        store's prefix index, with chain hashes of token blocks of this size (the
-        :class:`TieredPromptCache`'s ``block_size``), and answer :meth:`find`.
-        """
-        self = cls(tier, LocalBlockStore(str(tier.block_dir)))
-        file_ops = tier.file_ops
-        if (
-            index_block_size is not None
-            and isinstance(file_ops, ManifestFileOps)
-            and file_ops.manifests.shared
-        ):
-            self._shared = file_ops.manifests
-            self._index_block_size = index_block_size
-            file_ops.index_keys_of = _ManifestIndexKeys(index_block_size)
-        for entry in await tier.list():
-            self._note(entry.key, entry.header, entry.disk_bytes)
-        stored = await trio.to_thread.run_sync(lambda: list(self._blocks.iter_blocks()))
-        orphans = [b.name for b in stored if b.name not in self._refs]
-        if orphans:
-            await trio.to_thread.run_sync(self._blocks.delete_many, orphans)
-        for info in stored:
-            if info.name in self._refs:
-                self._block_sizes[info.name] = info.size
-        self._usage = sum(self._entry_bytes.values()) + sum(self._block_sizes.values())
-        return self
-
-    @property
-    def directory(self) -> Path:
-        return self.tier.root
-
-    def _note(self, key: str, header: Header, file_bytes: int) -> list[str]:
-        names = tuple(ref.sha256 for slot in header.slots() for ref in slot.blocks or ())
-        fresh = []
-        for name, size in (
-            (ref.sha256, ref.nbytes) for slot in header.slots() for ref in slot.blocks or ()
-        ):
-            if name not in self._refs:
-                fresh.append(name)
-                self._refs[name] = 0
-                self._block_sizes[name] = size
-            self._refs[name] += 1
-        self._entry_blocks[key] = names
-        self._entry_bytes[key] = file_bytes
-        return fresh
-
-    async def store(
-        self,
-        key: str,
-        model: ModelKey,
-        tokens: Sequence[int],
-        caches: list[Any],
-        *,
-        meta: Mapping[str, str],
-    ) -> StoreResult:
-        async with self._lock:
-            freed = await self._remove_locked(key) if key in self._entry_bytes else 0
-            try:
-                ticket = await self.tier.save(
-                    key,
-                    tokens,
-                    caches,
-                    meta=meta,
-                    model_id=model.model_id,
-                    config_fingerprint=model.fingerprint,
-                )
-                result = await ticket.wait()
-            except KvtrioError:
-                return StoreResult(written=False, disk_bytes=-freed)
-            if not result.written or result.write is None:
-                return StoreResult(written=False, disk_bytes=-freed)
-            write = result.write
-            fresh = self._note(key, write.header, write.file_bytes)
-            new_bytes = write.file_bytes + sum(self._block_sizes[name] for name in fresh)
-            self._usage += new_bytes
-            dedup = 0
-            if write.header.layout == "blocks":
-                dedup = max(0, write.header.nbytes - write.new_block_bytes)
-            return StoreResult(
-                written=True,
-                disk_bytes=new_bytes - freed,
-                bytes_written=write.file_bytes + write.new_block_bytes,
-                bytes_deduplicated=dedup,
-            )
-
-    async def fetch(self, key: str, *, model: ModelKey) -> tuple[list[Any], int]:
-        restored = await self.tier.load(key, expect=_SameModel(model))
-        return restored.caches, restored.header.nbytes
-
-    async def remove(self, key: str) -> int:
-        async with self._lock:
-            return await self._remove_locked(key)
-
-    async def _remove_locked(self, key: str) -> int:
-        freed = await self.tier.delete(key)
-        self._entry_bytes.pop(key, None)
-        orphans = []
-        for name in self._entry_blocks.pop(key, ()):
-            self._refs[name] -= 1
-            if self._refs[name] == 0:
-                del self._refs[name]
-                orphans.append(name)
-        if orphans:
-            await trio.to_thread.run_sync(self._blocks.delete_many, orphans)
-            freed += sum(self._block_sizes.pop(name) for name in orphans)
-        self._usage -= freed
-        return freed
-
-    async def usage(self) -> int:
-        return self._usage
-
-    async def entries(self) -> list[ColdEntryInfo]:
-        return [_entry_info(entry) for entry in await self.tier.list()]
-
-    async def find(self, model: ModelKey, tokens: Sequence[int]) -> list[tuple[str, int]]:
-        """:meth:`SharedColdStore.find`: one pipelined round trip to the prefix index."""
-        if self._shared is None:
-            return []
-        probes = probe_keys(model, tokens, self._index_block_size)
-        lookup = functools.partial(self._shared.lookup_each, limit=SHARED_CANDIDATES)
-        names = await trio.to_thread.run_sync(lookup, [key for key, _ in probes])
-        found: dict[str, int] = {}
-        for (_, bound), members in zip(probes, names, strict=True):
-            for name in members:
-                if name.endswith(SUFFIX):
-                    found.setdefault(name[: -len(SUFFIX)], bound)  # deepest first
-        return list(found.items())
-
-    async def entry(self, key: str) -> ColdEntryInfo | None:
-        """:meth:`SharedColdStore.entry`: the entry's manifest alone (None: gone or bad)."""
-        try:
-            return _entry_info(await self.tier.entry(key))
-        except (CacheMissError, CorruptCacheError, ValueError):
-            return None
-
-    async def forget(self, key: str, model: ModelKey, tokens: Sequence[int]) -> None:
-        """:meth:`SharedColdStore.forget`: unregister a vanished manifest (if still gone)."""
-        if self._shared is None:
-            return
-        keys = [k for k, _ in probe_keys(model, tokens, self._index_block_size)]
-        await trio.to_thread.run_sync(self._shared.unregister, key + SUFFIX, keys)
-
-
-def _entry_info(entry: TierEntry) -> ColdEntryInfo:
-    header = entry.header
-    return ColdEntryInfo(
-        key=entry.key,
-        model=ModelKey(header.model_id or "", header.config_fingerprint or ""),
-        tokens=header.tokens,
-        trimmable=header.trimmable,
-        min_reusable_offset=header.min_reusable_offset,
-        mtime=entry.mtime,
-        conversations=_conversations_of(header.meta),
-    )
-
-
-@attrs.frozen
-class _ManifestIndexKeys:
-    """The prefix-index keys of a manifest being published (``ManifestFileOps.index_keys_of``):
-    the chain hashes of its tokens, of its model. Runs on the writer's worker thread."""
-
-    block_size: int
-
-    def __call__(self, name: str, data: bytes) -> list[str]:
-        preamble = parse_preamble(data[: PREAMBLE.size], len(data))
-        body = data[PREAMBLE.size : PREAMBLE.size + preamble.header_len]
-        header = parse_header(body, preamble, len(data))
-        model = ModelKey(header.model_id or "", header.config_fingerprint or "")
-        return index_keys(model, header.tokens, self.block_size)
-
-
-@asynccontextmanager
-async def open_tiered_cache(
-    directory: str | os.PathLike[str],
-    model: ModelKey,
-    *,
-    owner: MlxOwner,
-    hot_budget: int,
-    cold_budget: int,
-    policy: WritePolicy = WritePolicy.WRITE_BACK,
-    layout: Layout = "blocks",
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    min_free_bytes: int = 0,
-    shutdown_grace: float = 10.0,
-    shared_index: bool = True,
-    shared_refresh: float | None = None,
-    options: IoOptions = DEFAULT_IO_OPTIONS,
-) -> AsyncIterator[TieredPromptCache]:
-    """A :class:`TieredPromptCache` over a :class:`ColdTier` at ``directory``.
-
-    ``owner`` is the server's MLX owner (model steps and cache work share its thread).
-    The blocks layout stores a shared prefix once; ``block_size`` tokens are both the
-    index's hash-chain block and the layout's token block. On a ``redis://`` URL the
-    cold tier is shared: every save is registered in Redis's prefix index, and a lookup
-    without an exact hit asks that index for longer prefixes other hosts saved (with
-    ``shared_index``, the default; rule 8 of :class:`TieredPromptCache`). ``shared_refresh``
-    seconds: also re-read the whole shared catalogue at most that often on such lookups
-    (off by default; for entries saved without index registration). ``options``: the
-    cold tier's I/O tuning (:class:`~kvtrio.storage.options.IoOptions`, docs/tuning.md).
-    """
-    shared = is_redis_url(os.fspath(directory))
-    async with ColdTier.open(
-        directory,
-        layout=layout,
-        block_tokens=block_size,
-        owner=owner,
-        shutdown_grace=shutdown_grace,
-        options=options,
-    ) as tier:
-        store = await ColdTierStore.create(tier, index_block_size=block_size if shared else None)
-        async with TieredPromptCache.open(
-            owner,
-            store,
-            model,
-            hot_budget=hot_budget,
-            cold_budget=cold_budget,
-            policy=policy,
-            min_free_bytes=min_free_bytes,
-            block_size=block_size,
-            shared_refresh=shared_refresh if shared else None,
-            shared_index=shared and shared_index,
-        ) as cache:
-            yield cache
+    async def _remove(self, record: CacheRecord) -> None:
+        """Take ``record`` out of both tiers (its file in the background)."""
+        self._set_hot(record, None)
+        state = record.cold.state
+        if state is ColdState.QUEUED:
+            self._cancel_pending(record)
+        elif state is ColdState.WRITING:
+            self._apply(record, ColdEvent.DOOM)  # deleted once written
+        elif state is ColdState.DURABLE:
+            self._apply(record, ColdEvent.EVICT)
+            # In the background: the store may be busy with a write (never on the request path).
+            self._spawn_removal(record)
+        await trio.lowlevel.checkpoint()

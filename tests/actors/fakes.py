@@ -57,6 +57,9 @@ class FakeColdStore:
     sizes: dict[str, int] = attrs.field(factory=dict)
     gate: trio.Event | None = None  # fetches wait for it when set
     jitter: random.Random | None = None  # when set, each operation yields a few times
+    capacity: int | None = None  # a volume of this many bytes: a store past it is ENOSPC
+    store_gate: trio.Event | None = None  # stores wait for it when set
+    peak: int = 0  # the most bytes the "disk" ever held
 
     async def _yield(self) -> None:
         if self.jitter is not None:
@@ -73,9 +76,14 @@ class FakeColdStore:
         meta: Mapping[str, str],
     ) -> StoreResult:
         await self._yield()
+        if self.store_gate is not None:
+            await self.store_gate.wait()
         if self.fail_stores:
             raise KvtrioError("disk full")
         nbytes = sum(c.nbytes for c in caches)
+        freed = self.sizes.get(key, 0) if key in self.disk else 0
+        if self.capacity is not None and self.disk_bytes - freed + nbytes > self.capacity:
+            return StoreResult(written=False, no_space=True)
         self.clock += 1
         info = ColdEntryInfo(
             key=key,
@@ -90,6 +98,7 @@ class FakeColdStore:
         freed = self.sizes.get(key, 0)
         self.sizes[key] = nbytes
         self.stored.append(key)
+        self.peak = max(self.peak, self.disk_bytes)
         return StoreResult(written=True, disk_bytes=nbytes - freed, bytes_written=nbytes)
 
     async def fetch(self, key: str, *, model: ModelKey) -> tuple[list[Any], int]:

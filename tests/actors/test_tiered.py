@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+from kvtrio.actors.lifecycle import ColdState
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import MatchKind, ModelKey
 from kvtrio.actors.tiered import Tier, TieredPromptCache, WritePolicy
@@ -246,14 +247,16 @@ async def test_supersession_survives_a_restart_and_a_racing_disk_hit(tmp_path: P
 
 
 def _check_consistent(cache: TieredPromptCache) -> None:
-    """Every indexed entry is in RAM, on disk or being written; the LRUs agree."""
+    """Every indexed entry is in RAM or durable on disk; the LRUs, the pending queue and
+    the ledger's reservations agree with the entries' states."""
     records = cache._records
     for entry in cache._index:
         record = records[entry.key]
-        assert record.hot is not None or record.on_disk or record.writing
+        assert record.hot is not None or record.cold.state is ColdState.DURABLE
     assert all(records[k].hot is not None for k in cache._hot_lru)
-    assert all(records[k].on_disk for k in cache._cold_lru)
+    assert all(records[k].cold.state is ColdState.DURABLE for k in cache._ledger.durable_keys())
     assert cache._hot_bytes == sum(records[k].hot_bytes for k in cache._hot_lru)
+    cache.check()
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -295,7 +298,7 @@ async def test_random_operations_keep_the_invariants(tmp_path: Path, seed: int) 
                 _check_consistent(cache)
                 if rng.random() < 0.2:
                     await cache.wait_writes_settled()
-                    assert set(cache._cold_lru) == set(store.disk)
+                    assert set(cache._ledger.durable_keys()) == set(store.disk)
                     assert cache.statistics().cold_bytes == store.disk_bytes
                     assert store.disk_bytes <= cold_budget or len(store.disk) == 1
         assert cache.statistics().cold_bytes == store.disk_bytes

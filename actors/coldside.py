@@ -1,0 +1,317 @@
+"""The cold side of the tiered cache: its ledger, its pending write-backs, the one writer
+task and the one eviction loop (rules 2, 3, 7 and 9 of :mod:`kvtrio.actors.tiered`).
+
+:class:`ColdSideMixin` is a part of :class:`~kvtrio.actors.tiered.TieredPromptCache`, kept
+apart by job: the cache decides *what* is hot, cold, superseded or found (policy); this
+part carries each decision out against the store while keeping the ledger right.
+
+Theory of operation
+-------------------
+1. A write is queued (NONE -> QUEUED) with the caches it will store; the queue is capped
+   by bytes (``pending_budget``): when it is exceeded the oldest droppable pending write
+   is shed (counted in ``pending_dropped`` and ``drops``), never the newest.
+2. One writer task takes pending writes oldest first. Before each store attempt it
+   reserves the entry's bytes (QUEUED -> WRITING) and runs the eviction loop: least
+   recently used DURABLE entries are removed, one at a time and each completely, while
+   used + reserved exceeds the effective budget. No other task evicts, so no two loops
+   can both count the same bytes as still to free.
+3. The write settles: WRITTEN (DURABLE, or straight to removal when it was removed
+   meanwhile) or FAILED; either way the reservation is released at once. A write the
+   store reports as out of space (ENOSPC) evicts at least one entry and is retried once.
+4. Removals (supersession, a bad file) run in the background, ordered per key with the
+   writes (rule 7); their freed bytes leave ``used`` when the store reports them.
+
+Costs: queueing is O(1) amortized (plus the sheds); one eviction is O(1) plus its
+removal's I/O; a write's admission evicts as many entries as its bytes need.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+from kvtrio.actors.coldstore import CONVERSATIONS_META, ColdStore, StoreResult
+from kvtrio.actors.lifecycle import ColdEvent, ColdLedger, ColdSide, ColdState
+from kvtrio.actors.prefix import PrefixEntry, PrefixIndex
+from kvtrio.errors import KvtrioError
+
+__all__ = ["DEFAULT_MIN_FREE_SHARE", "DEFAULT_PENDING_BYTES", "CacheRecord", "ColdSideMixin"]
+
+# The free-space floor when none is given: this share of the cold tier's volume stays
+# free (ext4 reserves 5% for root by default; a cache should not take the last of it).
+DEFAULT_MIN_FREE_SHARE = 0.05
+# Pending write-backs hold at most this many bytes of caches by default (rule 1).
+DEFAULT_PENDING_BYTES = 256 << 20
+
+
+@attrs.define(eq=False)
+class CacheRecord:
+    """One entry: its hot side (caches in RAM) and its cold side (a state, rule 9)."""
+
+    entry: PrefixEntry
+    cold: ColdSide
+    conversations: set[str] = attrs.field(factory=set)
+    hot: list[Any] | None = None
+    hot_bytes: int = 0
+    pending: list[Any] | None = None  # the caches a QUEUED write will store
+    pending_meta: dict[str, str] = attrs.field(factory=dict)
+    retired: bool = False  # superseded: never promoted to RAM again
+    supersedes: list[CacheRecord] = attrs.field(factory=list)  # deleted once this is durable
+
+    @classmethod
+    def of(cls, entry: PrefixEntry, nbytes: int = 0) -> CacheRecord:
+        return cls(entry, ColdSide(entry.key, nbytes))
+
+    @property
+    def findable(self) -> bool:
+        """Rule 3: indexed iff hot or durable on disk."""
+        return self.hot is not None or self.cold.state is ColdState.DURABLE
+
+
+class ColdSideMixin:
+    """The cold side of :class:`~kvtrio.actors.tiered.TieredPromptCache` (see above)."""
+
+    if TYPE_CHECKING:  # what the cache provides (its attrs fields and policy methods)
+        cold: ColdStore
+        cold_budget: int
+        min_free_bytes: int | None
+        pending_budget: int
+        _nursery: trio.Nursery | None
+        _index: PrefixIndex
+        _records: dict[str, CacheRecord]
+        _conversations: dict[str, str]
+        _ledger: ColdLedger
+        _key_tail: dict[str, trio.Event]
+        _counts: dict[str, int]
+        _idle: trio.Event
+        _busy: int
+        _wake: trio.Event
+
+        async def _remove(self, record: CacheRecord) -> None: ...
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._counts[name] = self._counts.get(name, 0) + n
+
+    def _sync(self, record: CacheRecord) -> None:
+        """Bring the index and the table in line with ``record``'s state (rules 3, 9)."""
+        key = record.entry.key
+        if self._records.get(key) is not record:
+            return  # replaced: its key belongs to the new record now
+        if record.findable:
+            if key not in self._index:
+                self._index.add(record.entry)
+        elif key in self._index:
+            self._index.remove(key)
+        if record.hot is None and record.cold.state is ColdState.NONE:
+            del self._records[key]
+            for conversation in record.conversations:
+                if self._conversations.get(conversation) == key:
+                    del self._conversations[conversation]
+
+    def _apply(self, record: CacheRecord, event: ColdEvent) -> ColdState:
+        state = self._ledger.apply(record.cold, event)
+        self._sync(record)
+        return state
+
+    def _owns(self, record: CacheRecord) -> bool:
+        """Whether ``record`` is still the live record of its key (not replaced)."""
+        return self._records.get(record.entry.key) is record
+
+    def _effective_cold_budget(self) -> int:
+        """Rule 2: the budget, shrunk so the volume keeps its free-space floor."""
+        try:
+            disk = shutil.disk_usage(self.cold.directory)
+        except OSError:
+            return self.cold_budget
+        floor = self.min_free_bytes
+        if floor is None:
+            floor = int(disk.total * DEFAULT_MIN_FREE_SHARE)
+        return min(self.cold_budget, max(0, self._ledger.used + disk.free - floor))
+
+    def _evict(self, record: CacheRecord) -> None:
+        self._apply(record, ColdEvent.EVICT)
+
+    # Rule 7: cold operations on one key run one at a time, in the order they were started
+    # (a removal started before a rewrite of the same key must not delete the new file).
+
+    def _reserve_turn(self, key: str) -> tuple[trio.Event | None, trio.Event]:
+        previous = self._key_tail.get(key)
+        done = self._key_tail[key] = trio.Event()
+        return previous, done
+
+    def _release_turn(self, key: str, done: trio.Event) -> None:
+        done.set()
+        if self._key_tail.get(key) is done:
+            del self._key_tail[key]
+
+    def _spawn_removal(self, record: CacheRecord) -> None:
+        """Delete an EVICTING record's file in the background (rule 7 orders it)."""
+        previous, done = self._reserve_turn(record.entry.key)
+        self._spawn(self._removal, record, previous, done)
+
+    async def _removal(
+        self, record: CacheRecord, previous: trio.Event | None, done: trio.Event
+    ) -> None:
+        try:
+            if previous is not None:
+                await previous.wait()
+            await self._remove_cold_file(record)
+        finally:
+            self._release_turn(record.entry.key, done)
+
+    async def _remove_cold_file(self, record: CacheRecord) -> None:
+        """EVICTING -> NONE: delete the file, and count what that freed."""
+        try:
+            freed = await self.cold.remove(record.entry.key)
+            self._ledger.used -= freed  # not `-= await`: that reads the total before the await
+        except KvtrioError:
+            self._count("drops")
+        self._apply(record, ColdEvent.REMOVED)
+
+    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run ``fn(*args)`` in the background; ``wait_writes_settled`` waits for it."""
+        if self._nursery is None:
+            raise RuntimeError("TieredPromptCache is not open")
+        self._busy_up()
+        self._nursery.start_soon(self._settle, fn, *args)
+
+    async def _settle(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        try:
+            await fn(*args)
+        finally:
+            self._busy_down()
+
+    def _busy_up(self) -> None:
+        self._busy += 1
+        if self._idle.is_set():  # keep the event waiters hold while work is in flight
+            self._idle = trio.Event()
+
+    def _busy_down(self) -> None:
+        self._busy -= 1
+        if not self._busy:
+            self._idle.set()
+
+    # -- internals: the pending write-backs and the one writer --------------------------
+
+    def _queue_write(
+        self,
+        record: CacheRecord,
+        caches: list[Any],
+        meta: Mapping[str, str],
+        *,
+        droppable: bool = True,
+    ) -> None:
+        """NONE -> QUEUED; then shed the oldest droppable pending writes while their bytes
+        exceed ``pending_budget`` (rule 3: soft by the newest one alone)."""
+        assert record.hot is not None, "only a hot entry's caches are written"
+        record.pending, record.pending_meta = caches, dict(meta)
+        # The caches' bytes in RAM: an upper bound of what the write stores (a KVCache's
+        # buffer is rounded up to its step), corrected to the real figure once written.
+        record.cold.nbytes, record.cold.droppable = record.hot_bytes, droppable
+        self._apply(record, ColdEvent.QUEUE)
+        self._busy_up()
+        self._wake.set()
+        while self._ledger.queued_bytes > self.pending_budget:
+            victim = self._ledger.oldest_droppable()
+            if victim is None or victim is record.cold:
+                break
+            self._count("pending_dropped")
+            self._count("drops")
+            self._settle_pending(self._records[victim.key], ColdEvent.DROP)
+
+    def _cancel_pending(self, record: CacheRecord) -> None:
+        self._settle_pending(record, ColdEvent.CANCEL)
+
+    def _settle_pending(self, record: CacheRecord, event: ColdEvent) -> None:
+        record.pending = None
+        self._apply(record, event)
+        self._busy_down()
+
+    async def _writer(self) -> None:
+        """The one writer task: takes pending writes oldest first, one at a time."""
+        while True:
+            side = self._ledger.oldest_queued()
+            if side is None:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                continue
+            record = self._records[side.key]
+            try:
+                await self._write(record)
+            finally:
+                self._busy_down()
+
+    async def _write(self, record: CacheRecord) -> None:
+        key = record.entry.key
+        caches, meta = record.pending, record.pending_meta
+        assert caches is not None
+        record.pending = None
+        self._apply(record, ColdEvent.START)  # reserves its bytes (rule 2)
+        previous, done = self._reserve_turn(key)
+        try:
+            if previous is not None:
+                await previous.wait()
+            result = await self._store(record, caches, meta)
+            if result.no_space and await self._make_room(extra=record.cold.reserved):
+                self._count("no_space_retries")
+                result = await self._store(record, caches, meta)
+            if result.written:
+                self._count("bytes_written", result.bytes_written)
+                self._count("bytes_deduplicated", result.bytes_deduplicated)
+                self._apply(record, ColdEvent.WRITTEN)
+            else:
+                self._count("drops")
+                self._apply(record, ColdEvent.FAILED)
+            if record.cold.state is ColdState.EVICTING:  # removed while it was written
+                await self._remove_cold_file(record)
+        finally:
+            self._release_turn(key, done)
+        if record.cold.state is ColdState.DURABLE:
+            for old in record.supersedes:
+                if self._owns(old):
+                    await self._remove(old)
+            record.supersedes.clear()
+
+    async def _store(
+        self, record: CacheRecord, caches: list[Any], meta: dict[str, str]
+    ) -> StoreResult:
+        """One attempt at the write, after the eviction loop made room for it."""
+        await self._make_room()
+        if record.conversations:
+            meta[CONVERSATIONS_META] = json.dumps(sorted(record.conversations))
+        try:
+            result = await self.cold.store(
+                record.entry.key, record.entry.model, record.entry.tokens, caches, meta=meta
+            )
+        except KvtrioError:
+            result = StoreResult(written=False)
+        self._ledger.used += result.disk_bytes  # a failed rewrite may still have freed bytes
+        return result
+
+    async def _make_room(self, *, extra: int = 0) -> bool:
+        """The one eviction loop (only the writer task runs it): evict least recently used
+        DURABLE entries, one removal at a time, while used + reserved + ``extra`` exceeds
+        the effective budget; with ``extra``, evict at least one. True if it evicted."""
+        evicted = False
+        while True:
+            need = self._ledger.used + self._ledger.reserved + extra
+            if need <= self._effective_cold_budget() and (evicted or not extra):
+                return evicted
+            victim = self._ledger.oldest_durable()
+            if victim is None:
+                return evicted
+            record = self._records[victim.key]
+            self._evict(record)
+            self._count("cold_evictions")
+            previous, done = self._reserve_turn(victim.key)
+            try:
+                if previous is not None:
+                    await previous.wait()
+                await self._remove_cold_file(record)
+            finally:
+                self._release_turn(victim.key, done)
+            evicted = True

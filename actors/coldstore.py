@@ -1,0 +1,397 @@
+"""The cold store under the tiered cache: what it must do (:class:`ColdStore`), what a
+shared one adds (:class:`SharedColdStore`), and :class:`ColdTierStore`, the store over
+the actors' :class:`~kvtrio.actors.tier.ColdTier`.
+
+The tiered cache keeps the ledger (reservations, the one eviction loop: see
+:mod:`kvtrio.actors.tiered`); the store keeps what only it can know: which blocks exist
+on disk, how many manifests name each, and so how many bytes a removal really frees.
+
+Costs (N entries, B blocks, k blocks of one entry): ``create`` reads the catalogue
+(O(N + B) rows) or, when it must be rebuilt, every manifest once (O(N) reads) and lists
+the block directory once (O(B)); ``store`` and ``remove`` are O(k) plus the I/O; a
+failed write lists the block directory once (O(B)) to take back the blocks it stored.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import trio
+from kvtrio.actors.prefix import DEFAULT_BLOCK_SIZE, ModelKey, index_keys, probe_keys
+from kvtrio.actors.tier import SUFFIX, ColdTier, TierEntry
+from kvtrio.errors import CacheMismatchError, CacheMissError, CorruptCacheError, KvtrioError
+from kvtrio.storage.blockstore import LocalBlockStore
+from kvtrio.storage.format import PREAMBLE, Header, parse_header, parse_preamble
+from kvtrio.storage.manifeststore import ManifestStore
+from kvtrio.storage.openstore import ManifestFileOps
+
+__all__ = [
+    "CONVERSATIONS_META",
+    "SHARED_CANDIDATES",
+    "ColdEntryInfo",
+    "ColdStore",
+    "ColdTierStore",
+    "SharedColdStore",
+    "StoreResult",
+]
+
+# At most this many names are fetched per index key (the chain hashes of a prefix that
+# many entries share, a system prompt, name them all; any of them covers that prefix).
+SHARED_CANDIDATES = 8
+
+# Header meta key holding the JSON list of conversations an entry is the checkpoint of, so
+# supersession keeps working after a restart.
+CONVERSATIONS_META = "kvtrio.conversations"
+
+
+@attrs.frozen
+class ColdEntryInfo:
+    """What the cold tier knows of one stored entry (from its header and file)."""
+
+    key: str
+    model: ModelKey
+    tokens: tuple[int, ...]
+    trimmable: bool
+    min_reusable_offset: int
+    mtime: float
+    conversations: tuple[str, ...] = ()  # whose checkpoint it is (see CONVERSATIONS_META)
+
+
+@attrs.frozen
+class StoreResult:
+    """A cold write that settled: durable (``written``) or not (dropped or superseded)."""
+
+    written: bool
+    disk_bytes: int = 0  # net change of the bytes on disk (a rewrite frees the old file)
+    bytes_written: int = 0
+    bytes_deduplicated: int = 0
+    no_space: bool = False  # not written: the volume was full (ENOSPC); evict and retry
+
+
+class ColdStore(Protocol):
+    """The cold tier as the tiered cache uses it (an adapter over the actors' ColdTier)."""
+
+    @property
+    def directory(self) -> Path: ...
+
+    async def store(
+        self,
+        key: str,
+        model: ModelKey,
+        tokens: Sequence[int],
+        caches: list[Any],
+        *,
+        meta: Mapping[str, str],
+    ) -> StoreResult:
+        """Write ``caches`` under ``key``; return once it is durable or settled otherwise."""
+        ...
+
+    async def fetch(self, key: str, *, model: ModelKey) -> tuple[list[Any], int]:
+        """Restored caches (on the owner) and the bytes read; CacheMissError or
+        CorruptCacheError when the entry is gone or bad."""
+        ...
+
+    async def remove(self, key: str) -> int:
+        """Delete the entry (absent: nothing); return the disk bytes freed."""
+        ...
+
+    async def usage(self) -> int:
+        """Bytes the cold tier occupies on disk now."""
+        ...
+
+    async def entries(self) -> list[ColdEntryInfo]:
+        """Every valid entry on disk."""
+        ...
+
+
+@runtime_checkable
+class SharedColdStore(Protocol):
+    """A cold store other hosts write to as well, with a prefix index (rule 8)."""
+
+    async def find(self, model: ModelKey, tokens: Sequence[int]) -> list[tuple[str, int]]:
+        """Keys of stored entries registered under the query's prefix-index keys, deepest
+        first, each with a bound on the tokens of ``tokens`` it can cover (one round
+        trip). StoreUnavailableError when the store is out of reach."""
+        ...
+
+    async def entry(self, key: str) -> ColdEntryInfo | None:
+        """What the store holds under ``key`` (its manifest alone), None when gone."""
+        ...
+
+    async def forget(self, key: str, model: ModelKey, tokens: Sequence[int]) -> None:
+        """Drop ``key`` from the index keys of ``tokens`` if its manifest is gone (a stale
+        registration found by :meth:`find`), so no host reads it again."""
+        ...
+
+
+def _conversations_of(meta: Mapping[str, str]) -> tuple[str, ...]:
+    """The conversation ids a header's meta names (none when absent or malformed)."""
+    try:
+        names = json.loads(meta.get(CONVERSATIONS_META, "[]"))
+    except ValueError:
+        return ()
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return ()
+    return tuple(names)
+
+
+@attrs.frozen
+class _SameModel:
+    """A load expectation: the header names this model id and config fingerprint."""
+
+    model: ModelKey
+
+    def check(self, header: Header) -> None:
+        found = ModelKey(header.model_id or "", header.config_fingerprint or "")
+        if found != self.model:
+            raise CacheMismatchError(f"cache is for {found}, not {self.model}")
+
+
+@attrs.define(eq=False)
+class ColdTierStore:
+    """:class:`ColdStore` over the actors' :class:`~kvtrio.actors.tier.ColdTier`.
+
+    In the blocks layout, entries sharing a prefix share blocks, so deleting a manifest
+    frees only the blocks no other manifest names. The store keeps a reference count per
+    block named by a manifest, and the size of each block that exists (rebuilt from the
+    manifests at :meth:`create`, when unreferenced blocks from earlier runs are swept),
+    and deletes a block when its count drops to zero. Writes and sweeps take one lock: a
+    write may re-reference a block a sweep is about to delete.
+
+    Accounting rules (the ledger of the tiered cache adds up what these report):
+
+    1. Bytes count only what exists: a manifest's blocks that are absent count nothing
+       (a manifest declaring 275 GB of blocks that are not there is its file's size).
+    2. A failed write takes back at once the blocks it stored that nothing names (one
+       listing of the block directory, under the lock), so no byte is left uncounted
+       until the next open. A write that failed for want of space says so
+       (``StoreResult.no_space``): the caller evicts and retries.
+    3. On a shared (Redis) tier this host never deletes blocks: another host's
+       manifests may name them. Shared blocks leave by the store's own eviction or by
+       ``kvtrio gc`` over the shared manifests with its grace period
+       (docs/shared-tier.md); removing an entry frees its manifest alone, and its blocks
+       are counted at their declared sizes (nothing lists a shared store cheaply).
+
+    On a shared tier it is also a :class:`SharedColdStore`: created with
+    ``index_block_size``, every manifest the tier publishes is registered in the store's
+    prefix index under its chain hashes at that block size, and :meth:`find` asks that
+    index (block reference counts stay local: see docs/shared-tier.md).
+    """
+
+    tier: ColdTier
+    _blocks: LocalBlockStore | None  # None: a shared tier, whose blocks this host keeps
+    _refs: dict[str, int] = attrs.field(factory=dict)
+    _block_sizes: dict[str, int] = attrs.field(factory=dict)  # blocks that exist (rule 1)
+    _entry_blocks: dict[str, tuple[str, ...]] = attrs.field(factory=dict)
+    _entry_bytes: dict[str, int] = attrs.field(factory=dict)
+    _lock: trio.Lock = attrs.field(factory=trio.Lock)
+    _usage: int = 0
+    _shared: ManifestStore | None = None  # the shared manifest store with a prefix index
+    _index_block_size: int = DEFAULT_BLOCK_SIZE
+
+    @classmethod
+    async def create(cls, tier: ColdTier, *, index_block_size: int | None = None) -> ColdTierStore:
+        """Index the tier's files and sweep blocks that no manifest names.
+
+        ``index_block_size``: on a shared tier, register every published manifest in the
+        store's prefix index, with chain hashes of token blocks of this size (the
+        :class:`TieredPromptCache`'s ``block_size``), and answer :meth:`find`.
+        """
+        local = tier.url is None
+        self = cls(tier, LocalBlockStore(str(tier.block_dir)) if local else None)
+        file_ops = tier.file_ops
+        if (
+            index_block_size is not None
+            and isinstance(file_ops, ManifestFileOps)
+            and file_ops.manifests.shared
+        ):
+            self._shared = file_ops.manifests
+            self._index_block_size = index_block_size
+            file_ops.index_keys_of = _ManifestIndexKeys(index_block_size)
+        declared: dict[str, int] = {}
+        for entry in await tier.list():
+            self._note(entry.key, entry.header, entry.disk_bytes, declared)
+        if self._blocks is None:
+            self._block_sizes.update(declared)
+        else:
+            await self._sweep_locked(present=True)
+        self._usage = sum(self._entry_bytes.values()) + sum(self._block_sizes.values())
+        return self
+
+    @property
+    def directory(self) -> Path:
+        return self.tier.root
+
+    def _note(self, key: str, header: Header, file_bytes: int, sizes: dict[str, int]) -> None:
+        """Count ``key``'s manifest and its block references; ``sizes`` gets the declared
+        size of every block it names."""
+        refs = [(ref.sha256, ref.nbytes) for slot in header.slots() for ref in slot.blocks or ()]
+        for name, size in refs:
+            self._refs[name] = self._refs.get(name, 0) + 1
+            sizes.setdefault(name, size)
+        self._entry_blocks[key] = tuple(name for name, _ in refs)
+        self._entry_bytes[key] = file_bytes
+
+    async def _sweep_locked(self, *, present: bool) -> int:
+        """Local tier: delete stored blocks no manifest names; with ``present``, also learn
+        the size of every block that exists. Returns the bytes deleted."""
+        assert self._blocks is not None
+        blocks = self._blocks
+        stored = await trio.to_thread.run_sync(lambda: list(blocks.iter_blocks()))
+        orphans = [b for b in stored if b.name not in self._refs]
+        if orphans:
+            await trio.to_thread.run_sync(blocks.delete_many, [b.name for b in orphans])
+        if present:
+            self._block_sizes = {b.name: b.size for b in stored if b.name in self._refs}
+        return sum(b.size for b in orphans)
+
+    async def store(
+        self,
+        key: str,
+        model: ModelKey,
+        tokens: Sequence[int],
+        caches: list[Any],
+        *,
+        meta: Mapping[str, str],
+    ) -> StoreResult:
+        async with self._lock:
+            freed = await self._remove_locked(key) if key in self._entry_bytes else 0
+            try:
+                ticket = await self.tier.save(
+                    key,
+                    tokens,
+                    caches,
+                    meta=meta,
+                    model_id=model.model_id,
+                    config_fingerprint=model.fingerprint,
+                )
+                result = await ticket.wait()
+            except KvtrioError:
+                await self._take_back_locked()
+                return StoreResult(written=False, disk_bytes=-freed)
+            if not result.written or result.write is None:
+                await self._take_back_locked()
+                error = result.error
+                no_space = isinstance(error, OSError) and error.errno == errno.ENOSPC
+                return StoreResult(written=False, disk_bytes=-freed, no_space=no_space)
+            write = result.write
+            declared: dict[str, int] = {}
+            self._note(key, write.header, write.file_bytes, declared)
+            # The writer stored (or found) every block it names: they exist now.
+            fresh = [name for name in declared if name not in self._block_sizes]
+            self._block_sizes.update((name, declared[name]) for name in fresh)
+            new_bytes = write.file_bytes + sum(declared[name] for name in fresh)
+            self._usage += new_bytes
+            dedup = 0
+            if write.header.layout == "blocks":
+                dedup = max(0, write.header.nbytes - write.new_block_bytes)
+            return StoreResult(
+                written=True,
+                disk_bytes=new_bytes - freed,
+                bytes_written=write.file_bytes + write.new_block_bytes,
+                bytes_deduplicated=dedup,
+            )
+
+    async def _take_back_locked(self) -> None:
+        """Rule 2: a failed write's blocks that no manifest names go now (local tier)."""
+        if self._blocks is not None:
+            await self._sweep_locked(present=False)
+
+    async def fetch(self, key: str, *, model: ModelKey) -> tuple[list[Any], int]:
+        restored = await self.tier.load(key, expect=_SameModel(model))
+        return restored.caches, restored.header.nbytes
+
+    async def remove(self, key: str) -> int:
+        async with self._lock:
+            return await self._remove_locked(key)
+
+    async def _remove_locked(self, key: str) -> int:
+        freed = await self.tier.delete(key)
+        self._entry_bytes.pop(key, None)
+        orphans = []
+        for name in self._entry_blocks.pop(key, ()):
+            self._refs[name] -= 1
+            if self._refs[name] == 0:
+                del self._refs[name]
+                orphans.append(name)
+        present = [name for name in orphans if name in self._block_sizes]
+        if self._blocks is not None and present:  # rule 3: a shared tier's blocks stay
+            await trio.to_thread.run_sync(self._blocks.delete_many, present)
+        # Shared blocks leave this host's count although they stay in the store (rule 3).
+        freed += sum(self._block_sizes.pop(name) for name in present)
+        self._usage -= freed
+        return freed
+
+    async def usage(self) -> int:
+        return self._usage
+
+    def check(self) -> None:
+        """Recompute the usage from the tables (tests): AssertionError if it drifted."""
+        assert set(self._block_sizes) <= set(self._refs), "an unreferenced block is counted"
+        expected = sum(self._entry_bytes.values()) + sum(self._block_sizes.values())
+        assert self._usage == expected, f"usage drifted: {self._usage} != {expected}"
+
+    async def entries(self) -> list[ColdEntryInfo]:
+        return [_entry_info(entry) for entry in await self.tier.list()]
+
+    async def find(self, model: ModelKey, tokens: Sequence[int]) -> list[tuple[str, int]]:
+        """:meth:`SharedColdStore.find`: one pipelined round trip to the prefix index."""
+        if self._shared is None:
+            return []
+        probes = probe_keys(model, tokens, self._index_block_size)
+        lookup = functools.partial(self._shared.lookup_each, limit=SHARED_CANDIDATES)
+        names = await trio.to_thread.run_sync(lookup, [key for key, _ in probes])
+        found: dict[str, int] = {}
+        for (_, bound), members in zip(probes, names, strict=True):
+            for name in members:
+                if name.endswith(SUFFIX):
+                    found.setdefault(name[: -len(SUFFIX)], bound)  # deepest first
+        return list(found.items())
+
+    async def entry(self, key: str) -> ColdEntryInfo | None:
+        """:meth:`SharedColdStore.entry`: the entry's manifest alone (None: gone or bad)."""
+        try:
+            return _entry_info(await self.tier.entry(key))
+        except (CacheMissError, CorruptCacheError, ValueError):
+            return None
+
+    async def forget(self, key: str, model: ModelKey, tokens: Sequence[int]) -> None:
+        """:meth:`SharedColdStore.forget`: unregister a vanished manifest (if still gone)."""
+        if self._shared is None:
+            return
+        keys = [k for k, _ in probe_keys(model, tokens, self._index_block_size)]
+        await trio.to_thread.run_sync(self._shared.unregister, key + SUFFIX, keys)
+
+
+def _entry_info(entry: TierEntry) -> ColdEntryInfo:
+    header = entry.header
+    return ColdEntryInfo(
+        key=entry.key,
+        model=ModelKey(header.model_id or "", header.config_fingerprint or ""),
+        tokens=header.tokens,
+        trimmable=header.trimmable,
+        min_reusable_offset=header.min_reusable_offset,
+        mtime=entry.mtime,
+        conversations=_conversations_of(header.meta),
+    )
+
+
+@attrs.frozen
+class _ManifestIndexKeys:
+    """The prefix-index keys of a manifest being published (``ManifestFileOps.index_keys_of``):
+    the chain hashes of its tokens, of its model. Runs on the writer's worker thread."""
+
+    block_size: int
+
+    def __call__(self, name: str, data: bytes) -> list[str]:
+        preamble = parse_preamble(data[: PREAMBLE.size], len(data))
+        body = data[PREAMBLE.size : PREAMBLE.size + preamble.header_len]
+        header = parse_header(body, preamble, len(data))
+        model = ModelKey(header.model_id or "", header.config_fingerprint or "")
+        return index_keys(model, header.tokens, self.block_size)

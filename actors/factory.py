@@ -1,0 +1,72 @@
+"""``open_tiered_cache``: a :class:`~kvtrio.actors.tiered.TieredPromptCache` over a
+:class:`~kvtrio.actors.tier.ColdTier` at a directory or a Redis URL, in one call."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from kvtrio.actors.coldside import DEFAULT_PENDING_BYTES
+from kvtrio.actors.coldstore import ColdTierStore
+from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.prefix import DEFAULT_BLOCK_SIZE, ModelKey
+from kvtrio.actors.tier import ColdTier
+from kvtrio.actors.tiered import TieredPromptCache, WritePolicy
+from kvtrio.storage.format import Layout
+from kvtrio.storage.openstore import is_redis_url
+
+__all__ = ["open_tiered_cache"]
+
+
+@asynccontextmanager
+async def open_tiered_cache(
+    directory: str | os.PathLike[str],
+    model: ModelKey,
+    *,
+    owner: MlxOwner,
+    hot_budget: int,
+    cold_budget: int,
+    policy: WritePolicy = WritePolicy.WRITE_BACK,
+    layout: Layout = "blocks",
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    min_free_bytes: int | None = None,
+    shutdown_grace: float = 10.0,
+    shared_index: bool = True,
+    shared_refresh: float | None = None,
+    pending_budget: int = DEFAULT_PENDING_BYTES,
+) -> AsyncIterator[TieredPromptCache]:
+    """A :class:`TieredPromptCache` over a :class:`ColdTier` at ``directory``.
+
+    ``owner`` is the server's MLX owner (model steps and cache work share its thread).
+    The blocks layout stores a shared prefix once; ``block_size`` tokens are both the
+    index's hash-chain block and the layout's token block. On a ``redis://`` URL the
+    cold tier is shared: every save is registered in Redis's prefix index, and a lookup
+    without an exact hit asks that index for longer prefixes other hosts saved (with
+    ``shared_index``, the default; rule 8 of :class:`TieredPromptCache`). ``shared_refresh``
+    seconds: also re-read the whole shared catalogue at most that often on such lookups
+    (off by default; for entries saved without index registration).
+    """
+    shared = is_redis_url(os.fspath(directory))
+    async with ColdTier.open(
+        directory,
+        layout=layout,
+        block_tokens=block_size,
+        owner=owner,
+        shutdown_grace=shutdown_grace,
+    ) as tier:
+        store = await ColdTierStore.create(tier, index_block_size=block_size if shared else None)
+        async with TieredPromptCache.open(
+            owner,
+            store,
+            model,
+            hot_budget=hot_budget,
+            cold_budget=cold_budget,
+            policy=policy,
+            min_free_bytes=min_free_bytes,
+            block_size=block_size,
+            shared_refresh=shared_refresh if shared else None,
+            shared_index=shared and shared_index,
+            pending_budget=pending_budget,
+        ) as cache:
+            yield cache

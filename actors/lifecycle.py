@@ -1,0 +1,201 @@
+"""The cold-tier lifecycle of one cached entry, as one transition table (h11's style).
+
+An entry of the tiered cache is in RAM or not (its *hot* side: live caches, LRU by
+bytes) and, independently, somewhere on its way to and from the disk (its *cold* side,
+the :class:`ColdState` here). Every change of the cold side is one :class:`ColdEvent`
+applied through :func:`next_state`; a pair the table does not list is a bug and raises
+:class:`~kvtrio.errors.LifecycleError` at once, instead of leaving flags that disagree.
+
+The table is the whole diagram: a write is NONE -> QUEUED -> WRITING -> DURABLE, an
+eviction DURABLE -> EVICTING -> NONE; a pending write may be dropped (the byte cap) or
+cancelled, an in-flight one doomed (removed meanwhile: deleted once written); an entry
+listed by the store at open is FOUND straight into DURABLE.
+
+What derives from the state (and nowhere else, see :class:`~kvtrio.actors.tiered`):
+
+- the cold LRU holds exactly the DURABLE entries (the only ones eviction may pick);
+- the ledger's reserved bytes are the reservations of WRITING and WRITING_DOOMED entries;
+- an entry is findable (in the prefix index) iff it is hot or DURABLE (invariant C3);
+- an entry is kept in the cache's table iff it is hot or its state is not NONE.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from types import MappingProxyType
+
+import attrs
+from kvtrio.errors import LifecycleError
+
+__all__ = [
+    "FINDABLE_COLD",
+    "ColdLedger",
+    "ColdSide",
+    "TRANSITIONS",
+    "ColdEvent",
+    "ColdState",
+    "next_state",
+]
+
+
+class ColdState(enum.Enum):
+    """Where an entry stands with the cold tier."""
+
+    NONE = "none"  # not on disk, no write pending
+    QUEUED = "queued"  # a write is pending; the entry's caches are held for it
+    WRITING = "writing"  # the write is in flight; its bytes are reserved in the ledger
+    WRITING_DOOMED = "writing-doomed"  # in flight, but removed meanwhile: delete once written
+    DURABLE = "durable"  # on disk, in the cold LRU
+    EVICTING = "evicting"  # its removal is in flight (its bytes are still on disk)
+
+
+class ColdEvent(enum.Enum):
+    """What happened to an entry's cold side."""
+
+    QUEUE = "queue"  # a write was asked for
+    DROP = "drop"  # the pending write-backs' byte cap shed it (counted)
+    CANCEL = "cancel"  # removed or superseded before its write started
+    START = "start"  # the writer took it: bytes reserved, write begins
+    WRITTEN = "written"  # the store says durable
+    FAILED = "failed"  # the write failed or was dropped by the store: reservation released
+    DOOM = "doom"  # removed while being written
+    FOUND = "found"  # listed by the store (open) or found in a shared store's index
+    EVICT = "evict"  # picked by the eviction loop, or removed: removal started
+    REMOVED = "removed"  # the removal completed (or the file was already gone)
+    FORGET = "forget"  # unreadable now (a shared store out of reach): forgotten here only
+
+
+_S, _E = ColdState, ColdEvent
+TRANSITIONS = MappingProxyType(
+    {
+        (_S.NONE, _E.QUEUE): _S.QUEUED,
+        (_S.NONE, _E.FOUND): _S.DURABLE,
+        (_S.QUEUED, _E.DROP): _S.NONE,
+        (_S.QUEUED, _E.CANCEL): _S.NONE,
+        (_S.QUEUED, _E.START): _S.WRITING,
+        (_S.WRITING, _E.WRITTEN): _S.DURABLE,
+        (_S.WRITING, _E.FAILED): _S.NONE,
+        (_S.WRITING, _E.DOOM): _S.WRITING_DOOMED,
+        (_S.WRITING_DOOMED, _E.WRITTEN): _S.EVICTING,
+        (_S.WRITING_DOOMED, _E.FAILED): _S.NONE,
+        (_S.DURABLE, _E.EVICT): _S.EVICTING,
+        (_S.DURABLE, _E.FORGET): _S.NONE,
+        (_S.EVICTING, _E.REMOVED): _S.NONE,
+    }
+)
+"""Every legal (state, event) pair and the state it leads to; nothing else is legal."""
+
+FINDABLE_COLD = frozenset({ColdState.DURABLE})
+"""Cold states in which an entry that is not hot is still findable (invariant C3)."""
+
+
+def next_state(state: ColdState, event: ColdEvent) -> ColdState:
+    """The state ``event`` leads to from ``state``; LifecycleError if it may not happen."""
+    try:
+        return TRANSITIONS[state, event]
+    except KeyError:
+        raise LifecycleError(f"cold entry: event {event.value} in state {state.value}") from None
+
+
+_RESERVING = frozenset({ColdState.WRITING, ColdState.WRITING_DOOMED})
+
+
+@attrs.define(eq=False)
+class ColdSide:
+    """One entry's cold side: its state, and what the ledger counts for it."""
+
+    key: str
+    nbytes: int  # tensor bytes: the size of its pending write and of its reservation
+    state: ColdState = ColdState.NONE
+    reserved: int = 0
+    droppable: bool = True  # a pending write the byte cap may shed (not a flush's)
+
+
+@attrs.define(eq=False)
+class ColdLedger:
+    """The one account of the cold tier's bytes, derived from the entries' states.
+
+    - ``used``: bytes that exist in the store, as the store reports each change (a
+      write's net bytes, a removal's freed bytes; absent blocks count nothing);
+    - ``reserved``: the sum of the reservations of entries being written (a write
+      reserves its tensor bytes when it starts, and releases them when it settles);
+    - the cold LRU: exactly the DURABLE entries, least recently used first;
+    - the pending write-backs: exactly the QUEUED entries, oldest first, and their bytes.
+
+    :meth:`apply` is the only place a state changes, so none of these can disagree with
+    the table. Costs: :meth:`apply`, :meth:`touch`, :meth:`oldest_durable` are O(1)
+    (ordered dicts); :meth:`check` is O(entries), for tests.
+    """
+
+    used: int = 0
+    _reserved: int = 0
+    _durable: OrderedDict[str, ColdSide] = attrs.field(factory=OrderedDict)
+    _queued: OrderedDict[str, ColdSide] = attrs.field(factory=OrderedDict)
+    _queued_bytes: int = 0
+    _writing: dict[int, ColdSide] = attrs.field(factory=dict)
+
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
+    def durable_count(self) -> int:
+        return len(self._durable)
+
+    def queued_count(self) -> int:
+        return len(self._queued)
+
+    def durable_keys(self) -> list[str]:
+        """DURABLE keys, least recently used first."""
+        return list(self._durable)
+
+    def apply(self, side: ColdSide, event: ColdEvent) -> ColdState:
+        """Move ``side`` by ``event`` (LifecycleError if the table forbids it)."""
+        old, new = side.state, next_state(side.state, event)
+        if old is ColdState.DURABLE and self._durable.get(side.key) is side:
+            del self._durable[side.key]
+        elif old is ColdState.QUEUED and self._queued.get(side.key) is side:
+            del self._queued[side.key]
+            self._queued_bytes -= side.nbytes
+        if old in _RESERVING and new not in _RESERVING:
+            self._reserved -= side.reserved
+            side.reserved = 0
+            del self._writing[id(side)]
+        elif new in _RESERVING and old not in _RESERVING:
+            side.reserved = side.nbytes
+            self._reserved += side.reserved
+            self._writing[id(side)] = side
+        if new is ColdState.DURABLE:
+            self._durable[side.key] = side
+        elif new is ColdState.QUEUED:
+            self._queued[side.key] = side
+            self._queued_bytes += side.nbytes
+        side.state = new
+        return new
+
+    def touch(self, side: ColdSide) -> None:
+        """Mark a DURABLE entry as the most recently used."""
+        if self._durable.get(side.key) is side:
+            self._durable.move_to_end(side.key)
+
+    def oldest_durable(self) -> ColdSide | None:
+        return next(iter(self._durable.values()), None)
+
+    def oldest_queued(self) -> ColdSide | None:
+        return next(iter(self._queued.values()), None)
+
+    def oldest_droppable(self) -> ColdSide | None:
+        """The oldest pending write the byte cap may shed (O(undroppable ones before it))."""
+        return next((side for side in self._queued.values() if side.droppable), None)
+
+    def check(self) -> None:
+        """Recompute every derived figure (tests): AssertionError if one drifted."""
+        assert all(s.state is ColdState.DURABLE for s in self._durable.values())
+        assert all(s.state is ColdState.QUEUED for s in self._queued.values())
+        assert all(s.state in _RESERVING for s in self._writing.values())
+        assert self._queued_bytes == sum(s.nbytes for s in self._queued.values())
+        assert self._reserved == sum(s.reserved for s in self._writing.values())
