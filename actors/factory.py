@@ -11,7 +11,7 @@ from kvtrio.actors.coldside import DEFAULT_PENDING_BYTES
 from kvtrio.actors.coldstore import ColdTierStore
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import DEFAULT_BLOCK_SIZE, ModelKey
-from kvtrio.actors.tier import ColdTier
+from kvtrio.actors.tier import DEFAULT_LOCK_TIMEOUT, ColdTier
 from kvtrio.actors.tiered import TieredPromptCache, WritePolicy
 from kvtrio.storage.format import Layout
 from kvtrio.storage.openstore import is_redis_url
@@ -32,6 +32,7 @@ async def open_tiered_cache(
     block_size: int = DEFAULT_BLOCK_SIZE,
     min_free_bytes: int | None = None,
     shutdown_grace: float = 10.0,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
     shared_index: bool = True,
     shared_refresh: float | None = None,
     pending_budget: int = DEFAULT_PENDING_BYTES,
@@ -45,7 +46,9 @@ async def open_tiered_cache(
     without an exact hit asks that index for longer prefixes other hosts saved (with
     ``shared_index``, the default; rule 8 of :class:`TieredPromptCache`). ``shared_refresh``
     seconds: also re-read the whole shared catalogue at most that often on such lookups
-    (off by default; for entries saved without index registration).
+    (off by default; for entries saved without index registration). A local directory
+    belongs to one process: a second opener waits up to ``lock_timeout`` seconds for the
+    first to close, then gets DirectoryLockedError (:class:`ColdTier`'s rule 5).
     """
     shared = is_redis_url(os.fspath(directory))
     async with ColdTier.open(
@@ -54,6 +57,7 @@ async def open_tiered_cache(
         block_tokens=block_size,
         owner=owner,
         shutdown_grace=shutdown_grace,
+        lock_timeout=lock_timeout,
     ) as tier:
         store = await ColdTierStore.create(tier, index_block_size=block_size if shared else None)
         async with TieredPromptCache.open(

@@ -31,9 +31,17 @@ Theory of operation
    passed, then the rest are cancelled and the write in flight stops at its next tensor
    or block boundary, removing its tmp file. Leaving with an exception (or being
    cancelled) skips the drain. Either way every snapshot is released.
-5. ``open`` removes crash debris (tmp files of writes that never finished) from the
-   cache and block directories: only a process holding the directory may do so, and a
-   tier is the single writer of its directory.
+5. One owner per directory: ``open`` takes the directory's advisory lock
+   (:mod:`kvtrio.storage.dirlock`) before it touches anything, and holds it until the
+   block exits. A second opener polls it on trio's clock for up to ``lock_timeout``
+   seconds (a rolling restart: the old process flushes, closes, and the new one goes
+   on), then gets :class:`~kvtrio.errors.DirectoryLockedError` naming the directory and
+   the holder's pid. A shared (Redis) tier has no directory and no lock.
+6. Under the lock, ``open`` removes crash debris (tmp files of writes that never
+   finished) from the cache and block directories: no other process can be writing them.
+
+Costs: ``open`` is O(files in the two directories) for the debris sweep, on a worker
+thread; ``list`` reads every header (the tiered cache reads its catalogue instead).
 
 Files: ``<root>/caches/<key>.kvc`` (a cache file, or a manifest in the blocks layout) and
 ``<root>/blocks/<sha256>`` (blocks). Given a ``redis://`` (or ``rediss://``) URL instead
@@ -62,11 +70,12 @@ from kvtrio.actors.sched import BACKGROUND_SLICE
 from kvtrio.actors.snapshot import Snapshot, SnapshotLedger, SnapshotLedgerStatistics
 from kvtrio.actors.spill import Spill, SpillActor, SpillOutcome, SpillStatistics, SpillTicket
 from kvtrio.actors.writer import Writer, WriterStatistics
-from kvtrio.errors import CacheMissError, CorruptCacheError, ShuttingDown
+from kvtrio.errors import CacheMissError, CorruptCacheError, DirectoryLockedError, ShuttingDown
 from kvtrio.runtime.offload import CancelToken, InlineOffload, Offload, ThreadOffload
 from kvtrio.runtime.system import ActorSystem, SystemStatistics
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
 from kvtrio.storage.cacheio import AttachmentData, HostTensor, Restored
+from kvtrio.storage.dirlock import DirectoryLock, holder_pid, try_lock
 from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps
 from kvtrio.storage.format import Header, Layout
 from kvtrio.storage.hostbuffers import LoadBuffers, check_allocatable
@@ -77,6 +86,7 @@ from kvtrio.storage.reader import CacheFile
 from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult
 
 __all__ = [
+    "DEFAULT_LOCK_TIMEOUT",
     "KEY_RE",
     "ColdTier",
     "ColdTierStatistics",
@@ -87,6 +97,10 @@ __all__ = [
 ]
 
 KEY_RE = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,149}")
+# Seconds a second opener of a directory waits for its owner to close (rule 5).
+DEFAULT_LOCK_TIMEOUT = 30.0
+# Seconds between its attempts (trio's clock).
+LOCK_POLL = 0.05
 SUFFIX = ".kvc"
 _HEADER_META_KEYS = frozenset({"model_id", "config_fingerprint"})
 
@@ -174,6 +188,20 @@ def _open_shared(
     return open_store(url, file_ops=file_ops, options=options)
 
 
+async def take_directory_lock(directory: str, *, timeout: float) -> DirectoryLock:
+    """Take ``directory``'s lock, polling every :data:`LOCK_POLL` seconds of trio's clock
+    for up to ``timeout`` seconds; DirectoryLockedError naming the holder after that."""
+    start = trio.current_time()
+    while True:
+        lock = try_lock(directory)
+        if lock is not None:
+            return lock
+        waited = trio.current_time() - start
+        if waited >= timeout:
+            raise DirectoryLockedError(directory, holder_pid(directory), waited)
+        await trio.sleep(min(LOCK_POLL, timeout - waited))
+
+
 def check_key(key: str) -> str:
     """Return ``key`` if it is a valid tier key; raise ValueError otherwise."""
     if not isinstance(key, str) or KEY_RE.fullmatch(key) is None:
@@ -252,6 +280,7 @@ class ColdTier:
         file_ops: FileOps = OS_FILE_OPS,
         background: float | None = BACKGROUND_SLICE,
         options: IoOptions = DEFAULT_IO_OPTIONS,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
     ) -> AsyncIterator[ColdTier]:
         """Open (creating) the tier at ``directory`` and run it until the block exits.
 
@@ -266,7 +295,8 @@ class ColdTier:
         wakes (:mod:`kvtrio.actors.sched`; Linux >= 6.12, else nothing); None leaves
         every thread alone. ``options`` tune the I/O paths (direct I/O, drop-behind,
         helper threads, unfilled destinations: :class:`~kvtrio.storage.options.IoOptions`,
-        docs/tuning.md), never what is written or checked.
+        docs/tuning.md), never what is written or checked. ``lock_timeout``: seconds to
+        wait for another process that holds the directory (rule 5).
         """
         if layout not in ("single", "blocks"):
             raise ValueError(f"layout must be 'single' or 'blocks', not {layout!r}")
@@ -293,6 +323,8 @@ class ColdTier:
                 file_ops = ManifestFileOps(manifests, str(root / "caches"), file_ops)
             else:
                 root = Path(target).absolute()
+                lock = await take_directory_lock(str(root), timeout=lock_timeout)
+                stack.callback(lock.release)
             tier = cls(
                 root,
                 owner=owner,

@@ -7,6 +7,11 @@ The checking and collecting are the storage layer's routines
 (:func:`~kvtrio.storage.maintenance.verify_tree`,
 :func:`~kvtrio.storage.maintenance.collect_garbage`); these commands find the
 directories, show progress and print the results as tables (or ``--json``).
+
+``gc`` deletes, so it takes the directory's lock (:mod:`kvtrio.storage.dirlock`), the one
+a running tier holds: beside a live owner it waits ``--wait`` seconds, then exits 3
+naming the owner's pid; its grace period applies in every case. ``--dry-run`` deletes
+nothing and takes no lock.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
-from kvtrio.errors import CorruptCacheError
+from kvtrio.errors import CorruptCacheError, DirectoryLockedError
 from kvtrio.storage.blockstore import LocalBlockStore
+from kvtrio.storage.dirlock import LOCK_NAME, DirectoryLock, holder_pid, try_lock
 from kvtrio.storage.fileops import OS_FILE_OPS, OsFileOps
 from kvtrio.storage.format import CacheEntry, Header, TensorSlot
 from kvtrio.storage.maintenance import collect_garbage, verify_tree
@@ -379,6 +385,32 @@ def add_gc_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dry-run", action="store_true", help="report what would be deleted; delete nothing"
     )
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait this long for the process that owns the directory to close (default 0)",
+    )
+
+
+def _lock_root(directory: Path) -> Path:
+    """The directory whose lock a tier at ``directory`` takes (its root, not caches/)."""
+    if directory.name == "caches" and (directory.parent / LOCK_NAME).exists():
+        return directory.parent
+    return directory
+
+
+def _take_lock(directory: Path, wait: float) -> DirectoryLock:
+    """The tier's own lock (one owner per directory): GC deletes, so it runs alone."""
+    deadline = time.monotonic() + wait
+    while True:
+        lock = try_lock(str(directory))
+        if lock is not None:
+            return lock
+        if time.monotonic() >= deadline:
+            raise DirectoryLockedError(str(directory), holder_pid(str(directory)), wait)
+        time.sleep(0.05)
 
 
 def run_gc(args: argparse.Namespace) -> int:
@@ -392,10 +424,21 @@ def run_gc(args: argparse.Namespace) -> int:
     ops = _DryRunFileOps() if args.dry_run else OS_FILE_OPS
     block_dir = tree.block_dir or (tree.manifest_dir / "blocks")
     store = LocalBlockStore(str(block_dir), ops)
-    with _status(f"collecting garbage in {args.directory}", args.json):
-        report, elapsed = _timed(
-            lambda: collect_garbage(str(tree.manifest_dir), store, grace_s=args.grace, file_ops=ops)
-        )
+    try:
+        lock = None if args.dry_run else _take_lock(_lock_root(args.directory), args.wait)
+    except DirectoryLockedError as exc:
+        print(f"kvtrio gc: {exc}", file=sys.stderr)
+        return 3
+    try:
+        with _status(f"collecting garbage in {args.directory}", args.json):
+            report, elapsed = _timed(
+                lambda: collect_garbage(
+                    str(tree.manifest_dir), store, grace_s=args.grace, file_ops=ops
+                )
+            )
+    finally:
+        if lock is not None:
+            lock.release()
     if args.json:
         body = attrs.asdict(report) | {"dry_run": args.dry_run, "seconds": elapsed}
         if isinstance(ops, _DryRunFileOps):

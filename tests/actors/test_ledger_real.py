@@ -30,7 +30,13 @@ def tiny() -> TinyModel:
 
 
 def _disk_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+    """Bytes of the files under ``directory``, but for the tier's own metadata in its
+    root (the lock file, the catalogue: ``.kvtrio-*``), which the cold budget leaves out."""
+    return sum(
+        p.stat().st_size
+        for p in directory.rglob("*")
+        if p.is_file() and not (p.parent == directory and p.name.startswith(".kvtrio-"))
+    )
 
 
 def _prompt(seed: int, n: int = 150) -> list[int]:

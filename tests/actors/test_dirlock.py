@@ -1,0 +1,120 @@
+"""One owner per cold-tier directory, with two real processes (tests/tier/lock_host.py):
+a second opener waits, then fails with DirectoryLockedError naming the holder; a rolling
+restart hands over once the first has flushed, with nothing lost; `kvtrio gc` refuses
+to run beside a live owner."""
+
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+from kvtrio.actors.tier import ColdTier
+from kvtrio.cli import main
+from kvtrio.errors import DirectoryLockedError
+
+HOST = Path(__file__).with_name("lock_host.py")
+
+
+class _Host:
+    """A lock_host.py child, its stdout lines in a queue (read on a thread)."""
+
+    def __init__(self, directory: Path, lock_timeout: float) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(HOST), str(directory), str(lock_timeout)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line.strip())
+
+    def send(self, command: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+
+    def expect(self, timeout: float = 60.0) -> str:
+        return self.lines.get(timeout=timeout)
+
+    def silent_for(self, seconds: float) -> bool:
+        try:
+            self.lines.get(timeout=seconds)
+        except queue.Empty:
+            return True
+        return False
+
+    def finish(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=30)
+
+
+def test_a_second_process_waits_then_fails_naming_the_holder(tmp_path: Path) -> None:
+    first = _Host(tmp_path, 0.0)
+    try:
+        opened = first.expect()
+        assert opened == f"opened {first.process.pid}"
+        second = _Host(tmp_path, 0.5)
+        try:
+            assert second.expect() == f"locked {first.process.pid} {tmp_path}"
+        finally:
+            second.finish()
+        first.send("close")
+        assert first.expect() == "closed"
+    finally:
+        first.finish()
+
+
+def test_a_rolling_restart_hands_over_with_nothing_lost(tmp_path: Path) -> None:
+    """The new process waits while the old one still writes; the old one's saves in
+    flight are flushed before the new one opens (and sweeps), so every entry survives."""
+    old = _Host(tmp_path, 0.0)
+    new: _Host | None = None
+    try:
+        assert old.expect().startswith("opened")
+        new = _Host(tmp_path, 120.0)
+        for n in range(3):
+            old.send(f"insert {n}")
+        for n in range(3):
+            assert old.expect() == f"inserted {n}"
+        assert new.silent_for(1.0)  # still waiting for the lock
+        old.send("close")  # writes in flight: the close flushes them
+        assert old.expect() == "closed"
+        assert new.expect() == f"opened {new.process.pid}"
+        new.send("count")
+        assert new.expect() == "entries 3"
+        new.send("close")
+        assert new.expect() == "closed"
+    finally:
+        old.finish()
+        if new is not None:
+            new.finish()
+
+
+async def test_an_opener_in_the_same_process_is_refused_too(tmp_path: Path) -> None:
+    async with ColdTier.open(tmp_path, inline=True):
+        with trio.fail_after(5):
+            with pytest.raises(DirectoryLockedError) as info:
+                async with ColdTier.open(tmp_path, inline=True, lock_timeout=0.2):
+                    pass
+        assert info.value.directory == str(tmp_path)
+        assert info.value.waited >= 0.2
+    async with ColdTier.open(tmp_path, inline=True, lock_timeout=0):
+        pass  # released at close
+
+
+async def test_gc_refuses_beside_a_live_owner(tmp_path: Path) -> None:
+    async with ColdTier.open(tmp_path, inline=True):
+        assert main(["gc", str(tmp_path), "--grace", "0"]) == 3
+        assert main(["gc", str(tmp_path), "--grace", "0", "--dry-run"]) == 0
+    assert main(["gc", str(tmp_path), "--grace", "0"]) == 0
