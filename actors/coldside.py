@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +91,7 @@ class ColdSideMixin:
         _idle: trio.Event
         _busy: int
         _wake: trio.Event
+        _touched: dict[str, float]
 
         async def _remove(self, record: CacheRecord) -> None: ...
 
@@ -231,9 +233,27 @@ class ColdSideMixin:
         self._apply(record, event)
         self._busy_down()
 
+    def _touch_cold(self, record: CacheRecord) -> None:
+        """A use of a DURABLE entry: most recent in the cold LRU, and recorded in the store
+        (by the writer, in batches) so the order survives a restart."""
+        if record.cold.state is ColdState.DURABLE:
+            self._ledger.touch(record.cold)
+            self._touched[record.entry.key] = time.time()
+
+    async def _flush_touches(self) -> None:
+        if not self._touched:
+            return
+        batch, self._touched = self._touched, {}
+        try:
+            await self.cold.touch(batch)
+        except (KvtrioError, OSError):
+            return  # best effort: the order since the last flush is lost, nothing else
+
     async def _writer(self) -> None:
-        """The one writer task: takes pending writes oldest first, one at a time."""
+        """The one writer task: takes pending writes oldest first, one at a time (and
+        records the last uses of entries in between)."""
         while True:
+            await self._flush_touches()
             side = self._ledger.oldest_queued()
             if side is None:
                 await self._wake.wait()

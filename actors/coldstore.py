@@ -17,7 +17,9 @@ from __future__ import annotations
 import errno
 import functools
 import json
-from collections.abc import Mapping, Sequence
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -27,6 +29,7 @@ from kvtrio.actors.prefix import DEFAULT_BLOCK_SIZE, ModelKey, index_keys, probe
 from kvtrio.actors.tier import SUFFIX, ColdTier, TierEntry
 from kvtrio.errors import CacheMismatchError, CacheMissError, CorruptCacheError, KvtrioError
 from kvtrio.storage.blockstore import LocalBlockStore
+from kvtrio.storage.catalogue import Catalogue, CatalogueRow
 from kvtrio.storage.format import PREAMBLE, Header, parse_header, parse_preamble
 from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.openstore import ManifestFileOps
@@ -37,9 +40,12 @@ __all__ = [
     "ColdEntryInfo",
     "ColdStore",
     "ColdTierStore",
+    "OpenReport",
     "SharedColdStore",
     "StoreResult",
 ]
+
+_log = logging.getLogger("kvtrio.coldstore")
 
 # At most this many names are fetched per index key (the chain hashes of a prefix that
 # many entries share, a system prompt, name them all; any of them covers that prefix).
@@ -106,7 +112,12 @@ class ColdStore(Protocol):
         ...
 
     async def entries(self) -> list[ColdEntryInfo]:
-        """Every valid entry on disk."""
+        """Every valid entry on disk; ``mtime`` is its last use (the cold LRU's order)."""
+        ...
+
+    async def touch(self, last_use: Mapping[str, float]) -> None:
+        """Record when entries were last used (seconds since the epoch), so the cold LRU's
+        order survives a restart; keys the store does not hold are ignored."""
         ...
 
 
@@ -186,6 +197,9 @@ class ColdTierStore:
 
     tier: ColdTier
     _blocks: LocalBlockStore | None  # None: a shared tier, whose blocks this host keeps
+    _catalogue: Catalogue | None = None  # a local tier's (kvtrio.storage.catalogue)
+    _infos: list[ColdEntryInfo] | None = None  # what create read, until entries() takes it
+    opening: OpenReport | None = None  # what the open found in the catalogue
     _refs: dict[str, int] = attrs.field(factory=dict)
     _block_sizes: dict[str, int] = attrs.field(factory=dict)  # blocks that exist (rule 1)
     _entry_blocks: dict[str, tuple[str, ...]] = attrs.field(factory=dict)
@@ -197,8 +211,10 @@ class ColdTierStore:
 
     @classmethod
     async def create(cls, tier: ColdTier, *, index_block_size: int | None = None) -> ColdTierStore:
-        """Index the tier's files and sweep blocks that no manifest names.
+        """Index the tier's entries and sweep blocks that no manifest names.
 
+        A local tier reads its catalogue (:mod:`kvtrio.storage.catalogue`), rebuilding
+        what it lacks from the manifests; a shared tier reads every manifest once.
         ``index_block_size``: on a shared tier, register every published manifest in the
         store's prefix index, with chain hashes of token blocks of this size (the
         :class:`TieredPromptCache`'s ``block_size``), and answer :meth:`find`.
@@ -214,15 +230,80 @@ class ColdTierStore:
             self._shared = file_ops.manifests
             self._index_block_size = index_block_size
             file_ops.index_keys_of = _ManifestIndexKeys(index_block_size)
-        declared: dict[str, int] = {}
-        for entry in await tier.list():
-            self._note(entry.key, entry.header, entry.disk_bytes, declared)
-        if self._blocks is None:
-            self._block_sizes.update(declared)
+        if local:
+            opened = await trio.to_thread.run_sync(self._open_catalogue)
+            self._catalogue, rows, self._block_sizes, self.opening = opened
+            for row in rows:
+                self._note_row(row)
+            self._infos = [_row_info(row) for row in rows]
         else:
-            await self._sweep_locked(present=True)
+            declared: dict[str, int] = {}
+            entries = await tier.list()
+            for entry in entries:
+                self._note(entry.key, entry.header, entry.disk_bytes, declared)
+            self._block_sizes.update(declared)
+            self._infos = [_entry_info(entry) for entry in entries]
         self._usage = sum(self._entry_bytes.values()) + sum(self._block_sizes.values())
         return self
+
+    def _open_catalogue(
+        self,
+    ) -> tuple[Catalogue, list[CatalogueRow], dict[str, int], OpenReport]:
+        """Worker thread: the catalogue's rows, reconciled with the manifests on disk
+        (module docstring of kvtrio.storage.catalogue, rule 2), and the blocks that exist."""
+        root = str(self.tier.root)
+        report = OpenReport()
+        try:
+            catalogue = Catalogue.open(root)
+        except CorruptCacheError as exc:
+            _log.warning("cold tier %s: catalogue unusable, rebuilt (%s)", root, exc)
+            report.rebuilt = True
+            Catalogue.remove(root)
+            catalogue = Catalogue.open(root)
+        rows: dict[str, CatalogueRow] = {}
+        try:
+            rows = {row.key: row for row in catalogue.rows()}
+            blocks = catalogue.block_sizes()
+        except CorruptCacheError as exc:
+            _log.warning("cold tier %s: catalogue rows unreadable, rebuilt (%s)", root, exc)
+            report.rebuilt, rows, blocks = True, {}, {}
+        keys = self.tier.list_keys()
+        for key in [k for k in rows if k not in keys]:  # its manifest is gone
+            del rows[key]
+            report.dropped += 1
+        fresh: list[CatalogueRow] = []
+        for key in sorted(keys - rows.keys()):  # a manifest the catalogue lacks
+            row = self._manifest_row(key)
+            if row is not None:
+                fresh.append(row)
+        report.parsed = len(fresh)
+        rows.update((row.key, row) for row in fresh)
+        if not catalogue.was_clean or report.rebuilt:
+            # After a crash (or without rows to trust), what exists is what the block
+            # directory holds now; debris of unfinished writes goes.
+            blocks = self._present_blocks(rows.values(), report)
+        report.clean = catalogue.was_clean and not (report.rebuilt or report.dropped or fresh)
+        if not report.clean:
+            catalogue.replace_all(rows.values(), blocks)
+        ordered = sorted(rows.values(), key=lambda row: row.last_use)
+        return catalogue, ordered, blocks, report
+
+    def _manifest_row(self, key: str) -> CatalogueRow | None:
+        try:
+            entry = self.tier.entry_blocking(key)
+        except (CorruptCacheError, FileNotFoundError):
+            return None
+        return _header_row(key, entry.header, entry.disk_bytes, entry.mtime)
+
+    def _present_blocks(self, rows: Iterable[CatalogueRow], report: OpenReport) -> dict[str, int]:
+        assert self._blocks is not None
+        named = {name for row in rows for name, _ in row.blocks}
+        stored = list(self._blocks.iter_blocks())
+        orphans = [b.name for b in stored if b.name not in named]
+        if orphans:
+            self._blocks.delete_many(orphans)
+        report.orphans_swept = len(orphans)
+        return {b.name: b.size for b in stored if b.name in named}
 
     @property
     def directory(self) -> Path:
@@ -238,18 +319,20 @@ class ColdTierStore:
         self._entry_blocks[key] = tuple(name for name, _ in refs)
         self._entry_bytes[key] = file_bytes
 
-    async def _sweep_locked(self, *, present: bool) -> int:
-        """Local tier: delete stored blocks no manifest names; with ``present``, also learn
-        the size of every block that exists. Returns the bytes deleted."""
+    def _note_row(self, row: CatalogueRow) -> None:
+        for name, _ in row.blocks:
+            self._refs[name] = self._refs.get(name, 0) + 1
+        self._entry_blocks[row.key] = tuple(name for name, _ in row.blocks)
+        self._entry_bytes[row.key] = row.file_bytes
+
+    async def _sweep_locked(self) -> None:
+        """Local tier: delete stored blocks no manifest names (rule 2)."""
         assert self._blocks is not None
         blocks = self._blocks
         stored = await trio.to_thread.run_sync(lambda: list(blocks.iter_blocks()))
-        orphans = [b for b in stored if b.name not in self._refs]
+        orphans = [b.name for b in stored if b.name not in self._refs]
         if orphans:
-            await trio.to_thread.run_sync(blocks.delete_many, [b.name for b in orphans])
-        if present:
-            self._block_sizes = {b.name: b.size for b in stored if b.name in self._refs}
-        return sum(b.size for b in orphans)
+            await trio.to_thread.run_sync(blocks.delete_many, orphans)
 
     async def store(
         self,
@@ -288,6 +371,10 @@ class ColdTierStore:
             self._block_sizes.update((name, declared[name]) for name in fresh)
             new_bytes = write.file_bytes + sum(declared[name] for name in fresh)
             self._usage += new_bytes
+            if self._catalogue is not None:
+                row = _header_row(key, write.header, write.file_bytes, time.time())
+                new_blocks = {name: declared[name] for name in fresh}
+                await trio.to_thread.run_sync(self._catalogue.put, row, new_blocks)
             dedup = 0
             if write.header.layout == "blocks":
                 dedup = max(0, write.header.nbytes - write.new_block_bytes)
@@ -301,7 +388,7 @@ class ColdTierStore:
     async def _take_back_locked(self) -> None:
         """Rule 2: a failed write's blocks that no manifest names go now (local tier)."""
         if self._blocks is not None:
-            await self._sweep_locked(present=False)
+            await self._sweep_locked()
 
     async def fetch(self, key: str, *, model: ModelKey) -> tuple[list[Any], int]:
         restored = await self.tier.load(key, expect=_SameModel(model))
@@ -326,7 +413,20 @@ class ColdTierStore:
         # Shared blocks leave this host's count although they stay in the store (rule 3).
         freed += sum(self._block_sizes.pop(name) for name in present)
         self._usage -= freed
+        if self._catalogue is not None:
+            await trio.to_thread.run_sync(self._catalogue.delete, key, present)
         return freed
+
+    async def touch(self, last_use: Mapping[str, float]) -> None:
+        if self._catalogue is not None and last_use:
+            await trio.to_thread.run_sync(self._catalogue.touch, dict(last_use))
+
+    async def close(self, *, clean: bool = True) -> None:
+        """Close the catalogue; ``clean``: mark that every row matches a manifest."""
+        catalogue, self._catalogue = self._catalogue, None
+        if catalogue is not None:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(functools.partial(catalogue.close, clean=clean))
 
     async def usage(self) -> int:
         return self._usage
@@ -338,7 +438,17 @@ class ColdTierStore:
         assert self._usage == expected, f"usage drifted: {self._usage} != {expected}"
 
     async def entries(self) -> list[ColdEntryInfo]:
+        if self._infos is not None:  # what create read: handed over once, not kept
+            infos, self._infos = self._infos, None
+            return infos
+        if self._catalogue is not None:
+            rows = await trio.to_thread.run_sync(lambda: list(self._catalogue_rows()))
+            return [_row_info(row) for row in rows]
         return [_entry_info(entry) for entry in await self.tier.list()]
+
+    def _catalogue_rows(self) -> Iterable[CatalogueRow]:
+        assert self._catalogue is not None
+        return self._catalogue.rows()
 
     async def find(self, model: ModelKey, tokens: Sequence[int]) -> list[tuple[str, int]]:
         """:meth:`SharedColdStore.find`: one pipelined round trip to the prefix index."""
@@ -367,6 +477,46 @@ class ColdTierStore:
             return
         keys = [k for k, _ in probe_keys(model, tokens, self._index_block_size)]
         await trio.to_thread.run_sync(self._shared.unregister, key + SUFFIX, keys)
+
+
+@attrs.define
+class OpenReport:
+    """What opening a local tier's catalogue found (logged; counted in tests and benches)."""
+
+    rebuilt: bool = False  # missing, truncated, corrupt or another schema: rebuilt whole
+    dropped: int = 0  # rows whose manifest was gone
+    parsed: int = 0  # manifests the catalogue lacked, read and added
+    orphans_swept: int = 0  # blocks no manifest names (after an unclean close)
+    clean: bool = False  # the catalogue was used as it was
+
+
+def _header_row(key: str, header: Header, file_bytes: int, last_use: float) -> CatalogueRow:
+    return CatalogueRow(
+        key=key,
+        model_id=header.model_id or "",
+        fingerprint=header.config_fingerprint or "",
+        tokens=header.tokens,
+        trimmable=header.trimmable,
+        min_offset=header.min_reusable_offset,
+        conversations=_conversations_of(header.meta),
+        file_bytes=file_bytes,
+        last_use=last_use,
+        blocks=tuple(
+            (ref.sha256, ref.nbytes) for slot in header.slots() for ref in slot.blocks or ()
+        ),
+    )
+
+
+def _row_info(row: CatalogueRow) -> ColdEntryInfo:
+    return ColdEntryInfo(
+        key=row.key,
+        model=ModelKey(row.model_id, row.fingerprint),
+        tokens=row.tokens,
+        trimmable=row.trimmable,
+        min_reusable_offset=row.min_offset,
+        mtime=row.last_use,
+        conversations=row.conversations,
+    )
 
 
 def _entry_info(entry: TierEntry) -> ColdEntryInfo:

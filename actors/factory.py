@@ -20,6 +20,18 @@ __all__ = ["open_tiered_cache"]
 
 
 @asynccontextmanager
+async def _closing(store: ColdTierStore) -> AsyncIterator[None]:
+    """Close the store's catalogue: clean after a normal exit, unclean otherwise (a
+    cancelled removal may have left a row behind; the next open reconciles)."""
+    try:
+        yield
+    except BaseException:
+        await store.close(clean=False)
+        raise
+    await store.close()
+
+
+@asynccontextmanager
 async def open_tiered_cache(
     directory: str | os.PathLike[str],
     model: ModelKey,
@@ -60,17 +72,20 @@ async def open_tiered_cache(
         lock_timeout=lock_timeout,
     ) as tier:
         store = await ColdTierStore.create(tier, index_block_size=block_size if shared else None)
-        async with TieredPromptCache.open(
-            owner,
-            store,
-            model,
-            hot_budget=hot_budget,
-            cold_budget=cold_budget,
-            policy=policy,
-            min_free_bytes=min_free_bytes,
-            block_size=block_size,
-            shared_refresh=shared_refresh if shared else None,
-            shared_index=shared and shared_index,
-            pending_budget=pending_budget,
-        ) as cache:
+        async with (
+            _closing(store),
+            TieredPromptCache.open(
+                owner,
+                store,
+                model,
+                hot_budget=hot_budget,
+                cold_budget=cold_budget,
+                policy=policy,
+                min_free_bytes=min_free_bytes,
+                block_size=block_size,
+                shared_refresh=shared_refresh if shared else None,
+                shared_index=shared and shared_index,
+                pending_budget=pending_budget,
+            ) as cache,
+        ):
             yield cache

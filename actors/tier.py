@@ -566,10 +566,23 @@ class ColdTier:
             debris_removed=self._debris_removed,
         )
 
+    def list_keys(self) -> set[str]:
+        """Blocking (a worker thread): the keys of every stored file, without reading one."""
+        names = self.file_ops.listdir(str(self.cache_dir))
+        keys = (name[: -len(SUFFIX)] for name in names if name.endswith(SUFFIX))
+        return {key for key in keys if KEY_RE.fullmatch(key) is not None}
+
+    def entry_blocking(self, key: str) -> TierEntry:
+        """Blocking (a worker thread): :meth:`entry`; FileNotFoundError if absent."""
+        return self._read_entry(self.path_of(key))
+
     def _entry_job(self, token: CancelToken, path: Path) -> TierEntry:
+        token.check()
+        return self._read_entry(path)
+
+    def _read_entry(self, path: Path) -> TierEntry:
         from kvtrio.storage.reader import read_header
 
-        token.check()
         cache_file = read_header(str(path), file_ops=self.file_ops)
         mtime = self.file_ops.stat(str(path)).st_mtime
         return TierEntry(path.name[: -len(SUFFIX)], cache_file.header, cache_file.file_size, mtime)

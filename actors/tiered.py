@@ -268,6 +268,7 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
     _conversations: dict[str, str] = attrs.field(init=False, factory=dict)
     _key_tail: dict[str, trio.Event] = attrs.field(init=False, factory=dict)
     _hot_bytes: int = attrs.field(init=False, default=0)
+    _touched: dict[str, float] = attrs.field(init=False, factory=dict)  # last uses to record
     _counts: dict[str, int] = attrs.field(init=False, factory=dict)
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
     _busy: int = attrs.field(init=False, default=0)  # queued writes + background tasks
@@ -336,6 +337,7 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
                 if flush_on_close:
                     await self.flush()
                 await self.wait_writes_settled()
+                await self._flush_touches()
             finally:
                 self._nursery = None
                 nursery.cancel_scope.cancel()  # the writer task: idle now, or abandoned
@@ -508,7 +510,7 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         key = record.entry.key
         if key in self._hot_lru:
             self._hot_lru.move_to_end(key)
-        self._ledger.touch(record.cold)
+        self._touch_cold(record)
 
     async def _load_index(self) -> None:
         self._ledger.used = await self.cold.usage()
@@ -559,7 +561,7 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
                 self._apply(record, ColdEvent.FORGET)
             return None
         self._count("bytes_read", nbytes)
-        self._ledger.touch(record.cold)
+        self._touch_cold(record)
         return caches
 
     async def _admit_hot(self, record: CacheRecord, caches: list[Any]) -> None:

@@ -119,6 +119,12 @@ class FakeColdStore:
     async def usage(self) -> int:
         return self.disk_bytes
 
+    async def touch(self, last_use: Mapping[str, float]) -> None:
+        for key, when in last_use.items():
+            if key in self.disk:
+                info, caches = self.disk[key]
+                self.disk[key] = (attrs.evolve(info, mtime=when), caches)
+
     async def entries(self) -> list[ColdEntryInfo]:
         return [info for info, _ in self.disk.values()]
 

@@ -1,0 +1,295 @@
+"""The cold tier's catalogue: what the index and the ledger need of every entry, in one
+file, so that opening a directory of N entries reads one file instead of N manifests.
+
+Why sqlite3 in WAL mode (and not an append-only journal): it is in the standard
+library, a transaction is atomic across a crash without a format of ours to get right
+(checksums, torn tails, compaction), WAL lets a write commit without rewriting the
+file, and ``synchronous=NORMAL`` costs no fsync per commit (a crash may lose the last
+commits, which the rules below repair from the manifests). Everything here is blocking
+and CPU/disk only: callers run it on worker threads.
+
+Rules:
+
+1. The manifests stay the source of truth; the catalogue is a cache of them. It is
+   written only by the directory's owner (the tier's lock, :mod:`kvtrio.storage.dirlock`),
+   row by row as manifests are published and deleted.
+2. ``clean`` is set when the owner closes it and cleared when it opens it. An open that
+   finds it clean, with the same manifest names as the directory listing, trusts the
+   rows; otherwise (a crash, a manifest added or removed behind its back, a missing,
+   truncated or corrupt file, another schema version) the caller rebuilds it from the
+   manifests (:meth:`Catalogue.replace_all`) and counts that.
+3. Per entry: key, model id and fingerprint, tokens (u32 little-endian), trimmability,
+   minimum reusable offset, conversations, manifest bytes, last use (seconds since the
+   epoch: the cold LRU's order survives a restart), and its blocks with their sizes.
+   Per block that exists: its size. Reference counts are derived from the entries'
+   block lists when loaded (so they cannot drift from them).
+
+Costs: :meth:`Catalogue.rows` is one query, O(N + references); an upsert or delete is
+O(blocks of the entry); :meth:`touch` is O(keys touched).
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import sqlite3
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+
+import attrs
+from kvtrio.errors import CorruptCacheError
+
+__all__ = ["CATALOGUE_NAME", "Catalogue", "CatalogueRow", "pack_tokens", "unpack_tokens"]
+
+CATALOGUE_NAME = ".kvtrio-catalogue.sqlite3"
+SCHEMA_VERSION = 1
+_DIGEST = 32
+assert array.array("I").itemsize == 4
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS entries (
+    key TEXT PRIMARY KEY,
+    model_id TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    tokens BLOB NOT NULL,
+    trimmable INTEGER NOT NULL,
+    min_offset INTEGER NOT NULL,
+    conversations TEXT NOT NULL,
+    file_bytes INTEGER NOT NULL,
+    last_use REAL NOT NULL,
+    block_names BLOB NOT NULL,
+    block_sizes TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS blocks (name BLOB PRIMARY KEY, size INTEGER NOT NULL);
+"""
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    packed = array.array("I", tokens)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_tokens(data: bytes) -> tuple[int, ...]:
+    if len(data) % 4:
+        raise CorruptCacheError("catalogue: tokens are not whole u32 values")
+    packed = array.array("I")
+    packed.frombytes(data)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return tuple(packed)
+
+
+@attrs.frozen
+class CatalogueRow:
+    """One entry as the catalogue holds it (rule 3)."""
+
+    key: str
+    model_id: str
+    fingerprint: str
+    tokens: tuple[int, ...]
+    trimmable: bool
+    min_offset: int
+    conversations: tuple[str, ...]
+    file_bytes: int
+    last_use: float
+    blocks: tuple[tuple[str, int], ...]  # (sha256 hex, size) in the manifest's order
+
+
+@attrs.define(eq=False)
+class Catalogue:
+    """An open catalogue (see the module docstring). Not thread-safe: one thread at a time
+    (``check_same_thread`` is off so trio's worker threads may take turns)."""
+
+    path: str
+    _db: sqlite3.Connection
+    was_clean: bool
+
+    @classmethod
+    def open(cls, directory: str) -> Catalogue:
+        """Open (creating) the catalogue in ``directory`` and mark it in use (rule 2).
+
+        CorruptCacheError when the file exists but is not a usable catalogue (truncated,
+        corrupt, another schema version): the caller removes it (:meth:`remove`) and
+        rebuilds.
+        """
+        path = os.path.join(directory, CATALOGUE_NAME)
+        try:
+            db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise CorruptCacheError(f"catalogue {path}: {exc}") from exc
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(_SCHEMA)
+            meta = dict(db.execute("SELECT name, value FROM meta").fetchall())
+            version = meta.get("version")
+            if version is not None and version != str(SCHEMA_VERSION):
+                raise CorruptCacheError(f"catalogue {path}: schema {version}, not {SCHEMA_VERSION}")
+            integrity = db.execute("PRAGMA quick_check").fetchone()
+            if integrity is None or integrity[0] != "ok":
+                raise CorruptCacheError(f"catalogue {path}: quick_check failed")
+            was_clean = meta.get("clean") == "1" and version is not None
+            with db:
+                db.execute("BEGIN")
+                db.execute(
+                    "INSERT OR REPLACE INTO meta VALUES ('version', ?)", (str(SCHEMA_VERSION),)
+                )
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('clean', '0')")
+        except sqlite3.Error as exc:
+            db.close()
+            raise CorruptCacheError(f"catalogue {path}: {exc}") from exc
+        except BaseException:
+            db.close()
+            raise
+        return cls(path, db, was_clean)
+
+    @staticmethod
+    def remove(directory: str) -> None:
+        """Delete a catalogue's files (before a rebuild)."""
+        base = os.path.join(directory, CATALOGUE_NAME)
+        for path in (base, base + "-wal", base + "-shm"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+
+    def close(self, *, clean: bool = True) -> None:
+        """Mark it clean (rule 2: every row matches a manifest) and close it."""
+        try:
+            if clean:
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('clean', '1')")
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        finally:
+            self._db.close()
+
+    # -- reading ------------------------------------------------------------------------
+
+    def keys(self) -> set[str]:
+        return {row[0] for row in self._db.execute("SELECT key FROM entries")}
+
+    def rows(self) -> Iterator[CatalogueRow]:
+        """Every entry, least recently used first. CorruptCacheError on a bad row."""
+        query = (
+            "SELECT key, model_id, fingerprint, tokens, trimmable, min_offset, conversations,"
+            " file_bytes, last_use, block_names, block_sizes FROM entries ORDER BY last_use"
+        )
+        try:
+            for row in self._db.execute(query):
+                yield _row(row)
+        except sqlite3.Error as exc:
+            raise CorruptCacheError(f"catalogue {self.path}: {exc}") from exc
+
+    def block_sizes(self) -> dict[str, int]:
+        """The size of every block that exists (as last recorded)."""
+        try:
+            return {
+                bytes(name).hex(): int(size)
+                for name, size in self._db.execute("SELECT name, size FROM blocks")
+            }
+        except sqlite3.Error as exc:
+            raise CorruptCacheError(f"catalogue {self.path}: {exc}") from exc
+
+    # -- writing ------------------------------------------------------------------------
+
+    def replace_all(self, rows: Iterable[CatalogueRow], blocks: dict[str, int]) -> None:
+        """Rebuild: every row and every existing block, in one transaction."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM entries")
+            self._db.execute("DELETE FROM blocks")
+            self._db.executemany(
+                "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (_values(row) for row in rows),
+            )
+            self._db.executemany(
+                "INSERT INTO blocks VALUES (?, ?)",
+                ((bytes.fromhex(name), size) for name, size in blocks.items()),
+            )
+
+    def put(self, row: CatalogueRow, new_blocks: dict[str, int]) -> None:
+        """An entry was published (its blocks in ``new_blocks`` are new on disk)."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                _values(row),
+            )
+            self._db.executemany(
+                "INSERT OR REPLACE INTO blocks VALUES (?, ?)",
+                ((bytes.fromhex(name), size) for name, size in new_blocks.items()),
+            )
+
+    def delete(self, key: str, gone_blocks: Iterable[str]) -> None:
+        """An entry's manifest was deleted, and with it ``gone_blocks``."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM entries WHERE key = ?", (key,))
+            self._db.executemany(
+                "DELETE FROM blocks WHERE name = ?", ((bytes.fromhex(n),) for n in gone_blocks)
+            )
+
+    def delete_blocks(self, names: Iterable[str]) -> None:
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.executemany(
+                "DELETE FROM blocks WHERE name = ?", ((bytes.fromhex(n),) for n in names)
+            )
+
+    def touch(self, last_use: dict[str, float]) -> None:
+        """Record the last use of entries (the cold LRU's order across restarts)."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.executemany(
+                "UPDATE entries SET last_use = ? WHERE key = ?",
+                ((when, key) for key, when in last_use.items()),
+            )
+
+
+def _values(row: CatalogueRow) -> tuple[object, ...]:
+    names = b"".join(bytes.fromhex(name) for name, _ in row.blocks)
+    return (
+        row.key,
+        row.model_id,
+        row.fingerprint,
+        pack_tokens(row.tokens),
+        int(row.trimmable),
+        row.min_offset,
+        json.dumps(list(row.conversations)),
+        row.file_bytes,
+        row.last_use,
+        names,
+        json.dumps([size for _, size in row.blocks]),
+    )
+
+
+def _row(row: tuple[object, ...]) -> CatalogueRow:
+    (key, model_id, fingerprint, tokens, trimmable, min_offset, conversations, file_bytes,
+     last_use, names, sizes) = row  # fmt: skip
+    try:
+        assert isinstance(names, bytes) and isinstance(tokens, bytes)
+        size_list = json.loads(str(sizes))
+        conv = json.loads(str(conversations))
+        if len(names) != _DIGEST * len(size_list) or not isinstance(conv, list):
+            raise ValueError("block names and sizes disagree")
+        blocks = tuple(
+            (names[i * _DIGEST : (i + 1) * _DIGEST].hex(), int(size))
+            for i, size in enumerate(size_list)
+        )
+        return CatalogueRow(
+            key=str(key),
+            model_id=str(model_id),
+            fingerprint=str(fingerprint),
+            tokens=unpack_tokens(tokens),
+            trimmable=bool(trimmable),
+            min_offset=int(str(min_offset)),
+            conversations=tuple(str(c) for c in conv),
+            file_bytes=int(str(file_bytes)),
+            last_use=float(str(last_use)),
+            blocks=blocks,
+        )
+    except (AssertionError, ValueError, TypeError) as exc:
+        raise CorruptCacheError(f"catalogue: entry {key!r:.80}: {exc}") from exc

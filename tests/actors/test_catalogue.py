@@ -1,0 +1,151 @@
+"""The cold tier's catalogue under the tiered cache (real ColdTier, tiny mlx-lm model): a
+clean reopen reads it alone; a deleted, truncated or corrupted catalogue, or one that
+disagrees with the manifests, is rebuilt with nothing lost; the cold LRU's order
+survives a restart."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvtrio.actors.coldstore import ColdTierStore, OpenReport
+from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.prefix import ModelKey
+from kvtrio.actors.tiered import Tier, TieredPromptCache, WritePolicy, open_tiered_cache
+from kvtrio.storage.catalogue import CATALOGUE_NAME
+from kvtrio.tinymodel import TinyModel, build_tiny_model, make_caches, prefill
+
+BLOCK = 64
+
+
+@pytest.fixture(scope="module")
+def tiny() -> TinyModel:
+    return build_tiny_model(seed=5)
+
+
+def _prompt(seed: int, n: int = 100) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(512) for _ in range(n)]
+
+
+@asynccontextmanager
+async def _open(
+    directory: Path, tiny: TinyModel, owner: MlxOwner, **kw: Any
+) -> AsyncIterator[TieredPromptCache]:
+    kw.setdefault("hot_budget", 1 << 30)
+    kw.setdefault("cold_budget", 1 << 40)
+    async with open_tiered_cache(
+        directory,
+        ModelKey(tiny.model_id, tiny.fingerprint),
+        owner=owner,
+        policy=WritePolicy.WRITE_THROUGH,
+        block_size=BLOCK,
+        min_free_bytes=0,
+        **kw,
+    ) as cache:
+        yield cache
+
+
+def _report(cache: TieredPromptCache) -> OpenReport:
+    assert isinstance(cache.cold, ColdTierStore) and cache.cold.opening is not None
+    return cache.cold.opening
+
+
+async def _fill(directory: Path, tiny: TinyModel, owner: MlxOwner, seeds: range) -> int:
+    async with _open(directory, tiny, owner) as cache:
+        for seed in seeds:
+            tokens = _prompt(seed)
+            caches = make_caches(tiny)
+            prefill(tiny, caches, tokens)
+            await cache.insert(tokens, caches)
+        await cache.wait_writes_settled()
+        return cache.statistics().cold_bytes
+
+
+async def _all_hit_cold(directory: Path, tiny: TinyModel, owner: MlxOwner, seeds: range) -> None:
+    async with _open(directory, tiny, owner) as cache:
+        assert cache.statistics().cold_entries == len(seeds)
+        for seed in seeds:
+            found = await cache.fetch_nearest([*_prompt(seed), 1])
+            assert found.tier is Tier.COLD and found.remaining == (1,)
+
+
+async def test_a_clean_reopen_reads_the_catalogue_alone(tmp_path: Path, tiny: TinyModel) -> None:
+    async with MlxOwner.inline() as owner:
+        used = await _fill(tmp_path, tiny, owner, range(3))
+        async with _open(tmp_path, tiny, owner) as cache:
+            report = _report(cache)
+            assert report.clean and report.parsed == 0 and not report.rebuilt
+            assert cache.statistics().cold_bytes == used
+            assert cache.statistics().cold_entries == 3
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated", "corrupted"])
+async def test_a_damaged_catalogue_is_rebuilt_with_nothing_lost(
+    tmp_path: Path, tiny: TinyModel, damage: str
+) -> None:
+    async with MlxOwner.inline() as owner:
+        used = await _fill(tmp_path, tiny, owner, range(3))
+        path = tmp_path / CATALOGUE_NAME
+        data = path.read_bytes()
+        if damage == "deleted":
+            path.unlink()
+        elif damage == "truncated":
+            path.write_bytes(data[: len(data) // 3])
+        else:
+            middle = len(data) // 2
+            path.write_bytes(data[:100] + bytes(random.Random(1).randbytes(middle)) + data[-50:])
+        async with _open(tmp_path, tiny, owner) as cache:
+            report = _report(cache)
+            assert not report.clean and report.parsed == 3
+            assert cache.statistics().cold_bytes == used
+        async with _open(tmp_path, tiny, owner) as cache:
+            assert _report(cache).clean  # rebuilt once, trusted again
+        await _all_hit_cold(tmp_path, tiny, owner, range(3))
+
+
+async def test_a_catalogue_that_disagrees_with_the_manifests_is_reconciled(
+    tmp_path: Path, tiny: TinyModel
+) -> None:
+    """A manifest gone behind its back drops its row; a manifest it lacks is read."""
+    async with MlxOwner.inline() as owner:
+        other = tmp_path / "other"
+        await _fill(other, tiny, owner, range(10, 11))
+        await _fill(tmp_path, tiny, owner, range(2))
+        manifests = sorted((tmp_path / "caches").iterdir())
+        manifests[0].unlink()
+        for manifest in (other / "caches").iterdir():
+            shutil.copy(manifest, tmp_path / "caches" / manifest.name)
+        for block in (other / "blocks").iterdir():
+            shutil.copy(block, tmp_path / "blocks" / block.name)
+        async with _open(tmp_path, tiny, owner) as cache:
+            report = _report(cache)
+            assert (report.dropped, report.parsed, report.clean) == (1, 1, False)
+            assert cache.statistics().cold_entries == 2
+            assert (await cache.fetch_nearest([*_prompt(10), 5])).tier is Tier.COLD
+
+
+async def test_the_cold_lru_order_survives_a_restart(tmp_path: Path, tiny: TinyModel) -> None:
+    """Entries 0, 1, 2 written in that order, then 0 used: after a restart a budget for
+    three evicts 1 (the least recently used), not 0 (the oldest written)."""
+    async with MlxOwner.inline() as owner:
+        one = await _fill(tmp_path, tiny, owner, range(1)) + 8192
+        await _fill(tmp_path, tiny, owner, range(1, 3))
+        async with _open(tmp_path, tiny, owner) as cache:
+            assert (await cache.fetch_nearest([*_prompt(0), 9])).tier is Tier.COLD
+        async with _open(tmp_path, tiny, owner, cold_budget=4 * one) as cache:
+            tokens = _prompt(3)
+            caches = make_caches(tiny)
+            prefill(tiny, caches, tokens)
+            held = await owner.run(lambda: sum(c.nbytes for c in caches))
+            cache.cold_budget = 3 * one + held - one // 2
+            await cache.insert(tokens, caches)
+            await cache.wait_writes_settled()
+            assert cache.statistics().cold_evictions == 1
+            assert (await cache.fetch_nearest([*_prompt(0), 9])).tier is Tier.COLD
+            assert (await cache.fetch_nearest([*_prompt(1), 9])).caches is None

@@ -1,0 +1,70 @@
+"""kvtrio.storage.catalogue: rows round-trip, last uses order them, a damaged file or
+another schema is refused with CorruptCacheError (the tier then rebuilds it)."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from kvtrio.errors import CorruptCacheError
+from kvtrio.storage.catalogue import CATALOGUE_NAME, Catalogue, CatalogueRow
+
+
+def _row(key: str, last_use: float, blocks: int = 2) -> CatalogueRow:
+    return CatalogueRow(
+        key=key,
+        model_id="m",
+        fingerprint="f",
+        tokens=(0, 1, 2**32 - 1),
+        trimmable=True,
+        min_offset=1,
+        conversations=("c",),
+        file_bytes=100,
+        last_use=last_use,
+        blocks=tuple((f"{i:02x}" * 32, 10 + i) for i in range(blocks)),
+    )
+
+
+def test_rows_round_trip_in_last_use_order(tmp_path: Path) -> None:
+    catalogue = Catalogue.open(str(tmp_path))
+    assert not catalogue.was_clean
+    catalogue.put(_row("b", 2.0), {"00" * 32: 10})
+    catalogue.put(_row("a", 1.0), {"01" * 32: 11})
+    catalogue.touch({"a": 3.0, "missing": 9.0})
+    rows = list(catalogue.rows())
+    assert [r.key for r in rows] == ["b", "a"]
+    assert rows[0] == _row("b", 2.0)
+    catalogue.delete("b", ["00" * 32])
+    assert catalogue.keys() == {"a"} and catalogue.block_sizes() == {"01" * 32: 11}
+    catalogue.close()
+    again = Catalogue.open(str(tmp_path))
+    assert again.was_clean and [r.key for r in again.rows()] == ["a"]
+    again.close(clean=False)
+    assert not Catalogue.open(str(tmp_path)).was_clean
+
+
+def test_garbage_is_refused(tmp_path: Path) -> None:
+    (tmp_path / CATALOGUE_NAME).write_bytes(b"not a database" * 100)
+    with pytest.raises(CorruptCacheError):
+        Catalogue.open(str(tmp_path))
+    Catalogue.remove(str(tmp_path))
+    assert not Catalogue.open(str(tmp_path)).was_clean
+
+
+def test_another_schema_version_is_refused(tmp_path: Path) -> None:
+    Catalogue.open(str(tmp_path)).close()
+    db = sqlite3.connect(tmp_path / CATALOGUE_NAME)
+    db.execute("UPDATE meta SET value = '99' WHERE name = 'version'")
+    db.commit()
+    db.close()
+    with pytest.raises(CorruptCacheError, match="schema"):
+        Catalogue.open(str(tmp_path))
+
+
+def test_a_bad_row_is_refused(tmp_path: Path) -> None:
+    catalogue = Catalogue.open(str(tmp_path))
+    catalogue.put(_row("a", 1.0), {})
+    catalogue._db.execute("UPDATE entries SET block_sizes = '[1]'")  # 2 names, 1 size
+    with pytest.raises(CorruptCacheError, match="entry 'a'"):
+        list(catalogue.rows())
