@@ -55,13 +55,15 @@ class CacheRecord:
 
     entry: PrefixEntry
     cold: ColdSide
-    conversations: set[str] = attrs.field(factory=set)
+    # Small per entry (open indexes every stored one): empty immutable defaults, replaced
+    # when they change.
+    conversations: frozenset[str] = frozenset()
     hot: list[Any] | None = None
     hot_bytes: int = 0
     pending: list[Any] | None = None  # the caches a QUEUED write will store
-    pending_meta: dict[str, str] = attrs.field(factory=dict)
+    pending_meta: dict[str, str] | None = None
     retired: bool = False  # superseded: never promoted to RAM again
-    supersedes: list[CacheRecord] = attrs.field(factory=list)  # deleted once this is durable
+    supersedes: tuple[CacheRecord, ...] = ()  # deleted once this is durable
 
     @classmethod
     def of(cls, entry: PrefixEntry, nbytes: int = 0) -> CacheRecord:
@@ -229,7 +231,7 @@ class ColdSideMixin:
         self._settle_pending(record, ColdEvent.CANCEL)
 
     def _settle_pending(self, record: CacheRecord, event: ColdEvent) -> None:
-        record.pending = None
+        record.pending, record.pending_meta = None, None
         self._apply(record, event)
         self._busy_down()
 
@@ -267,9 +269,9 @@ class ColdSideMixin:
 
     async def _write(self, record: CacheRecord) -> None:
         key = record.entry.key
-        caches, meta = record.pending, record.pending_meta
+        caches, meta = record.pending, record.pending_meta or {}
         assert caches is not None
-        record.pending = None
+        record.pending, record.pending_meta = None, None
         self._apply(record, ColdEvent.START)  # reserves its bytes (rule 2)
         previous, done = self._reserve_turn(key)
         try:
@@ -294,7 +296,7 @@ class ColdSideMixin:
             for old in record.supersedes:
                 if self._owns(old):
                     await self._remove(old)
-            record.supersedes.clear()
+            record.supersedes = ()
 
     async def _store(
         self, record: CacheRecord, caches: list[Any], meta: dict[str, str]

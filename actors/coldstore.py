@@ -18,6 +18,7 @@ import errno
 import functools
 import json
 import logging
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -25,7 +26,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import trio
-from kvtrio.actors.prefix import DEFAULT_BLOCK_SIZE, ModelKey, index_keys, probe_keys
+from kvtrio.actors.prefix import (
+    DEFAULT_BLOCK_SIZE,
+    ModelKey,
+    index_keys,
+    intern_tokens,
+    probe_keys,
+)
 from kvtrio.actors.tier import SUFFIX, ColdTier, TierEntry
 from kvtrio.errors import CacheMismatchError, CacheMissError, CorruptCacheError, KvtrioError
 from kvtrio.storage.blockstore import LocalBlockStore
@@ -231,11 +238,10 @@ class ColdTierStore:
             self._index_block_size = index_block_size
             file_ops.index_keys_of = _ManifestIndexKeys(index_block_size)
         if local:
+            # Everything proportional to N runs on the worker thread (nothing else
+            # touches this new store yet), so the open never holds the loop for it.
             opened = await trio.to_thread.run_sync(self._open_catalogue)
-            self._catalogue, rows, self._block_sizes, self.opening = opened
-            for row in rows:
-                self._note_row(row)
-            self._infos = [_row_info(row) for row in rows]
+            self._catalogue, self._infos, self._block_sizes, self.opening = opened
         else:
             declared: dict[str, int] = {}
             entries = await tier.list()
@@ -243,12 +249,12 @@ class ColdTierStore:
                 self._note(entry.key, entry.header, entry.disk_bytes, declared)
             self._block_sizes.update(declared)
             self._infos = [_entry_info(entry) for entry in entries]
-        self._usage = sum(self._entry_bytes.values()) + sum(self._block_sizes.values())
+            self._usage = sum(self._entry_bytes.values()) + sum(self._block_sizes.values())
         return self
 
     def _open_catalogue(
         self,
-    ) -> tuple[Catalogue, list[CatalogueRow], dict[str, int], OpenReport]:
+    ) -> tuple[Catalogue, list[ColdEntryInfo], dict[str, int], OpenReport]:
         """Worker thread: the catalogue's rows, reconciled with the manifests on disk
         (module docstring of kvtrio.storage.catalogue, rule 2), and the blocks that exist."""
         root = str(self.tier.root)
@@ -285,8 +291,13 @@ class ColdTierStore:
         report.clean = catalogue.was_clean and not (report.rebuilt or report.dropped or fresh)
         if not report.clean:
             catalogue.replace_all(rows.values(), blocks)
-        ordered = sorted(rows.values(), key=lambda row: row.last_use)
-        return catalogue, ordered, blocks, report
+        models: dict[tuple[str, str], ModelKey] = {}
+        infos = []
+        for row in sorted(rows.values(), key=lambda row: row.last_use):
+            self._note_row(row)
+            infos.append(_row_info(row, models))
+        self._usage = sum(self._entry_bytes.values()) + sum(blocks.values())
+        return catalogue, infos, blocks, report
 
     def _manifest_row(self, key: str) -> CatalogueRow | None:
         try:
@@ -320,9 +331,10 @@ class ColdTierStore:
         self._entry_bytes[key] = file_bytes
 
     def _note_row(self, row: CatalogueRow) -> None:
-        for name, _ in row.blocks:
+        names = tuple(sys.intern(name) for name, _ in row.blocks)  # one str per block
+        for name in names:
             self._refs[name] = self._refs.get(name, 0) + 1
-        self._entry_blocks[row.key] = tuple(name for name, _ in row.blocks)
+        self._entry_blocks[row.key] = names
         self._entry_bytes[row.key] = row.file_bytes
 
     async def _sweep_locked(self) -> None:
@@ -442,8 +454,10 @@ class ColdTierStore:
             infos, self._infos = self._infos, None
             return infos
         if self._catalogue is not None:
-            rows = await trio.to_thread.run_sync(lambda: list(self._catalogue_rows()))
-            return [_row_info(row) for row in rows]
+            models: dict[tuple[str, str], ModelKey] = {}
+            return await trio.to_thread.run_sync(
+                lambda: [_row_info(row, models) for row in self._catalogue_rows()]
+            )
         return [_entry_info(entry) for entry in await self.tier.list()]
 
     def _catalogue_rows(self) -> Iterable[CatalogueRow]:
@@ -507,11 +521,15 @@ def _header_row(key: str, header: Header, file_bytes: int, last_use: float) -> C
     )
 
 
-def _row_info(row: CatalogueRow) -> ColdEntryInfo:
+def _row_info(row: CatalogueRow, models: dict[tuple[str, str], ModelKey]) -> ColdEntryInfo:
+    """``models`` shares one ModelKey per (model id, fingerprint) among the entries."""
+    model = models.setdefault(
+        (row.model_id, row.fingerprint), ModelKey(row.model_id, row.fingerprint)
+    )
     return ColdEntryInfo(
         key=row.key,
-        model=ModelKey(row.model_id, row.fingerprint),
-        tokens=row.tokens,
+        model=model,
+        tokens=intern_tokens(row.tokens),
         trimmable=row.trimmable,
         min_reusable_offset=row.min_offset,
         mtime=row.last_use,

@@ -30,9 +30,10 @@ Rules the index keeps:
 
 from __future__ import annotations
 
+import bisect
 import enum
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -47,6 +48,7 @@ __all__ = [
     "chain_hashes",
     "entry_key",
     "index_keys",
+    "intern_tokens",
     "probe_keys",
 ]
 
@@ -175,14 +177,21 @@ class PrefixMatch:
         return len(self.entry.tokens) - self.reuse
 
 
-@attrs.define
+@attrs.define(eq=False)
 class _Node:
+    """A chain node: the entries passing through it, sorted by their next tokens."""
+
     depth: int
-    passing: set[str] = attrs.field(factory=set)
-    ending: set[str] = attrs.field(factory=set)
+    # Every entry passing through (or ending at) this node, sorted by its *window*: its
+    # tokens from this node's depth up to one block further. Entries sharing the most
+    # tokens with a query lie next to where the query's window would be inserted.
+    runs: list[PrefixEntry] = attrs.field(factory=list)
+    # Tail lengths (tokens past the node's depth) of the entries ending here, with counts:
+    # a "shorter" lookup probes only lengths that exist.
+    tails: dict[int, int] = attrs.field(factory=dict)
 
     def empty(self) -> bool:
-        return not self.passing and not self.ending
+        return not self.runs
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], start: int) -> int:
@@ -193,14 +202,59 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], start: int) -> int:
     return i
 
 
+# Among entries that reuse equally many tokens of a query, at most this many are weighed
+# (shortest first among them; a prompt that thousands of entries share otherwise costs a
+# scan of them all on every lookup).
+MAX_TIES = 64
+
+_TOKEN_INTERN: dict[int, int] = {}
+
+
+def intern_tokens(tokens: Iterable[int]) -> tuple[int, ...]:
+    """``tokens`` as a tuple whose ints are shared with every other interned tuple (a
+    token id is one object however many entries hold it: 8 bytes per token, not 36)."""
+    values = tokens if isinstance(tokens, (tuple, list)) else list(tokens)
+    table = _TOKEN_INTERN
+    return tuple(map(table.setdefault, values, values))
+
+
+def _outward(
+    runs: list[PrefixEntry], query: tuple[int, ...], start: int, mid: int
+) -> Iterator[int]:
+    """Indices of ``runs`` from ``mid`` outward, most tokens shared with ``query`` first
+    (each side's shared length only falls as it moves away from the query's place)."""
+    left, right = mid - 1, mid
+    shared: dict[int, int] = {}
+
+    def common(i: int) -> int:
+        if i not in shared:
+            shared[i] = _common_prefix(runs[i].tokens, query, start)
+        return shared[i]
+
+    while left >= 0 or right < len(runs):
+        if left >= 0 and (right >= len(runs) or common(left) >= common(right)):
+            yield left
+            left -= 1
+        else:
+            yield right
+            right += 1
+
+
 @attrs.define
 class PrefixIndex:
-    """Entries by key, and the chain nodes they pass through or end in."""
+    """Entries by key, and the chain nodes they pass through or end in.
+
+    Costs (N entries, P blocks of a query, C candidates examined, b the block size):
+    ``add`` and ``remove`` are O(blocks of the entry) hashes plus an O(log N) search and
+    an insertion into each of its nodes' sorted runs (a list insert: a memmove of at most
+    N pointers); ``lookup`` is O(P) hashes to walk the chain, O(P * distinct tail lengths)
+    hashes for the shorter entries, and O(log N + C * b) for the longer ones, with
+    C <= :data:`MAX_TIES` per reuse length; never O(N).
+    """
 
     block_size: int = DEFAULT_BLOCK_SIZE
     _entries: dict[str, PrefixEntry] = attrs.field(init=False, factory=dict)
     _nodes: dict[bytes, _Node] = attrs.field(init=False, factory=dict)
-    _paths: dict[str, list[bytes]] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         if self.block_size < 1:
@@ -230,23 +284,32 @@ class PrefixIndex:
         return PrefixEntry(
             key=entry_key(model, tokens, self.block_size),
             model=model,
-            tokens=tuple(int(t) for t in tokens),
+            tokens=intern_tokens(int(t) for t in tokens),
             trimmable=trimmable,
             min_reusable_offset=min_reusable_offset,
         )
 
+    def _window(self, depth: int) -> Callable[[PrefixEntry], tuple[int, ...]]:
+        start = depth * self.block_size
+        stop = start + self.block_size
+        return lambda entry: entry.tokens[start:stop]
+
+    def _path(self, entry: PrefixEntry) -> list[bytes]:
+        return [entry.model.root(), *chain_hashes(entry.model, entry.tokens, self.block_size)]
+
     def add(self, entry: PrefixEntry) -> PrefixEntry | None:
         """Register ``entry``; return the entry it replaced (same key), if any."""
         previous = self.remove(entry.key)
-        path = [entry.model.root(), *chain_hashes(entry.model, entry.tokens, self.block_size)]
+        path = self._path(entry)
         for depth, node_hash in enumerate(path):
             node = self._nodes.get(node_hash)
             if node is None:
                 node = self._nodes[node_hash] = _Node(depth)
-            node.passing.add(entry.key)
-        self._nodes[path[-1]].ending.add(entry.key)
+            bisect.insort(node.runs, entry, key=self._window(depth))
+        tail = len(entry.tokens) - (len(path) - 1) * self.block_size
+        last = self._nodes[path[-1]]
+        last.tails[tail] = last.tails.get(tail, 0) + 1
         self._entries[entry.key] = entry
-        self._paths[entry.key] = path
         return previous
 
     def remove(self, key: str) -> PrefixEntry | None:
@@ -254,11 +317,19 @@ class PrefixIndex:
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
-        path = self._paths.pop(key)
-        for node_hash in path:
+        path = self._path(entry)
+        for depth, node_hash in enumerate(path):
             node = self._nodes[node_hash]
-            node.passing.discard(key)
-            node.ending.discard(key)
+            window = self._window(depth)
+            i = bisect.bisect_left(node.runs, window(entry), key=window)
+            while node.runs[i] is not entry:  # equal windows: find this very entry
+                i += 1
+            del node.runs[i]
+            if depth == len(path) - 1:
+                tail = len(entry.tokens) - depth * self.block_size
+                node.tails[tail] -= 1
+                if not node.tails[tail]:
+                    del node.tails[tail]
             if node.empty():
                 del self._nodes[node_hash]
         return entry
@@ -268,11 +339,11 @@ class PrefixIndex:
         query = tuple(int(t) for t in tokens)
         if not query:
             return None
-        path = self._walk(model, query)
+        path, hashes = self._walk(model, query)
         exact = self._entries.get(entry_key(model, query, self.block_size))
         if exact is not None and exact.tokens == query:
             return PrefixMatch(exact, MatchKind.EXACT, len(query))
-        shorter = self._longest_shorter(path, query)
+        shorter = self._longest_shorter(model, path, hashes, query)
         short_len = len(shorter.tokens) if shorter is not None else 0
         longer = self._best_longer(path[-1], query, short_len)
         if longer is not None:
@@ -287,30 +358,37 @@ class PrefixIndex:
         """The longer entry that rule 3 refused although it would have kept more than
         ``reuse`` tokens of the query (not trimmable, or below its minimum reusable offset),
         and what it would have kept; None when there is none. Same cost as :meth:`lookup`
-        (explained misses, :mod:`kvtrio.actors.misses`)."""
+        (explained misses, :mod:`kvtrio.actors.misses`): candidates are visited outward
+        from the query's place in the deepest node's runs, most tokens kept first, and the
+        first refused one is the answer."""
         query = tuple(int(t) for t in tokens)
         if not query:
             return None
-        deepest = self._walk(model, query)[-1]
+        path, _ = self._walk(model, query)
+        deepest = path[-1]
         start = deepest.depth * self.block_size
-        best: tuple[PrefixEntry, int] | None = None
-        for key in deepest.passing:
-            entry = self._entries[key]
+        window = self._window(deepest.depth)
+        runs = deepest.runs
+        mid = bisect.bisect_left(runs, query[start : start + self.block_size], key=window)
+        for i in _outward(runs, query, start, mid):
+            entry = runs[i]
             common = _common_prefix(entry.tokens, query, start)
             if common >= len(entry.tokens):
                 continue
             kept = min(len(query) - 1, common)
-            usable = entry.trimmable and kept >= entry.min_reusable_offset
-            if kept > reuse and not usable and (best is None or kept > best[1]):
-                best = (entry, kept)
-        return best
+            if kept <= reuse:
+                return None
+            if not (entry.trimmable and kept >= entry.min_reusable_offset):
+                return entry, kept
+        return None
 
-    def _walk(self, model: ModelKey, query: tuple[int, ...]) -> list[_Node]:
-        root = self._nodes.get(model.root())
-        if root is None:
-            return [_Node(0)]
-        path = [root]
+    def _walk(self, model: ModelKey, query: tuple[int, ...]) -> tuple[list[_Node], list[bytes]]:
+        """The nodes of the query's chain that exist (root first), and their hashes."""
         parent = model.root()
+        root = self._nodes.get(parent)
+        if root is None:
+            return [_Node(0)], [parent]
+        path, hashes = [root], [parent]
         b = self.block_size
         for start in range(0, len(query) - b + 1, b):
             parent = _link(parent, model, query[start : start + b])
@@ -318,40 +396,98 @@ class PrefixIndex:
             if node is None:
                 break
             path.append(node)
-        return path
+            hashes.append(parent)
+        return path, hashes
 
-    def _longest_shorter(self, path: list[_Node], query: tuple[int, ...]) -> PrefixEntry | None:
-        for node in reversed(path):
-            best: PrefixEntry | None = None
-            for key in node.ending:
-                entry = self._entries[key]
-                n = len(entry.tokens)
-                if (
-                    0 < n < len(query)
-                    and query[node.depth * self.block_size : n]
-                    == entry.tokens[node.depth * self.block_size :]
-                ):
-                    if best is None or n > len(best.tokens):
-                        best = entry
-            if best is not None:
-                return best
+    def _longest_shorter(
+        self, model: ModelKey, path: list[_Node], hashes: list[bytes], query: tuple[int, ...]
+    ) -> PrefixEntry | None:
+        """The longest entry that is a proper prefix of ``query``: at each node, deepest
+        first, the entries ending there are probed by key, one per tail length present."""
+        for node, node_hash in zip(reversed(path), reversed(hashes), strict=True):
+            start = node.depth * self.block_size
+            for tail in sorted(node.tails, reverse=True):
+                n = start + tail
+                if not 0 < n < len(query):
+                    continue
+                entry = self._entries.get(_link(node_hash, model, query[start:n]).hex())
+                if entry is not None and entry.tokens == query[:n]:
+                    return entry
         return None
 
     def _best_longer(
         self, deepest: _Node, query: tuple[int, ...], short_len: int
     ) -> PrefixMatch | None:
+        """The entry extending past the common prefix that reuses the most of ``query``:
+        candidates are visited outward from the query's place in the node's sorted runs,
+        in non-increasing order of tokens shared (rule 3's selection within each)."""
         start = deepest.depth * self.block_size
-        candidates: list[tuple[int, int, str]] = []
-        for key in deepest.passing:
-            entry = self._entries[key]
-            common = _common_prefix(entry.tokens, query, start)
-            if common >= len(entry.tokens):
-                continue  # a prefix of the query (or the query itself): not "longer"
-            reuse = min(len(query) - 1, common)
-            if reuse > short_len:
-                candidates.append((-reuse, len(entry.tokens), key))
-        for neg_reuse, _, key in sorted(candidates):
-            entry = self._entries[key]
-            if entry.trimmable and -neg_reuse >= entry.min_reusable_offset:
-                return PrefixMatch(entry, MatchKind.LONGER, -neg_reuse)
+        window = self._window(deepest.depth)
+        runs = deepest.runs
+        mid = bisect.bisect_left(runs, query[start : start + self.block_size], key=window)
+        left, right = mid - 1, mid
+        shared: dict[int, int] = {}  # run index -> common prefix with the query
+
+        def common(i: int) -> int:
+            if i not in shared:
+                shared[i] = _common_prefix(runs[i].tokens, query, start)
+            return shared[i]
+
+        group: list[PrefixEntry] = []
+        group_reuse = -1
+        while True:
+            best = -1
+            if left >= 0 and (right >= len(runs) or common(left) >= common(right)):
+                best, left = left, left - 1
+            elif right < len(runs):
+                best, right = right, right + 1
+            reuse = -1
+            if best >= 0:
+                entry, shared_len = runs[best], common(best)
+                if shared_len >= len(entry.tokens):
+                    continue  # a prefix of the query (or the query itself): not "longer"
+                reuse = min(len(query) - 1, shared_len)
+            if group and reuse != group_reuse:
+                found = self._pick(group, group_reuse)
+                if found is not None:
+                    return found
+                group = []
+            if reuse <= short_len:
+                return None  # nothing further can keep more than the shorter entry
+            group.append(runs[best])
+            group_reuse = reuse
+            if len(group) == MAX_TIES:
+                found = self._pick(group, group_reuse)
+                if found is not None:
+                    return found
+                # Skip the rest of the tie: every entry sharing as many tokens lies in
+                # one range of the runs around the query's place.
+                low, high = self._tie_range(runs, window, query, start, common(best) - start)
+                left, right = min(left, low - 1), max(right, high)
+                group = []
+
+    def _tie_range(
+        self,
+        runs: list[PrefixEntry],
+        window: Callable[[PrefixEntry], tuple[int, ...]],
+        query: tuple[int, ...],
+        start: int,
+        shared: int,
+    ) -> tuple[int, int]:
+        """The range of ``runs`` whose windows begin with the query's first ``shared``
+        window tokens (those sharing at least that many tokens with it)."""
+        if shared <= 0:
+            return 0, len(runs)
+        prefix = query[start : start + shared]
+        after = (*prefix[:-1], prefix[-1] + 1)
+        return (
+            bisect.bisect_left(runs, prefix, key=window),
+            bisect.bisect_left(runs, after, key=window),
+        )
+
+    @staticmethod
+    def _pick(group: list[PrefixEntry], reuse: int) -> PrefixMatch | None:
+        for entry in sorted(group, key=lambda e: (len(e.tokens), e.key)):
+            if entry.trimmable and reuse >= entry.min_reusable_offset:
+                return PrefixMatch(entry, MatchKind.LONGER, reuse)
         return None

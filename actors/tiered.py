@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import math
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
@@ -209,6 +210,10 @@ class TieredStatistics:
     pending_budget: int = 0
     pending_dropped: int = 0  # pending write-backs shed by the byte cap (also in drops)
     no_space_retries: int = 0  # writes that found the volume full, evicted and retried
+
+
+def _by_mtime(info: ColdEntryInfo) -> float:
+    return info.mtime
 
 
 def _cache_nbytes(caches: Sequence[Any]) -> int:
@@ -519,7 +524,13 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
     async def _add_cold_entries(self, infos: Iterable[ColdEntryInfo]) -> None:
         """Index stored entries, least recently used first, :data:`OPEN_BATCH` at a time
         with a checkpoint between batches (the loop never stalls for all N at once)."""
-        for n, info in enumerate(sorted(infos, key=lambda info: info.mtime)):
+        listed = list(infos)
+        if len(listed) > OPEN_BATCH:  # a sort of N on the loop would be one long step
+            by_mtime = functools.partial(sorted, listed, key=_by_mtime)
+            ordered = await trio.to_thread.run_sync(by_mtime)
+        else:
+            ordered = sorted(listed, key=_by_mtime)
+        for n, info in enumerate(ordered):
             if n and n % OPEN_BATCH == 0:
                 await trio.lowlevel.checkpoint()
             if info.key in self._records:
@@ -532,7 +543,7 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
                 min_reusable_offset=info.min_reusable_offset,
             )
             record = self._records[info.key] = CacheRecord.of(entry)
-            record.conversations.update(info.conversations)
+            record.conversations = frozenset(info.conversations)
             self._apply(record, ColdEvent.FOUND)
             for conversation in info.conversations:  # the latest checkpoint is the longest
                 latest = self._records.get(self._conversations.get(conversation, ""))
@@ -590,20 +601,20 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
     async def _supersede(self, conversation: str, record: CacheRecord) -> None:
         old_key = self._conversations.get(conversation)
         self._conversations[conversation] = record.entry.key
-        record.conversations.add(conversation)
+        record.conversations |= {conversation}
         if old_key is None or old_key == record.entry.key:
             return
         old = self._records.get(old_key)
         if old is None:
             return
-        old.conversations.discard(conversation)
+        old.conversations -= {conversation}
         n = len(old.entry.tokens)
         if old.conversations or record.entry.tokens[:n] != old.entry.tokens:
             return  # still another conversation's, or not a prefix of the new checkpoint
         self._count("superseded")
         old.retired = True
-        record.supersedes.extend(old.supersedes)
-        old.supersedes.clear()
+        record.supersedes += old.supersedes
+        old.supersedes = ()
         if record.cold.state is ColdState.DURABLE:
             await self._remove(old)
             return
@@ -613,7 +624,7 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         if old.cold.state is ColdState.NONE:
             await self._remove(old)
         else:
-            record.supersedes.append(old)
+            record.supersedes += (old,)
 
     async def _remove(self, record: CacheRecord) -> None:
         """Take ``record`` out of both tiers (its file in the background)."""

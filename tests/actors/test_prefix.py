@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from kvtrio.actors.prefix import (
     MatchKind,
@@ -157,3 +159,53 @@ def test_lookup_agrees_with_a_brute_force_scan() -> None:
 def test_tokens_out_of_range_are_refused() -> None:
     with pytest.raises(ValueError, match=r"^token ids must be in \[0, 2\*\*32\)$"):
         entry_key(MODEL, [-1], 4)
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    import kvtrio.actors.prefix as prefix
+
+    calls = [0]
+    real = prefix._common_prefix
+
+    def counted(a: Any, b: Any, start: int) -> int:
+        calls[0] += 1
+        return real(a, b, start)
+
+    monkeypatch.setattr(prefix, "_common_prefix", counted)
+    return calls
+
+
+def test_a_miss_examines_candidates_not_entries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """10,000 entries under one root: a miss, and a longer match, compare a few entries
+    next to the query's place in the sorted runs, never all of them."""
+    import random
+
+    rng = random.Random(3)
+    index = PrefixIndex(block_size=16)
+    for _ in range(10_000):
+        index.add(index.make_entry(MODEL, [rng.randrange(1000) for _ in range(12)]))
+    calls = _counting(monkeypatch)
+    assert index.lookup(MODEL, [1001, 1002, 1003]) is None
+    assert calls[0] <= 4
+    entry = next(iter(index))
+    calls[0] = 0
+    match = index.lookup(MODEL, [*entry.tokens[:6], 1005])
+    assert match is not None and match.kind is MatchKind.LONGER and match.reuse == 6
+    assert calls[0] <= 8
+
+
+def test_a_prompt_shared_by_thousands_costs_a_bounded_lookup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """5,000 entries sharing a two-block system prompt, each with its own tail: a new
+    tail's lookup weighs at most MAX_TIES of the entries that tie."""
+    from kvtrio.actors.prefix import MAX_TIES
+
+    system = list(range(40))
+    index = PrefixIndex(block_size=16)
+    for i in range(5_000):
+        index.add(index.make_entry(MODEL, [*system, 5000 + i, 7, 7]))
+    calls = _counting(monkeypatch)
+    match = index.lookup(MODEL, [*system, 99, 99])
+    assert match is not None and match.kind is MatchKind.LONGER and match.reuse == 40
+    assert calls[0] <= MAX_TIES + 2
