@@ -121,6 +121,10 @@ BENCHES: dict[str, Command] = {
         "prefill time saved and bytes written, cost-aware vs LRU",
         "kvtrio.bench.policy",
     ),
+    "scale": Command(
+        "cold store at 1k/10k/100k entries: open, loop stall, RSS/entry, lookups, gc; a burst",
+        "kvtrio.bench.scale",
+    ),
     "attention": Command(
         "decode attention over a paged cache: direct kernel and gather+sdpa vs contiguous "
         "sdpa",

@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from kvtrio.actors.coldstore import ColdTierStore
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import ModelKey
 from kvtrio.actors.spill import SpillOutcome
 from kvtrio.actors.tier import ColdTier
-from kvtrio.actors.tiered import Tier, open_tiered_cache
+from kvtrio.actors.tiered import Tier, WritePolicy, open_tiered_cache
 from kvtrio.errors import CacheMissError, CorruptCacheError, StoreUnavailableError
 from kvtrio.storage.redisstore import RedisBlockStore
 
@@ -191,3 +192,30 @@ async def test_catalogue_refresh_fallback_without_the_index(private_redis: Any) 
             late = await host_c.fetch_nearest(query)
             assert (late.caches, late.remaining) == (None, tuple(query))
             assert host_c.statistics().shared_refreshes == 1
+
+
+async def test_a_host_never_deletes_shared_blocks(private_redis: Any) -> None:
+    """Shared-block GC is not a host's job (ColdTierStore's rule 3): removing an entry
+    deletes its manifest, while its blocks stay for every other host's manifests (Redis's
+    own eviction, or a GC over the shared manifests with its grace period, takes them);
+    the host's ledger stops counting them all the same."""
+    url = private_redis.url(0, prefix="kvtrio")
+    async with MlxOwner.dedicated() as owner:
+        model, caches, _ = await _entry(owner)
+        options = _tiered_options(owner, policy=WritePolicy.WRITE_THROUGH)
+        async with open_tiered_cache(url, model, **options) as cache:
+            key = await cache.insert(TOKENS, caches)
+            await cache.wait_writes_settled()
+            store = cache.cold
+            assert isinstance(store, ColdTierStore)
+            entry = await trio.to_thread.run_sync(store.tier.entry_blocking, key)
+            blocks = [ref.sha256 for slot in entry.header.slots() for ref in slot.blocks or ()]
+            assert blocks
+            assert await store.remove(key) > 0 and await store.usage() == 0
+            with pytest.raises(CacheMissError):
+                await store.tier.entry(key)
+        shared = RedisBlockStore.open(url)
+        try:
+            assert all(shared.has_many(blocks))
+        finally:
+            shared.close()

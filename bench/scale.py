@@ -1,0 +1,434 @@
+"""``kvtrio bench scale``: the cold store at N = 1k, 10k, 100k entries (1M with --million).
+
+Per N, in a fresh child process over a directory of N small entries (blocks layout; the
+entries differ in their tokens and share their blocks, so populating costs N manifest
+files): the first open, which builds the catalogue from the manifests ("rebuild"); the
+open after a clean close, which reads the catalogue ("open"); the longest loop stall
+during that open (a 1 ms heartbeat's worst lateness); RSS per indexed entry; lookup
+latency p50/p99 of a miss (``fetch_nearest``) and of a hit (the index lookup alone, the
+part that could grow with N); then ``kvtrio gc`` and ``kvtrio verify``'s routines.
+Then a burst: write-back inserts with nobody waiting for the disk, against a cold budget
+of about ``--burst-fit`` entries, printing the most bytes ever on disk over the budget
+and the entries kept over those that fit.
+
+Targets (issue 14), printed as ratios measured in the same run:
+open(10k)/open(1k) <= 11 and open(100k)/open(10k) <= 11; open(100k) <= 5 s and <= 2 KB
+RSS per entry; longest loop stall during open <= 20 ms; miss(100k) <= 2 x miss(1k) and
+<= 2 ms; burst max disk use <= budget + one entry, entries kept >= 90% of those that fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_arguments", "measure", "render"]
+
+TOKENS = 48  # tokens per entry: below one index block, the cheapest entry there is
+BLOCK = 64
+TARGET_LINEAR = 11.0
+TARGET_OPEN_S = 5.0
+TARGET_RSS_PER_ENTRY = 2048
+TARGET_STALL_S = 0.020
+TARGET_MISS_RATIO = 2.0
+TARGET_MISS_S = 0.002
+TARGET_KEPT = 0.9
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--sizes", default="1000,10000,100000", help="entry counts, comma-separated"
+    )
+    parser.add_argument("--million", action="store_true", help="add N = 1,000,000")
+    parser.add_argument("--lookups", type=int, default=2000, help="lookups per kind and N")
+    parser.add_argument("--burst", type=int, default=600, help="inserts in the burst run")
+    parser.add_argument(
+        "--burst-fit", type=int, default=40, help="entries the burst's cold budget holds"
+    )
+    parser.add_argument("--no-maintenance", action="store_true", help="skip gc and verify")
+    parser.add_argument("--dir", default=None, help="work directory (default: a tmp dir)")
+    parser.add_argument("--child", nargs=2, metavar=("DIR", "N"), help=argparse.SUPPRESS)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    if args.child is not None:  # one N, in the fresh process _child started
+        return child_main(
+            Path(args.child[0]), int(args.child[1]), args.lookups, not args.no_maintenance
+        )
+    sizes = [int(n) for n in args.sizes.split(",") if n]
+    if args.million:
+        sizes.append(1_000_000)
+    with tempfile.TemporaryDirectory(dir=args.dir) as work:
+        runs = {}
+        for n in sizes:
+            directory = Path(work) / f"n{n}"
+            populate = _populate(directory, n)
+            figures = _child(directory, n, args.lookups, not args.no_maintenance)
+            runs[str(n)] = {"populate_s": populate, **figures}
+        burst = _burst(Path(work) / "burst", args.burst, args.burst_fit)
+    return {"sizes": sizes, "runs": runs, "burst": burst, **_ratios(sizes, runs, burst)}
+
+
+def _ratios(sizes: list[int], runs: dict[str, Any], burst: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    by_n = {int(n): run for n, run in runs.items()}
+    for small, big in itertools.pairwise(sizes):
+        out[f"open_{big}_over_{small}"] = by_n[big]["open_s"] / by_n[small]["open_s"]
+    if sizes:
+        out["miss_p50_largest_over_smallest"] = (
+            by_n[sizes[-1]]["miss_p50_s"] / by_n[sizes[0]]["miss_p50_s"]
+        )
+    out["burst_max_disk_over_budget"] = burst["max_disk_bytes"] / burst["budget"]
+    out["burst_kept_over_fit"] = burst["kept"] / burst["fit"]
+    return out
+
+
+# -- populating ------------------------------------------------------------------------
+
+
+def _seed_manifest(directory: Path) -> tuple[bytes, Any, str]:
+    """One real entry written through the tier; its manifest bytes, header and model."""
+    import trio
+    from kvtrio.actors.tier import ColdTier
+    from kvtrio.storage.reader import read_header
+    from kvtrio.tinymodel import build_tiny_model, make_caches, prefill
+
+    tiny = build_tiny_model(seed=5)
+    caches = make_caches(tiny)
+    tokens = list(range(TOKENS))
+    prefill(tiny, caches, tokens)
+
+    async def save() -> None:
+        async with ColdTier.open(directory, layout="blocks", block_tokens=BLOCK, inline=True) as t:
+            meta = {"model_id": tiny.model_id, "config_fingerprint": tiny.fingerprint}
+            result = await (await t.save("seed", tokens, caches, meta=meta)).wait()
+            assert result.written, result
+
+    trio.run(save)
+    path = directory / "caches" / "seed.kvc"
+    header = read_header(str(path)).header
+    return path.read_bytes(), header, tiny.fingerprint
+
+
+def _populate(directory: Path, n: int) -> float:
+    """N manifests differing in their tokens (keys as the tiered cache names them),
+    sharing the seed's blocks; written without fsync (a bench fixture, not a save)."""
+    import attrs
+    from kvtrio.actors.prefix import ModelKey, entry_key
+    from kvtrio.storage.format import PREAMBLE, encode_header, encode_preamble
+
+    start = time.perf_counter()
+    data, header, _ = _seed_manifest(directory)
+    padded = len(data) > PREAMBLE.size + len(encode_header(header))
+    (directory / "caches" / "seed.kvc").unlink()
+    model = ModelKey(header.model_id or "", header.config_fingerprint or "")
+    rng = random.Random(n)
+    caches_dir = directory / "caches"
+    for i in range(n):
+        tokens = (i // 1000 + 1000, i % 1000, *(rng.randrange(50_000) for _ in range(TOKENS - 2)))
+        body = encode_header(attrs.evolve(header, tokens=tokens))
+        blob = encode_preamble(body, header.format_version) + body
+        if padded:
+            blob += bytes(-len(blob) % 16384)
+        name = entry_key(model, tokens, BLOCK) + ".kvc"
+        fd = os.open(caches_dir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, blob)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - start
+
+
+# -- one N, in a child process ---------------------------------------------------------
+
+
+def _child(directory: Path, n: int, lookups: int, maintenance: bool) -> dict[str, Any]:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtrio",
+            "bench",
+            "scale",
+            "--json",
+            "--child",
+            str(directory),
+            str(n),
+            "--lookups",
+            str(lookups),
+            *(["--no-maintenance"] if not maintenance else []),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    figures: dict[str, Any] = json.loads(out.stdout)
+    return figures
+
+
+def child_main(directory: Path, n: int, lookups: int, maintenance: bool) -> dict[str, Any]:
+    import trio
+
+    return trio.run(_child_async, directory, n, lookups, maintenance)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def _heartbeat(worst: list[float], stop: Any) -> None:
+    import trio
+
+    while not stop.is_set():
+        before = time.perf_counter()
+        await trio.sleep(0.001)
+        worst[0] = max(worst[0], time.perf_counter() - before - 0.001)
+
+
+async def _timed_open(directory: Path, model: Any, owner: Any) -> tuple[float, float, Any]:
+    """Open (and close) the tiered cache, timing the open and its worst loop stall."""
+    import trio
+    from kvtrio.actors.tiered import open_tiered_cache
+
+    worst = [0.0]
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_heartbeat, worst, stop)
+        await trio.sleep(0.01)
+        start = time.perf_counter()
+        async with open_tiered_cache(
+            directory, model, owner=owner, hot_budget=1 << 30, cold_budget=1 << 50,
+            block_size=BLOCK, min_free_bytes=0,
+        ) as cache:  # fmt: skip
+            elapsed = time.perf_counter() - start
+            stop.set()
+            entries = cache.statistics().cold_entries
+    return elapsed, worst[0], entries
+
+
+async def _child_async(directory: Path, n: int, lookups: int, maintenance: bool) -> dict[str, Any]:
+    import gc
+
+    from kvtrio.actors.owner import MlxOwner
+    from kvtrio.actors.prefix import ModelKey
+    from kvtrio.actors.tiered import open_tiered_cache
+    from kvtrio.storage.reader import read_header
+
+    first = next((directory / "caches").iterdir())
+    header = read_header(str(first)).header
+    model = ModelKey(header.model_id or "", header.config_fingerprint or "")
+    figures: dict[str, Any] = {"n": n}
+    async with MlxOwner.inline() as owner:
+        rebuild_s, rebuild_stall, entries = await _timed_open(directory, model, owner)
+        assert entries == n, (entries, n)
+        gc.collect()
+        before = _rss()
+        open_s, stall, _ = await _timed_open(directory, model, owner)
+        figures.update(rebuild_s=rebuild_s, rebuild_stall_s=rebuild_stall)
+        figures.update(open_s=open_s, open_stall_s=stall)
+        async with open_tiered_cache(
+            directory, model, owner=owner, hot_budget=1 << 30, cold_budget=1 << 50,
+            block_size=BLOCK, min_free_bytes=0,
+        ) as cache:  # fmt: skip
+            gc.collect()
+            figures["rss_per_entry"] = (_rss() - before) / n
+            rng = random.Random(7)
+            misses = []
+            for _ in range(lookups):
+                query = [2_000_000 + rng.randrange(1000), *range(TOKENS)]
+                start = time.perf_counter()
+                found = await cache.fetch_nearest(query)
+                misses.append(time.perf_counter() - start)
+                assert found.caches is None
+            stored = [entry.tokens for _, entry in zip(range(lookups), cache._index, strict=False)]
+            hits = []
+            for tokens in stored:
+                start = time.perf_counter()
+                match = cache._index.lookup(model, [*tokens, 1])
+                hits.append(time.perf_counter() - start)
+                assert match is not None
+    figures.update(_percentiles("miss", misses), **_percentiles("hit", hits))
+    if maintenance:
+        figures.update(_maintenance(directory))
+    return figures
+
+
+def _percentiles(name: str, samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {
+        f"{name}_p50_s": statistics.median(ordered),
+        f"{name}_p99_s": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
+    }
+
+
+def _maintenance(directory: Path) -> dict[str, float]:
+    from kvtrio.storage.blockstore import LocalBlockStore
+    from kvtrio.storage.maintenance import collect_garbage, verify_tree
+
+    store = LocalBlockStore(str(directory / "blocks"))
+    start = time.perf_counter()
+    collect_garbage(str(directory / "caches"), store, grace_s=3600)
+    gc_s = time.perf_counter() - start
+    start = time.perf_counter()
+    report = verify_tree(str(directory / "caches"), store)
+    assert report.ok, report
+    return {"gc_s": gc_s, "verify_s": time.perf_counter() - start}
+
+
+# -- the burst ---------------------------------------------------------------------------
+
+
+def _burst(directory: Path, inserts: int, fit: int) -> dict[str, Any]:
+    import trio
+
+    return trio.run(_burst_async, directory, inserts, fit)
+
+
+def _tree_bytes(directory: Path) -> int:
+    total = 0
+    for sub in ("caches", "blocks"):
+        with os.scandir(directory / sub) as it:
+            total += sum(e.stat(follow_symlinks=False).st_size for e in it if e.is_file())
+    return total
+
+
+async def _burst_async(directory: Path, inserts: int, fit: int) -> dict[str, Any]:
+    """Write-back inserts of distinct caches (random keys and values: no two share a
+    block), one hot entry at a time, nobody waiting for the disk; the directory's size
+    is sampled after every insert and every 5 ms."""
+    import mlx.core as mx
+    import trio
+    from kvtrio.actors.owner import MlxOwner
+    from kvtrio.actors.prefix import ModelKey
+    from kvtrio.actors.tiered import open_tiered_cache
+    from mlx_lm.models.cache import KVCache
+
+    tokens_per = 96
+
+    def make(seed: int) -> list[Any]:
+        mx.random.seed(seed)
+        caches = []
+        for _ in range(2):
+            cache = KVCache()  # type: ignore[no-untyped-call]
+            k = mx.random.normal((1, 2, tokens_per, 64))
+            values = mx.random.normal((1, 2, tokens_per, 64))
+            cache.update_and_fetch(k, values)  # type: ignore[no-untyped-call]
+            mx.eval(cache.keys, cache.values)
+            caches.append(cache)
+        return caches
+
+    model = ModelKey("bench-burst", "fp")
+    directory.mkdir(parents=True)
+    async with MlxOwner.inline() as owner:
+        # One entry alone first: its size on disk sizes the budget.
+        async with open_tiered_cache(
+            directory / "probe", model, owner=owner, hot_budget=0, cold_budget=1 << 40,
+            min_free_bytes=0,
+        ) as probe:  # fmt: skip
+            await probe.insert(list(range(tokens_per)), await owner.run(make, 0))
+            await probe.flush()
+        one = _tree_bytes(directory / "probe")
+        budget = fit * one
+        peak = 0
+        start = time.perf_counter()
+        async with open_tiered_cache(
+            directory / "tier", model, owner=owner, hot_budget=0, cold_budget=budget,
+            min_free_bytes=0,
+        ) as cache:  # fmt: skip
+            done = trio.Event()
+
+            async def sample() -> None:
+                nonlocal peak
+                while not done.is_set():
+                    peak = max(peak, _tree_bytes(directory / "tier"))
+                    await trio.sleep(0.005)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sample)
+                for i in range(inserts):
+                    tokens = [i // 1000 + 1, i % 1000, *range(tokens_per - 2)]
+                    await cache.insert(tokens, await owner.run(make, i + 1))
+                    peak = max(peak, _tree_bytes(directory / "tier"))
+                await cache.wait_writes_settled()
+                done.set()
+            peak = max(peak, _tree_bytes(directory / "tier"))
+            stats = cache.statistics()
+        elapsed = time.perf_counter() - start
+    return {
+        "inserts": inserts,
+        "entry_bytes": one,
+        "budget": budget,
+        "fit": fit,
+        "max_disk_bytes": peak,
+        "kept": stats.cold_entries,
+        "pending_dropped": stats.pending_dropped,
+        "cold_evictions": stats.cold_evictions,
+        "seconds": elapsed,
+    }
+
+
+# -- printing ------------------------------------------------------------------------------
+
+
+def render(figures: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def met(ok: bool) -> str:
+        return "[green]met[/]" if ok else "[red]missed[/]"
+
+    console = Console()
+    table = Table(title="kvtrio cold store at scale (per N, a fresh process)")
+    for column in ("N", "rebuild s", "open s", "open stall ms", "RSS/entry B", "miss p50/p99 ms",
+                   "hit p50/p99 ms", "gc s", "verify s"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for n, run in figures["runs"].items():
+        table.add_row(
+            f"{int(n):,}",
+            f"{run['rebuild_s']:.2f}",
+            f"{run['open_s']:.2f} {met(int(n) < 100_000 or run['open_s'] <= TARGET_OPEN_S)}",
+            f"{run['open_stall_s'] * 1e3:.1f} {met(run['open_stall_s'] <= TARGET_STALL_S)}",
+            f"{run['rss_per_entry']:,.0f}",
+            f"{run['miss_p50_s'] * 1e3:.3f}/{run['miss_p99_s'] * 1e3:.3f}",
+            f"{run['hit_p50_s'] * 1e3:.3f}/{run['hit_p99_s'] * 1e3:.3f}",
+            f"{run.get('gc_s', float('nan')):.2f}",
+            f"{run.get('verify_s', float('nan')):.2f}",
+        )
+    console.print(table)
+    ratios = Table(title="ratios (same run) and targets", show_header=False)
+    ratios.add_column("figure")
+    ratios.add_column("value", justify="right")
+    ratios.add_column("target")
+    for key, value in figures.items():
+        if key.startswith("open_") and "_over_" in key:
+            ratios.add_row(
+                key, f"{value:.2f}x", f"<= {TARGET_LINEAR}x {met(value <= TARGET_LINEAR)}"
+            )
+    miss = figures.get("miss_p50_largest_over_smallest")
+    if miss is not None:
+        ratios.add_row("miss p50 largest N / smallest N", f"{miss:.2f}x",
+                       f"<= {TARGET_MISS_RATIO}x {met(miss <= TARGET_MISS_RATIO)}")  # fmt: skip
+    burst = figures["burst"]
+    over = burst["max_disk_bytes"] / (burst["budget"] + burst["entry_bytes"])
+    ratios.add_row(
+        "burst max disk / budget",
+        f"{figures['burst_max_disk_over_budget']:.3f}x",
+        f"<= budget + one entry ({(burst['budget'] + burst['entry_bytes']) / burst['budget']:.3f}x)"
+        f" {met(over <= 1.0)}",
+    )
+    kept = figures["burst_kept_over_fit"]
+    ratios.add_row(
+        "burst entries kept / fit", f"{kept:.2f}", f">= {TARGET_KEPT} {met(kept >= TARGET_KEPT)}"
+    )
+    console.print(ratios)
