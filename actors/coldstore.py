@@ -214,6 +214,7 @@ class ColdTierStore:
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
     _usage: int = 0
     _shared: ManifestStore | None = None  # the shared manifest store with a prefix index
+    _manifests: ManifestStore | None = None  # a shared tier's manifests (last uses)
     _index_block_size: int = DEFAULT_BLOCK_SIZE
 
     @classmethod
@@ -248,7 +249,13 @@ class ColdTierStore:
             for entry in entries:
                 self._note(entry.key, entry.header, entry.disk_bytes, declared)
             self._block_sizes.update(declared)
-            self._infos = [_entry_info(entry) for entry in entries]
+            if isinstance(file_ops, ManifestFileOps):
+                self._manifests = file_ops.manifests
+            uses = await self._last_uses([entry.key for entry in entries])
+            self._infos = [
+                attrs.evolve(_entry_info(entry), mtime=used)
+                for entry, used in zip(entries, uses, strict=True)
+            ]
             self._usage = sum(self._entry_bytes.values()) + sum(self._block_sizes.values())
         return self
 
@@ -430,8 +437,22 @@ class ColdTierStore:
         return freed
 
     async def touch(self, last_use: Mapping[str, float]) -> None:
-        if self._catalogue is not None and last_use:
+        if not last_use:
+            return
+        if self._catalogue is not None:
             await trio.to_thread.run_sync(self._catalogue.touch, dict(last_use))
+        elif self._manifests is not None:  # a shared store keeps them beside the manifests
+            named = {key + SUFFIX: when for key, when in last_use.items()}
+            await trio.to_thread.run_sync(self._manifests.touch, named)
+
+    async def _last_uses(self, keys: list[str]) -> list[float]:
+        """A shared store's recorded last uses of ``keys`` (0.0, the oldest, if none)."""
+        if self._manifests is None or not keys:
+            return [0.0] * len(keys)
+        manifests = self._manifests
+        names = [key + SUFFIX for key in keys]
+        uses = await trio.to_thread.run_sync(manifests.last_uses, names)
+        return [0.0 if used is None else used for used in uses]
 
     async def close(self, *, clean: bool = True) -> None:
         """Close the catalogue; ``clean``: mark that every row matches a manifest."""

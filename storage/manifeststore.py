@@ -17,6 +17,7 @@ Two stores keep the same contract, :class:`ManifestStore`:
       P:manifest:<name>       sha256(data) || data       (re-checked on every get)
       P:manifest-keys:<name>  set of the index keys the manifest was registered under
       P:prefix:<index key>    set of manifest names registered under that key
+      P:manifest-last-use     sorted set: manifest name -> last use (seconds since epoch)
 
   A manifest and its index entries are written in one MULTI/EXEC transaction, so no host
   sees an index entry before the manifest it names. Keys may vanish at any time (Redis's
@@ -35,7 +36,8 @@ import errno
 import hashlib
 import os
 import re
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import attrs
@@ -140,6 +142,15 @@ class ManifestStore(Protocol):
         """
         ...
 
+    def touch(self, last_use: Mapping[str, float]) -> None:
+        """Record when manifests were last used (seconds since the epoch), so a tier's
+        LRU order survives a restart; names that are absent are ignored."""
+        ...
+
+    def last_uses(self, names: Sequence[str]) -> builtins.list[float | None]:
+        """The last use of each of ``names`` (None: never recorded, or absent)."""
+        ...
+
     def close(self) -> None:
         """Release connections or handles."""
         ...
@@ -220,6 +231,23 @@ class LocalManifestStore:
     def unregister(self, name: str, index_keys: Sequence[str]) -> bool:
         return False
 
+    def touch(self, last_use: Mapping[str, float]) -> None:
+        # A local manifest's mtime is its last use.
+        for name, when in last_use.items():
+            try:
+                os.utime(self.path_of(name), (when, when), follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+
+    def last_uses(self, names: Sequence[str]) -> builtins.list[float | None]:
+        out: builtins.list[float | None] = []
+        for name in names:
+            try:
+                out.append(self.file_ops.stat(self.path_of(name)).st_mtime)
+            except FileNotFoundError:
+                out.append(None)
+        return out
+
     def close(self) -> None:
         return None
 
@@ -251,6 +279,9 @@ class RedisManifestStore:
     def _index_key(self, index_key: str) -> str:
         return f"{self.target.prefix}:prefix:{index_key}"
 
+    def _last_use_key(self) -> str:
+        return f"{self.target.prefix}:manifest-last-use"
+
     def put(self, name: str, data: bytes, *, index_keys: Sequence[str] = ()) -> None:
         key = self.manifest_key(name)
         if len(data) > MAX_MANIFEST_BYTES:
@@ -262,6 +293,7 @@ class RedisManifestStore:
             for old in old_keys:
                 pipe.srem(self._index_key(_text(old)), name)
             pipe.set(key, value)
+            pipe.zadd(self._last_use_key(), {name: time.time()})
             pipe.delete(self._keys_key(name))
             if index_keys:
                 pipe.sadd(self._keys_key(name), *index_keys)
@@ -292,6 +324,7 @@ class RedisManifestStore:
             index_keys = self.client.smembers(self._keys_key(name))
             pipe = self.client.pipeline(transaction=True)
             pipe.delete(key)
+            pipe.zrem(self._last_use_key(), name)
             pipe.delete(self._keys_key(name))
             for index_key in index_keys:
                 pipe.srem(self._index_key(_text(index_key)), name)
@@ -354,6 +387,21 @@ class RedisManifestStore:
                 except WatchError:
                     return False
         return True
+
+    def touch(self, last_use: Mapping[str, float]) -> None:
+        if not last_use:
+            return
+        names = [check_manifest_name(name) for name in last_use]
+        with translate_redis_errors(self.target):
+            # XX: only members already there (a manifest deleted meanwhile stays out).
+            self.client.zadd(self._last_use_key(), {n: last_use[n] for n in names}, xx=True)
+
+    def last_uses(self, names: Sequence[str]) -> builtins.list[float | None]:
+        if not names:
+            return []
+        with translate_redis_errors(self.target):
+            scores = self.client.zmscore(self._last_use_key(), list(names))
+        return [None if score is None else float(score) for score in scores]
 
     def close(self) -> None:
         self.client.close()

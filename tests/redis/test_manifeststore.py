@@ -130,3 +130,18 @@ def test_redis_down_is_store_unavailable(private_redis: object) -> None:
     with pytest.raises(StoreUnavailableError):
         store.lookup(["k"])
     store.close()
+
+
+def test_last_uses_are_recorded_and_ordered(manifests: ManifestStore) -> None:
+    """Both stores keep a last use per manifest (the tier's LRU order across restarts):
+    set at put, moved by touch, gone with the manifest; touching an absent name adds
+    nothing."""
+    manifests.put("a", b"1")
+    manifests.put("b", b"2")
+    manifests.touch({"a": 2_000_000_000.0, "ghost": 5.0})
+    used_a, used_b, ghost = manifests.last_uses(["a", "b", "ghost"])
+    assert ghost is None and used_a is not None and used_b is not None
+    assert used_a == pytest.approx(2_000_000_000.0) and used_b < used_a
+    manifests.delete("a")
+    assert manifests.last_uses(["a"]) == [None]
+    assert manifests.get("ghost") is None

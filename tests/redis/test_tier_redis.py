@@ -219,3 +219,24 @@ async def test_a_host_never_deletes_shared_blocks(private_redis: Any) -> None:
             assert all(shared.has_many(blocks))
         finally:
             shared.close()
+
+
+async def test_the_cold_lru_order_survives_a_restart_on_redis(private_redis: Any) -> None:
+    """Last uses live beside the manifests (``P:manifest-last-use``): entries written
+    A, B, C and then A used come back after a restart least recently used first, B, C,
+    A, so a host's budget evicts B first, not A (Redis's manifests have no mtime)."""
+    url = private_redis.url(0, prefix="kvtrio")
+    async with MlxOwner.dedicated() as owner:
+        tiny = await owner.run(host._build)
+        model = ModelKey(tiny.model_id, tiny.fingerprint)
+        prompts = [[seed, *range(2, 40)] for seed in (100, 200, 300)]
+        options = _tiered_options(owner, policy=WritePolicy.WRITE_THROUGH)
+        keys = []
+        async with open_tiered_cache(url, model, **options) as cache:
+            for tokens in prompts:
+                keys.append(await cache.insert(tokens, await owner.run(host._fresh, tiny, tokens)))
+                await cache.wait_writes_settled()
+        async with open_tiered_cache(url, model, **options) as cache:
+            assert (await cache.fetch_nearest([*prompts[0], 1])).tier is Tier.COLD
+        async with open_tiered_cache(url, model, **options) as cache:
+            assert cache._ledger.durable_keys() == [keys[1], keys[2], keys[0]]
