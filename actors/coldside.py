@@ -40,7 +40,12 @@ from kvtrio.actors.lifecycle import ColdEvent, ColdLedger, ColdSide, ColdState
 from kvtrio.actors.prefix import PrefixEntry, PrefixIndex
 from kvtrio.errors import KvtrioError
 
-__all__ = ["DEFAULT_MIN_FREE_SHARE", "DEFAULT_PENDING_BYTES", "CacheRecord", "ColdSideMixin"]
+__all__ = [
+    "DEFAULT_MIN_FREE_SHARE",
+    "DEFAULT_PENDING_BYTES",
+    "CacheRecord",
+    "ColdSideMixin",
+]
 
 # The free-space floor when none is given: this share of the cold tier's volume stays
 # free (ext4 reserves 5% for root by default; a cache should not take the last of it).

@@ -57,6 +57,11 @@ _DOMAIN = b"kvtrio-prefix-v1"
 _MAX_TOKEN = 2**32 - 1
 
 
+# ModelKey -> its root chain hash (a handful of models per process; saves a sha256 per
+# index operation).
+_ROOTS: dict[ModelKey, bytes] = {}
+
+
 @attrs.frozen
 class ModelKey:
     """The namespace of a cache: model id and config fingerprint (covers kv quantization)."""
@@ -66,12 +71,18 @@ class ModelKey:
 
     def root(self) -> bytes:
         """The chain hash of the empty prefix for this model and configuration."""
+        cached = _ROOTS.get(self)
+        if cached is not None:
+            return cached
         h = hashlib.sha256(_DOMAIN)
         for part in (self.model_id, self.fingerprint):
             raw = part.encode()
             h.update(len(raw).to_bytes(8, "little"))
             h.update(raw)
-        return h.digest()
+        if len(_ROOTS) >= 1024:  # bounded, whatever callers make
+            _ROOTS.clear()
+        digest = _ROOTS[self] = h.digest()
+        return digest
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
@@ -255,6 +266,9 @@ class PrefixIndex:
     block_size: int = DEFAULT_BLOCK_SIZE
     _entries: dict[str, PrefixEntry] = attrs.field(init=False, factory=dict)
     _nodes: dict[bytes, _Node] = attrs.field(init=False, factory=dict)
+    _windows: dict[int, Callable[[PrefixEntry], tuple[int, ...]]] = attrs.field(
+        init=False, factory=dict
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.block_size < 1:
@@ -290,9 +304,12 @@ class PrefixIndex:
         )
 
     def _window(self, depth: int) -> Callable[[PrefixEntry], tuple[int, ...]]:
-        start = depth * self.block_size
-        stop = start + self.block_size
-        return lambda entry: entry.tokens[start:stop]
+        window = self._windows.get(depth)
+        if window is None:
+            start = depth * self.block_size
+            stop = start + self.block_size
+            window = self._windows[depth] = lambda entry: entry.tokens[start:stop]
+        return window
 
     def _path(self, entry: PrefixEntry) -> list[bytes]:
         return [entry.model.root(), *chain_hashes(entry.model, entry.tokens, self.block_size)]

@@ -84,6 +84,7 @@ from kvtrio.actors.coldstore import (
     ColdTierStore,
     SharedColdStore,
     StoreResult,
+    collector_paused,
 )
 from kvtrio.actors.lifecycle import ColdEvent, ColdLedger, ColdState
 from kvtrio.actors.prefix import (
@@ -136,7 +137,7 @@ def __getattr__(name: str) -> Any:
 
 
 # Entries indexed per step of open, between checkpoints (rule: no long loop stall).
-OPEN_BATCH = 2000
+OPEN_BATCH = 256
 
 
 class WritePolicy(enum.Enum):
@@ -519,7 +520,9 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
 
     async def _load_index(self) -> None:
         self._ledger.used = await self.cold.usage()
-        await self._add_cold_entries(await self.cold.entries())
+        entries = await self.cold.entries()
+        with collector_paused(lambda: len(self._records)):
+            await self._add_cold_entries(entries)
 
     async def _add_cold_entries(self, infos: Iterable[ColdEntryInfo]) -> None:
         """Index stored entries, least recently used first, :data:`OPEN_BATCH` at a time

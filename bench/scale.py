@@ -75,6 +75,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             populate = _populate(directory, n)
             figures = _child(directory, n, args.lookups, not args.no_maintenance)
             runs[str(n)] = {"populate_s": populate, **figures}
+            print(json.dumps({str(n): runs[str(n)]}), file=sys.stderr, flush=True)
         burst = _burst(Path(work) / "burst", args.burst, args.burst_fit)
     return {"sizes": sizes, "runs": runs, "burst": burst, **_ratios(sizes, runs, burst)}
 
@@ -296,10 +297,15 @@ def _burst(directory: Path, inserts: int, fit: int) -> dict[str, Any]:
 
 
 def _tree_bytes(directory: Path) -> int:
+    """Bytes under caches/ and blocks/ now (tmp files included: they are on disk too)."""
     total = 0
     for sub in ("caches", "blocks"):
         with os.scandir(directory / sub) as it:
-            total += sum(e.stat(follow_symlinks=False).st_size for e in it if e.is_file())
+            for entry in it:
+                try:
+                    total += entry.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    continue  # renamed or removed since the listing
     return total
 
 

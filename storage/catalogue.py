@@ -43,7 +43,7 @@ from kvtrio.errors import CorruptCacheError
 __all__ = ["CATALOGUE_NAME", "Catalogue", "CatalogueRow", "pack_tokens", "unpack_tokens"]
 
 CATALOGUE_NAME = ".kvtrio-catalogue.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _DIGEST = 32
 assert array.array("I").itemsize == 4
 
@@ -60,7 +60,7 @@ CREATE TABLE IF NOT EXISTS entries (
     file_bytes INTEGER NOT NULL,
     last_use REAL NOT NULL,
     block_names BLOB NOT NULL,
-    block_sizes TEXT NOT NULL
+    block_sizes BLOB NOT NULL
 );
 CREATE TABLE IF NOT EXISTS blocks (name BLOB PRIMARY KEY, size INTEGER NOT NULL);
 """
@@ -262,22 +262,43 @@ def _values(row: CatalogueRow) -> tuple[object, ...]:
         row.file_bytes,
         row.last_use,
         names,
-        json.dumps([size for _, size in row.blocks]),
+        _pack_sizes([size for _, size in row.blocks]),
     )
+
+
+def _pack_sizes(sizes: Sequence[int]) -> bytes:
+    packed = array.array("Q", sizes)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpack_sizes(data: bytes) -> array.array[int]:
+    if len(data) % 8:
+        raise ValueError("block sizes are not whole u64 values")
+    packed = array.array("Q")
+    packed.frombytes(data)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed
 
 
 def _row(row: tuple[object, ...]) -> CatalogueRow:
     (key, model_id, fingerprint, tokens, trimmable, min_offset, conversations, file_bytes,
      last_use, names, sizes) = row  # fmt: skip
     try:
-        assert isinstance(names, bytes) and isinstance(tokens, bytes)
-        size_list = json.loads(str(sizes))
-        conv = json.loads(str(conversations))
+        if not (isinstance(names, bytes) and isinstance(tokens, bytes)):
+            raise TypeError("names and tokens must be blobs")
+        if not isinstance(sizes, bytes):
+            raise TypeError("block sizes must be a blob")
+        size_list = _unpack_sizes(sizes)
+        conv = [] if conversations == "[]" else json.loads(str(conversations))
         if len(names) != _DIGEST * len(size_list) or not isinstance(conv, list):
             raise ValueError("block names and sizes disagree")
+        hex_names = names.hex()
+        step = 2 * _DIGEST
         blocks = tuple(
-            (names[i * _DIGEST : (i + 1) * _DIGEST].hex(), int(size))
-            for i, size in enumerate(size_list)
+            (hex_names[i * step : (i + 1) * step], size) for i, size in enumerate(size_list)
         )
         return CatalogueRow(
             key=str(key),
@@ -291,5 +312,5 @@ def _row(row: tuple[object, ...]) -> CatalogueRow:
             last_use=float(str(last_use)),
             blocks=blocks,
         )
-    except (AssertionError, ValueError, TypeError) as exc:
+    except (ValueError, TypeError) as exc:
         raise CorruptCacheError(f"catalogue: entry {key!r:.80}: {exc}") from exc

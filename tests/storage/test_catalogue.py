@@ -65,6 +65,6 @@ def test_another_schema_version_is_refused(tmp_path: Path) -> None:
 def test_a_bad_row_is_refused(tmp_path: Path) -> None:
     catalogue = Catalogue.open(str(tmp_path))
     catalogue.put(_row("a", 1.0), {})
-    catalogue._db.execute("UPDATE entries SET block_sizes = '[1]'")  # 2 names, 1 size
+    catalogue._db.execute("UPDATE entries SET block_sizes = zeroblob(8)")  # 2 names, 1 size
     with pytest.raises(CorruptCacheError, match="entry 'a'"):
         list(catalogue.rows())
