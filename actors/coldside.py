@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 from kvtrio.actors.coldstore import CONVERSATIONS_META, ColdStore, StoreResult
-from kvtrio.actors.lifecycle import ColdEvent, ColdLedger, ColdSide, ColdState
+from kvtrio.actors.lifecycle import FINDABLE_COLD, ColdEvent, ColdLedger, ColdSide, ColdState
 from kvtrio.actors.prefix import PrefixEntry, PrefixIndex
 from kvtrio.errors import KvtrioError
 
@@ -77,7 +77,7 @@ class CacheRecord:
     @property
     def findable(self) -> bool:
         """Rule 3: indexed iff hot or durable on disk."""
-        return self.hot is not None or self.cold.state is ColdState.DURABLE
+        return self.hot is not None or self.cold.state in FINDABLE_COLD
 
 
 class ColdSideMixin:

@@ -15,7 +15,7 @@ What derives from the state (and nowhere else, see :class:`~kvtrio.actors.tiered
 
 - the cold LRU holds exactly the DURABLE entries (the only ones eviction may pick);
 - the ledger's reserved bytes are the reservations of WRITING and WRITING_DOOMED entries;
-- an entry is findable (in the prefix index) iff it is hot or DURABLE (invariant C3);
+- an entry is findable (in the prefix index) iff it is hot or DURABLE (rule 3 of the cache);
 - an entry is kept in the cache's table iff it is hot or its state is not NONE.
 """
 
@@ -87,7 +87,7 @@ TRANSITIONS = MappingProxyType(
 """Every legal (state, event) pair and the state it leads to; nothing else is legal."""
 
 FINDABLE_COLD = frozenset({ColdState.DURABLE})
-"""Cold states in which an entry that is not hot is still findable (invariant C3)."""
+"""Cold states in which an entry that is not hot is still findable (rule 3 of the cache)."""
 
 
 def next_state(state: ColdState, event: ColdEvent) -> ColdState:
