@@ -213,14 +213,16 @@ class ColdSideMixin:
         meta: Mapping[str, str],
         *,
         droppable: bool = True,
+        nbytes: int | None = None,
     ) -> None:
         """NONE -> QUEUED; then shed the oldest droppable pending writes while their bytes
-        exceed ``pending_budget`` (rule 3: soft by the newest one alone)."""
-        assert record.hot is not None, "only a hot entry's caches are written"
+        exceed ``pending_budget`` (rule 3: soft by the newest one alone). ``nbytes``: the
+        caches' bytes (default: the entry's hot bytes, its RAM copy being written)."""
         record.pending, record.pending_meta = caches, dict(meta)
         # The caches' bytes in RAM: an upper bound of what the write stores (a KVCache's
         # buffer is rounded up to its step), corrected to the real figure once written.
-        record.cold.nbytes, record.cold.droppable = record.hot_bytes, droppable
+        record.cold.nbytes = record.hot_bytes if nbytes is None else nbytes
+        record.cold.droppable = droppable
         self._apply(record, ColdEvent.QUEUE)
         self._busy_up()
         self._wake.set()

@@ -15,6 +15,7 @@ from kvtrio.actors.tier import DEFAULT_LOCK_TIMEOUT, ColdTier
 from kvtrio.actors.tiered import TieredPromptCache, WritePolicy
 from kvtrio.storage.format import Layout
 from kvtrio.storage.openstore import is_redis_url
+from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 
 __all__ = ["open_tiered_cache"]
 
@@ -45,6 +46,7 @@ async def open_tiered_cache(
     min_free_bytes: int | None = None,
     shutdown_grace: float = 10.0,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    options: IoOptions = DEFAULT_IO_OPTIONS,
     shared_index: bool = True,
     shared_refresh: float | None = None,
     pending_budget: int = DEFAULT_PENDING_BYTES,
@@ -61,6 +63,8 @@ async def open_tiered_cache(
     (off by default; for entries saved without index registration). A local directory
     belongs to one process: a second opener waits up to ``lock_timeout`` seconds for the
     first to close, then gets DirectoryLockedError (:class:`ColdTier`'s rule 5).
+    ``options``: the cold tier's I/O tuning (:class:`~kvtrio.storage.options.IoOptions`,
+    docs/tuning.md).
     """
     shared = is_redis_url(os.fspath(directory))
     async with ColdTier.open(
@@ -70,6 +74,7 @@ async def open_tiered_cache(
         owner=owner,
         shutdown_grace=shutdown_grace,
         lock_timeout=lock_timeout,
+        options=options,
     ) as tier:
         store = await ColdTierStore.create(tier, index_block_size=block_size if shared else None)
         async with (

@@ -45,8 +45,22 @@ __all__ = [
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Seconds: a cold load or save takes milliseconds to tens of seconds.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                   10.0, 30.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 # Seconds: the loop should wake within a millisecond or two of when it asked.
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -220,70 +234,126 @@ def tiered_metrics(
     TTL expiries); ``queue_depth``: cold writes waiting to start.
     """
     families = [
-        _labelled("kvtrio_cache_hits_total", "counter",
-                  "Lookups that reused a cached prefix, by the tier that served it.", "tier",
-                  [("hot", stats.hits_hot), ("cold", stats.hits_cold)]),
+        _labelled(
+            "kvtrio_cache_hits_total",
+            "counter",
+            "Lookups that reused a cached prefix, by the tier that served it.",
+            "tier",
+            [("hot", stats.hits_hot), ("cold", stats.hits_cold)],
+        ),
         _counter("kvtrio_cache_misses_total", "Lookups that reused nothing.", stats.misses),
-        _labelled("kvtrio_cache_entries", "gauge", "Entries held, by tier.", "tier",
-                  [("hot", stats.hot_entries), ("cold", stats.cold_entries)]),
-        _labelled("kvtrio_cache_bytes", "gauge",
-                  "Bytes held, by tier (RAM: caches; disk: files and blocks).", "tier",
-                  [("hot", stats.hot_bytes), ("cold", stats.cold_bytes)]),
-        _labelled("kvtrio_cache_budget_bytes", "gauge", "Byte budget, by tier.", "tier",
-                  [("hot", stats.hot_budget), ("cold", stats.cold_budget)]),
-        _labelled("kvtrio_cache_evictions_total", "counter",
-                  "Entries evicted by a tier's byte budget.", "tier",
-                  [("hot", stats.hot_evictions), ("cold", stats.cold_evictions)]),
-        _counter("kvtrio_cold_written_bytes_total",
-                 "Bytes written to the cold tier (new blocks and files).", stats.bytes_written),
-        _counter("kvtrio_cold_read_bytes_total", "Bytes loaded from the cold tier.",
-                 stats.bytes_read),
-        _counter("kvtrio_cold_deduplicated_bytes_total",
-                 "Bytes not written because the cold tier already held them (shared blocks).",
-                 stats.bytes_deduplicated),
-        _counter("kvtrio_cold_drops_total",
-                 "Cold writes dropped or failed and cold entries found missing or corrupt.",
-                 stats.drops),
+        _labelled(
+            "kvtrio_cache_entries",
+            "gauge",
+            "Entries held, by tier.",
+            "tier",
+            [("hot", stats.hot_entries), ("cold", stats.cold_entries)],
+        ),
+        _labelled(
+            "kvtrio_cache_bytes",
+            "gauge",
+            "Bytes held, by tier (RAM: caches; disk: files and blocks).",
+            "tier",
+            [("hot", stats.hot_bytes), ("cold", stats.cold_bytes)],
+        ),
+        _labelled(
+            "kvtrio_cache_budget_bytes",
+            "gauge",
+            "Byte budget, by tier.",
+            "tier",
+            [("hot", stats.hot_budget), ("cold", stats.cold_budget)],
+        ),
+        _labelled(
+            "kvtrio_cache_evictions_total",
+            "counter",
+            "Entries evicted by a tier's byte budget.",
+            "tier",
+            [("hot", stats.hot_evictions), ("cold", stats.cold_evictions)],
+        ),
+        _counter(
+            "kvtrio_cold_written_bytes_total",
+            "Bytes written to the cold tier (new blocks and files).",
+            stats.bytes_written,
+        ),
+        _counter(
+            "kvtrio_cold_read_bytes_total", "Bytes loaded from the cold tier.", stats.bytes_read
+        ),
+        _counter(
+            "kvtrio_cold_deduplicated_bytes_total",
+            "Bytes not written because the cold tier already held them (shared blocks).",
+            stats.bytes_deduplicated,
+        ),
+        _counter(
+            "kvtrio_cold_drops_total",
+            "Cold writes dropped or failed and cold entries found missing or corrupt.",
+            stats.drops,
+        ),
     ]
     if misses is not None:
-        families.append(_labelled(
-            "kvtrio_cache_lookup_reasons_total", "counter",
-            "Lookups by why they did not reuse more of the prompt (none: nothing cached "
-            "could have).", "reason",
-            [("none", misses.best_possible),
-             *((r.value, misses.count(r)) for r in MissReason)],
-        ))
+        families.append(
+            _labelled(
+                "kvtrio_cache_lookup_reasons_total",
+                "counter",
+                "Lookups by why they did not reuse more of the prompt (none: nothing cached "
+                "could have).",
+                "reason",
+                [("none", misses.best_possible), *((r.value, misses.count(r)) for r in MissReason)],
+            )
+        )
     if wear is not None:
         families += [
-            _counter("kvtrio_cold_reused_bytes_total",
-                     "Written bytes read back at least once (each write counted once).",
-                     wear.bytes_reused),
-            _labelled("kvtrio_cold_admissions_total", "counter",
-                      "Entries leaving RAM offered to the disk, by the admission decision.",
-                      "decision", [("admitted", wear.admitted), ("refused", wear.refused)]),
-            _counter("kvtrio_cold_refused_bytes_total",
-                     "Bytes of entries the admission policy kept off the disk.",
-                     wear.bytes_refused),
+            _counter(
+                "kvtrio_cold_reused_bytes_total",
+                "Written bytes read back at least once (each write counted once).",
+                wear.bytes_reused,
+            ),
+            _labelled(
+                "kvtrio_cold_admissions_total",
+                "counter",
+                "Entries leaving RAM offered to the disk, by the admission decision.",
+                "decision",
+                [("admitted", wear.admitted), ("refused", wear.refused)],
+            ),
+            _counter(
+                "kvtrio_cold_refused_bytes_total",
+                "Bytes of entries the admission policy kept off the disk.",
+                wear.bytes_refused,
+            ),
         ]
     if eviction is not None:
         families += [
-            _labelled("kvtrio_cache_pinned_bytes", "gauge", "Bytes of pinned entries, by tier.",
-                      "tier", [(t, s.pinned_bytes) for t, s in sorted(eviction.items())]),
-            _labelled("kvtrio_cache_expired_total", "counter",
-                      "Entries whose TTL ran out, by tier.", "tier",
-                      [(t, s.expired) for t, s in sorted(eviction.items())]),
+            _labelled(
+                "kvtrio_cache_pinned_bytes",
+                "gauge",
+                "Bytes of pinned entries, by tier.",
+                "tier",
+                [(t, s.pinned_bytes) for t, s in sorted(eviction.items())],
+            ),
+            _labelled(
+                "kvtrio_cache_expired_total",
+                "counter",
+                "Entries whose TTL ran out, by tier.",
+                "tier",
+                [(t, s.expired) for t, s in sorted(eviction.items())],
+            ),
         ]
     if queue_depth is not None:
-        families.append(MetricFamily("kvtrio_cold_queue_depth", "gauge",
-                                     "Cold writes waiting to start.", (("", (), queue_depth),)))
+        families.append(
+            MetricFamily(
+                "kvtrio_cold_queue_depth",
+                "gauge",
+                "Cold writes waiting to start.",
+                (("", (), queue_depth),),
+            )
+        )
     for name, help, snapshot in (
-        ("kvtrio_cold_load_seconds", "Seconds per cold load (read, verify, adopt).",
-         load_seconds),
-        ("kvtrio_cold_save_seconds", "Seconds per cold save (snapshot to durable).",
-         save_seconds),
-        ("kvtrio_event_loop_lag_seconds",
-         "How late a periodic wake-up of the trio loop came (the loop's lag).",
-         loop_lag_seconds),
+        ("kvtrio_cold_load_seconds", "Seconds per cold load (read, verify, adopt).", load_seconds),
+        ("kvtrio_cold_save_seconds", "Seconds per cold save (snapshot to durable).", save_seconds),
+        (
+            "kvtrio_event_loop_lag_seconds",
+            "How late a periodic wake-up of the trio loop came (the loop's lag).",
+            loop_lag_seconds,
+        ),
     ):
         if snapshot is not None:
             families.append(_histogram(name, help, snapshot))

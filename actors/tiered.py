@@ -240,6 +240,13 @@ def _clone_trimmed(caches: list[Any], trim: int) -> list[Any]:
     return out
 
 
+def _trim(caches: list[Any], trim: int) -> None:
+    """Owner thread: trim ``caches`` back by ``trim`` tokens, in place."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    trim_prompt_cache(caches, trim)
+
+
 def _describe(caches: list[Any]) -> tuple[int, bool, int]:
     """Owner thread: bytes, trimmability and minimum reusable offset of ``caches``."""
     from mlx_lm.models.cache import can_trim_prompt_cache
@@ -350,13 +357,17 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
 
     # -- the server's API ------------------------------------------------------------
 
-    async def fetch_nearest(self, tokens: Sequence[int], *, need_logits: bool = False) -> Fetched:
+    async def fetch_nearest(
+        self, tokens: Sequence[int], *, need_logits: bool = False, admit: bool = True
+    ) -> Fetched:
         """The caches of the longest reusable prefix of ``tokens`` (see mlx-lm's
         ``LRUPromptCache.fetch_nearest_cache``), and the tokens still to process.
 
         An exact hit leaves no token to process. With ``need_logits``, at least one is
         left: the exact entry is trimmed by one token when it may be, else the lookup is
-        made for ``tokens[:-1]``.
+        made for ``tokens[:-1]``. ``admit=False``: a disk hit is handed over as loaded
+        (trimmed in place, not cloned) and not promoted to RAM (a caller with a RAM tier
+        of its own, such as kvtrio.serve's adapter).
         """
         query = tuple(int(t) for t in tokens)
         if self.shared_index or self.shared_refresh is not None:
@@ -382,8 +393,12 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
             loaded = await self._load_cold(record)
             if loaded is None:
                 continue
-            caches = await self.owner.run(_clone_trimmed, loaded, match.trim)
             self._count("hits_cold")
+            if not admit:
+                if match.trim:
+                    await self.owner.run(_trim, loaded, match.trim)
+                return Fetched(loaded, query[match.reuse :], Tier.COLD, match)
+            caches = await self.owner.run(_clone_trimmed, loaded, match.trim)
             await self._admit_hot(record, loaded)
             return Fetched(caches, query[match.reuse :], Tier.COLD, match)
         self._count("misses")
@@ -433,6 +448,40 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         if self.policy is WritePolicy.WRITE_THROUGH and record.cold.state is ColdState.NONE:
             self._queue_write(record, clone, meta or {})
         await self._enforce_hot_budget(meta or {})
+        return entry.key
+
+    def peek(self, tokens: Sequence[int]) -> PrefixMatch | None:
+        """What :meth:`fetch_nearest` would reuse for ``tokens`` now (either tier), loading
+        nothing (the index alone; a shared store is not asked)."""
+        return self._index.lookup(self.model, tuple(int(t) for t in tokens))
+
+    async def spill(
+        self, tokens: Sequence[int], caches: list[Any], *, meta: Mapping[str, str] | None = None
+    ) -> str:
+        """Write ``caches`` (which hold exactly ``tokens``) to the cold tier without keeping
+        a copy in RAM; return its key. The caller hands them over: it must not change them
+        (a server's own RAM tier evicting an entry). Findable once durable (rule 3); an
+        entry already on disk, or being written, is left as it is. The write waits with
+        the others (rule 3's byte cap may shed it, counted)."""
+        nbytes, trimmable, min_offset = await self.owner.run(_describe, caches)
+        entry = self._index.make_entry(
+            self.model, tokens, trimmable=trimmable, min_reusable_offset=min_offset
+        )
+        record = self._records.get(entry.key)
+        if record is not None:
+            state = record.cold.state
+            if state in (ColdState.QUEUED, ColdState.WRITING, ColdState.DURABLE):
+                return entry.key
+            if state is not ColdState.NONE:  # on its way out: start afresh (rule 7 orders it)
+                self._set_hot(record, None)
+                self._records.pop(entry.key, None)
+                record = None
+        if record is None:
+            record = self._records[entry.key] = CacheRecord.of(entry, nbytes)
+        record.entry = entry
+        self._queue_write(record, caches, meta or {}, nbytes=nbytes)
+        self._set_hot(record, None)  # the RAM copy, if any, goes: the caller keeps its own
+        await trio.lowlevel.checkpoint()
         return entry.key
 
     async def wait_writes_settled(self) -> None:
