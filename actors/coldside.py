@@ -23,6 +23,8 @@ Theory of operation
 
 Costs: queueing is O(1) amortized (plus the sheds); one eviction is O(1) plus its
 removal's I/O; a write's admission evicts as many entries as its bytes need.
+
+Keeps docs/design.md invariants 12 and 14.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ What derives from the state (and nowhere else, see :class:`~kvtrio.actors.tiered
 - the ledger's reserved bytes are the reservations of WRITING and WRITING_DOOMED entries;
 - an entry is findable (in the prefix index) iff it is hot or DURABLE (rule 3 of the cache);
 - an entry is kept in the cache's table iff it is hot or its state is not NONE.
+
+Keeps docs/design.md invariants 11 and 13.
 """
 
 from __future__ import annotations

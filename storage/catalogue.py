@@ -26,6 +26,8 @@ Rules:
 
 Costs: :meth:`Catalogue.rows` is one query, O(N + references); an upsert or delete is
 O(blocks of the entry); :meth:`touch` is O(keys touched).
+
+Keeps docs/design.md invariant 15.
 """
 
 from __future__ import annotations

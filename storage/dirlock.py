@@ -19,6 +19,8 @@ Rules:
 
 Advisory only: a process that does not use it (``rm -rf``) is not stopped. NFS and
 other network filesystems may not honour ``flock``; a cold tier belongs on local disk.
+
+Keeps docs/design.md invariant 10.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A child process for tests/tier/test_dirlock.py: open a tiered cache on a directory,
+"""A child process for tests/actors/test_dirlock.py: open a tiered cache on a directory,
 say so on stdout, then on each stdin line act on it.
 
     python lock_host.py DIR LOCK_TIMEOUT

@@ -1,7 +1,10 @@
 """The cold tier's catalogue under the tiered cache (real ColdTier, tiny mlx-lm model): a
 clean reopen reads it alone; a deleted, truncated or corrupted catalogue, or one that
 disagrees with the manifests, is rebuilt with nothing lost; the cold LRU's order
-survives a restart."""
+survives a restart.
+
+Guards docs/design.md invariant 15.
+"""
 
 from __future__ import annotations
 

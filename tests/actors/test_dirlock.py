@@ -1,7 +1,10 @@
-"""One owner per cold-tier directory, with two real processes (tests/tier/lock_host.py):
+"""One owner per cold-tier directory, with two real processes (tests/actors/lock_host.py):
 a second opener waits, then fails with DirectoryLockedError naming the holder; a rolling
 restart hands over once the first has flushed, with nothing lost; `kvtrio gc` refuses
-to run beside a live owner."""
+to run beside a live owner.
+
+Guards docs/design.md invariant 10.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """The cold ledger of TieredPromptCache over a fake store: reservations before writes,
-one eviction loop, the pending write-backs' byte cap, and a full volume (ENOSPC)."""
+one eviction loop, the pending write-backs' byte cap, and a full volume (ENOSPC).
+
+Guards docs/design.md invariants 11, 12 and 14.
+"""
 
 from __future__ import annotations
 

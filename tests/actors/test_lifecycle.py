@@ -1,6 +1,9 @@
 """The cold entry lifecycle (kvtrio.actors.lifecycle): every transition of the table is
 walked, every other (state, event) pair is refused, and the ledger's derived figures
-(cold LRU, pending queue, reserved bytes) follow the states on every step."""
+(cold LRU, pending queue, reserved bytes) follow the states on every step.
+
+Guards docs/design.md invariant 13.
+"""
 
 from __future__ import annotations
 

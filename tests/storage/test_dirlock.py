@@ -1,5 +1,8 @@
 """One owner per directory (kvtrio.storage.dirlock): the lock excludes a second holder,
-names the holder, is released on close, and never follows a planted link."""
+names the holder, is released on close, and never follows a planted link.
+
+Guards docs/design.md invariant 10.
+"""
 
 from __future__ import annotations
 
