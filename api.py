@@ -26,10 +26,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
 import attrs
-from kvtrio.errors import CacheMismatchError
+from kvtrio.errors import CacheMismatchError, CacheMissError, InvalidInputError
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
 from kvtrio.storage.cacheio import AttachmentData, Restored, adopt, materialize, snapshot
-from kvtrio.storage.format import Header, Layout
+from kvtrio.storage.format import Header, Layout, check_meta, check_str_arg, check_token_ids
 from kvtrio.storage.hostbuffers import LoadBuffers, allocate_slot, check_allocatable
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, SCRIPT_LOAD_STREAMS, IoOptions
 from kvtrio.storage.reader import CacheFile, check_blocks, read_header, read_tensors
@@ -144,18 +144,26 @@ def save_cache(
     other key must map to a string and is kept in the header's ``meta``. ``options``
     tune the I/O (:class:`~kvtrio.storage.options.IoOptions`; docs/tuning.md), never the
     bytes written. Returns after fsync(file), rename and fsync(dir).
+
+    Nothing is written unless the file would load: ``tokens`` must be ints in
+    ``[0, 2**31)``, one per token every cache holds (each layer's offset), else
+    CacheMismatchError; a bad ``meta`` value or any header field the reader would refuse
+    is InvalidInputError naming it.
     """
+    if layout not in ("single", "blocks"):
+        raise InvalidInputError(f"layout must be 'single' or 'blocks', not {layout!r}")
     meta = dict(meta or {})
     attachments: Sequence[AttachmentData] = meta.get("attachments") or ()
-    extra = {k: v for k, v in meta.items() if k not in _HEADER_META_KEYS}
-    for key, value in extra.items():
-        if not isinstance(value, str):
-            raise TypeError(f"meta[{key!r}] must be a str, got {type(value).__name__}")
+    extra = check_meta({k: v for k, v in meta.items() if k not in _HEADER_META_KEYS})
+    ids = {
+        key: None if meta.get(key) is None else check_str_arg(meta[key], f"meta[{key!r}]")
+        for key in ("model_id", "config_fingerprint")
+    }
     snap = snapshot(
         caches,
-        tokens,
-        model_id=meta.get("model_id"),
-        config_fingerprint=meta.get("config_fingerprint"),
+        check_token_ids(tokens),
+        model_id=ids["model_id"],
+        config_fingerprint=ids["config_fingerprint"],
         meta=extra,
         attachments=attachments,
     )
@@ -173,7 +181,7 @@ def save_cache(
             store if store is not None else default_block_store(target),
             block_tokens=block_tokens,
         )
-    raise ValueError(f"layout must be 'single' or 'blocks', not {layout!r}")
+    raise AssertionError("unreachable: layout was checked")
 
 
 def load_cache(
@@ -189,11 +197,17 @@ def load_cache(
     The header is validated before anything in it is used; with ``verify`` (the default)
     every tensor's xxh3 or every block's sha256 is checked before any array is built.
     Raises CorruptCacheError (a bad file), CacheMismatchError (``expect`` not met) or
-    CacheMissError (a block is missing). ``options`` tune the I/O (``load_streams``
-    threads read the tensors, one tensor per task; docs/tuning.md), never what is checked.
+    CacheMissError (no file at ``path``, or a block is missing). ``options`` tune the I/O
+    (``load_streams`` threads read the tensors, one tensor per task; docs/tuning.md), never
+    what is checked.
     """
+    if expect is not None and not isinstance(expect, Expect):
+        raise InvalidInputError(f"expect: expected an Expect, got {type(expect).__name__}")
     target = os.fspath(path)
-    cache_file = read_header(target)
+    try:
+        cache_file = read_header(target)
+    except FileNotFoundError as exc:
+        raise CacheMissError(f"no cache file at {target!r}") from exc
     if expect is not None:
         expect.check(cache_file.header)
     if cache_file.header.layout == "blocks" and store is None:

@@ -14,6 +14,7 @@ __all__ = [
     "CacheMismatchError",
     "CacheMissError",
     "CorruptCacheError",
+    "InvalidInputError",
     "KvtrioError",
     "OperationCancelled",
     "PinLimitError",
@@ -57,6 +58,11 @@ class CorruptCacheError(KvtrioError):
 
 class CacheMismatchError(KvtrioError):
     """A valid cache does not fit what the caller expects (model, fingerprint or structure)."""
+
+
+class InvalidInputError(KvtrioError, ValueError):
+    """What a caller handed kvtrio (tokens, meta, ids, options) cannot be stored or used as
+    given; nothing was written. The message starts with the argument or field at fault."""
 
 
 class CacheMissError(KvtrioError):

@@ -71,7 +71,7 @@ def toy_codec() -> Iterator[ToyPagedCodec]:
 @pytest.mark.parametrize("layout", ["single", "blocks"])
 def test_registered_codec_round_trips(tmp_path: Path, layout: Layout) -> None:
     original = ToyPagedCache(16)
-    kvtrio.save_cache(tmp_path / "p.kvt", [1], [original], layout=layout)
+    kvtrio.save_cache(tmp_path / "p.kvt", [], [original], layout=layout)
     (loaded,) = kvtrio.load_cache(tmp_path / "p.kvt").caches
     assert isinstance(loaded, ToyPagedCache)
     assert loaded.table == [2, 0] and loaded.offset == 19

@@ -36,7 +36,7 @@ Doc = dict[str, Any]
 @pytest.fixture
 def valid(tmp_path: Path) -> Path:
     path = tmp_path / "valid.kvt"
-    kvtrio.save_cache(path, [1, 2, 3], [BUILDERS["kv"](), BUILDERS["arrays"]()])
+    kvtrio.save_cache(path, [], [BUILDERS["kv"](), BUILDERS["arrays"]()])
     return path
 
 
@@ -298,7 +298,7 @@ def test_rule_bad_xxh3_field(valid: Path) -> None:
 @pytest.fixture
 def manifest(tmp_path: Path) -> Path:
     path = tmp_path / "m.kvt"
-    kvtrio.save_cache(path, [1, 2], [BUILDERS["kv"]()], layout="blocks", block_tokens=128)
+    kvtrio.save_cache(path, [], [BUILDERS["kv"]()], layout="blocks", block_tokens=128)
     return path
 
 
