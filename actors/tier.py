@@ -68,7 +68,7 @@ from kvtrio.runtime.system import ActorSystem, SystemStatistics
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
 from kvtrio.storage.cacheio import AttachmentData, HostTensor, Restored
 from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps
-from kvtrio.storage.format import Header, Layout
+from kvtrio.storage.format import Header, Layout, check_meta, check_str_arg, check_token_ids
 from kvtrio.storage.hostbuffers import LoadBuffers, check_allocatable
 from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.openstore import ManifestFileOps, is_redis_url, open_store
@@ -380,11 +380,18 @@ class ColdTier:
         self.path_of(key)
         if self._closing:
             raise ShuttingDown("cold tier is shutting down: save refused")
+        # The caller's arguments, checked as the reader will check them (issue 15): a bad
+        # one fails here, not later in the writer's thread as a FAILED ticket.
+        tokens = check_token_ids(tokens)
         meta = dict(meta or {})
         model_id = model_id if model_id is not None else meta.get("model_id")
         if config_fingerprint is None:
             config_fingerprint = meta.get("config_fingerprint")
-        extra = {k: v for k, v in meta.items() if k not in _HEADER_META_KEYS}
+        if model_id is not None:
+            check_str_arg(model_id, "model_id")
+        if config_fingerprint is not None:
+            check_str_arg(config_fingerprint, "config_fingerprint")
+        extra = check_meta({k: v for k, v in meta.items() if k not in _HEADER_META_KEYS})
         snap = await self.owner.snapshot(
             key,
             caches,

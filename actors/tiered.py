@@ -69,11 +69,21 @@ from kvtrio.errors import (
     CacheMismatchError,
     CacheMissError,
     CorruptCacheError,
+    InvalidInputError,
     KvtrioError,
+    ShuttingDown,
     StoreUnavailableError,
 )
 from kvtrio.storage.blockstore import LocalBlockStore
-from kvtrio.storage.format import PREAMBLE, Header, Layout, parse_header, parse_preamble
+from kvtrio.storage.format import (
+    PREAMBLE,
+    Header,
+    Layout,
+    check_meta,
+    check_token_ids,
+    parse_header,
+    parse_preamble,
+)
 from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.openstore import ManifestFileOps, is_redis_url
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
@@ -297,11 +307,33 @@ def _trim(caches: list[Any], trim: int) -> None:
     trim_prompt_cache(caches, trim)
 
 
-def _describe(caches: list[Any]) -> tuple[int, bool, int]:
-    """Owner thread: bytes, trimmability and minimum reusable offset of ``caches``."""
+def _describe(caches: list[Any], n_tokens: int) -> tuple[int, bool, int]:
+    """Owner thread: bytes, trimmability and minimum reusable offset of ``caches``, after
+    checking that every layer holds ``n_tokens`` tokens (CacheMismatchError)."""
     from mlx_lm.models.cache import can_trim_prompt_cache
 
+    for i, cache in enumerate(caches):
+        for path, held in _held_tokens(cache, f"caches[{i}]"):
+            if held != n_tokens:
+                raise CacheMismatchError(
+                    f"{path}.offset: the cache holds {held} tokens, {n_tokens} tokens were given"
+                )
     return _cache_nbytes(caches), bool(can_trim_prompt_cache(caches)), _min_reusable_offset(caches)
+
+
+def _held_tokens(cache: Any, path: str) -> Iterable[tuple[str, int]]:
+    """The token count of every layer of ``cache`` that states one: a KV-like cache's
+    ``offset`` (rotating, chunked, quantized and paged caches count every token seen, not
+    what the window keeps); a CacheList's children; an SSM state (ArraysCache) states
+    none and holds any count."""
+    children = getattr(cache, "caches", None)
+    if isinstance(children, list | tuple):
+        for j, child in enumerate(children):
+            yield from _held_tokens(child, f"{path}.children[{j}]")
+        return
+    offset = getattr(cache, "offset", None)
+    if isinstance(offset, int) and not isinstance(offset, bool):
+        yield path, offset
 
 
 @attrs.define(eq=False)
@@ -370,6 +402,15 @@ class TieredPromptCache:
         Leaving the block normally writes the hot entries not yet on disk (with
         ``flush_on_close``, so a graceful restart keeps them) and waits for every write.
         """
+        for name, value in (("hot_budget", hot_budget), ("cold_budget", cold_budget)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidInputError(f"{name}: expected an int >= 0, got {value!r}")
+        if isinstance(min_free_bytes, bool) or not isinstance(min_free_bytes, int):
+            raise InvalidInputError(f"min_free_bytes: expected an int, got {min_free_bytes!r}")
+        if min_free_bytes < 0:
+            raise InvalidInputError(f"min_free_bytes: expected >= 0, got {min_free_bytes}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise InvalidInputError(f"block_size: expected an int >= 1, got {block_size!r}")
         self = cls(
             owner,
             cold,
@@ -463,8 +504,22 @@ class TieredPromptCache:
 
         With ``conversation``, this entry supersedes that conversation's older entries
         whose tokens it extends (a checkpoint during a long generation, or a turn).
+
+        Refused before anything is kept (the tier can only write what it can read back):
+        token ids outside ``[0, 2**31)`` or not ints, a ``conversation`` that is not a
+        str or ``meta`` that is not str -> str (InvalidInputError); a layer whose offset
+        is not ``len(tokens)`` (CacheMismatchError); after the cache closed
+        (ShuttingDown).
         """
-        nbytes, trimmable, min_offset = await self.owner.run(_describe, caches)
+        if self._nursery is None:
+            raise ShuttingDown("tiered prompt cache is closed: insert refused")
+        tokens = check_token_ids(tokens)
+        if conversation is not None and not isinstance(conversation, str):
+            raise InvalidInputError(
+                f"conversation: expected a str, got {type(conversation).__name__}"
+            )
+        meta = check_meta(meta or {})
+        nbytes, trimmable, min_offset = await self.owner.run(_describe, caches, len(tokens))
         clone = await self.owner.run(_clone, caches)
         entry = self._index.make_entry(
             self.model, tokens, trimmable=trimmable, min_reusable_offset=min_offset
@@ -498,8 +553,13 @@ class TieredPromptCache:
         """Write ``caches`` (which hold exactly ``tokens``) to the cold tier without keeping
         a copy in RAM; return its key. The caller hands them over: it must not change them
         (a server's own RAM tier evicting an entry). Findable once durable (rule 3); an
-        entry already on disk, or being written, is left as it is."""
-        _nbytes, trimmable, min_offset = await self.owner.run(_describe, caches)
+        entry already on disk, or being written, is left as it is. Its arguments are
+        checked as :meth:`insert` checks them."""
+        if self._nursery is None:
+            raise ShuttingDown("tiered prompt cache is closed: spill refused")
+        tokens = check_token_ids(tokens)
+        meta = check_meta(meta or {})
+        _nbytes, trimmable, min_offset = await self.owner.run(_describe, caches, len(tokens))
         entry = self._index.make_entry(
             self.model, tokens, trimmable=trimmable, min_reusable_offset=min_offset
         )
