@@ -46,9 +46,11 @@ starting with a letter or digit.
 from __future__ import annotations
 
 import builtins
+import logging
 import math
 import os
 import re
+import stat
 from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -62,12 +64,12 @@ from kvtrio.actors.sched import BACKGROUND_SLICE
 from kvtrio.actors.snapshot import Snapshot, SnapshotLedger, SnapshotLedgerStatistics
 from kvtrio.actors.spill import Spill, SpillActor, SpillOutcome, SpillStatistics, SpillTicket
 from kvtrio.actors.writer import Writer, WriterStatistics
-from kvtrio.errors import CacheMissError, CorruptCacheError, ShuttingDown
+from kvtrio.errors import CacheMissError, CorruptCacheError, InvalidInputError, ShuttingDown
 from kvtrio.runtime.offload import CancelToken, InlineOffload, Offload, ThreadOffload
 from kvtrio.runtime.system import ActorSystem, SystemStatistics
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
 from kvtrio.storage.cacheio import AttachmentData, HostTensor, Restored
-from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps
+from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps, not_a_real_directory
 from kvtrio.storage.format import Header, Layout, check_meta, check_str_arg, check_token_ids
 from kvtrio.storage.hostbuffers import LoadBuffers, check_allocatable
 from kvtrio.storage.manifeststore import ManifestStore
@@ -85,6 +87,8 @@ __all__ = [
     "SaveTicket",
     "TierEntry",
 ]
+
+_log = logging.getLogger(__name__)
 
 KEY_RE = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,149}")
 SUFFIX = ".kvc"
@@ -339,6 +343,13 @@ class ColdTier:
     def _prepare_directories(self, token: CancelToken) -> None:
         # Local tiers only: a shared (Redis) tier has neither directories nor tmp files.
         for directory in (self.cache_dir, self.block_dir):
+            if not_a_real_directory(self.file_ops, str(directory)):
+                # Never traversed: a sweep through a linked blocks/ would delete another
+                # program's 64-hex-named files (issue 15).
+                raise InvalidInputError(
+                    f"{directory}: a symbolic link or not a directory; kvtrio follows no "
+                    "link under its root"
+                )
             self.file_ops.mkdir(str(directory))
             for name in self.file_ops.listdir(str(directory)):
                 token.check()
@@ -554,10 +565,20 @@ class ColdTier:
         for name in sorted(self.file_ops.listdir(str(self.cache_dir))):
             if not name.endswith(SUFFIX) or KEY_RE.fullmatch(name[: -len(SUFFIX)]) is None:
                 continue
+            path = self.cache_dir / name
             try:
-                entries.append(self._entry_job(token, self.cache_dir / name))
+                # Only a regular file reached without a link is opened: a FIFO would block
+                # the open forever, a directory or link is not an entry (issue 15). A
+                # shared tier's manifests are Redis values, not files: no stat for them.
+                local = self.url is None
+                if local and not stat.S_ISREG(self.file_ops.stat(str(path)).st_mode):
+                    _log.warning("%s: not a regular file, ignored", path)
+                    continue
+                entries.append(self._entry_job(token, path))
             except (CorruptCacheError, FileNotFoundError):
                 continue
+            except OSError as exc:  # unreadable: not an entry, and no reason to fail open
+                _log.warning("%s: unreadable (%s), ignored", path, exc)
         return entries
 
     def _delete_job(self, token: CancelToken, path: Path) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import stat
 import sys
 from collections.abc import Callable
 from typing import Protocol
@@ -39,6 +40,7 @@ __all__ = [
     "FaultyFileOps",
     "FileOps",
     "byte_view",
+    "not_a_real_directory",
     "OsFileOps",
     "pread_full",
     "pwrite_full",
@@ -271,6 +273,18 @@ class FaultyFileOps:
         hints = write_behind_ops(self.inner)
         if hints is not None:
             hints[1](fd, offset, length)
+
+
+def not_a_real_directory(ops: FileOps, path: str) -> bool:
+    """Whether ``path`` exists as something other than a directory reached without a link
+    (a symbolic link to one, a file, a FIFO). Under a tier's root such a thing is never
+    traversed: a symlinked ``blocks/`` could lead a sweep to delete another program's
+    64-hex-named files (Hugging Face blob caches, OCI stores)."""
+    try:
+        info = ops.stat(path)  # lstat: a link is reported as the link
+    except FileNotFoundError:
+        return False
+    return not stat.S_ISDIR(info.st_mode)
 
 
 def byte_view(buffer: memoryview) -> memoryview:
