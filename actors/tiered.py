@@ -471,6 +471,8 @@ class TieredPromptCache:
                 self._touch_hot(record)
                 self._count("hits_hot")
                 return Fetched(caches, query[match.reuse :], Tier.HOT, match)
+            if trio.current_time() < self._shared_paused_until:
+                break  # the shared store just failed: a miss, not another deadline spent
             loaded = await self._load_cold(record)
             if loaded is None:
                 continue
@@ -670,11 +672,7 @@ class TieredPromptCache:
         try:
             candidates = await self.cold.find(self.model, query)
         except (KvtrioError, OSError):
-            self._count("shared_errors")
-            self._shared_backoff = min(
-                SHARED_PAUSE_MAX, max(SHARED_PAUSE_MIN, 2 * self._shared_backoff)
-            )
-            self._shared_paused_until = trio.current_time() + self._shared_backoff
+            self._pause_shared()
             return
         self._shared_backoff = 0.0
         self._count("shared_lookups")
@@ -742,6 +740,15 @@ class TieredPromptCache:
             return self.cold_budget
         return min(self.cold_budget, max(0, self._cold_bytes + free - self.min_free_bytes))
 
+    def _pause_shared(self) -> None:
+        """The shared store failed: skip its index and its loads for a doubling pause, so
+        a stalled store costs a request at most one deadline (issue 15)."""
+        self._count("shared_errors")
+        self._shared_backoff = min(
+            SHARED_PAUSE_MAX, max(SHARED_PAUSE_MIN, 2 * self._shared_backoff)
+        )
+        self._shared_paused_until = trio.current_time() + self._shared_backoff
+
     async def _load_cold(self, record: _Record) -> list[Any] | None:
         key = record.entry.key
         try:
@@ -757,6 +764,7 @@ class TieredPromptCache:
             # forgotten here only; it stays in the store for every host (and this one's
             # next open).
             self._count("drops")
+            self._pause_shared()
             self._forget_cold(record)
             self._maybe_forget(record)
             return None
@@ -1157,7 +1165,11 @@ class ColdTierStore:
             return []
         probes = probe_keys(model, tokens, self._index_block_size)
         lookup = functools.partial(self._shared.lookup_each, limit=SHARED_CANDIDATES)
-        names = await trio.to_thread.run_sync(lookup, [key for key, _ in probes])
+        # Abandoned on cancel: the lookup holds no borrowed buffer, and a stalled store
+        # must not hold a cancelled request for its deadline.
+        names = await trio.to_thread.run_sync(
+            lookup, [key for key, _ in probes], abandon_on_cancel=True
+        )
         found: dict[str, int] = {}
         for (_, bound), members in zip(probes, names, strict=True):
             for name in members:
