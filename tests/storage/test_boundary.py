@@ -20,6 +20,7 @@ from kvtrio.errors import (
     CorruptCacheError,
     InvalidInputError,
 )
+from kvtrio.storage.cacheio import AttachmentData
 
 from .conftest import BUILDERS, make_kv, mlx_cache
 
@@ -64,7 +65,7 @@ def test_ssm_state_alone_holds_any_token_count(tmp_path: Path) -> None:
 
 def test_float_tokens_are_refused_not_rounded(tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError, match=r"^tokens\[0\]: expected an int, got float$"):
-        kvtrio.save_cache(tmp_path / "c.kvt", [1.5, 2.5], [make_kv([2])])
+        kvtrio.save_cache(tmp_path / "c.kvt", [1.5, 2.5], [make_kv([2])])  # type: ignore[list-item]
     _nothing_written(tmp_path)
 
 
@@ -78,7 +79,7 @@ def test_token_of_2_to_the_31_is_refused_before_writing(tmp_path: Path) -> None:
 
 def test_numpy_token_ids_are_ints(tmp_path: Path) -> None:
     tokens = np.array([3, 4], dtype=np.int64)
-    kvtrio.save_cache(tmp_path / "c.kvt", tokens, [make_kv([2])])
+    kvtrio.save_cache(tmp_path / "c.kvt", tokens, [make_kv([2])])  # type: ignore[arg-type]
     assert list(kvtrio.load_cache(tmp_path / "c.kvt").tokens) == [3, 4]
 
 
@@ -105,7 +106,7 @@ def test_meta_the_reader_would_refuse_is_refused(
 def test_header_the_reader_refuses_is_never_written(tmp_path: Path) -> None:
     # An attachment's metadata value of the wrong type passes through the snapshot into
     # the header; the writer's own run of the reader's rules refuses it, naming the field.
-    attachment = kvtrio.storage.codecs.AttachmentData(schema="s", metadata={"k": 7}, arrays=())
+    attachment = AttachmentData(schema="s", metadata={"k": 7}, arrays=())  # type: ignore[dict-item]
     with pytest.raises(
         InvalidInputError, match=r"^attachments\[0\]\.metadata\.k: expected a string$"
     ):
@@ -118,7 +119,7 @@ def test_header_the_reader_refuses_is_never_written(tmp_path: Path) -> None:
 def test_load_cache_expect_must_be_an_expect(tmp_path: Path) -> None:
     kvtrio.save_cache(tmp_path / "c.kvt", [1], [make_kv([1])])
     with pytest.raises(InvalidInputError, match=r"^expect: expected an Expect, got str$"):
-        kvtrio.load_cache(tmp_path / "c.kvt", expect="m")
+        kvtrio.load_cache(tmp_path / "c.kvt", expect="m")  # type: ignore[arg-type]
 
 
 def test_load_cache_of_a_missing_file_is_a_cache_miss(tmp_path: Path) -> None:
