@@ -180,9 +180,12 @@ class ColdStore(Protocol):
         """Write ``caches`` under ``key``; return once it is durable or settled otherwise."""
         ...
 
-    async def fetch(self, key: str, *, model: ModelKey) -> tuple[list[Any], int]:
+    async def fetch(
+        self, key: str, *, model: ModelKey, tokens: Sequence[int] | None = None
+    ) -> tuple[list[Any], int]:
         """Restored caches (on the owner) and the bytes read; CacheMissError or
-        CorruptCacheError when the entry is gone or bad."""
+        CorruptCacheError when the entry is gone or bad, CacheMismatchError when what
+        was read under ``key`` is not ``model``'s, or (given) does not hold ``tokens``."""
         ...
 
     async def remove(self, key: str) -> int:
@@ -752,7 +755,11 @@ class TieredPromptCache:
     async def _load_cold(self, record: _Record) -> list[Any] | None:
         key = record.entry.key
         try:
-            caches, nbytes = await self.cold.fetch(key, model=self.model)
+            # Content is bound to its key: a manifest replaced by another valid one (a
+            # Redis value overwritten, a file copied over) is a mismatch, never a hit.
+            caches, nbytes = await self.cold.fetch(
+                key, model=self.model, tokens=record.entry.tokens
+            )
         except (CacheMissError, CorruptCacheError, CacheMismatchError):
             self._count("drops")
             self._forget_cold(record)
@@ -1005,14 +1012,21 @@ def _conversations_of(meta: Mapping[str, str]) -> tuple[str, ...]:
 
 @attrs.frozen
 class _SameModel:
-    """A load expectation: the header names this model id and config fingerprint."""
+    """A load expectation: the header names this model id and config fingerprint, and
+    (when ``tokens`` is given) holds exactly those tokens."""
 
     model: ModelKey
+    tokens: tuple[int, ...] | None = None
 
     def check(self, header: Header) -> None:
         found = ModelKey(header.model_id or "", header.config_fingerprint or "")
         if found != self.model:
             raise CacheMismatchError(f"cache is for {found}, not {self.model}")
+        if self.tokens is not None and header.tokens != self.tokens:
+            raise CacheMismatchError(
+                f"tokens: the entry read holds {len(header.tokens)} other tokens than the "
+                f"{len(self.tokens)} its key names"
+            )
 
 
 @attrs.define(eq=False)
@@ -1130,8 +1144,11 @@ class ColdTierStore:
                 bytes_deduplicated=dedup,
             )
 
-    async def fetch(self, key: str, *, model: ModelKey) -> tuple[list[Any], int]:
-        restored = await self.tier.load(key, expect=_SameModel(model))
+    async def fetch(
+        self, key: str, *, model: ModelKey, tokens: Sequence[int] | None = None
+    ) -> tuple[list[Any], int]:
+        expect = _SameModel(model, None if tokens is None else tuple(tokens))
+        restored = await self.tier.load(key, expect=expect)
         return restored.caches, restored.header.nbytes
 
     async def remove(self, key: str) -> int:

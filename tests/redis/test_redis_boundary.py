@@ -21,6 +21,7 @@ from kvtrio.errors import CorruptCacheError, StoreUnavailableError
 from kvtrio.storage.manifeststore import MAX_MANIFEST_BYTES, RedisManifestStore
 from kvtrio.storage.redisstore import DEFAULT_DEADLINE_S
 
+from ..actors.test_tiered_content_binding import insert_two_cold, options
 from .test_tier_redis import TOKENS, _entry, _tiered_options
 
 
@@ -71,6 +72,31 @@ async def test_a_cancelled_shared_lookup_returns_at_once(private_redis: Any) -> 
                 assert time.monotonic() - start < 0.5
             finally:
                 private_redis.process.send_signal(signal.SIGCONT)
+
+
+async def test_a_manifest_value_replaced_by_another_entrys_is_a_drop_not_a_hit(
+    private_redis: Any,
+) -> None:
+    from kvtrio.actors.prefix import ModelKey
+    from kvtrio.tinymodel import build_tiny_model
+
+    url = private_redis.url(0, prefix="kvtrio")
+    async with MlxOwner.inline() as owner:
+        tiny = await owner.run(build_tiny_model)
+        model = ModelKey(tiny.model_id, tiny.fingerprint)
+        async with open_tiered_cache(url, model, **options(tiny, owner)) as cache:  # type: ignore[arg-type]
+            (key_a, tokens_a), (key_b, _) = await insert_two_cold(cache, tiny, owner)
+            store = RedisManifestStore.open(url)
+            try:
+                value = store.client.get(store.manifest_key(f"{key_b}.kvc"))
+                assert isinstance(value, bytes)
+                store.client.set(store.manifest_key(f"{key_a}.kvc"), value)
+            finally:
+                store.close()
+            fetched = await cache.fetch_nearest(tokens_a)
+            assert fetched.caches is None and fetched.remaining == tuple(tokens_a)
+            stats = cache.statistics()
+            assert (stats.hits_cold, stats.drops) == (0, 1)
 
 
 def test_a_manifest_over_the_cap_is_refused_without_reading_it_whole(redis_url: str) -> None:

@@ -1,0 +1,72 @@
+"""A load binds content to its key (issue 15, item 2).
+
+On the landed code a cache file replaced by another valid one (B's file copied over
+A's) gave an EXACT cold hit on A's tokens holding B's keys and values: nothing checked
+that what was read under key K still held K's tokens. Now that is a counted drop and a
+miss. The Redis twin (A's manifest value overwritten with B's) is in
+tests/redis/test_redis_boundary.py.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.prefix import ModelKey
+from kvtrio.actors.tiered import TieredPromptCache, WritePolicy, open_tiered_cache
+from kvtrio.tinymodel import TinyModel, build_tiny_model, make_caches, prefill
+
+
+@pytest.fixture(scope="module")
+def tiny() -> TinyModel:
+    return build_tiny_model(seed=5)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(512) for _ in range(n)]
+
+
+async def insert_two_cold(
+    cache: TieredPromptCache, tiny: TinyModel, owner: MlxOwner
+) -> tuple[tuple[str, list[int]], tuple[str, list[int]]]:
+    """Entries A and B, both written and A no longer in RAM (the hot budget keeps one)."""
+    out = []
+    for seed in (1, 2):
+        tokens = _prompt(seed, 80)
+        caches = await owner.run(make_caches, tiny)
+        await owner.run(prefill, tiny, caches, tokens)
+        out.append((await cache.insert(tokens, caches), tokens))
+    await cache.wait_writes_settled()
+    assert cache.statistics().hot_entries == 1
+    return out[0], out[1]
+
+
+def options(tiny: TinyModel, owner: MlxOwner) -> dict[str, object]:
+    return {
+        "owner": owner,
+        "hot_budget": 1,
+        "cold_budget": 1 << 40,
+        "policy": WritePolicy.WRITE_THROUGH,
+        "block_size": 16,
+    }
+
+
+async def test_a_file_replaced_by_another_entrys_is_a_drop_not_a_hit(
+    tmp_path: Path, tiny: TinyModel
+) -> None:
+    model = ModelKey(tiny.model_id, tiny.fingerprint)
+    async with (
+        MlxOwner.inline() as owner,
+        open_tiered_cache(tmp_path, model, **options(tiny, owner)) as cache,  # type: ignore[arg-type]
+    ):
+        (key_a, tokens_a), (key_b, _) = await insert_two_cold(cache, tiny, owner)
+        caches_dir = tmp_path / "caches"
+        shutil.copyfile(caches_dir / f"{key_b}.kvc", caches_dir / f"{key_a}.kvc")
+        fetched = await cache.fetch_nearest(tokens_a)
+        assert fetched.caches is None and fetched.remaining == tuple(tokens_a)
+        stats = cache.statistics()
+        assert (stats.hits_cold, stats.drops) == (0, 1)
