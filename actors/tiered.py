@@ -265,6 +265,9 @@ class TieredStatistics:
     shared_vanished: int = 0
     shared_refreshes: int = 0
     shared_errors: int = 0  # index lookups that failed (store out of reach): then paused
+    # OSErrors around the cold tier (EIO on a load, a block replaced by a directory, ...),
+    # each turned into a miss or a dropped write: a request never fails for the disk.
+    cold_errors: int = 0
 
 
 @attrs.define(eq=False)
@@ -621,6 +624,7 @@ class TieredPromptCache:
             shared_vanished=c("shared_vanished", 0),
             shared_refreshes=c("shared_refreshes", 0),
             shared_errors=c("shared_errors", 0),
+            cold_errors=c("cold_errors", 0),
         )
 
     # -- internals -------------------------------------------------------------------
@@ -775,6 +779,14 @@ class TieredPromptCache:
             self._forget_cold(record)
             self._maybe_forget(record)
             return None
+        except OSError:
+            # The disk failed under this entry (EIO, a directory in its place): a miss,
+            # counted. It is forgotten here, not deleted: an I/O error proves no corruption.
+            self._count("drops")
+            self._count("cold_errors")
+            self._forget_cold(record)
+            self._maybe_forget(record)
+            return None
         self._count("bytes_read", nbytes)
         if key in self._cold_lru:  # it may have been superseded while loading
             self._cold_lru.move_to_end(key)
@@ -911,6 +923,9 @@ class TieredPromptCache:
             self._cold_bytes -= freed  # not `-= await`: that reads the total before the await
         except KvtrioError:
             self._count("drops")
+        except OSError:  # a background removal must never kill the cache
+            self._count("drops")
+            self._count("cold_errors")
 
     def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
         """Run ``fn(*args)`` in the background; ``wait_writes_settled`` waits for it."""
@@ -973,6 +988,9 @@ class TieredPromptCache:
                 key, record.entry.model, record.entry.tokens, caches, meta=meta
             )
         except KvtrioError:
+            result = StoreResult(written=False)
+        except OSError:
+            self._count("cold_errors")
             result = StoreResult(written=False)
         self._cold_bytes += result.disk_bytes  # a failed rewrite may still have freed bytes
         if not result.written:
@@ -1267,25 +1285,52 @@ async def open_tiered_cache(
     cold tier's I/O tuning (:class:`~kvtrio.storage.options.IoOptions`, docs/tuning.md).
     """
     shared = is_redis_url(os.fspath(directory))
-    async with ColdTier.open(
-        directory,
-        layout=layout,
-        block_tokens=block_size,
-        owner=owner,
-        shutdown_grace=shutdown_grace,
-        options=options,
-    ) as tier:
-        store = await ColdTierStore.create(tier, index_block_size=block_size if shared else None)
-        async with TieredPromptCache.open(
-            owner,
-            store,
-            model,
-            hot_budget=hot_budget,
-            cold_budget=cold_budget,
-            policy=policy,
-            min_free_bytes=min_free_bytes,
-            block_size=block_size,
-            shared_refresh=shared_refresh if shared else None,
-            shared_index=shared and shared_index,
-        ) as cache:
-            yield cache
+    opened = False
+    try:
+        async with ColdTier.open(
+            directory,
+            layout=layout,
+            block_tokens=block_size,
+            owner=owner,
+            shutdown_grace=shutdown_grace,
+            options=options,
+        ) as tier:
+            store = await ColdTierStore.create(
+                tier, index_block_size=block_size if shared else None
+            )
+            async with TieredPromptCache.open(
+                owner,
+                store,
+                model,
+                hot_budget=hot_budget,
+                cold_budget=cold_budget,
+                policy=policy,
+                min_free_bytes=min_free_bytes,
+                block_size=block_size,
+                shared_refresh=shared_refresh if shared else None,
+                shared_index=shared and shared_index,
+            ) as cache:
+                opened = True
+                yield cache
+    except BaseExceptionGroup as group:
+        # Errors of the open itself reach the caller as the one typed kvtrio error they
+        # are, not wrapped in the nurseries' ExceptionGroups (issue 15).
+        cause = None if opened else _sole_kvtrio_error(group)
+        if cause is None:
+            raise
+        raise cause from cause.__cause__
+
+
+def _sole_kvtrio_error(group: BaseExceptionGroup[BaseException]) -> KvtrioError | None:
+    """The group's only leaf exception, when there is one and it is a KvtrioError."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        exc = pending.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            pending.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    if len(leaves) == 1 and isinstance(leaves[0], KvtrioError):
+        return leaves[0]
+    return None

@@ -324,7 +324,7 @@ class LocalBlockStore:
         for name in names:
             try:
                 self.file_ops.unlink(self.path_of(name))
-            except FileNotFoundError:
+            except (FileNotFoundError, IsADirectoryError):  # a directory is no block
                 continue
             deleted += 1
         if deleted:

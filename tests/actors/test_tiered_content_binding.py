@@ -70,3 +70,63 @@ async def test_a_file_replaced_by_another_entrys_is_a_drop_not_a_hit(
         assert fetched.caches is None and fetched.remaining == tuple(tokens_a)
         stats = cache.statistics()
         assert (stats.hits_cold, stats.drops) == (0, 1)
+
+
+# -- containment (issue 15, item 4): the disk failing is a miss, never a request failure
+
+
+async def test_eio_while_loading_a_cold_entry_is_a_counted_miss(
+    tmp_path: Path, tiny: TinyModel
+) -> None:
+    import errno
+
+    from kvtrio.actors.tier import ColdTier
+    from kvtrio.actors.tiered import ColdTierStore
+    from kvtrio.storage.fileops import OS_FILE_OPS, FaultyFileOps
+
+    armed = {"on": False}
+
+    def eio_on_read(op: str) -> None:
+        if armed["on"] and op == "read":
+            raise OSError(errno.EIO, "injected EIO")
+
+    model = ModelKey(tiny.model_id, tiny.fingerprint)
+    faulty = FaultyFileOps(OS_FILE_OPS, eio_on_read)
+    async with (
+        MlxOwner.inline() as owner,
+        ColdTier.open(
+            tmp_path, layout="blocks", block_tokens=16, owner=owner, file_ops=faulty
+        ) as tier,
+    ):
+        store = await ColdTierStore.create(tier)
+        opts = options(tiny, owner)
+        opts.pop("owner")
+        async with TieredPromptCache.open(owner, store, model, **opts) as cache:  # type: ignore[arg-type]
+            (_, tokens_a), (_, tokens_b) = await insert_two_cold(cache, tiny, owner)
+            armed["on"] = True
+            fetched = await cache.fetch_nearest(tokens_a)
+            assert fetched.caches is None
+            stats = cache.statistics()
+            assert (stats.cold_errors, stats.drops, stats.misses) == (1, 1, 1)
+            armed["on"] = False
+            assert (await cache.fetch_nearest(tokens_b)).caches is not None  # still serving
+        assert any((tmp_path / "caches").iterdir())  # forgotten, not deleted
+
+
+async def test_a_block_replaced_by_a_directory_does_not_kill_the_cache(
+    tmp_path: Path, tiny: TinyModel
+) -> None:
+    model = ModelKey(tiny.model_id, tiny.fingerprint)
+    async with (
+        MlxOwner.inline() as owner,
+        open_tiered_cache(tmp_path, model, **options(tiny, owner)) as cache,  # type: ignore[arg-type]
+    ):
+        (_, tokens_a), _ = await insert_two_cold(cache, tiny, owner)
+        for block in (tmp_path / "blocks").iterdir():
+            block.unlink()
+            block.mkdir()  # every block of A (and B) is now a directory
+        fetched = await cache.fetch_nearest(tokens_a)  # a miss; the entry is removed
+        assert fetched.caches is None
+        await cache.wait_writes_settled()  # the background removal ran, and survived
+        assert cache.statistics().drops >= 1
+        assert (await cache.fetch_nearest(tokens_a)).caches is None

@@ -99,6 +99,20 @@ async def test_a_manifest_value_replaced_by_another_entrys_is_a_drop_not_a_hit(
             assert (stats.hits_cold, stats.drops) == (0, 1)
 
 
+async def test_a_store_failing_during_open_raises_a_plain_typed_error(
+    start_redis: Any,
+) -> None:
+    """Connect works, listing fails (SCAN disabled): the caller sees the one
+    StoreUnavailableError, not an ExceptionGroup around it."""
+    server = start_redis("--rename-command", "SCAN", "")
+    url = server.url(0, prefix="kvtrio")
+    async with MlxOwner.inline() as owner:
+        model, _, _ = await _entry(owner)
+        with pytest.raises(StoreUnavailableError):
+            async with open_tiered_cache(url, model, **_tiered_options(owner)):
+                pass
+
+
 def test_a_manifest_over_the_cap_is_refused_without_reading_it_whole(redis_url: str) -> None:
     store = RedisManifestStore.open(redis_url)
     try:
