@@ -65,6 +65,11 @@ class InvalidInputError(KvtrioError, ValueError):
     given; nothing was written. The message starts with the argument or field at fault."""
 
 
+class UnsupportedCacheError(KvtrioError):
+    """A well-formed cache this library cannot restore (a cache kind no codec is registered
+    for: a newer writer, or a plugin's codec not imported). Not corruption: never deleted."""
+
+
 class CacheMissError(KvtrioError):
     """The requested cache (or a block it needs) is not in the store: a clean miss."""
 

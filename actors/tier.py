@@ -69,6 +69,7 @@ from kvtrio.runtime.offload import CancelToken, InlineOffload, Offload, ThreadOf
 from kvtrio.runtime.system import ActorSystem, SystemStatistics
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
 from kvtrio.storage.cacheio import AttachmentData, HostTensor, Restored
+from kvtrio.storage.codecs import check_kinds
 from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps, not_a_real_directory
 from kvtrio.storage.format import Header, Layout, check_meta, check_str_arg, check_token_ids
 from kvtrio.storage.hostbuffers import LoadBuffers, check_allocatable
@@ -464,6 +465,7 @@ class ColdTier:
                 raise CacheMissError(f"cold tier has no entry {key!r}") from None
             if expect is not None:
                 expect.check(cache_file.header)
+            check_kinds(cache_file.header)  # an unknown kind: before a byte is read
             # Nothing is allocated from what a manifest claims before its blocks are seen.
             await self.reader.check_blocks(cache_file)
             check_allocatable(cache_file.header.nbytes)

@@ -73,6 +73,7 @@ from kvtrio.errors import (
     KvtrioError,
     ShuttingDown,
     StoreUnavailableError,
+    UnsupportedCacheError,
 )
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.format import (
@@ -779,9 +780,10 @@ class TieredPromptCache:
             self._forget_cold(record)
             self._maybe_forget(record)
             return None
-        except OSError:
-            # The disk failed under this entry (EIO, a directory in its place): a miss,
-            # counted. It is forgotten here, not deleted: an I/O error proves no corruption.
+        except (OSError, UnsupportedCacheError):
+            # The disk failed under this entry (EIO, a directory in its place), or it is of
+            # a kind this process has no codec for: a miss, counted. Forgotten here, not
+            # deleted: neither proves corruption.
             self._count("drops")
             self._count("cold_errors")
             self._forget_cold(record)

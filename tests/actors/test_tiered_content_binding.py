@@ -130,3 +130,31 @@ async def test_a_block_replaced_by_a_directory_does_not_kill_the_cache(
         await cache.wait_writes_settled()  # the background removal ran, and survived
         assert cache.statistics().drops >= 1
         assert (await cache.fetch_nearest(tokens_a)).caches is None
+
+
+async def test_an_entry_of_an_unknown_kind_is_a_miss_and_is_not_deleted(
+    tmp_path: Path, tiny: TinyModel
+) -> None:
+    """A newer writer's kind is not corruption: the tier deletes only proven corruption."""
+    import json
+
+    from kvtrio.storage.format import PREAMBLE, encode_preamble
+
+    model = ModelKey(tiny.model_id, tiny.fingerprint)
+    async with (
+        MlxOwner.inline() as owner,
+        open_tiered_cache(tmp_path, model, **options(tiny, owner)) as cache,  # type: ignore[arg-type]
+    ):
+        (key_a, tokens_a), _ = await insert_two_cold(cache, tiny, owner)
+        path = tmp_path / "caches" / f"{key_a}.kvc"
+        raw = path.read_bytes()
+        _, _, header_len, _ = PREAMBLE.unpack_from(raw)
+        doc = json.loads(raw[PREAMBLE.size : PREAMBLE.size + header_len])
+        doc["caches"][0]["kind"] = "kv-from-the-future"
+        body = json.dumps(doc).encode()
+        path.write_bytes(encode_preamble(body) + body)
+        fetched = await cache.fetch_nearest(tokens_a)
+        assert fetched.caches is None
+        await cache.wait_writes_settled()
+        assert cache.statistics().drops == 1
+    assert path.exists()

@@ -14,6 +14,7 @@ from typing import Any
 import kvtrio
 import numpy as np
 import pytest
+from kvtrio.api import import_mlx_lm
 from kvtrio.errors import (
     CacheMismatchError,
     CacheMissError,
@@ -160,5 +161,5 @@ def test_import_mlx_lm_refuses_tokens_that_disagree_with_the_cache(tmp_path: Pat
     src = tmp_path / "p.safetensors"
     mlx_cache.save_prompt_cache(str(src), [make_kv([4])], {"model": "m"})
     with pytest.raises(CacheMismatchError):
-        kvtrio.api.import_mlx_lm(src, tmp_path / "p.kvt", tokens=[1, 2])
+        import_mlx_lm(src, tmp_path / "p.kvt", tokens=[1, 2])
     assert not (tmp_path / "p.kvt").exists()
