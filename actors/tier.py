@@ -558,7 +558,7 @@ class ColdTier:
         from kvtrio.storage.reader import read_header
 
         token.check()
-        cache_file = read_header(str(path), file_ops=self.file_ops)
+        cache_file = read_header(str(path), file_ops=self.file_ops, follow_links=False)
         mtime = self.file_ops.stat(str(path)).st_mtime
         return TierEntry(path.name[: -len(SUFFIX)], cache_file.header, cache_file.file_size, mtime)
 
@@ -577,7 +577,7 @@ class ColdTier:
                     _log.warning("%s: not a regular file, ignored", path)
                     continue
                 entries.append(self._entry_job(token, path))
-            except (CorruptCacheError, FileNotFoundError):
+            except (CorruptCacheError, CacheMissError, FileNotFoundError):
                 continue
             except OSError as exc:  # unreadable: not an entry, and no reason to fail open
                 _log.warning("%s: unreadable (%s), ignored", path, exc)

@@ -35,6 +35,7 @@ import attrs
 
 __all__ = [
     "O_NOFOLLOW",
+    "O_NONBLOCK",
     "OS_FILE_OPS",
     "TMP_SUFFIX",
     "FaultyFileOps",
@@ -48,6 +49,8 @@ __all__ = [
 ]
 
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+#: Opening a FIFO for reading with it returns at once instead of waiting for a writer.
+O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 #: Suffix of every tmp file the library creates; GC removes old ones (crash debris).
 TMP_SUFFIX = ".kvtrio-tmp"

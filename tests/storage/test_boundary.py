@@ -8,6 +8,10 @@ by one byte. Every refusal is a typed kvtrio error and leaves nothing on disk.
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +167,49 @@ def test_import_mlx_lm_refuses_tokens_that_disagree_with_the_cache(tmp_path: Pat
     with pytest.raises(CacheMismatchError):
         import_mlx_lm(src, tmp_path / "p.kvt", tokens=[1, 2])
     assert not (tmp_path / "p.kvt").exists()
+
+
+# -- item 3: only regular files are read, a FIFO never blocks
+
+
+@contextmanager
+def _unblock_fifo_after(path: Path, seconds: float) -> Iterator[None]:
+    """A regression must fail, not hang: after ``seconds`` a writer opens the FIFO."""
+    done = threading.Event()
+
+    def watchdog() -> None:
+        if not done.wait(seconds):
+            os.close(os.open(path, os.O_RDWR))
+
+    thread = threading.Thread(target=watchdog, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def test_a_fifo_is_a_miss_at_once_not_a_hang(tmp_path: Path) -> None:
+    fifo = tmp_path / "c.kvt"
+    os.mkfifo(fifo)
+    start = time.monotonic()
+    with _unblock_fifo_after(fifo, 10.0), pytest.raises(CacheMissError, match=r"regular file$"):
+        kvtrio.load_cache(fifo)
+    assert time.monotonic() - start < 5.0
+
+
+def test_a_directory_is_a_miss(tmp_path: Path) -> None:
+    (tmp_path / "c.kvt").mkdir()
+    with pytest.raises(CacheMissError, match=r"not a regular file$"):
+        kvtrio.load_cache(tmp_path / "c.kvt")
+
+
+def test_a_link_is_not_followed_when_links_are_refused(tmp_path: Path) -> None:
+    from kvtrio.storage.reader import read_header
+
+    kvtrio.save_cache(tmp_path / "real.kvt", [1], [make_kv([1])])
+    (tmp_path / "link.kvt").symlink_to(tmp_path / "real.kvt")
+    assert read_header(str(tmp_path / "link.kvt")).header.tokens == (1,)  # a user's path
+    with pytest.raises(CacheMissError, match=r"a symbolic link, not followed$"):
+        read_header(str(tmp_path / "link.kvt"), follow_links=False)  # under a tier's root
