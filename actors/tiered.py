@@ -108,6 +108,11 @@ __all__ = [
 
 # At most this many manifests are read per lookup from a shared store's prefix index.
 SHARED_READS = 4
+#: Cold matches reusing fewer tokens are not loaded: recomputing them is faster. Measured
+#: on the demo's model (``kvtrio bench reuse``, two runs, 2-core VM): reusing 16 tokens, a
+#: cold load took 1.1-1.4x (1,024-token entry) and 3.7-4.3x (4,096-token entry) the time
+#: of recomputing them; from 64 tokens it won in 3 of 4 (0.34x, 0.34x; 1.12x, 0.81x).
+DEFAULT_MIN_REUSE_TOKENS = 64
 # At most this many names are fetched per index key (the chain hashes of a prefix that
 # many entries share, a system prompt, name them all; any of them covers that prefix).
 SHARED_CANDIDATES = 8
@@ -269,6 +274,8 @@ class TieredStatistics:
     # OSErrors around the cold tier (EIO on a load, a block replaced by a directory, ...),
     # each turned into a miss or a dropped write: a request never fails for the disk.
     cold_errors: int = 0
+    # Cold matches reusing fewer than min_reuse_tokens tokens, not loaded (a miss).
+    cold_skipped: int = 0
 
 
 @attrs.define(eq=False)
@@ -360,6 +367,7 @@ class TieredPromptCache:
     shared_refresh: float | None = None
     # Ask the shared cold store's prefix index on lookups without an exact entry (rule 8).
     shared_index: bool = False
+    min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS
     _nursery: trio.Nursery | None = None
     _index: PrefixIndex = attrs.field(init=False)
     _records: dict[str, _Record] = attrs.field(init=False, factory=dict)
@@ -397,8 +405,14 @@ class TieredPromptCache:
         flush_on_close: bool = True,
         shared_refresh: float | None = None,
         shared_index: bool = False,
+        min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS,
     ) -> AsyncIterator[TieredPromptCache]:
         """Rebuild the index from ``cold`` and serve.
+
+        ``min_reuse_tokens``: a cold match reusing fewer tokens is not loaded (a miss,
+        counted in ``cold_skipped``): below it a load is slower than recomputing
+        (:data:`DEFAULT_MIN_REUSE_TOKENS` says how that was measured). Hot matches are
+        always used.
 
         ``shared_index``: ``cold`` is a :class:`SharedColdStore` (Redis, shared with other
         hosts); a lookup that finds no exact entry first asks its prefix index for a
@@ -418,6 +432,14 @@ class TieredPromptCache:
             raise InvalidInputError(f"min_free_bytes: expected >= 0, got {min_free_bytes}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise InvalidInputError(f"block_size: expected an int >= 1, got {block_size!r}")
+        if (
+            isinstance(min_reuse_tokens, bool)
+            or not isinstance(min_reuse_tokens, int)
+            or min_reuse_tokens < 0
+        ):
+            raise InvalidInputError(
+                f"min_reuse_tokens: expected an int >= 0, got {min_reuse_tokens!r}"
+            )
         self = cls(
             owner,
             cold,
@@ -429,6 +451,7 @@ class TieredPromptCache:
             block_size,
             shared_refresh,
             shared_index,
+            min_reuse_tokens,
         )
         if shared_index and not isinstance(cold, SharedColdStore):
             raise TypeError("shared_index needs a cold store with find() and entry()")
@@ -480,6 +503,11 @@ class TieredPromptCache:
                 return Fetched(caches, query[match.reuse :], Tier.HOT, match)
             if trio.current_time() < self._shared_paused_until:
                 break  # the shared store just failed: a miss, not another deadline spent
+            if match.reuse < self.min_reuse_tokens:
+                # Loading would be slower than recomputing so few tokens (bench reuse);
+                # the best match is this one, so no other is worth it either.
+                self._count("cold_skipped")
+                break
             loaded = await self._load_cold(record)
             if loaded is None:
                 continue
@@ -626,6 +654,7 @@ class TieredPromptCache:
             shared_refreshes=c("shared_refreshes", 0),
             shared_errors=c("shared_errors", 0),
             cold_errors=c("cold_errors", 0),
+            cold_skipped=c("cold_skipped", 0),
         )
 
     # -- internals -------------------------------------------------------------------
@@ -1273,6 +1302,7 @@ async def open_tiered_cache(
     shared_index: bool = True,
     shared_refresh: float | None = None,
     options: IoOptions = DEFAULT_IO_OPTIONS,
+    min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS,
 ) -> AsyncIterator[TieredPromptCache]:
     """A :class:`TieredPromptCache` over a :class:`ColdTier` at ``directory``.
 
@@ -1311,6 +1341,7 @@ async def open_tiered_cache(
                 block_size=block_size,
                 shared_refresh=shared_refresh if shared else None,
                 shared_index=shared and shared_index,
+                min_reuse_tokens=min_reuse_tokens,
             ) as cache:
                 opened = True
                 yield cache

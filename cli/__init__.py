@@ -120,6 +120,10 @@ BENCHES: dict[str, Command] = {
         "prefill time saved and bytes written, cost-aware vs LRU",
         "kvtrio.bench.policy",
     ),
+    "reuse": Command(
+        "cold hit vs recompute on the demo model: the reuse from which a load wins",
+        "kvtrio.bench.reuse",
+    ),
     "attention": Command(
         "decode attention over a paged cache: direct kernel and gather+sdpa vs contiguous sdpa",
         "kvtrio.bench.attention",

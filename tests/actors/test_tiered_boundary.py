@@ -100,3 +100,27 @@ async def test_budgets_are_validated_at_open(
     with pytest.raises(InvalidInputError, match=match):
         async with _open(FakeColdStore(tmp_path, MODEL), **options):
             pass
+
+
+async def test_a_cold_match_reusing_too_few_tokens_is_not_loaded(tmp_path: Path) -> None:
+    """Item 9: below min_reuse_tokens a load is slower than recomputing (bench reuse)."""
+    store = FakeColdStore(tmp_path, MODEL)
+    tokens = list(range(1, 101))
+    async with _open(store) as cache:
+        await cache.insert(tokens, fake_caches(100))
+    async with _open(store, min_reuse_tokens=64) as cache:  # reopened: the entry is cold
+        few = await cache.fetch_nearest([*tokens[:10], 999])
+        assert few.caches is None and cache.statistics().cold_skipped == 1
+        many = await cache.fetch_nearest([*tokens[:80], 999])
+        assert many.caches is not None and many.match is not None and many.match.reuse == 80
+        assert cache.statistics().hits_cold == 1
+
+
+async def test_the_default_minimum_reuse_is_the_measured_one(tmp_path: Path) -> None:
+    from kvtrio.actors.tiered import DEFAULT_MIN_REUSE_TOKENS
+
+    async with _open(FakeColdStore(tmp_path, MODEL)) as cache:
+        assert cache.min_reuse_tokens == DEFAULT_MIN_REUSE_TOKENS == 64
+    with pytest.raises(InvalidInputError, match=r"^min_reuse_tokens: expected an int >= 0"):
+        async with _open(FakeColdStore(tmp_path, MODEL), min_reuse_tokens=-1):
+            pass

@@ -27,7 +27,7 @@ def _run_host(url: str, local_dir: Path, *args: object) -> dict[str, Any]:
 def _options(owner: MlxOwner) -> dict[str, Any]:
     return {
         "owner": owner, "hot_budget": 1 << 30, "cold_budget": 1 << 40,
-        "block_size": host.BLOCK_TOKENS,
+        "block_size": host.BLOCK_TOKENS, "min_reuse_tokens": 0,  # short prompts
     }  # fmt: skip
 
 
