@@ -212,7 +212,7 @@ def load_cache(
     The header is validated before anything in it is used; with ``verify`` (the default)
     every tensor's xxh3 or every block's sha256 is checked before any array is built.
     Raises CorruptCacheError (a bad file), CacheMismatchError (``expect`` not met),
-    UnsupportedCacheError (a cache kind with no registered codec) or CacheMissError (no
+    UnknownCacheKindError (a cache kind with no registered codec) or CacheMissError (no
     file at ``path``, or a block is missing). ``options`` tune the I/O (``load_streams``
     threads read the tensors, one tensor per task; docs/tuning.md), never what is checked.
     """

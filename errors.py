@@ -20,6 +20,7 @@ __all__ = [
     "PinLimitError",
     "ShuttingDown",
     "StoreUnavailableError",
+    "UnknownCacheKindError",
     "UnsupportedCacheError",
 ]
 
@@ -65,9 +66,10 @@ class InvalidInputError(KvtrioError, ValueError):
     given; nothing was written. The message starts with the argument or field at fault."""
 
 
-class UnsupportedCacheError(KvtrioError):
-    """A well-formed cache this library cannot restore (a cache kind no codec is registered
-    for: a newer writer, or a plugin's codec not imported). Not corruption: never deleted."""
+class UnknownCacheKindError(KvtrioError):
+    """A well-formed cache file names a cache kind no codec is registered for (a newer
+    writer, or a plugin's codec not imported): it cannot be restored here, but it is not
+    corruption, and the tier never deletes it."""
 
 
 class CacheMissError(KvtrioError):

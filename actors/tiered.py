@@ -73,7 +73,7 @@ from kvtrio.errors import (
     KvtrioError,
     ShuttingDown,
     StoreUnavailableError,
-    UnsupportedCacheError,
+    UnknownCacheKindError,
 )
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.format import (
@@ -809,7 +809,7 @@ class TieredPromptCache:
             self._forget_cold(record)
             self._maybe_forget(record)
             return None
-        except (OSError, UnsupportedCacheError):
+        except (OSError, UnknownCacheKindError):
             # The disk failed under this entry (EIO, a directory in its place), or it is of
             # a kind this process has no codec for: a miss, counted. Forgotten here, not
             # deleted: neither proves corruption.

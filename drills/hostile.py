@@ -53,7 +53,7 @@ from kvtrio.drills.hostile_corpus import (
 )
 from kvtrio.drills.report import DrillResult, Tally
 from kvtrio.drills.workload import CacheDir
-from kvtrio.errors import CacheMissError, CorruptCacheError, UnsupportedCacheError
+from kvtrio.errors import CacheMissError, CorruptCacheError, UnknownCacheKindError
 from kvtrio.storage.format import PREAMBLE, Layout, parse_header, parse_preamble
 
 __all__ = ["load_hostile", "run_hostile_drill"]
@@ -117,14 +117,14 @@ def _install_audit() -> _Audit:
 OUTCOME_OF_ERROR = {
     "CorruptCacheError": "corrupt",
     "CacheMissError": "miss",
-    "UnsupportedCacheError": "unsupported",
+    "UnknownCacheKindError": "unsupported",
 }
 
 
 def load_hostile(path: str, cache_dir: CacheDir) -> tuple[str, str]:
     """Load ``path`` through the public :func:`kvtrio.load_cache` (verify on, the cache
     directory's block store): ("ok" | "corrupt" | "miss" | "unsupported", message); an
-    unknown cache kind is "unsupported" (UnsupportedCacheError: not corruption).
+    unknown cache kind is "unsupported" (UnknownCacheKindError: not corruption).
 
     Whatever else escapes propagates (the drill counts it as a violation).
     """
@@ -136,7 +136,7 @@ def load_hostile(path: str, cache_dir: CacheDir) -> tuple[str, str]:
         return "corrupt", str(exc)
     except CacheMissError as exc:
         return "miss", str(exc)
-    except UnsupportedCacheError as exc:
+    except UnknownCacheKindError as exc:
         return "unsupported", str(exc)
     return "ok", ""
 
@@ -347,7 +347,7 @@ def _tier_child(cases_dir: str, tier_root: str, start: int) -> int:
                     outcome = "corrupt"
                 except CacheMissError:
                     outcome = "miss"
-                except UnsupportedCacheError:
+                except UnknownCacheKindError:
                     outcome = "unsupported"
                 except Exception as exc:
                     outcome = f"escaped {type(exc).__name__}: {str(exc)[:120]}"

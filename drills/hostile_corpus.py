@@ -58,7 +58,7 @@ class CorpusCase:
     rule: str  # the validation rule it breaks
     data: bytes
     layout: str  # "single" (a cache file) or "blocks" (a manifest)
-    error: str  # "CorruptCacheError", "CacheMissError" or "UnsupportedCacheError"
+    error: str  # "CorruptCacheError", "CacheMissError" or "UnknownCacheKindError"
     prefix: str  # the message starts with this (the field at fault)
 
 
@@ -355,7 +355,7 @@ def build_corpus(cache_dir: CacheDir) -> list[CorpusCase]:
             "a kind with no codec is unsupported, not corrupt (never deleted)",
             seal(body) + body + s_rest,  # s_rest: the base's own padding, then its data
             "single",
-            "UnsupportedCacheError",
+            "UnknownCacheKindError",
             "caches[0].kind:",
         )
     )

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
-from kvtrio.errors import CorruptCacheError, UnsupportedCacheError
+from kvtrio.errors import CorruptCacheError, UnknownCacheKindError
 from kvtrio.storage.format import CacheEntry, FieldValue, Header
 
 __all__ = [
@@ -111,21 +111,21 @@ def unregister_codec(codec: CacheCodec) -> None:
 
 
 def codec_for_kind(kind: str) -> CacheCodec:
-    """The codec of a header kind (UnsupportedCacheError for a kind with none: a file of
+    """The codec of a header kind (UnknownCacheKindError for a kind with none: a file of
     a newer writer or of an unregistered plugin is not corrupt)."""
     try:
         return _BY_KIND[kind]
     except KeyError:
-        raise UnsupportedCacheError(f"kind: no codec for cache kind {kind!r:.60}") from None
+        raise UnknownCacheKindError(f"kind: no codec for cache kind {kind!r:.60}") from None
 
 
 def check_kinds(header: Header) -> None:
     """Before a load reads a byte of tensor data: every entry's kind has a codec
-    (UnsupportedCacheError naming the first that has none)."""
+    (UnknownCacheKindError naming the first that has none)."""
 
     def walk(entry: CacheEntry, path: str) -> None:
         if entry.kind not in _BY_KIND:
-            raise UnsupportedCacheError(f"{path}.kind: no codec for cache kind {entry.kind!r:.60}")
+            raise UnknownCacheKindError(f"{path}.kind: no codec for cache kind {entry.kind!r:.60}")
         for k, child in enumerate(entry.children):
             walk(child, f"{path}.children[{k}]")
 

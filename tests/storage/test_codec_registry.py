@@ -13,7 +13,7 @@ from typing import Any
 import kvtrio
 import mlx.core as mx
 import pytest
-from kvtrio.errors import UnsupportedCacheError
+from kvtrio.errors import UnknownCacheKindError
 from kvtrio.storage.codecs import (
     CodecState,
     TensorView,
@@ -98,9 +98,9 @@ def test_an_unregistered_codec_no_longer_encodes_or_decodes(tmp_path: Path) -> N
     unregister_codec(codec)
     with pytest.raises(TypeError, match=r"^no kvtrio codec for cache type ToyPagedCache$"):
         kvtrio.save_cache(tmp_path / "q.kvt", [], [ToyPagedCache(16)])
-    with pytest.raises(UnsupportedCacheError, match=r"^kind: no codec for cache kind 'toy-"):
+    with pytest.raises(UnknownCacheKindError, match=r"^kind: no codec for cache kind 'toy-"):
         codec_for_kind("toy-paged")
-    with pytest.raises(UnsupportedCacheError, match=r"kind 'toy-paged'"):
+    with pytest.raises(UnknownCacheKindError, match=r"kind 'toy-paged'"):
         kvtrio.load_cache(tmp_path / "p.kvt")
     with pytest.raises(KeyError, match=r"toy-paged"):
         unregister_codec(codec)

@@ -18,7 +18,7 @@ from typing import Any
 
 import kvtrio
 import pytest
-from kvtrio.errors import CacheMissError, CorruptCacheError, UnsupportedCacheError
+from kvtrio.errors import CacheMissError, CorruptCacheError, UnknownCacheKindError
 from kvtrio.storage.format import (
     ALIGN,
     MAGIC,
@@ -258,7 +258,7 @@ def test_rule_unknown_kind(valid: Path) -> None:
     """Not corruption: a newer writer's kind, or a plugin not imported (never deleted)."""
     _rewrite(valid, lambda d: d["caches"][0].update(kind="pickle"))
     with pytest.raises(
-        UnsupportedCacheError, match=r"^caches\[0\]\.kind: no codec for cache kind 'pickle'$"
+        UnknownCacheKindError, match=r"^caches\[0\]\.kind: no codec for cache kind 'pickle'$"
     ):
         kvtrio.load_cache(valid)
 
