@@ -30,7 +30,14 @@ from collections.abc import Callable
 import attrs
 from kvtrio.errors import CacheMissError, CorruptCacheError
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore, read_block_verified
-from kvtrio.storage.fileops import O_NONBLOCK, OS_FILE_OPS, TMP_SUFFIX, FileOps, pread_full
+from kvtrio.storage.fileops import (
+    O_NONBLOCK,
+    OS_FILE_OPS,
+    TMP_SUFFIX,
+    FileOps,
+    not_a_real_directory,
+    pread_full,
+)
 from kvtrio.storage.format import MAGIC
 from kvtrio.storage.reader import allocate_buffers, read_header, read_tensors
 
@@ -173,7 +180,8 @@ def collect_garbage(
         deleted = store.delete_many([b.name for b in doomed]) if doomed else 0
         deleted_bytes = sum(b.size for b in doomed)
     tmp_removed = _remove_old_tmp(manifest_dir, cutoff, file_ops)
-    if isinstance(store, LocalBlockStore):
+    if isinstance(store, LocalBlockStore) and not not_a_real_directory(file_ops, store.directory):
+        # A linked block directory is never traversed: its tmp-named files are not ours.
         tmp_removed += _remove_old_tmp(store.directory, cutoff, file_ops)
     return GcReport(
         manifests=manifests,

@@ -59,6 +59,9 @@ async def test_symlinked_blocks_dir_is_refused_and_nothing_outside_is_deleted(
 
 def test_block_store_never_traverses_a_symlinked_directory(tmp_path: Path) -> None:
     outside = _outside_with_sentinel(tmp_path)
+    old_tmp = outside / ".x.0123.kvtrio-tmp"  # a tmp-like name: still not ours to delete
+    old_tmp.write_bytes(b"")
+    os.utime(old_tmp, (0, 0))
     (tmp_path / "caches").mkdir()
     (tmp_path / "blocks").symlink_to(outside)
     store = LocalBlockStore(str(tmp_path / "blocks"))
@@ -66,8 +69,8 @@ def test_block_store_never_traverses_a_symlinked_directory(tmp_path: Path) -> No
     assert store.has_many([SENTINEL]) == [False]
     assert store.delete_many([SENTINEL]) == 0
     report = collect_garbage(str(tmp_path / "caches"), store, grace_s=0.0)
-    assert report.deleted_blocks == 0
-    assert (outside / SENTINEL).exists()
+    assert (report.deleted_blocks, report.tmp_removed) == (0, 0)
+    assert (outside / SENTINEL).exists() and old_tmp.exists()
 
 
 @contextmanager
