@@ -26,15 +26,30 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
 import attrs
-from kvtrio.errors import CacheMismatchError
+import kvtrio.metal.codec  # noqa: F401  (registers the paged codec: every built-in kind loads)
+from kvtrio.errors import (
+    CacheMismatchError,
+    CacheMissError,
+    CorruptCacheError,
+    InvalidInputError,
+    KvtrioError,
+)
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
 from kvtrio.storage.cacheio import AttachmentData, Restored, adopt, materialize, snapshot
-from kvtrio.storage.format import Header, Layout
+from kvtrio.storage.codecs import check_kinds
+from kvtrio.storage.fileops import OS_FILE_OPS
+from kvtrio.storage.format import Header, Layout, check_meta, check_str_arg, check_token_ids
 from kvtrio.storage.hostbuffers import LoadBuffers, allocate_slot, check_allocatable
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, SCRIPT_LOAD_STREAMS, IoOptions
 from kvtrio.storage.reader import CacheFile, check_blocks, read_header, read_tensors
 from kvtrio.storage.structure import cache_structure, header_structure
-from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult, write_blocks, write_single
+from kvtrio.storage.writer import (
+    DEFAULT_BLOCK_TOKENS,
+    WriteResult,
+    tmp_path_for,
+    write_blocks,
+    write_single,
+)
 
 __all__ = [
     "Expect",
@@ -144,18 +159,26 @@ def save_cache(
     other key must map to a string and is kept in the header's ``meta``. ``options``
     tune the I/O (:class:`~kvtrio.storage.options.IoOptions`; docs/tuning.md), never the
     bytes written. Returns after fsync(file), rename and fsync(dir).
+
+    Nothing is written unless the file would load: ``tokens`` must be ints in
+    ``[0, 2**31)``, one per token every cache holds (each layer's offset), else
+    CacheMismatchError; a bad ``meta`` value or any header field the reader would refuse
+    is InvalidInputError naming it.
     """
+    if layout not in ("single", "blocks"):
+        raise InvalidInputError(f"layout must be 'single' or 'blocks', not {layout!r}")
     meta = dict(meta or {})
     attachments: Sequence[AttachmentData] = meta.get("attachments") or ()
-    extra = {k: v for k, v in meta.items() if k not in _HEADER_META_KEYS}
-    for key, value in extra.items():
-        if not isinstance(value, str):
-            raise TypeError(f"meta[{key!r}] must be a str, got {type(value).__name__}")
+    extra = check_meta({k: v for k, v in meta.items() if k not in _HEADER_META_KEYS})
+    ids = {
+        key: None if meta.get(key) is None else check_str_arg(meta[key], f"meta[{key!r}]")
+        for key in ("model_id", "config_fingerprint")
+    }
     snap = snapshot(
         caches,
-        tokens,
-        model_id=meta.get("model_id"),
-        config_fingerprint=meta.get("config_fingerprint"),
+        check_token_ids(tokens),
+        model_id=ids["model_id"],
+        config_fingerprint=ids["config_fingerprint"],
         meta=extra,
         attachments=attachments,
     )
@@ -173,7 +196,7 @@ def save_cache(
             store if store is not None else default_block_store(target),
             block_tokens=block_tokens,
         )
-    raise ValueError(f"layout must be 'single' or 'blocks', not {layout!r}")
+    raise AssertionError("unreachable: layout was checked")
 
 
 def load_cache(
@@ -188,14 +211,21 @@ def load_cache(
 
     The header is validated before anything in it is used; with ``verify`` (the default)
     every tensor's xxh3 or every block's sha256 is checked before any array is built.
-    Raises CorruptCacheError (a bad file), CacheMismatchError (``expect`` not met) or
-    CacheMissError (a block is missing). ``options`` tune the I/O (``load_streams``
+    Raises CorruptCacheError (a bad file), CacheMismatchError (``expect`` not met),
+    UnknownCacheKindError (a cache kind with no registered codec) or CacheMissError (no
+    file at ``path``, or a block is missing). ``options`` tune the I/O (``load_streams``
     threads read the tensors, one tensor per task; docs/tuning.md), never what is checked.
     """
+    if expect is not None and not isinstance(expect, Expect):
+        raise InvalidInputError(f"expect: expected an Expect, got {type(expect).__name__}")
     target = os.fspath(path)
-    cache_file = read_header(target)
+    try:
+        cache_file = read_header(target)
+    except FileNotFoundError as exc:
+        raise CacheMissError(f"no cache file at {target!r}") from exc
     if expect is not None:
         expect.check(cache_file.header)
+    check_kinds(cache_file.header)
     if cache_file.header.layout == "blocks" and store is None:
         store = default_block_store(target)
     if store is not None and cache_file.header.layout == "blocks":
@@ -259,13 +289,50 @@ def import_mlx_lm(
 
     mlx-lm files carry no token list: pass ``tokens`` to make the result findable by
     prefix. mlx-lm's string metadata is kept in the header's ``meta`` (``meta`` overrides).
+
+    The source is untrusted: whatever mlx-lm's loader or the caches it builds raise is
+    CorruptCacheError (CacheMissError: no such file; the caller's own arguments are
+    checked as :func:`save_cache` does). The result is written under a tmp name, loaded
+    back with :func:`load_cache` (every hash checked) and only then renamed to ``dst``:
+    a file ``load_cache`` would refuse is never published.
     """
     from mlx_lm.models import cache as mlx_cache
 
-    caches, metadata = cast(Any, mlx_cache).load_prompt_cache(os.fspath(src), return_metadata=True)
-    merged: dict[str, Any] = {str(k): str(v) for k, v in dict(metadata or {}).items()}
+    source = os.fspath(src)
+    if not os.path.isfile(source):
+        raise CacheMissError(f"no mlx-lm prompt cache file at {source!r}")
+    try:
+        caches, metadata = cast(Any, mlx_cache).load_prompt_cache(source, return_metadata=True)
+        merged: dict[str, Any] = {str(k): str(v) for k, v in dict(metadata or {}).items()}
+    except Exception as exc:  # a hostile file: RecursionError, KeyError, MLX's errors...
+        raise _not_an_mlx_lm_cache(source, exc) from exc
     merged.update(meta or {})
-    return save_cache(dst, tokens, caches, meta=merged, layout=layout)
+    target = os.path.abspath(os.fspath(dst))
+    staging = tmp_path_for(target)
+    try:
+        try:
+            result = save_cache(staging, tokens, caches, meta=merged, layout=layout)
+            load_cache(staging)
+        except KvtrioError:
+            raise
+        except Exception as exc:  # the caches mlx-lm built from it are not consistent
+            raise _not_an_mlx_lm_cache(source, exc) from exc
+        os.replace(staging, target)
+    except BaseException:
+        try:
+            os.unlink(staging)
+        except OSError:
+            pass
+        raise
+    OS_FILE_OPS.fsync_dir(os.path.dirname(target))
+    return attrs.evolve(result, path=target)
+
+
+def _not_an_mlx_lm_cache(source: str, exc: BaseException) -> CorruptCacheError:
+    detail = str(exc).splitlines()[0][:160] if str(exc) else ""
+    return CorruptCacheError(
+        f"{source}: not a valid mlx-lm prompt cache ({type(exc).__name__}: {detail})"
+    )
 
 
 def export_mlx_lm(

@@ -15,12 +15,14 @@ __all__ = [
     "CacheMissError",
     "CorruptCacheError",
     "DirectoryLockedError",
+    "InvalidInputError",
     "KvtrioError",
     "LifecycleError",
     "OperationCancelled",
     "PinLimitError",
     "ShuttingDown",
     "StoreUnavailableError",
+    "UnknownCacheKindError",
     "UnsupportedCacheError",
 ]
 
@@ -59,6 +61,17 @@ class CorruptCacheError(KvtrioError):
 
 class CacheMismatchError(KvtrioError):
     """A valid cache does not fit what the caller expects (model, fingerprint or structure)."""
+
+
+class InvalidInputError(KvtrioError, ValueError):
+    """What a caller handed kvtrio (tokens, meta, ids, options) cannot be stored or used as
+    given; nothing was written. The message starts with the argument or field at fault."""
+
+
+class UnknownCacheKindError(KvtrioError):
+    """A well-formed cache file names a cache kind no codec is registered for (a newer
+    writer, or a plugin's codec not imported): it cannot be restored here, but it is not
+    corruption, and the tier never deletes it."""
 
 
 class CacheMissError(KvtrioError):

@@ -88,13 +88,18 @@ def prefill(tiny: TinyModel, caches: list[Any], tokens: Sequence[int], *, chunk:
     """Run ``tokens`` through the model into ``caches``; return the last position's logits.
 
     The logits come back evaluated, float32, shape ``(vocab,)``. ``tokens`` must not be
-    empty. Chunks bound the attention working set; note that a different chunking is
+    empty, and every id must be in ``[0, vocab_size)``: MLX's embedding gather does not
+    check its indices, and an id past the table reads (and sometimes segfaults on) memory
+    outside it. Chunks bound the attention working set; note that a different chunking is
     not bit-identical (the reductions differ), only close.
     """
     import mlx.core as mx
 
     if not tokens:
         raise ValueError("prefill needs at least one token")
+    bad = next((t for t in tokens if not 0 <= t < tiny.vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {tiny.vocab_size})")
     logits = None
     for start in range(0, len(tokens), chunk):
         piece = mx.array([list(tokens[start : start + chunk])], dtype=mx.uint32)

@@ -181,6 +181,9 @@ class ColdSideMixin:
             self._ledger.used -= freed  # not `-= await`: that reads the total before the await
         except KvtrioError:
             self._count("drops")
+        except OSError:  # a background removal must never kill the cache
+            self._count("drops")
+            self._count("cold_errors")
         self._apply(record, ColdEvent.REMOVED)
 
     def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
@@ -319,6 +322,9 @@ class ColdSideMixin:
                 record.entry.key, record.entry.model, record.entry.tokens, caches, meta=meta
             )
         except KvtrioError:
+            result = StoreResult(written=False)
+        except OSError:  # the disk failed under the write: a counted drop (issue 15)
+            self._count("cold_errors")
             result = StoreResult(written=False)
         self._ledger.used += result.disk_bytes  # a failed rewrite may still have freed bytes
         return result

@@ -135,9 +135,12 @@ class ColdStore(Protocol):
         """Write ``caches`` under ``key``; return once it is durable or settled otherwise."""
         ...
 
-    async def fetch(self, key: str, *, model: ModelKey) -> tuple[list[Any], int]:
+    async def fetch(
+        self, key: str, *, model: ModelKey, tokens: Sequence[int] | None = None
+    ) -> tuple[list[Any], int]:
         """Restored caches (on the owner) and the bytes read; CacheMissError or
-        CorruptCacheError when the entry is gone or bad."""
+        CorruptCacheError when the entry is gone or bad, CacheMismatchError when what
+        was read under ``key`` is not ``model``'s, or (given) does not hold ``tokens``."""
         ...
 
     async def remove(self, key: str) -> int:
@@ -191,14 +194,21 @@ def _conversations_of(meta: Mapping[str, str]) -> tuple[str, ...]:
 
 @attrs.frozen
 class _SameModel:
-    """A load expectation: the header names this model id and config fingerprint."""
+    """A load expectation: the header names this model id and config fingerprint, and
+    (when ``tokens`` is given) holds exactly those tokens."""
 
     model: ModelKey
+    tokens: tuple[int, ...] | None = None
 
     def check(self, header: Header) -> None:
         found = ModelKey(header.model_id or "", header.config_fingerprint or "")
         if found != self.model:
             raise CacheMismatchError(f"cache is for {found}, not {self.model}")
+        if self.tokens is not None and header.tokens != self.tokens:
+            raise CacheMismatchError(
+                f"tokens: the entry read holds {len(header.tokens)} other tokens than the "
+                f"{len(self.tokens)} its key names"
+            )
 
 
 @attrs.define(eq=False)
@@ -340,7 +350,10 @@ class ColdTierStore:
     def _manifest_row(self, key: str) -> CatalogueRow | None:
         try:
             entry = self.tier.entry_blocking(key)
-        except (CorruptCacheError, FileNotFoundError):
+        except (CorruptCacheError, CacheMissError, FileNotFoundError):
+            return None  # bad, or not a regular file reached without a link (issue 15)
+        except OSError as exc:  # unreadable: not an entry, and no reason to fail the open
+            _log.warning("cold tier: %s unreadable, ignored (%s)", key, exc)
             return None
         return _header_row(key, entry.header, entry.disk_bytes, entry.mtime)
 
@@ -440,8 +453,11 @@ class ColdTierStore:
         if self._blocks is not None:
             await self._sweep_locked()
 
-    async def fetch(self, key: str, *, model: ModelKey) -> tuple[list[Any], int]:
-        restored = await self.tier.load(key, expect=_SameModel(model))
+    async def fetch(
+        self, key: str, *, model: ModelKey, tokens: Sequence[int] | None = None
+    ) -> tuple[list[Any], int]:
+        expect = _SameModel(model, None if tokens is None else tuple(tokens))
+        restored = await self.tier.load(key, expect=expect)
         return restored.caches, restored.header.nbytes
 
     async def remove(self, key: str) -> int:
@@ -522,7 +538,11 @@ class ColdTierStore:
             return []
         probes = probe_keys(model, tokens, self._index_block_size)
         lookup = functools.partial(self._shared.lookup_each, limit=SHARED_CANDIDATES)
-        names = await trio.to_thread.run_sync(lookup, [key for key, _ in probes])
+        # Abandoned on cancel: the lookup holds no borrowed buffer, and a stalled store
+        # must not hold a cancelled request for its deadline.
+        names = await trio.to_thread.run_sync(
+            lookup, [key for key, _ in probes], abandon_on_cancel=True
+        )
         found: dict[str, int] = {}
         for (_, bound), members in zip(probes, names, strict=True):
             for name in members:

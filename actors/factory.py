@@ -7,12 +7,14 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from kvtrio.actors.callerchecks import DEFAULT_MIN_REUSE_TOKENS
 from kvtrio.actors.coldside import DEFAULT_PENDING_BYTES
 from kvtrio.actors.coldstore import ColdTierStore
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import DEFAULT_BLOCK_SIZE, ModelKey
 from kvtrio.actors.tier import DEFAULT_LOCK_TIMEOUT, ColdTier
 from kvtrio.actors.tiered import TieredPromptCache, WritePolicy
+from kvtrio.errors import KvtrioError
 from kvtrio.storage.format import Layout
 from kvtrio.storage.openstore import is_redis_url
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
@@ -50,6 +52,7 @@ async def open_tiered_cache(
     shared_index: bool = True,
     shared_refresh: float | None = None,
     pending_budget: int = DEFAULT_PENDING_BYTES,
+    min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS,
 ) -> AsyncIterator[TieredPromptCache]:
     """A :class:`TieredPromptCache` over a :class:`ColdTier` at ``directory``.
 
@@ -64,8 +67,75 @@ async def open_tiered_cache(
     belongs to one process: a second opener waits up to ``lock_timeout`` seconds for the
     first to close, then gets DirectoryLockedError (:class:`ColdTier`'s rule 5).
     ``options``: the cold tier's I/O tuning (:class:`~kvtrio.storage.options.IoOptions`,
-    docs/tuning.md).
+    docs/tuning.md). ``min_reuse_tokens``: see :meth:`TieredPromptCache.open`.
+
+    An error of the open itself reaches the caller as the one typed kvtrio error it is,
+    not wrapped in the nurseries' ExceptionGroups.
     """
+    opened = False
+    try:
+        async with _open(
+            directory,
+            model,
+            owner=owner,
+            hot_budget=hot_budget,
+            cold_budget=cold_budget,
+            policy=policy,
+            layout=layout,
+            block_size=block_size,
+            min_free_bytes=min_free_bytes,
+            shutdown_grace=shutdown_grace,
+            lock_timeout=lock_timeout,
+            options=options,
+            shared_index=shared_index,
+            shared_refresh=shared_refresh,
+            pending_budget=pending_budget,
+            min_reuse_tokens=min_reuse_tokens,
+        ) as cache:
+            opened = True
+            yield cache
+    except BaseExceptionGroup as group:
+        cause = None if opened else _sole_kvtrio_error(group)
+        if cause is None:
+            raise
+        raise cause from cause.__cause__
+
+
+def _sole_kvtrio_error(group: BaseExceptionGroup[BaseException]) -> KvtrioError | None:
+    """The group's only leaf exception, when there is one and it is a KvtrioError."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        exc = pending.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            pending.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    if len(leaves) == 1 and isinstance(leaves[0], KvtrioError):
+        return leaves[0]
+    return None
+
+
+@asynccontextmanager
+async def _open(
+    directory: str | os.PathLike[str],
+    model: ModelKey,
+    *,
+    owner: MlxOwner,
+    hot_budget: int,
+    cold_budget: int,
+    policy: WritePolicy,
+    layout: Layout,
+    block_size: int,
+    min_free_bytes: int | None,
+    shutdown_grace: float,
+    lock_timeout: float,
+    options: IoOptions,
+    shared_index: bool,
+    shared_refresh: float | None,
+    pending_budget: int,
+    min_reuse_tokens: int,
+) -> AsyncIterator[TieredPromptCache]:
     shared = is_redis_url(os.fspath(directory))
     async with ColdTier.open(
         directory,
@@ -91,6 +161,7 @@ async def open_tiered_cache(
                 shared_refresh=shared_refresh if shared else None,
                 shared_index=shared and shared_index,
                 pending_budget=pending_budget,
+                min_reuse_tokens=min_reuse_tokens,
             ) as cache,
         ):
             yield cache

@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar, TypeVarTuple
 
+import kvtrio.metal.codec  # noqa: F401  (registers the paged codec: every built-in kind loads)
 import mlx.core as mx
 from kvtrio.actors.sched import BACKGROUND_SLICE, set_thread_slice
 from kvtrio.actors.snapshot import Snapshot, SnapshotLedger

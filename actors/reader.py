@@ -106,7 +106,7 @@ class Reader:
 
     def _header_job(self, token: CancelToken, path: str) -> CacheFile:
         token.check()
-        return read_header(path, file_ops=self.file_ops)
+        return read_header(path, file_ops=self.file_ops, follow_links=False)
 
     def _tensors_job(
         self,

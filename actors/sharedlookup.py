@@ -67,6 +67,15 @@ class SharedLookupMixin:
             info for info in infos if info.model == self.model and info.key not in self._records
         )
 
+    def _pause_shared(self) -> None:
+        """The shared store failed: skip its index and its loads for a doubling pause, so
+        a stalled store costs a request at most one deadline (issue 15)."""
+        self._count("shared_errors")
+        self._shared_backoff = min(
+            SHARED_PAUSE_MAX, max(SHARED_PAUSE_MIN, 2 * self._shared_backoff)
+        )
+        self._shared_paused_until = trio.current_time() + self._shared_backoff
+
     async def _find_shared(self, query: tuple[int, ...], local: PrefixMatch | None) -> None:
         """Add to the index the entry another host saved with the longest prefix of
         ``query``, if it beats ``local`` (rule 8): one index round trip, then the manifests
@@ -87,11 +96,7 @@ class SharedLookupMixin:
         try:
             candidates = await self.cold.find(self.model, query)
         except (KvtrioError, OSError):
-            self._count("shared_errors")
-            self._shared_backoff = min(
-                SHARED_PAUSE_MAX, max(SHARED_PAUSE_MIN, 2 * self._shared_backoff)
-            )
-            self._shared_paused_until = trio.current_time() + self._shared_backoff
+            self._pause_shared()
             return
         self._shared_backoff = 0.0
         self._count("shared_lookups")

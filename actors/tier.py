@@ -54,9 +54,11 @@ starting with a letter or digit.
 from __future__ import annotations
 
 import builtins
+import logging
 import math
 import os
 import re
+import stat
 from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -70,14 +72,21 @@ from kvtrio.actors.sched import BACKGROUND_SLICE
 from kvtrio.actors.snapshot import Snapshot, SnapshotLedger, SnapshotLedgerStatistics
 from kvtrio.actors.spill import Spill, SpillActor, SpillOutcome, SpillStatistics, SpillTicket
 from kvtrio.actors.writer import Writer, WriterStatistics
-from kvtrio.errors import CacheMissError, CorruptCacheError, DirectoryLockedError, ShuttingDown
+from kvtrio.errors import (
+    CacheMissError,
+    CorruptCacheError,
+    DirectoryLockedError,
+    InvalidInputError,
+    ShuttingDown,
+)
 from kvtrio.runtime.offload import CancelToken, InlineOffload, Offload, ThreadOffload
 from kvtrio.runtime.system import ActorSystem, SystemStatistics
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
 from kvtrio.storage.cacheio import AttachmentData, HostTensor, Restored
+from kvtrio.storage.codecs import check_kinds
 from kvtrio.storage.dirlock import DirectoryLock, holder_pid, try_lock
-from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps
-from kvtrio.storage.format import Header, Layout
+from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps, not_a_real_directory
+from kvtrio.storage.format import Header, Layout, check_meta, check_str_arg, check_token_ids
 from kvtrio.storage.hostbuffers import LoadBuffers, check_allocatable
 from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.openstore import ManifestFileOps, is_redis_url, open_store
@@ -95,6 +104,8 @@ __all__ = [
     "SaveTicket",
     "TierEntry",
 ]
+
+_log = logging.getLogger(__name__)
 
 KEY_RE = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,149}")
 # Seconds a second opener of a directory waits for its owner to close (rule 5).
@@ -371,6 +382,13 @@ class ColdTier:
     def _prepare_directories(self, token: CancelToken) -> None:
         # Local tiers only: a shared (Redis) tier has neither directories nor tmp files.
         for directory in (self.cache_dir, self.block_dir):
+            if not_a_real_directory(self.file_ops, str(directory)):
+                # Never traversed: a sweep through a linked blocks/ would delete another
+                # program's 64-hex-named files (issue 15).
+                raise InvalidInputError(
+                    f"{directory}: a symbolic link or not a directory; kvtrio follows no "
+                    "link under its root"
+                )
             self.file_ops.mkdir(str(directory))
             for name in self.file_ops.listdir(str(directory)):
                 token.check()
@@ -412,11 +430,18 @@ class ColdTier:
         self.path_of(key)
         if self._closing:
             raise ShuttingDown("cold tier is shutting down: save refused")
+        # The caller's arguments, checked as the reader will check them (issue 15): a bad
+        # one fails here, not later in the writer's thread as a FAILED ticket.
+        tokens = check_token_ids(tokens)
         meta = dict(meta or {})
         model_id = model_id if model_id is not None else meta.get("model_id")
         if config_fingerprint is None:
             config_fingerprint = meta.get("config_fingerprint")
-        extra = {k: v for k, v in meta.items() if k not in _HEADER_META_KEYS}
+        if model_id is not None:
+            check_str_arg(model_id, "model_id")
+        if config_fingerprint is not None:
+            check_str_arg(config_fingerprint, "config_fingerprint")
+        extra = check_meta({k: v for k, v in meta.items() if k not in _HEADER_META_KEYS})
         snap = await self.owner.snapshot(
             key,
             caches,
@@ -478,6 +503,7 @@ class ColdTier:
                 raise CacheMissError(f"cold tier has no entry {key!r}") from None
             if expect is not None:
                 expect.check(cache_file.header)
+            check_kinds(cache_file.header)  # an unknown kind: before a byte is read
             # Nothing is allocated from what a manifest claims before its blocks are seen.
             await self.reader.check_blocks(cache_file)
             check_allocatable(cache_file.header.nbytes)
@@ -583,7 +609,7 @@ class ColdTier:
     def _read_entry(self, path: Path) -> TierEntry:
         from kvtrio.storage.reader import read_header
 
-        cache_file = read_header(str(path), file_ops=self.file_ops)
+        cache_file = read_header(str(path), file_ops=self.file_ops, follow_links=False)
         mtime = self.file_ops.stat(str(path)).st_mtime
         return TierEntry(path.name[: -len(SUFFIX)], cache_file.header, cache_file.file_size, mtime)
 
@@ -592,10 +618,20 @@ class ColdTier:
         for name in sorted(self.file_ops.listdir(str(self.cache_dir))):
             if not name.endswith(SUFFIX) or KEY_RE.fullmatch(name[: -len(SUFFIX)]) is None:
                 continue
+            path = self.cache_dir / name
             try:
-                entries.append(self._entry_job(token, self.cache_dir / name))
-            except (CorruptCacheError, FileNotFoundError):
+                # Only a regular file reached without a link is opened: a FIFO would block
+                # the open forever, a directory or link is not an entry (issue 15). A
+                # shared tier's manifests are Redis values, not files: no stat for them.
+                local = self.url is None
+                if local and not stat.S_ISREG(self.file_ops.stat(str(path)).st_mode):
+                    _log.warning("%s: not a regular file, ignored", path)
+                    continue
+                entries.append(self._entry_job(token, path))
+            except (CorruptCacheError, CacheMissError, FileNotFoundError):
                 continue
+            except OSError as exc:  # unreadable: not an entry, and no reason to fail open
+                _log.warning("%s: unreadable (%s), ignored", path, exc)
         return entries
 
     def _delete_job(self, token: CancelToken, path: Path) -> int:

@@ -70,6 +70,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import trio
+from kvtrio.actors.callerchecks import (
+    DEFAULT_MIN_REUSE_TOKENS,
+    check_held_tokens,
+    check_open_arguments,
+)
 from kvtrio.actors.coldside import (
     DEFAULT_MIN_FREE_SHARE,
     DEFAULT_PENDING_BYTES,
@@ -100,8 +105,12 @@ from kvtrio.errors import (
     CacheMismatchError,
     CacheMissError,
     CorruptCacheError,
+    InvalidInputError,
+    ShuttingDown,
     StoreUnavailableError,
+    UnknownCacheKindError,
 )
+from kvtrio.storage.format import check_meta, check_token_ids
 
 if TYPE_CHECKING:
     from kvtrio.actors.factory import open_tiered_cache
@@ -211,6 +220,11 @@ class TieredStatistics:
     pending_budget: int = 0
     pending_dropped: int = 0  # pending write-backs shed by the byte cap (also in drops)
     no_space_retries: int = 0  # writes that found the volume full, evicted and retried
+    # OSErrors around the cold tier (EIO on a load, a block replaced by a directory, ...),
+    # each turned into a miss or a dropped write: a request never fails for the disk.
+    cold_errors: int = 0
+    # Cold matches reusing fewer than min_reuse_tokens tokens, not loaded (a miss).
+    cold_skipped: int = 0
 
 
 def _by_mtime(info: ColdEntryInfo) -> float:
@@ -247,10 +261,12 @@ def _trim(caches: list[Any], trim: int) -> None:
     trim_prompt_cache(caches, trim)
 
 
-def _describe(caches: list[Any]) -> tuple[int, bool, int]:
-    """Owner thread: bytes, trimmability and minimum reusable offset of ``caches``."""
+def _describe(caches: list[Any], n_tokens: int) -> tuple[int, bool, int]:
+    """Owner thread: bytes, trimmability and minimum reusable offset of ``caches``, after
+    checking that every layer holds ``n_tokens`` tokens (CacheMismatchError)."""
     from mlx_lm.models.cache import can_trim_prompt_cache
 
+    check_held_tokens(caches, n_tokens)
     return _cache_nbytes(caches), bool(can_trim_prompt_cache(caches)), _min_reusable_offset(caches)
 
 
@@ -273,6 +289,7 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
     # Ask the shared cold store's prefix index on lookups without an exact entry (rule 8).
     shared_index: bool = False
     pending_budget: int = DEFAULT_PENDING_BYTES
+    min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS
     _nursery: trio.Nursery | None = None
     _index: PrefixIndex = attrs.field(init=False)
     _records: dict[str, CacheRecord] = attrs.field(init=False, factory=dict)
@@ -312,8 +329,14 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         shared_refresh: float | None = None,
         shared_index: bool = False,
         pending_budget: int = DEFAULT_PENDING_BYTES,
+        min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS,
     ) -> AsyncIterator[TieredPromptCache]:
         """Rebuild the index from ``cold`` and serve.
+
+        ``min_reuse_tokens``: a cold match reusing fewer tokens is not loaded (a miss,
+        counted in ``cold_skipped``): below it a load is slower than recomputing
+        (:data:`~kvtrio.actors.callerchecks.DEFAULT_MIN_REUSE_TOKENS` says how that was
+        measured). Hot matches are always used.
 
         ``shared_index``: ``cold`` is a :class:`SharedColdStore` (Redis, shared with other
         hosts); a lookup that finds no exact entry first asks its prefix index for a
@@ -326,6 +349,13 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         Leaving the block normally writes the hot entries not yet on disk (with
         ``flush_on_close``, so a graceful restart keeps them) and waits for every write.
         """
+        check_open_arguments(
+            hot_budget=hot_budget,
+            cold_budget=cold_budget,
+            min_free_bytes=min_free_bytes,
+            block_size=block_size,
+            min_reuse_tokens=min_reuse_tokens,
+        )
         self = cls(
             owner,
             cold,
@@ -338,6 +368,7 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
             shared_refresh,
             shared_index,
             pending_budget,
+            min_reuse_tokens,
         )
         if shared_index and not isinstance(cold, SharedColdStore):
             raise TypeError("shared_index needs a cold store with find() and entry()")
@@ -390,6 +421,13 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
                 self._touch(record)
                 self._count("hits_hot")
                 return Fetched(caches, query[match.reuse :], Tier.HOT, match)
+            if trio.current_time() < self._shared_paused_until:
+                break  # the shared store just failed: a miss, not another deadline spent
+            if match.reuse < self.min_reuse_tokens:
+                # Loading would be slower than recomputing so few tokens (bench reuse);
+                # the best match is this one, so no other is worth it either.
+                self._count("cold_skipped")
+                break
             loaded = await self._load_cold(record)
             if loaded is None:
                 continue
@@ -423,8 +461,22 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
 
         With ``conversation``, this entry supersedes that conversation's older entries
         whose tokens it extends (a checkpoint during a long generation, or a turn).
+
+        Refused before anything is kept (the tier can only write what it can read back):
+        token ids outside ``[0, 2**31)`` or not ints, a ``conversation`` that is not a
+        str or ``meta`` that is not str -> str (InvalidInputError); a layer whose offset
+        is not ``len(tokens)`` (CacheMismatchError); after the cache closed
+        (ShuttingDown).
         """
-        nbytes, trimmable, min_offset = await self.owner.run(_describe, caches)
+        if self._nursery is None:
+            raise ShuttingDown("tiered prompt cache is closed: insert refused")
+        tokens = check_token_ids(tokens)
+        if conversation is not None and not isinstance(conversation, str):
+            raise InvalidInputError(
+                f"conversation: expected a str, got {type(conversation).__name__}"
+            )
+        meta = check_meta(meta or {})
+        nbytes, trimmable, min_offset = await self.owner.run(_describe, caches, len(tokens))
         clone = await self.owner.run(_clone, caches)
         entry = self._index.make_entry(
             self.model, tokens, trimmable=trimmable, min_reusable_offset=min_offset
@@ -462,8 +514,13 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         a copy in RAM; return its key. The caller hands them over: it must not change them
         (a server's own RAM tier evicting an entry). Findable once durable (rule 3); an
         entry already on disk, or being written, is left as it is. The write waits with
-        the others (rule 3's byte cap may shed it, counted)."""
-        nbytes, trimmable, min_offset = await self.owner.run(_describe, caches)
+        the others (rule 3's byte cap may shed it, counted). Its arguments are checked as
+        :meth:`insert` checks them."""
+        if self._nursery is None:
+            raise ShuttingDown("tiered prompt cache is closed: spill refused")
+        tokens = check_token_ids(tokens)
+        meta = check_meta(meta or {})
+        nbytes, trimmable, min_offset = await self.owner.run(_describe, caches, len(tokens))
         entry = self._index.make_entry(
             self.model, tokens, trimmable=trimmable, min_reusable_offset=min_offset
         )
@@ -528,6 +585,8 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
             pending_budget=self.pending_budget,
             pending_dropped=c("pending_dropped", 0),
             no_space_retries=c("no_space_retries", 0),
+            cold_errors=c("cold_errors", 0),
+            cold_skipped=c("cold_skipped", 0),
         )
 
     def check(self) -> None:
@@ -608,7 +667,11 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         """Read a DURABLE entry's caches (None: gone or bad, counted and forgotten)."""
         key = record.entry.key
         try:
-            caches, nbytes = await self.cold.fetch(key, model=self.model)
+            # Content is bound to its key: a manifest replaced by another valid one (a
+            # Redis value overwritten, a file copied over) is a mismatch, never a hit.
+            caches, nbytes = await self.cold.fetch(
+                key, model=self.model, tokens=record.entry.tokens
+            )
         except (CacheMissError, CorruptCacheError, CacheMismatchError):
             self._count("drops")
             if record.cold.state is ColdState.DURABLE:
@@ -620,6 +683,16 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
             # forgotten here only; it stays in the store for every host (and this one's
             # next open).
             self._count("drops")
+            self._pause_shared()
+            if record.cold.state is ColdState.DURABLE:
+                self._apply(record, ColdEvent.FORGET)
+            return None
+        except (OSError, UnknownCacheKindError):
+            # The disk failed under this entry (EIO, a directory in its place), or it is of
+            # a kind this process has no codec for: a miss, counted. Forgotten here, not
+            # deleted: neither proves corruption.
+            self._count("drops")
+            self._count("cold_errors")
             if record.cold.state is ColdState.DURABLE:
                 self._apply(record, ColdEvent.FORGET)
             return None

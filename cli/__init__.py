@@ -57,8 +57,7 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "demo": Command(
-        "serve chat conversations with a tiered prompt cache (RAM, then disk) and check "
-        "every hit",
+        "serve chat conversations with a tiered prompt cache (RAM, then disk) and check every hit",
         "kvtrio.cli.demo",
     ),
     "serve": Command(
@@ -125,9 +124,12 @@ BENCHES: dict[str, Command] = {
         "cold store at 1k/10k/100k entries: open, loop stall, RSS/entry, lookups, gc; a burst",
         "kvtrio.bench.scale",
     ),
+    "reuse": Command(
+        "cold hit vs recompute on the demo model: the reuse from which a load wins",
+        "kvtrio.bench.reuse",
+    ),
     "attention": Command(
-        "decode attention over a paged cache: direct kernel and gather+sdpa vs contiguous "
-        "sdpa",
+        "decode attention over a paged cache: direct kernel and gather+sdpa vs contiguous sdpa",
         "kvtrio.bench.attention",
     ),
 }
@@ -192,9 +194,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         return run(args)
-    except UsageError as exc:
-        print(f"kvtrio {args.command}: {exc}", file=sys.stderr)
+    except BaseException as exc:
+        error = _user_facing(exc)
+        if error is None:
+            raise
+        print(f"kvtrio {args.command}: {_one_line(error)}", file=sys.stderr)
         return 2
+
+
+def _user_facing(exc: BaseException) -> BaseException | None:
+    """The error to show as one line: a UsageError, a kvtrio error or an OSError (a
+    missing directory, a refused permission), alone or as the one cause in a group.
+    Anything else is a bug and keeps its traceback."""
+    from kvtrio.errors import KvtrioError
+
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, UsageError | KvtrioError | OSError) else None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
 
 
 if __name__ == "__main__":

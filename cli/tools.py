@@ -27,12 +27,17 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
-from kvtrio.errors import CorruptCacheError, DirectoryLockedError
+from kvtrio.errors import CacheMissError, CorruptCacheError, DirectoryLockedError
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.dirlock import LOCK_NAME, DirectoryLock, holder_pid, try_lock
 from kvtrio.storage.fileops import OS_FILE_OPS, OsFileOps
 from kvtrio.storage.format import CacheEntry, Header, TensorSlot
-from kvtrio.storage.maintenance import collect_garbage, verify_tree
+from kvtrio.storage.maintenance import (
+    collect_garbage,
+    is_kvtrio_file,
+    list_cache_files,
+    verify_tree,
+)
 from kvtrio.storage.reader import read_header
 
 __all__ = [
@@ -271,9 +276,12 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
 def run_inspect(args: argparse.Namespace) -> int:
     try:
         cache_file = read_header(str(args.file))
-    except (CorruptCacheError, OSError) as exc:
+    except CorruptCacheError as exc:  # a finding, as verify's: exit 1
         print(f"kvtrio inspect: {args.file}: {exc}", file=sys.stderr)
         return 1
+    except (CacheMissError, OSError) as exc:  # nothing to inspect: a usage error
+        print(f"kvtrio inspect: {args.file}: {exc}", file=sys.stderr)
+        return 2
     header = cache_file.header
     if args.json:
         body = header_json(header) | {"path": str(args.file), "file_bytes": cache_file.file_size}
@@ -297,6 +305,25 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
+def _holds_kvtrio(tree: TreeLayout, directory: Path) -> bool:
+    """Whether ``directory`` is a tier (``caches/`` or ``blocks/`` in it) or holds at least
+    one kvtrio file (its magic: damaged ones count, foreign files do not)."""
+    if tree.manifest_dir != directory or tree.block_dir is not None:
+        return True
+    return any(is_kvtrio_file(p) for p in list_cache_files(str(tree.manifest_dir)))
+
+
+def _no_tier_here(directory: Path) -> str:
+    """One line: ``directory`` holds no kvtrio file, and where one may be instead."""
+    try:
+        subdirs = sorted(p for p in directory.iterdir() if p.is_dir() and not p.is_symlink())
+    except OSError:
+        subdirs = []
+    tiers = [p for p in subdirs if (p / "caches").is_dir()]
+    hint = f" (a cold tier is at {tiers[0]}: try that)" if tiers else ""
+    return f"{directory}: holds no kvtrio tier or cache files{hint}"
+
+
 def run_verify(args: argparse.Namespace) -> int:
     if not args.directory.is_dir():
         print(f"kvtrio verify: {args.directory}: not a directory", file=sys.stderr)
@@ -307,6 +334,9 @@ def run_verify(args: argparse.Namespace) -> int:
         report, elapsed = _timed(
             lambda: verify_tree(str(tree.manifest_dir), store, progress=progress)
         )
+    if not _holds_kvtrio(tree, args.directory):
+        print(f"kvtrio verify: {_no_tier_here(args.directory)}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(attrs.asdict(report) | {"ok": report.ok, "seconds": elapsed}, indent=2))
         return 0 if report.ok else 1
@@ -322,6 +352,7 @@ def run_verify(args: argparse.Namespace) -> int:
     table.add_row("bad files", str(len(report.bad_files)))
     table.add_row("bad blocks", str(len(report.bad_blocks)))
     table.add_row("missing blocks", str(len(report.missing_blocks)))
+    table.add_row("not kvtrio's (not checked)", str(len(report.foreign_files)))
     table.add_row("seconds", f"{elapsed:.2f}")
     console.print(table)
     for path, error in report.bad_files:
@@ -331,6 +362,8 @@ def run_verify(args: argparse.Namespace) -> int:
         console.print(f"[red]BAD BLOCK[/] {where}: {error}", soft_wrap=True)
     for path, name in report.missing_blocks:
         console.print(f"[red]MISSING BLOCK[/] {name} named by {path}", soft_wrap=True)
+    for path in report.foreign_files:
+        console.print(f"[dim]not kvtrio's[/] {path}", soft_wrap=True)
     console.print("[green]all good[/]" if report.ok else "[red]corruption found[/]")
     return 0 if report.ok else 1
 
@@ -439,6 +472,9 @@ def run_gc(args: argparse.Namespace) -> int:
     finally:
         if lock is not None:
             lock.release()
+    if not _holds_kvtrio(tree, args.directory):
+        print(f"kvtrio gc: {_no_tier_here(args.directory)}", file=sys.stderr)
+        return 2
     if args.json:
         body = attrs.asdict(report) | {"dry_run": args.dry_run, "seconds": elapsed}
         if isinstance(ops, _DryRunFileOps):
@@ -460,10 +496,13 @@ def run_gc(args: argparse.Namespace) -> int:
     table.add_row("unreferenced, kept (younger than grace)", str(report.young_unreferenced))
     table.add_row(f"tmp files {verb}", str(report.tmp_removed))
     table.add_row("unreadable files", str(len(report.unreadable)))
+    table.add_row("not kvtrio's (left alone)", str(len(report.foreign)))
     table.add_row("seconds", f"{elapsed:.2f}")
     console.print(table)
     for path in report.unreadable:
         console.print(f"[yellow]unreadable[/] {path}", soft_wrap=True)
+    for path in report.foreign:
+        console.print(f"[dim]not kvtrio's[/] {path}", soft_wrap=True)
     if isinstance(ops, _DryRunFileOps):
         for path in ops.would_delete:
             console.print(f"would delete {path}", soft_wrap=True)

@@ -6,7 +6,8 @@ Each drill proves one promise with counts (see docs/reliability.md):
   simulated loss of unsynced data; then reopen and check nothing acknowledged is lost
   and nothing torn is visible.
 - ``faults``: an I/O error at every open, write, fsync, rename, directory fsync and read.
-- ``hostile``: a corpus of crafted files plus mutation cases: only CorruptCacheError.
+- ``hostile``: a corpus of crafted files plus mutation cases: only CorruptCacheError (or a
+  clean miss, or UnknownCacheKindError for an unknown kind).
 - ``gcrace``: deterministic interleavings of writers and GC: no referenced block deleted.
 - ``soak``: spill at twice the disk's write rate: the byte cap holds, every ticket settles.
 - ``shutdown``: SIGTERM during a flush, and SIGTERM twice.

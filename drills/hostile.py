@@ -53,7 +53,7 @@ from kvtrio.drills.hostile_corpus import (
 )
 from kvtrio.drills.report import DrillResult, Tally
 from kvtrio.drills.workload import CacheDir
-from kvtrio.errors import CacheMissError, CorruptCacheError
+from kvtrio.errors import CacheMissError, CorruptCacheError, UnknownCacheKindError
 from kvtrio.storage.format import PREAMBLE, Layout, parse_header, parse_preamble
 
 __all__ = ["load_hostile", "run_hostile_drill"]
@@ -113,9 +113,18 @@ def _install_audit() -> _Audit:
     return _AUDIT
 
 
+#: The outcome :func:`load_hostile` reports for each error a corpus case may expect.
+OUTCOME_OF_ERROR = {
+    "CorruptCacheError": "corrupt",
+    "CacheMissError": "miss",
+    "UnknownCacheKindError": "unsupported",
+}
+
+
 def load_hostile(path: str, cache_dir: CacheDir) -> tuple[str, str]:
     """Load ``path`` through the public :func:`kvtrio.load_cache` (verify on, the cache
-    directory's block store): ("ok" | "corrupt" | "miss", message).
+    directory's block store): ("ok" | "corrupt" | "miss" | "unsupported", message); an
+    unknown cache kind is "unsupported" (UnknownCacheKindError: not corruption).
 
     Whatever else escapes propagates (the drill counts it as a violation).
     """
@@ -127,6 +136,8 @@ def load_hostile(path: str, cache_dir: CacheDir) -> tuple[str, str]:
         return "corrupt", str(exc)
     except CacheMissError as exc:
         return "miss", str(exc)
+    except UnknownCacheKindError as exc:
+        return "unsupported", str(exc)
     return "ok", ""
 
 
@@ -336,6 +347,8 @@ def _tier_child(cases_dir: str, tier_root: str, start: int) -> int:
                     outcome = "corrupt"
                 except CacheMissError:
                     outcome = "miss"
+                except UnknownCacheKindError:
+                    outcome = "unsupported"
                 except Exception as exc:
                     outcome = f"escaped {type(exc).__name__}: {str(exc)[:120]}"
                 print(f"R {name} {outcome}", flush=True)
@@ -429,7 +442,7 @@ def _run_corpus(cache_dir: CacheDir, tally: Tally) -> list[tuple[str, bytes]]:
         with open(path, "wb") as f:
             f.write(case.data)
         outcome = _load_checked(path, cache_dir, tally, f"corpus {case.name}")
-        want = "corrupt" if case.error == "CorruptCacheError" else "miss"
+        want = OUTCOME_OF_ERROR[case.error]
         tally.add("corpus cases")
         if outcome != want:
             tally.violation(f"corpus {case.name} ({case.rule}): {outcome}, expected {want}")
@@ -451,6 +464,7 @@ def run_hostile_drill(*, full: bool, seed: int, workdir: Path) -> DrillResult:
     _warm_up(cache_dir)
     base_rss = _max_rss()
     tier_cases = _run_corpus(cache_dir, tally)
+    corpus_size = len(tier_cases)
     _bitflips(single, "single", cache_dir, tally)
     _bitflips(manifest, "blocks", cache_dir, tally)
     rng = random.Random(f"hostile/{seed}")
@@ -479,7 +493,7 @@ def run_hostile_drill(*, full: bool, seed: int, workdir: Path) -> DrillResult:
         tally.add("hostile cases")
         tally.add(f"hostile cases: {kind}")
         if case % _FILE_EVERY == 0:
-            if len(tier_cases) < 52 + _TIER_SAMPLES:
+            if len(tier_cases) < corpus_size + _TIER_SAMPLES:
                 tier_cases.append((f"m{case:07d}.case", data))
             layout: Layout = "single" if base.layout == "single" else "blocks"
             path = cache_dir.path_of(f"m{case}", layout)

@@ -58,7 +58,7 @@ class CorpusCase:
     rule: str  # the validation rule it breaks
     data: bytes
     layout: str  # "single" (a cache file) or "blocks" (a manifest)
-    error: str  # "CorruptCacheError" or "CacheMissError"
+    error: str  # "CorruptCacheError", "CacheMissError" or "UnknownCacheKindError"
     prefix: str  # the message starts with this (the field at fault)
 
 
@@ -335,6 +335,30 @@ def build_corpus(cache_dir: CacheDir) -> list[CorpusCase]:
     last_off = max(t["off"] for e in s_doc["caches"] for t in e["tensors"])
     cut = single[: align_up(PREAMBLE.size + len(s_body)) + last_off + 10]
     raw_case("tensor-truncated", "tensors inside the file", cut, "caches[1].tensors[1].off:")
+    # Issue 15: the length is exactly what the header implies, both ways.
+    raw_case("cut-by-one-byte", "file length as the header implies", single[:-1], "header:")
+    raw_case("trailing-byte", "file length as the header implies", single + b"\0", "header:")
+    raw_case(
+        "manifest-trailing-byte",
+        "manifest length as the preamble implies",
+        manifest + b"\0",
+        "header:",
+        "blocks",
+    )
+    future = copy.deepcopy(s_doc)
+    future["caches"][0]["kind"] = "zz"  # as long as "kv": the data start stays put
+    body = dumps_header(future)
+    assert len(body) == len(s_body)
+    cases.append(
+        CorpusCase(
+            "unknown-kind",
+            "a kind with no codec is unsupported, not corrupt (never deleted)",
+            seal(body) + body + s_rest,  # s_rest: the base's own padding, then its data
+            "single",
+            "UnknownCacheKindError",
+            "caches[0].kind:",
+        )
+    )
 
     def huge(d: Any) -> None:
         # Every field valid: 256 blocks of 1 GiB (the per-block cap), 256 GiB in all.

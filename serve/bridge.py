@@ -35,6 +35,7 @@ from typing import TypeVar, TypeVarTuple
 
 import attrs
 import trio
+from kvtrio.actors.callerchecks import DEFAULT_MIN_REUSE_TOKENS
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import DEFAULT_BLOCK_SIZE, ModelKey
 from kvtrio.actors.tiered import TieredPromptCache, WritePolicy, open_tiered_cache
@@ -59,6 +60,8 @@ class TierOptions:
     block_size: int = DEFAULT_BLOCK_SIZE
     shutdown_grace: float = 10.0
     policy: WritePolicy = WritePolicy.WRITE_BACK
+    # Cold matches reusing fewer tokens are not loaded (slower than recomputing them).
+    min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS
 
 
 class TierThread:
@@ -236,6 +239,7 @@ class TierThread:
             policy=options.policy,
             block_size=options.block_size,
             shutdown_grace=options.shutdown_grace,
+            min_reuse_tokens=options.min_reuse_tokens,
         ) as cache:
             async with trio.open_nursery() as nursery:
                 self.cache = cache

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import re
 import secrets
@@ -25,6 +26,7 @@ from kvtrio.storage.fileops import (
     OS_FILE_OPS,
     TMP_SUFFIX,
     FileOps,
+    not_a_real_directory,
     pread_full,
     pwrite_full,
 )
@@ -40,6 +42,7 @@ __all__ = [
 ]
 
 BLOCK_NAME_RE = re.compile(r"[0-9a-f]{64}")
+_log = logging.getLogger(__name__)
 
 
 class CorruptBlockError(CorruptCacheError):
@@ -140,6 +143,10 @@ class LocalBlockStore:
     re-hash on put. ``read_into`` opens with O_NOFOLLOW and requires a regular file of
     exactly the buffer's size. Putting a block that exists freshens its mtime, so GC's
     grace period covers blocks a writer is about to name in a manifest.
+
+    A ``directory`` that is a symbolic link (or not a directory) is never traversed: it
+    lists no block, holds none (reads miss), deletes nothing, and refuses puts
+    (StoreUnavailableError), with a warning in the log.
     """
 
     directory: str
@@ -150,7 +157,24 @@ class LocalBlockStore:
         """The file of block ``name`` (the name is checked, so it cannot traverse)."""
         return os.path.join(self.directory, check_block_name(name))
 
+    def _linked(self) -> bool:
+        """Whether the directory is a link or not a directory (checked on every call: it
+        may be replaced while the store is open)."""
+        if not_a_real_directory(self.file_ops, self.directory):
+            _log.warning(
+                "block directory %s is a symbolic link or not a directory: not traversed",
+                self.directory,
+            )
+            return True
+        return False
+
     def _ensure_dir(self) -> None:
+        if self._linked():
+            from kvtrio.errors import StoreUnavailableError
+
+            raise StoreUnavailableError(
+                f"block directory {self.directory}: a symbolic link or not a directory"
+            )
         if not self._made:
             existed = os.path.isdir(self.directory)
             self.file_ops.mkdir(self.directory)
@@ -210,6 +234,8 @@ class LocalBlockStore:
         deleted = 0
         freed = 0
         changed = False
+        if self._linked():
+            return 0, 0
         for name in names:
             path = self.path_of(name)
             doomed = os.path.join(
@@ -239,6 +265,8 @@ class LocalBlockStore:
 
         Raises CorruptCacheError for a symbolic link or anything but a regular file.
         """
+        if self._linked():
+            return None
         try:
             info = self.file_ops.stat(self.path_of(name))
         except FileNotFoundError:
@@ -258,10 +286,14 @@ class LocalBlockStore:
         return True
 
     def has_many(self, names: Sequence[str]) -> list[bool]:
+        if self._linked():
+            return [False for _ in names]
         return [self._exists(self.path_of(name)) for name in names]
 
     def read_into(self, name: str, buffer: memoryview) -> bool:
         path = self.path_of(name)
+        if self._linked():
+            return False
         try:
             fd = self.file_ops.open(path, os.O_RDONLY | O_NOFOLLOW)
         except FileNotFoundError:
@@ -287,10 +319,12 @@ class LocalBlockStore:
 
     def delete_many(self, names: Sequence[str]) -> int:
         deleted = 0
+        if self._linked():
+            return 0
         for name in names:
             try:
                 self.file_ops.unlink(self.path_of(name))
-            except FileNotFoundError:
+            except (FileNotFoundError, IsADirectoryError):  # a directory is no block
                 continue
             deleted += 1
         if deleted:
@@ -298,6 +332,8 @@ class LocalBlockStore:
         return deleted
 
     def iter_blocks(self) -> Iterator[BlockInfo]:
+        if self._linked():
+            return
         try:
             names = self.file_ops.listdir(self.directory)
         except FileNotFoundError:

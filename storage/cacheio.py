@@ -56,7 +56,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 import numpy as np
-from kvtrio.errors import CorruptCacheError
+from kvtrio.errors import CorruptCacheError, UnknownCacheKindError
 from kvtrio.storage import (
     concat_codec,  # noqa: F401  (registers ConcatenateKVCache's)
     mlxlm_codecs,  # noqa: F401  (registers mlx-lm's codecs)
@@ -317,6 +317,8 @@ def _assemble_entry(entry: CacheEntry, it: Any, path: str) -> Any:
         cache = codec_for_kind(entry.kind).restore(entry, arrays, children)
     except CorruptCacheError as exc:
         raise CorruptCacheError(f"{path}.{exc}") from None
+    except UnknownCacheKindError as exc:
+        raise UnknownCacheKindError(f"{path}.{exc}") from None
     if entry.min_reusable_offset:
         setattr(cache, MIN_REUSABLE_ATTR, entry.min_reusable_offset)
     return cache

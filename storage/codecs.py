@@ -25,14 +25,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
-from kvtrio.errors import CorruptCacheError
-from kvtrio.storage.format import CacheEntry, FieldValue
+from kvtrio.errors import CorruptCacheError, UnknownCacheKindError
+from kvtrio.storage.format import CacheEntry, FieldValue, Header
 
 __all__ = [
     "MIN_REUSABLE_ATTR",
     "CacheCodec",
     "CodecState",
     "TensorView",
+    "check_kinds",
     "codec_for_cache",
     "codec_for_kind",
     "expect_shape",
@@ -110,11 +111,26 @@ def unregister_codec(codec: CacheCodec) -> None:
 
 
 def codec_for_kind(kind: str) -> CacheCodec:
-    """The codec of a header kind (CorruptCacheError for an unknown kind)."""
+    """The codec of a header kind (UnknownCacheKindError for a kind with none: a file of
+    a newer writer or of an unregistered plugin is not corrupt)."""
     try:
         return _BY_KIND[kind]
     except KeyError:
-        raise CorruptCacheError(f"kind: no codec for cache kind {kind!r:.60}") from None
+        raise UnknownCacheKindError(f"kind: no codec for cache kind {kind!r:.60}") from None
+
+
+def check_kinds(header: Header) -> None:
+    """Before a load reads a byte of tensor data: every entry's kind has a codec
+    (UnknownCacheKindError naming the first that has none)."""
+
+    def walk(entry: CacheEntry, path: str) -> None:
+        if entry.kind not in _BY_KIND:
+            raise UnknownCacheKindError(f"{path}.kind: no codec for cache kind {entry.kind!r:.60}")
+        for k, child in enumerate(entry.children):
+            walk(child, f"{path}.children[{k}]")
+
+    for i, entry in enumerate(header.caches):
+        walk(entry, f"caches[{i}]")
 
 
 def codec_for_cache(cache: Any) -> CacheCodec:

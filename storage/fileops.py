@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import stat
 import sys
 from collections.abc import Callable
 from typing import Protocol
@@ -34,11 +35,13 @@ import attrs
 
 __all__ = [
     "O_NOFOLLOW",
+    "O_NONBLOCK",
     "OS_FILE_OPS",
     "TMP_SUFFIX",
     "FaultyFileOps",
     "FileOps",
     "byte_view",
+    "not_a_real_directory",
     "OsFileOps",
     "pread_full",
     "pwrite_full",
@@ -46,6 +49,8 @@ __all__ = [
 ]
 
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+#: Opening a FIFO for reading with it returns at once instead of waiting for a writer.
+O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 #: Suffix of every tmp file the library creates; GC removes old ones (crash debris).
 TMP_SUFFIX = ".kvtrio-tmp"
@@ -271,6 +276,18 @@ class FaultyFileOps:
         hints = write_behind_ops(self.inner)
         if hints is not None:
             hints[1](fd, offset, length)
+
+
+def not_a_real_directory(ops: FileOps, path: str) -> bool:
+    """Whether ``path`` exists as something other than a directory reached without a link
+    (a symbolic link to one, a file, a FIFO). Under a tier's root such a thing is never
+    traversed: a symlinked ``blocks/`` could lead a sweep to delete another program's
+    64-hex-named files (Hugging Face blob caches, OCI stores)."""
+    try:
+        info = ops.stat(path)  # lstat: a link is reported as the link
+    except FileNotFoundError:
+        return False
+    return not stat.S_ISDIR(info.st_mode)
 
 
 def byte_view(buffer: memoryview) -> memoryview:

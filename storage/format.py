@@ -25,6 +25,12 @@ Theory of operation (docs/format.md's validation rules, docs/design.md invariant
    block names fullmatch ``[0-9a-f]{64}``.
 4. Every failure is a :class:`~kvtrio.errors.CorruptCacheError` whose message starts
    with the name of the field at fault (``"caches[2].tensors[0].shape: ..."``).
+5. A single-file cache is exactly as long as its header implies (:func:`file_sizes`):
+   a file cut short, even inside the last tensor's padding, is corrupt.
+6. Write what you can read: :func:`check_writable` runs these same rules over a header
+   a writer is about to publish (and checks that every layer's offset equals the token
+   count), before a byte is written; :func:`check_token_ids` and :func:`check_meta`
+   check a caller's arguments with the bounds the reader applies.
 
 Records are frozen attrs classes. A *plan* header (from ``cacheio.snapshot``) has slots
 without placement (``off``/``xxh3``/``blocks`` all ``None``); the writers return the
@@ -43,7 +49,7 @@ from typing import Any, Final, Literal
 
 import attrs
 import xxhash
-from kvtrio.errors import CorruptCacheError
+from kvtrio.errors import CacheMismatchError, CorruptCacheError, InvalidInputError
 from kvtrio.storage.blockstore import BLOCK_NAME_RE
 from kvtrio.storage.dtypes import DTYPES
 
@@ -65,9 +71,13 @@ __all__ = [
     "Preamble",
     "TensorSlot",
     "align_up",
+    "check_meta",
+    "check_token_ids",
+    "check_writable",
     "encode_file_prefix",
     "encode_header",
     "encode_preamble",
+    "file_sizes",
     "parse_header",
     "nth_slot",
     "parse_preamble",
@@ -104,6 +114,9 @@ MAX_FIELDS: Final = 64
 MAX_STRING: Final = 4096
 MAX_META: Final = 256
 MAX_JSON_DEPTH: Final = 64
+# Writers pad each tensor's tail to this boundary (storage.writer); a file written before
+# they did ends at its last tensor's last byte (tests/golden/v1).
+TAIL_ALIGN: Final = 4096
 
 #: The closed list of dtypes and their item sizes (MLX names; :mod:`kvtrio.storage.dtypes`).
 DTYPE_SIZES: Final[Mapping[str, int]] = {d.name: d.itemsize for d in DTYPES}
@@ -712,6 +725,11 @@ def parse_header(body: bytes, preamble: Preamble, file_size: int) -> Header:
     if layout == "single":
         _check_placement(header, preamble.data_start, file_size)
     else:
+        if file_size != PREAMBLE.size + preamble.header_len:
+            raise CorruptCacheError(
+                f"header: the manifest is {file_size} bytes, its preamble implies "
+                f"{PREAMBLE.size + preamble.header_len}"
+            )
         _check_blocks(header)
     return header
 
@@ -774,6 +792,28 @@ def _check_placement(header: Header, data_start: int, file_size: int) -> None:
         if off < end_prev:
             raise CorruptCacheError(f"{name}.off: tensor at {off} overlaps the previous tensor")
         end_prev = off + slot.nbytes
+    sizes = file_sizes(header, data_start)
+    if file_size not in sizes:
+        raise CorruptCacheError(
+            f"header: the file is {file_size} bytes, its header implies "
+            f"{' or '.join(str(n) for n in sizes)} (truncated or padded)"
+        )
+
+
+def file_sizes(header: Header, data_start: int) -> tuple[int, ...]:
+    """The lengths a single-file cache with this (placed) header may have (rule 5).
+
+    The file ends where its last non-empty tensor ends, that end rounded up to
+    :data:`TAIL_ALIGN` (what this library writes), or at ``data_start`` when no tensor
+    holds a byte. Two lengths, because format version 1 files written before the tail
+    padding end at the last tensor's last byte; both hold every byte the header names.
+    """
+    end = max(
+        (data_start + (s.off or 0) + s.nbytes for s in header.slots() if s.nbytes),
+        default=data_start,
+    )
+    padded = align_up(end, TAIL_ALIGN) if end > data_start else end
+    return (end,) if padded == end else (end, padded)
 
 
 def nth_slot(header: Header, index: int) -> TensorSlot:
@@ -798,3 +838,115 @@ def slot_names(header: Header) -> Iterator[str]:
     for i, a in enumerate(header.attachments):
         for j in range(len(a.tensors)):
             yield f"attachments[{i}].tensors[{j}]"
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def check_token_ids(tokens: Any, name: str = "tokens") -> tuple[int, ...]:
+    """A caller's token ids as the reader will accept them, or InvalidInputError.
+
+    Ids are integers (Python or numpy; not bool, not float: ``1.5`` is refused, never
+    rounded) in ``[0, 2**31 - 1]``, at most :data:`MAX_TOKENS` of them.
+    """
+    try:
+        values = list(tokens)
+    except TypeError:
+        raise InvalidInputError(f"{name}: expected a sequence of ints") from None
+    if len(values) > MAX_TOKENS:
+        raise InvalidInputError(f"{name}: {len(values)} tokens, over the cap {MAX_TOKENS}")
+    if set(map(type, values)) <= {int} and (
+        not values or (min(values) >= 0 and max(values) <= MAX_TOKEN_VALUE)
+    ):
+        return tuple(values)
+    out: list[int] = []
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise InvalidInputError(f"{name}[{i}]: expected an int, got {type(value).__name__}")
+        number = value.__index__()
+        if not 0 <= number <= MAX_TOKEN_VALUE:
+            raise InvalidInputError(f"{name}[{i}]: {number} is outside [0, {MAX_TOKEN_VALUE}]")
+        out.append(number)
+    return tuple(out)
+
+
+def check_meta(meta: Mapping[Any, Any], name: str = "meta") -> dict[str, str]:
+    """A caller's string metadata as the reader will accept it, or InvalidInputError."""
+    if len(meta) > MAX_META:
+        raise InvalidInputError(f"{name}: {len(meta)} keys, over the cap {MAX_META}")
+    out: dict[str, str] = {}
+    for key, value in meta.items():
+        check_str_arg(key, f"{name} keys")
+        out[key] = check_str_arg(value, f"{name}[{key!r:.40}]")
+    return out
+
+
+def check_str_arg(value: Any, name: str) -> str:
+    """A caller's header string (model id, fingerprint, meta) or InvalidInputError."""
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{name}: expected a str, got {type(value).__name__}")
+    if len(value) > MAX_STRING:
+        raise InvalidInputError(f"{name}: string of {len(value)} chars, over the cap {MAX_STRING}")
+    return value
+
+
+def check_writable(header: Header, *, block_tokens: int | None = None) -> None:
+    """Refuse a header the reader would refuse, before a writer writes a byte (rule 6).
+
+    ``header`` is a plan (``codecs.snapshot``); it is placed as the writer will place it
+    (``block_tokens`` given: the blocks layout, with placeholder block names) and run
+    through :func:`parse_header`. A failure is InvalidInputError naming the field. Every
+    layer (nested ones too) must hold exactly ``len(header.tokens)`` tokens: its offset
+    is what the next model step continues from, so a file whose tokens disagree with it
+    would be found for a prompt it does not hold (CacheMismatchError).
+    """
+    n_tokens = len(header.tokens)
+    for name, entry in _named_entries(header):
+        if n_tokens and entry.offset != n_tokens:
+            raise CacheMismatchError(
+                f"{name}.offset: the {entry.kind} cache holds {entry.offset} tokens, "
+                f"{n_tokens} tokens were given"
+            )
+    if block_tokens is None:
+        placed = place_single(header)
+    else:
+        placed = _place_blocks_placeholder(header, block_tokens)
+    body = encode_header(placed)
+    if len(body) > MAX_HEADER_BYTES:
+        raise InvalidInputError(f"header: {len(body)} bytes, over the {MAX_HEADER_BYTES}-byte cap")
+    raw = encode_preamble(body, placed.format_version)
+    size = PREAMBLE.size + len(body)
+    try:
+        preamble = parse_preamble(raw, size)
+        if placed.layout == "single":
+            size = file_sizes(placed, preamble.data_start)[-1]
+        parse_header(body, preamble, size)
+    except CorruptCacheError as exc:
+        raise InvalidInputError(str(exc)) from None
+
+
+def _named_entries(header: Header) -> Iterator[tuple[str, CacheEntry]]:
+    def walk(entry: CacheEntry, path: str) -> Iterator[tuple[str, CacheEntry]]:
+        yield path, entry
+        for k, child in enumerate(entry.children):
+            yield from walk(child, f"{path}.children[{k}]")
+
+    for i, entry in enumerate(header.caches):
+        yield from walk(entry, f"caches[{i}]")
+
+
+def _place_blocks_placeholder(header: Header, block_tokens: int) -> Header:
+    placeholder = "0" * 64
+    slots = [
+        attrs.evolve(
+            slot,
+            off=None,
+            xxh3=None,
+            blocks=tuple(
+                BlockRef(placeholder, piece_nbytes(slot, a, b))
+                for a, b in piece_ranges(slot, block_tokens)
+            ),
+        )
+        for slot in header.slots()
+    ]
+    return attrs.evolve(header.with_slots(slots), layout="blocks", block_tokens=block_tokens)

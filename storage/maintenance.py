@@ -30,10 +30,25 @@ from collections.abc import Callable
 import attrs
 from kvtrio.errors import CacheMissError, CorruptCacheError
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore, read_block_verified
-from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps
+from kvtrio.storage.fileops import (
+    O_NONBLOCK,
+    OS_FILE_OPS,
+    TMP_SUFFIX,
+    FileOps,
+    not_a_real_directory,
+    pread_full,
+)
+from kvtrio.storage.format import MAGIC
 from kvtrio.storage.reader import allocate_buffers, read_header, read_tensors
 
-__all__ = ["GcReport", "VerifyReport", "collect_garbage", "list_cache_files", "verify_tree"]
+__all__ = [
+    "GcReport",
+    "VerifyReport",
+    "collect_garbage",
+    "is_kvtrio_file",
+    "list_cache_files",
+    "verify_tree",
+]
 
 
 @attrs.frozen
@@ -47,6 +62,7 @@ class GcReport:
     young_unreferenced: int  # unreferenced but inside the grace period: kept
     tmp_removed: int
     unreadable: tuple[str, ...]  # manifests or cache files that failed validation
+    foreign: tuple[str, ...] = ()  # files that are not kvtrio's (no kvtrio magic): left alone
 
 
 @attrs.frozen
@@ -58,10 +74,31 @@ class VerifyReport:
     bad_files: tuple[tuple[str, str], ...]  # (path, error)
     bad_blocks: tuple[tuple[str, str], ...]  # (block name, error)
     missing_blocks: tuple[tuple[str, str], ...]  # (manifest path, block name)
+    # Files that are not kvtrio's at all (no kvtrio magic: a conversations.json, an mlx-lm
+    # .safetensors beside the caches): listed apart, never counted as corruption.
+    foreign_files: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
         return not (self.bad_files or self.bad_blocks or self.missing_blocks)
+
+
+def is_kvtrio_file(path: str, file_ops: FileOps = OS_FILE_OPS) -> bool:
+    """Whether ``path`` starts with kvtrio's magic: a kvtrio file, however damaged after
+    it (False for anything else, including what cannot be read as a regular file)."""
+    try:
+        fd = file_ops.open(path, os.O_RDONLY | O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(file_ops.fstat(fd).st_mode):
+            return False
+        head = bytearray(len(MAGIC))
+        return pread_full(file_ops, fd, memoryview(head), 0) == len(MAGIC) and head == MAGIC
+    except OSError:
+        return False
+    finally:
+        file_ops.close(fd)
 
 
 def list_cache_files(directory: str, *, file_ops: FileOps = OS_FILE_OPS) -> list[str]:
@@ -116,6 +153,7 @@ def collect_garbage(
     blocks = list(store.iter_blocks())
     live: set[str] = set()
     unreadable: list[str] = []
+    foreign: list[str] = []
     manifests = 0
     for path in list_cache_files(manifest_dir, file_ops=file_ops):
         try:
@@ -123,7 +161,7 @@ def collect_garbage(
         except FileNotFoundError:  # deleted since the listing: it references nothing now
             continue
         except CorruptCacheError:
-            unreadable.append(path)
+            (unreadable if is_kvtrio_file(path, file_ops) else foreign).append(path)
             continue
         # Any other OSError (EIO, EMFILE, ...) propagates: a manifest that could not be
         # read may still reference blocks, so this pass must delete nothing.
@@ -142,7 +180,8 @@ def collect_garbage(
         deleted = store.delete_many([b.name for b in doomed]) if doomed else 0
         deleted_bytes = sum(b.size for b in doomed)
     tmp_removed = _remove_old_tmp(manifest_dir, cutoff, file_ops)
-    if isinstance(store, LocalBlockStore):
+    if isinstance(store, LocalBlockStore) and not not_a_real_directory(file_ops, store.directory):
+        # A linked block directory is never traversed: its tmp-named files are not ours.
         tmp_removed += _remove_old_tmp(store.directory, cutoff, file_ops)
     return GcReport(
         manifests=manifests,
@@ -152,6 +191,7 @@ def collect_garbage(
         young_unreferenced=young,
         tmp_removed=tmp_removed,
         unreadable=tuple(unreadable),
+        foreign=tuple(foreign),
     )
 
 
@@ -200,12 +240,16 @@ def verify_tree(
         progress(0, total)
     files_ok = 0
     bad_files: list[tuple[str, str]] = []
+    foreign: list[str] = []
     missing: list[tuple[str, str]] = []
     for path in paths:
         try:
             missing.extend((path, r) for r in _verify_file(path, store, file_ops))
         except (CorruptCacheError, CacheMissError, OSError) as exc:
-            bad_files.append((path, str(exc)))
+            if is_kvtrio_file(path, file_ops):
+                bad_files.append((path, str(exc)))
+            else:
+                foreign.append(path)
             step()
             continue
         files_ok += 1
@@ -227,4 +271,5 @@ def verify_tree(
         bad_files=tuple(bad_files),
         bad_blocks=tuple(bad_blocks),
         missing_blocks=tuple(missing),
+        foreign_files=tuple(foreign),
     )

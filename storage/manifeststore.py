@@ -304,10 +304,14 @@ class RedisManifestStore:
     def get(self, name: str) -> bytes | None:
         key = self.manifest_key(name)
         with translate_redis_errors(self.target):
-            value = self.client.get(key)
-        if value is None:
-            return None
+            # At most one byte over the cap is ever transferred (the local store's cap:
+            # a value padded to hundreds of MB with a recomputed hash is refused, not read).
+            value = self.client.getrange(key, 0, _DIGEST + MAX_MANIFEST_BYTES)
+        if not value:
+            return None  # missing (an empty value is no manifest either)
         raw = value if isinstance(value, bytes) else value.encode()
+        if len(raw) > _DIGEST + MAX_MANIFEST_BYTES:
+            raise CorruptCacheError(f"manifest {name}: over the {MAX_MANIFEST_BYTES}-byte cap")
         if len(raw) < _DIGEST or hashlib.sha256(raw[_DIGEST:]).digest() != raw[:_DIGEST]:
             raise CorruptCacheError(f"manifest {name}: content does not match its sha256")
         return raw[_DIGEST:]

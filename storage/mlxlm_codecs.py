@@ -110,7 +110,11 @@ class RotatingKVCacheCodec:
             raise CorruptCacheError(f"tensors[0]: holds {stored} tokens, offset is {entry.offset}")
         cache.keys, cache.values = _check_kv(entry, arrays, stored)
         cache.offset = entry.offset
-        cache._idx = field_int(entry, "idx", 0, stored)
+        # keep == max_size is mlx-lm's degenerate ring: once full, every write lands past
+        # the buffer (an empty slice) while _idx still advances, so _idx runs past what is
+        # stored, up to the offset. Any other ring keeps _idx within what it stores.
+        idx_max = entry.offset if keep == max_size else stored
+        cache._idx = field_int(entry, "idx", 0, idx_max)
         return cache
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import stat
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
@@ -36,6 +37,8 @@ import xxhash
 from kvtrio.errors import CacheMissError, CorruptCacheError, OperationCancelled
 from kvtrio.storage.blockstore import BlockStore, CorruptBlockError
 from kvtrio.storage.fileops import (
+    O_NOFOLLOW,
+    O_NONBLOCK,
     OS_FILE_OPS,
     FileOps,
     byte_view,
@@ -109,11 +112,26 @@ def _check_cancel(cancel: Cancel) -> None:
         raise OperationCancelled("read cancelled at a step boundary")
 
 
-def read_header(path: str, *, file_ops: FileOps = OS_FILE_OPS) -> CacheFile:
-    """Open ``path`` and return its checked header (raises CorruptCacheError, OSError)."""
-    fd = file_ops.open(path, os.O_RDONLY)
+def read_header(
+    path: str, *, file_ops: FileOps = OS_FILE_OPS, follow_links: bool = True
+) -> CacheFile:
+    """Open ``path`` and return its checked header (raises CorruptCacheError, OSError).
+
+    Only a regular file is read: anything else (a FIFO, which a plain open would wait on
+    forever; a directory; a device) is CacheMissError, and so is a symbolic link when
+    ``follow_links`` is false (the tier's files: nothing under its root is followed).
+    """
+    flags = os.O_RDONLY | O_NONBLOCK | (0 if follow_links else O_NOFOLLOW)
+    try:
+        fd = file_ops.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_links:
+            raise CacheMissError(f"{path}: a symbolic link, not followed") from None
+        raise
     try:
         info = file_ops.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CacheMissError(f"{path}: not a regular file")
         size = info.st_size
         raw = bytearray(min(PREAMBLE.size, size))
         pread_full(file_ops, fd, memoryview(raw), 0)

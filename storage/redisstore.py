@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     import redis
 
 __all__ = [
+    "DEFAULT_DEADLINE_S",
     "DEFAULT_PREFIX",
     "PIPELINE_BYTES",
     "RedisBlockStore",
@@ -99,11 +100,16 @@ _HASH_GROUP = 512 * 1024  # with hash threads: complete blocks handed over in su
 # redis-py version), reads fall back to redis-py's public reply parser: correct, slower.
 _SOCKET_ATTRIBUTE = "_sock"
 _log = logging.getLogger(__name__)
+#: Seconds any one Redis operation may wait on the server (connect, or each reply read)
+#: before it fails with StoreUnavailableError: a stalled store costs a request at most
+#: this per round trip, never redis-py's default of waiting forever. ``?socket_timeout=``
+#: and ``?socket_connect_timeout=`` in the URL change it.
+DEFAULT_DEADLINE_S = 1.0
 # Connection defaults chosen so an unreachable server fails a save in about a second
 # instead of redis-py's ten retries; each is overridable in the URL's query string.
 _DEFAULT_OPTIONS = {
-    "socket_connect_timeout": "2",
-    "socket_timeout": "30",
+    "socket_connect_timeout": str(DEFAULT_DEADLINE_S),
+    "socket_timeout": str(DEFAULT_DEADLINE_S),
     "health_check_interval": "30",
 }
 _DEFAULT_RETRIES = 2
@@ -176,7 +182,16 @@ def connect(target: RedisTarget) -> redis.Redis:
         raise StoreUnavailableError(
             "the Redis tier needs redis-py: pip install 'kvtrio[redis]'"
         ) from exc
-    retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.25), target.retries)
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    # Retry a refused or reset connection, never a timeout: a server that accepts and
+    # does not answer (stalled, SIGSTOPped, swapping) then costs one deadline per
+    # operation, not (retries + 1) of them.
+    retry = Retry(
+        ExponentialWithJitterBackoff(base=0.01, cap=0.25),
+        target.retries,
+        supported_errors=(RedisConnectionError,),
+    )
     client = redis.Redis.from_url(target.url, retry=retry)
     with translate_redis_errors(target):
         client.ping()

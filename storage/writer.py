@@ -24,11 +24,14 @@ Theory of operation (docs/design.md invariants 4, 5 and 6):
    the page cache, while a helper thread hashes; ``direct=True`` (or
    ``IoOptions.save_direct``) uses O_DIRECT through aligned bounce buffers instead. Both
    make the same file (each tensor's tail zero-padded to 4 KiB).
-3. Publication is fsync(file) -> rename(tmp, final) -> fsync(dir) (F_FULLFSYNC on macOS);
+3. Write what you can read: the header is run through the reader's own validation
+   (:func:`~kvtrio.storage.format.check_writable`) before a byte is written, so a save
+   never publishes a file its reader refuses (InvalidInputError, CacheMismatchError).
+4. Publication is fsync(file) -> rename(tmp, final) -> fsync(dir) (F_FULLFSYNC on macOS);
    a final name never names a partial file. The result returns only after all three; if
    the directory fsync fails, the final name is removed again before the error propagates
    (a save that failed leaves nothing behind it).
-4. ``cancel()`` is polled at every tensor, chunk and block boundary. When it returns True
+5. ``cancel()`` is polled at every tensor, chunk and block boundary. When it returns True
    the tmp file is removed and :class:`~kvtrio.errors.OperationCancelled` is raised; on
    any other error the tmp file is removed too and the error propagates.
 """
@@ -63,6 +66,7 @@ from kvtrio.storage.format import (
     Header,
     TensorSlot,
     align_up,
+    check_writable,
     encode_file_prefix,
     encode_header,
     encode_preamble,
@@ -475,6 +479,7 @@ def write_single(
     hashes. Both paths write the same bytes; durability is the same fsync, rename, fsync
     of the directory either way.
     """
+    check_writable(header)
     placed = place_single(header)
     slots = list(placed.slots())
     if len(slots) != len(tensors):
@@ -554,6 +559,7 @@ def write_blocks(
     computed over its segments; a segmented block is gathered (memmove, GIL released)
     into a staging buffer reused from tensor to tensor, so it is warm after the first.
     """
+    check_writable(header, block_tokens=block_tokens)
     slots = list(header.slots())
     if len(slots) != len(pieces):
         raise ValueError(f"header has {len(slots)} tensor slots, got {len(pieces)} piece lists")

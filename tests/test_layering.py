@@ -24,7 +24,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "serve": frozenset({"actors", "runtime", "storage", "metal", "errors", "_lazy", "api"}),
     "errors": frozenset(),
     "_lazy": frozenset(),
-    "api": frozenset({"storage", "errors"}),
+    # api registers the paged cache's codec (kvtrio.metal.codec), so load_cache knows
+    # every built-in kind without the caller importing metal first (issue 15).
+    "api": frozenset({"storage", "metal", "errors"}),
     "tinymodel": frozenset({"storage", "errors"}),
     "__init__": frozenset({"errors", "_lazy", "actors", "api", "storage"}),
 }

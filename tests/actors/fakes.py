@@ -14,7 +14,7 @@ import attrs
 import trio
 from kvtrio.actors.prefix import ModelKey
 from kvtrio.actors.tiered import CONVERSATIONS_META, ColdEntryInfo, StoreResult
-from kvtrio.errors import CacheMissError, KvtrioError
+from kvtrio.errors import CacheMismatchError, CacheMissError, KvtrioError
 
 __all__ = ["FakeCache", "FakeColdStore", "fake_caches"]
 
@@ -101,10 +101,14 @@ class FakeColdStore:
         self.peak = max(self.peak, self.disk_bytes)
         return StoreResult(written=True, disk_bytes=nbytes - freed, bytes_written=nbytes)
 
-    async def fetch(self, key: str, *, model: ModelKey) -> tuple[list[Any], int]:
+    async def fetch(
+        self, key: str, *, model: ModelKey, tokens: Sequence[int] | None = None
+    ) -> tuple[list[Any], int]:
         await self._yield()
         if key not in self.disk or self.disk[key][0].model != model:
             raise CacheMissError(key)
+        if tokens is not None and self.disk[key][0].tokens != tuple(tokens):
+            raise CacheMismatchError(f"{key}: other tokens")
         _, caches = self.disk[key]
         out = copy.deepcopy(caches), self.sizes[key]
         if self.gate is not None:  # read, then stall: the file may go meanwhile

@@ -43,6 +43,7 @@ async def _open(
             cold_budget=cold_budget,
             policy=policy,
             block_size=4,
+            min_reuse_tokens=0,  # prompts of a few tokens: every cold match is loaded
         ) as cache,
     ):
         yield cache

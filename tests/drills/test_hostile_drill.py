@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from kvtrio.drills.hostile import load_hostile
+from kvtrio.drills.hostile import OUTCOME_OF_ERROR, load_hostile
 from kvtrio.drills.workload import CacheDir, EntrySpec, write_entry
 from kvtrio.tests.drills.helpers import run_drill_cli
 
@@ -27,7 +27,7 @@ def test_each_corpus_file_is_refused_naming_the_field_at_fault(name: str, tmp_pa
     target = Path(cache_dir.caches if name.endswith(".kvc") else cache_dir.manifests) / name
     shutil.copyfile(CORPUS / name, target)
     outcome, message = load_hostile(str(target), cache_dir)
-    kind = {"CorruptCacheError": "corrupt", "CacheMissError": "miss"}[expected["error"]]
+    kind = OUTCOME_OF_ERROR[expected["error"]]
     # (A top-level field's name may come with a leading dot: ".evil: unknown field".)
     field = message.removeprefix(".")
     assert (outcome, field[: len(expected["prefix"])]) == (kind, expected["prefix"]), message

@@ -133,10 +133,11 @@ async def _entry(owner: MlxOwner) -> tuple[ModelKey, Any, Any]:
 
 
 def _tiered_options(owner: MlxOwner, **extra: Any) -> dict[str, Any]:
-    """What every TieredPromptCache here is opened with (budgets that never evict)."""
+    """What every TieredPromptCache here is opened with (budgets that never evict; short
+    prompts, so every cold match is loaded)."""
     return {
         "owner": owner, "hot_budget": 1 << 30, "cold_budget": 1 << 40,
-        "block_size": host.BLOCK_TOKENS, **extra,
+        "block_size": host.BLOCK_TOKENS, "min_reuse_tokens": 0, **extra,
     }  # fmt: skip
 
 

@@ -50,7 +50,12 @@ def _adapter(
     tiny: TinyModel, directory: Path, **kwargs: Any
 ) -> Iterator[tuple[TieredLRUPromptCache, TierThread]]:
     tier = TierThread(
-        TierOptions(str(directory), ModelKey(tiny.model_id, tiny.fingerprint), block_size=BLOCK)
+        TierOptions(
+            str(directory),
+            ModelKey(tiny.model_id, tiny.fingerprint),
+            block_size=BLOCK,
+            min_reuse_tokens=0,  # prompts of 40-50 tokens: every cold match is loaded
+        )
     )
     tier.start()
     tier.bind()

@@ -155,3 +155,11 @@ def assert_same(a: Any, b: Any) -> None:
 @pytest.fixture
 def cache_dir(tmp_path: Any) -> Any:
     return tmp_path
+
+
+def tokens_for(caches: list[Any]) -> list[int]:
+    """A token list as long as the caches hold (save_cache refuses any other count)."""
+    from kvtrio.storage.cacheio import snapshot
+
+    entries = snapshot(caches, []).header.caches
+    return list(range(entries[0].offset if entries else 0))

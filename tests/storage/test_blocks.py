@@ -69,7 +69,7 @@ def test_blocks_are_durable_before_the_manifest_is_published(tmp_path: Path) -> 
     events: list[str] = []
     ops = FaultyFileOps(OS_FILE_OPS, events.append)
     store = LocalBlockStore(str(tmp_path / "blocks"), file_ops=ops)
-    snap = snapshot([_conversation(300, 0, 0)], [1])
+    snap = snapshot([_conversation(300, 0, 0)], [])
     host = materialize(snap, block_tokens=128)
     write_blocks(
         str(tmp_path / "m.kvt"),

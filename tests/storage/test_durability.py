@@ -31,7 +31,7 @@ class Boom(OSError):
 
 
 def _plan() -> Any:
-    snap = snapshot([BUILDERS["kv"](), BUILDERS["arrays"]()], [1, 2, 3])
+    snap = snapshot([BUILDERS["kv"](), BUILDERS["arrays"]()], [])
     return snap, materialize(snap), materialize(snap, block_tokens=128)
 
 
@@ -146,7 +146,7 @@ def test_cancelled_block_write_publishes_nothing(tmp_path: Path, after: int) -> 
 
 
 def test_cancelled_read_stops_at_a_boundary(tmp_path: Path) -> None:
-    kvtrio.save_cache(tmp_path / "c.kvt", [1], [BUILDERS["kv"]()])
+    kvtrio.save_cache(tmp_path / "c.kvt", [], [BUILDERS["kv"]()])
     cache_file = read_header(str(tmp_path / "c.kvt"))
     bufs = [[memoryview(b) for b in p] for p in allocate_buffers(cache_file.header)]
     with pytest.raises(OperationCancelled, match=r"^read cancelled at a step boundary$"):
@@ -154,7 +154,7 @@ def test_cancelled_read_stops_at_a_boundary(tmp_path: Path) -> None:
 
 
 def test_read_fault_propagates(tmp_path: Path) -> None:
-    kvtrio.save_cache(tmp_path / "c.kvt", [1], [BUILDERS["kv"]()])
+    kvtrio.save_cache(tmp_path / "c.kvt", [], [BUILDERS["kv"]()])
     cache_file = read_header(str(tmp_path / "c.kvt"))
     bufs = [[memoryview(b) for b in p] for p in allocate_buffers(cache_file.header)]
     with pytest.raises(Boom, match=r"^injected read$"):
@@ -162,9 +162,9 @@ def test_read_fault_propagates(tmp_path: Path) -> None:
 
 
 def test_replaced_file_is_detected_between_header_and_data(tmp_path: Path) -> None:
-    kvtrio.save_cache(tmp_path / "c.kvt", [1], [BUILDERS["kv"]()])
+    kvtrio.save_cache(tmp_path / "c.kvt", [], [BUILDERS["kv"]()])
     cache_file = read_header(str(tmp_path / "c.kvt"))
-    kvtrio.save_cache(tmp_path / "c.kvt", [1], [BUILDERS["kv"]()])
+    kvtrio.save_cache(tmp_path / "c.kvt", [], [BUILDERS["kv"]()])
     bufs = [[memoryview(b) for b in p] for p in allocate_buffers(cache_file.header)]
     with pytest.raises(kvtrio.CorruptCacheError, match=r"^file: replaced or resized since"):
         read_tensors(cache_file, bufs)
@@ -210,6 +210,6 @@ def test_reads_work_without_preadv(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(fileops, "_HAS_PREADV", False)
     original = BUILDERS["kv"]()
-    kvtrio.save_cache(tmp_path / "c.kvt", [1], [original])
+    kvtrio.save_cache(tmp_path / "c.kvt", [], [original])
     loaded = kvtrio.load_cache(tmp_path / "c.kvt").caches[0]
     assert mx.array_equal(loaded.keys, original.keys[..., : original.offset, :]).item()

@@ -14,7 +14,7 @@ from kvtrio.storage.structure import cache_structure
 from mlx_lm.models import cache as _mlx_cache_module
 from mlx_lm.models import llama
 
-from .conftest import BUILDERS, assert_same, logical_state
+from .conftest import BUILDERS, assert_same, logical_state, tokens_for
 
 mlx_cache: Any = _mlx_cache_module
 
@@ -25,21 +25,23 @@ KINDS = ["kv", "rotating", "rotating_wrapped", "quantized", "chunked", "arrays",
 def test_import_mlx_lm_prompt_cache(tmp_path: Path, kind: str) -> None:
     original = BUILDERS[kind]()
     mlx_cache.save_prompt_cache(str(tmp_path / "p.safetensors"), [original], {"model": "m"})
-    import_mlx_lm(tmp_path / "p.safetensors", tmp_path / "p.kvt", tokens=[5, 6])
+    tokens = tokens_for([original])
+    import_mlx_lm(tmp_path / "p.safetensors", tmp_path / "p.kvt", tokens=tokens)
     loaded = kvtrio.load_cache(tmp_path / "p.kvt")
-    assert list(loaded.tokens) == [5, 6] and loaded.header.meta["model"] == "m"
+    assert list(loaded.tokens) == tokens and loaded.header.meta["model"] == "m"
     assert_same(logical_state(loaded.caches[0]), logical_state(original))
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_export_to_mlx_lm_prompt_cache(tmp_path: Path, kind: str) -> None:
     original = BUILDERS[kind]()
-    kvtrio.save_cache(tmp_path / "c.kvt", [1, 2], [original], meta={"model_id": "tiny"})
+    tokens = tokens_for([original])
+    kvtrio.save_cache(tmp_path / "c.kvt", tokens, [original], meta={"model_id": "tiny"})
     export_mlx_lm(tmp_path / "c.kvt", tmp_path / "c.safetensors")
     caches, metadata = mlx_cache.load_prompt_cache(
         str(tmp_path / "c.safetensors"), return_metadata=True
     )
-    assert metadata["model_id"] == "tiny" and json.loads(metadata["tokens"]) == [1, 2]
+    assert metadata["model_id"] == "tiny" and json.loads(metadata["tokens"]) == tokens
     assert_same(logical_state(caches[0]), logical_state(original))
 
 

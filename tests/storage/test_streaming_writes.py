@@ -39,7 +39,7 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _plan() -> Any:
     # 301 tokens x 2 heads x 64 x fp16: 77056 bytes per tensor, not a multiple of 4 KiB.
-    snap = snapshot([make_kv([300, 1]), make_kv([200, 1])], list(range(301)))
+    snap = snapshot([make_kv([300, 1]), make_kv([299, 2])], list(range(301)))
     return snap, materialize(snap)
 
 
@@ -236,7 +236,9 @@ def test_file_ops_without_hints_write_plain_buffered(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("direct", [False, True])
-def test_the_golden_snapshot_is_written_as_the_golden_file(tmp_path: Path, direct: bool) -> None:
+def test_the_golden_snapshot_is_written_as_the_golden_file(
+    tmp_path: Path, direct: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Both write paths make the committed golden file's bytes, then zeros to 4 KiB (the
     O_DIRECT tail padding, which the streaming path writes too)."""
     import importlib.util
@@ -258,6 +260,10 @@ def test_the_golden_snapshot_is_written_as_the_golden_file(tmp_path: Path, direc
     )
     snap = attrs.evolve(snap, header=attrs.evolve(snap.header, created_at=0.0))
     host = materialize(snap)
+    # The golden's token list predates the rule that tokens equal every layer's offset
+    # (its layers hold different counts); the reader still reads it (test_golden), and
+    # this test is about the bytes, so the writer's own check is set aside here.
+    monkeypatch.setattr(writer, "check_writable", lambda header, block_tokens=None: None)
     path = tmp_path / "single.kvt"
     write_single(str(path), snap.header, [h.segments[0] for h in host], direct=direct)
     want = (golden / "v1" / "single.kvt").read_bytes()
