@@ -24,6 +24,7 @@ __all__ = [
     "StoreUnavailableError",
     "UnknownCacheKindError",
     "UnsupportedCacheError",
+    "UnsupportedModelError",
 ]
 
 
@@ -93,6 +94,11 @@ class UnsupportedCacheError(KvtrioError):
     def __init__(self, cache_class: str, message: str | None = None) -> None:
         self.cache_class = cache_class
         super().__init__(message or f"cache class {cache_class} cannot be saved by kvtrio")
+
+
+class UnsupportedModelError(KvtrioError):
+    """A model file kvtrio cannot convert for mlx-lm (an architecture, tokenizer or tensor
+    it does not map)."""
 
 
 class DirectoryLockedError(KvtrioError):

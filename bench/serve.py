@@ -6,7 +6,9 @@ For each conversation length: turn 1, a server restart (SIGTERM, start again), t
 headline (plain mlx_lm.server recomputes the whole prompt; the naive baseline loads the
 file mlx-lm's ``save_prompt_cache`` wrote on every insert, on the generation thread; kvtrio
 serves it from its cold tier). Then decode tokens/s and inter-token latency, one stream
-and 8 at once. Ratios are against plain mlx_lm.server in the same run. The default model
+and 8 at once, and the inter-token latency of a stream while other requests make the
+server save large entries (the spill phase). Ratios are against plain mlx_lm.server in the
+same run, and kvtrio's against the naive baseline's. The default model
 is the tiny random-weight llama of :mod:`kvtrio.serve.modeldir` (or ``--model DIR``): on a
 CPU, MLX's matmuls are slow, so recompute times measured here are MLX-CPU bound.
 """
@@ -33,6 +35,7 @@ __all__ = ["add_arguments", "measure", "render"]
 
 KINDS = ("mlx_lm", "naive", "kvtrio")
 QUESTION = "Please summarise the document above in one sentence."
+PHASES = ("restart", "decode", "spill", "disk", "start")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +52,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rounds", type=int, default=2, help="decode runs per server, alternating (2; median)"
     )
+    parser.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        help=f"which phases to run ({','.join(PHASES)}: all)",
+    )
+    parser.add_argument(
+        "--spill-length",
+        type=int,
+        default=4096,
+        help="tokens of each entry saved during the spill phase (4096)",
+    )
+    parser.add_argument(
+        "--spill-rounds", type=int, default=3, help="streams measured per server (3)"
+    )
 
 
 def _free_port() -> int:
@@ -58,9 +75,12 @@ def _free_port() -> int:
 
 
 class _Server:
-    def __init__(self, kind: str, model: Path, work: Path, log: Path) -> None:
+    def __init__(
+        self, kind: str, model: Path, work: Path, log: Path, extra: Sequence[str] = ()
+    ) -> None:
         self.port = _free_port()
         common = ["--model", str(model), "--port", str(self.port), "--log-level", "WARNING"]
+        common += extra
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVTRIO_NAIVE_DIR": str(work / "naive")}
         exe = sys.executable
         argv = {
@@ -120,6 +140,31 @@ class _Server:
                     text += content
         connection.close()
         return {"sent": sent, "arrivals": arrivals, "text": text, "usage": usage}
+
+    def chat_watching(
+        self, messages: list[dict[str, str]], max_tokens: int, after: int, started: threading.Event
+    ) -> dict[str, Any]:
+        """:meth:`chat`, setting ``started`` once ``after`` tokens have arrived."""
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        connection.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        arrivals: list[float] = []
+        try:
+            for raw in connection.getresponse():
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:]).get("choices", []):
+                    if choice.get("delta", {}).get("content") is not None:
+                        arrivals.append(time.perf_counter())
+                        if len(arrivals) == after:
+                            started.set()
+        finally:
+            started.set()
+            connection.close()
+        return {"arrivals": arrivals}
 
 
 def _prompt_words(model: Path, tokens: int) -> str:
@@ -203,6 +248,62 @@ def _decode(
     }
 
 
+def _spill(
+    kind: str, model: Path, work: Path, length: int, tokens: int, rounds: int, log: Path
+) -> dict[str, Any]:
+    """Inter-token latency of one stream, quiet and while large entries are saved.
+
+    With ``--prompt-cache-size 1``, each round: a quiet stream (``tokens`` tokens, nothing
+    else running); a ``length``-token prompt answered with one token (entry B in RAM);
+    then a stream S and, once S has decoded 8 tokens, B's conversation continued (a RAM
+    hit: a few tokens to prefill, and its insert is a ``length``-token entry: the naive
+    baseline saves it then, on the generation thread) followed by a short unrelated
+    request (its insert evicts that entry: kvtrio saves it then). S's latencies from the
+    continuation's send to its end are the "during" sample. Plain mlx_lm.server runs the
+    same requests and saves nothing: the same load without a save.
+    """
+    server = _Server(kind, model, work, log, extra=("--prompt-cache-size", "1"))
+    document = _prompt_words(model, length)
+    quiet: list[float] = []
+    during: list[float] = []
+    try:
+        server.chat([{"role": "user", "content": "warm up"}], 4)
+        for r in range(rounds):
+            alone = server.chat([{"role": "user", "content": f"Quiet stream {r}."}], tokens)
+            quiet += _itl(alone["arrivals"])
+            big = [{"role": "user", "content": f"Round {r}. {document}"}]
+            answer = server.chat(big, 1)["text"]
+            more = [*big, {"role": "assistant", "content": answer}]
+            more.append({"role": "user", "content": QUESTION})
+            stream: dict[str, Any] = {}
+            started = threading.Event()
+            busy = [{"role": "user", "content": f"Busy stream {r}."}]
+            thread = threading.Thread(
+                target=lambda out=stream, go=started, ask=busy: out.update(
+                    server.chat_watching(ask, tokens, 8, go)
+                )
+            )
+            thread.start()
+            if not started.wait(600):
+                raise RuntimeError(f"{kind}: the stream did not start")
+            sent = time.perf_counter()
+            server.chat(more, 1)
+            server.chat([{"role": "user", "content": f"Evict {r}."}], 1)
+            thread.join()
+            arrivals = [t for t in stream["arrivals"] if t >= sent]
+            during += _itl(arrivals)
+    finally:
+        server.stop()
+    return {
+        "itl_p50_ms_quiet": 1e3 * _pct(quiet, 0.5),
+        "itl_p99_ms_quiet": 1e3 * _pct(quiet, 0.99),
+        "itl_p50_ms_during": 1e3 * _pct(during, 0.5),
+        "itl_p99_ms_during": 1e3 * _pct(during, 0.99),
+        "itl_max_ms_during": 1e3 * max(during, default=float("nan")),
+        "samples_during": len(during),
+    }
+
+
 def _disk_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
@@ -264,8 +365,18 @@ def _fill(kind: str, model: Path, work: Path, entries: int) -> float:
     return time.perf_counter() - started
 
 
+def _phases(text: str) -> set[str]:
+    phases = {x for x in str(text).split(",") if x}
+    unknown = phases - set(PHASES)
+    if unknown:
+        raise SystemExit(f"kvtrio bench serve: unknown phases {sorted(unknown)} ({PHASES})")
+    return phases
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     lengths = [int(x) for x in str(args.lengths).split(",") if x]
+    phases = _phases(args.phases)
+    figures: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         log = root / "servers.log"
@@ -275,32 +386,63 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             from kvtrio.serve.modeldir import write_tiny_model_dir
 
             model = write_tiny_model_dir(root / "tiny-llama")
-        restart: dict[str, dict[str, Any]] = {}
-        for length in lengths:
-            for kind in KINDS:
-                work = root / f"{kind}-{length}"
-                restart.setdefault(str(length), {})[kind] = _restart_turn(
-                    kind, model, work, length, log
+        if "restart" in phases:
+            restart: dict[str, dict[str, Any]] = {}
+            for length in lengths:
+                for kind in KINDS:
+                    work = root / f"{kind}-{length}"
+                    restart.setdefault(str(length), {})[kind] = _restart_turn(
+                        kind, model, work, length, log
+                    )
+            figures["restart"] = restart
+        if "decode" in phases:
+            figures["decode"] = {
+                kind: _decode(
+                    kind, model, root / f"{kind}-decode", args.decode_tokens, args.streams, log
                 )
-        decode = {
-            kind: _decode(
-                kind, model, root / f"{kind}-decode", args.decode_tokens, args.streams, log
-            )
-            for kind in KINDS
-        }
-        disk = {
-            kind: _shared_system_prompt(kind, model, root / f"{kind}-shared", log, 8)
-            for kind in ("naive", "kvtrio")
-        }
-        starts: dict[str, dict[str, float]] = {}
-        for kind in KINDS:
-            work = root / f"{kind}-entries"
-            fill_s = _fill(kind, model, work, args.entries)
-            server = _Server(kind, model, work, log)
-            server.stop()
-            starts[kind] = {"fill_s": fill_s, "start_s": server.start_s}
+                for kind in KINDS
+            }
+        if "spill" in phases:
+            tokens = max(64, args.decode_tokens)
+            figures["spill"] = {
+                kind: _spill(
+                    kind,
+                    model,
+                    root / f"{kind}-spill",
+                    args.spill_length,
+                    tokens,
+                    args.spill_rounds,
+                    log,
+                )
+                for kind in KINDS
+            }
+        if "disk" in phases:
+            figures["shared_system_prompt_disk_bytes"] = {
+                kind: _shared_system_prompt(kind, model, root / f"{kind}-shared", log, 8)
+                for kind in ("naive", "kvtrio")
+            }
+        if "start" in phases:
+            starts: dict[str, dict[str, float]] = {}
+            for kind in KINDS:
+                work = root / f"{kind}-entries"
+                fill_s = _fill(kind, model, work, args.entries)
+                server = _Server(kind, model, work, log)
+                server.stop()
+                starts[kind] = {"fill_s": fill_s, "start_s": server.start_s}
+            figures[f"start_with_{args.entries}_entries"] = starts
+    return {
+        "model": str(args.model or "tiny random llama (kvtrio.serve.modeldir)"),
+        **figures,
+        "ratios": _ratios(figures, args),
+        "command": "kvtrio bench serve " + " ".join(sys.argv[3:]),
+    }
+
+
+def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The run's ratios (kvtrio against mlx_lm.server and against the naive baseline);
+    drops the answers it compared."""
     ratios: dict[str, Any] = {}
-    for name, by_kind in restart.items():
+    for name, by_kind in figures.get("restart", {}).items():
         plain = by_kind["mlx_lm"]["ttft_s"]
         ratios[name] = {
             "ttft_kvtrio_vs_mlx_lm": by_kind["kvtrio"]["ttft_s"] / plain,
@@ -308,29 +450,34 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "ttft_kvtrio_vs_naive": by_kind["kvtrio"]["ttft_s"] / by_kind["naive"]["ttft_s"],
             "same_answer_as_mlx_lm": by_kind["kvtrio"]["answer"] == by_kind["mlx_lm"]["answer"],
         }
-    streams = args.streams
-    base = decode["mlx_lm"]
-    ratios["decode"] = {
-        "tok_s_1_kvtrio_vs_mlx_lm": decode["kvtrio"]["tok_s_1"] / base["tok_s_1"],
-        f"tok_s_{streams}_kvtrio_vs_mlx_lm": decode["kvtrio"][f"tok_s_{streams}"]
-        / base[f"tok_s_{streams}"],
-    }
-    ratios["disk_bytes_naive_vs_kvtrio"] = disk["naive"] / max(1, disk["kvtrio"])
-    ratios[f"start_with_{args.entries}_entries_kvtrio_vs_naive"] = (
-        starts["kvtrio"]["start_s"] / starts["naive"]["start_s"]
-    )
-    for by_kind in restart.values():
-        for figures in by_kind.values():
-            figures.pop("answer")
-    return {
-        "model": str(args.model or "tiny random llama (kvtrio.serve.modeldir)"),
-        "restart": restart,
-        "decode": decode,
-        "shared_system_prompt_disk_bytes": disk,
-        f"start_with_{args.entries}_entries": starts,
-        "ratios": ratios,
-        "command": "kvtrio bench serve " + " ".join(sys.argv[3:]),
-    }
+        for measured in by_kind.values():
+            measured.pop("answer")
+    if "decode" in figures:
+        decode, streams = figures["decode"], args.streams
+        base = decode["mlx_lm"]
+        ratios["decode"] = {
+            "tok_s_1_kvtrio_vs_mlx_lm": decode["kvtrio"]["tok_s_1"] / base["tok_s_1"],
+            f"tok_s_{streams}_kvtrio_vs_mlx_lm": decode["kvtrio"][f"tok_s_{streams}"]
+            / base[f"tok_s_{streams}"],
+        }
+    if "spill" in figures:
+        spill = figures["spill"]
+        kv, naive, plain = spill["kvtrio"], spill["naive"], spill["mlx_lm"]
+        ratios["spill"] = {
+            "itl_p99_kvtrio_during_vs_quiet": kv["itl_p99_ms_during"] / kv["itl_p99_ms_quiet"],
+            "itl_p99_kvtrio_vs_mlx_lm_during": kv["itl_p99_ms_during"] / plain["itl_p99_ms_during"],
+            "itl_p99_naive_vs_kvtrio_during": naive["itl_p99_ms_during"] / kv["itl_p99_ms_during"],
+            "itl_p99_naive_during_vs_quiet": naive["itl_p99_ms_during"] / naive["itl_p99_ms_quiet"],
+        }
+    if "shared_system_prompt_disk_bytes" in figures:
+        disk = figures["shared_system_prompt_disk_bytes"]
+        ratios["disk_bytes_naive_vs_kvtrio"] = disk["naive"] / max(1, disk["kvtrio"])
+    starts = figures.get(f"start_with_{args.entries}_entries")
+    if starts is not None:
+        ratios[f"start_with_{args.entries}_entries_kvtrio_vs_naive"] = (
+            starts["kvtrio"]["start_s"] / starts["naive"]["start_s"]
+        )
+    return ratios
 
 
 def render(figures: dict[str, Any]) -> None:
@@ -341,7 +488,7 @@ def render(figures: dict[str, Any]) -> None:
     table = Table(title=f"after a restart: turn 2 ({figures['model']})")
     for column in ("length", "server", "TTFT s", "vs mlx_lm", "cached", "prompt", "start s"):
         table.add_column(column)
-    for length, by_kind in figures["restart"].items():
+    for length, by_kind in figures.get("restart", {}).items():
         plain = by_kind["mlx_lm"]["ttft_s"]
         for kind, f in by_kind.items():
             table.add_row(
@@ -354,14 +501,18 @@ def render(figures: dict[str, Any]) -> None:
                 f"{f['restart_s']:.2f}",
             )
     console.print(table)
-    decode = Table(title="decode")
-    keys = list(next(iter(figures["decode"].values())))
-    decode.add_column("server")
-    for key in keys:
-        decode.add_column(key)
-    for kind, f in figures["decode"].items():
-        decode.add_row(kind, *(f"{f[k]:.2f}" for k in keys))
-    console.print(decode)
+    for phase in ("decode", "spill"):
+        if phase not in figures:
+            continue
+        by_kind = figures[phase]
+        keys = list(next(iter(by_kind.values())))
+        out = Table(title=phase)
+        out.add_column("server")
+        for key in keys:
+            out.add_column(key)
+        for kind, f in by_kind.items():
+            out.add_row(kind, *(f"{f[k]:.2f}" for k in keys))
+        console.print(out)
     extra = {k: v for k, v in figures.items() if k.startswith(("shared_", "start_with_"))}
     console.print_json(json.dumps(extra))
     console.print_json(json.dumps(figures["ratios"]))

@@ -4,11 +4,21 @@ Run it::
 
     python examples/tiered_server.py --port 8000 --data-dir /tmp/kvtrio-example
 
-and ask it to continue token sequences (the model is kvtrio's tiny random-weight llama,
-so the tokens mean nothing; the caching is real)::
+and ask it to continue token sequences (without ``--model`` the model is kvtrio's tiny
+random-weight llama, so the tokens mean nothing; the caching is real)::
 
     curl -s localhost:8000/generate -d '{"conversation": "c1", "tokens": [5, 6, 7]}'
     curl -s localhost:8000/stats
+
+With ``--model DIR`` (an mlx-lm model directory, or a Hugging Face repo id, loaded with
+``mlx_lm.load``) it also takes text: ``/chat`` renders the messages with the model's chat
+template, ``/generate`` accepts ``"prompt"`` text in place of ``"tokens"``, and replies
+carry the decoded ``"text"`` (greedy decoding, stopped at the model's end-of-sequence)::
+
+    python examples/tiered_server.py --model mlx-community/SmolLM2-135M-Instruct-8bit \\
+        --data-dir /tmp/kvtrio-example
+    curl -s localhost:8000/chat -d '{"conversation": "c1", "max_tokens": 32,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
 
 Each reply says where its prompt cache came from: ``hot`` (RAM), ``cold`` (disk) or
 ``miss``. Stop it with SIGTERM or Ctrl-C: it stops accepting, lets requests in flight
@@ -23,6 +33,7 @@ tokens per prompt and per reply.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import signal
 import sys
@@ -38,6 +49,7 @@ import trio
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import ModelKey
 from kvtrio.actors.tiered import TieredPromptCache, open_tiered_cache
+from kvtrio.storage.fingerprint import config_fingerprint
 from kvtrio.tinymodel import TinyModel, build_tiny_model, make_caches, prefill
 
 MAX_REQUESTS_PER_CONNECTION = 100
@@ -54,8 +66,30 @@ class HttpError(Exception):
         self.status = status
 
 
-def _generate(tiny: TinyModel, caches: list[Any], rest: list[int], steps: int) -> list[int]:
-    """Owner thread: prefill ``rest`` into ``caches``, then greedy-decode ``steps`` tokens."""
+def load_model_dir(model: str) -> tuple[TinyModel, Any]:
+    """Owner thread: ``mlx_lm.load`` the model directory (or repo id) ``model``; return it
+    with its identity (the tier's key: a fingerprint of its config and weight files) and
+    its tokenizer."""
+    from mlx_lm import load
+    from mlx_lm.utils import _download
+
+    path = Path(model) if Path(model).exists() else Path(_download(model))
+    loaded: Any = load(str(path))
+    mlx_model, tokenizer = loaded[0], loaded[1]
+    config = json.loads((path / "config.json").read_text())
+    weights = hashlib.sha256()
+    for item in sorted(path.glob("*.safetensors")):
+        weights.update(f"{item.name}:{item.stat().st_size};".encode())
+    fingerprint = config_fingerprint(config, weights_id=weights.hexdigest())
+    vocab = int(config.get("vocab_size") or len(tokenizer.get_vocab()))
+    return TinyModel(mlx_model, str(model), fingerprint, vocab), tokenizer
+
+
+def _generate(
+    tiny: TinyModel, caches: list[Any], rest: list[int], steps: int, stop: frozenset[int]
+) -> list[int]:
+    """Owner thread: prefill ``rest`` into ``caches``, then greedy-decode up to ``steps``
+    tokens, ending after a token of ``stop``."""
     import mlx.core as mx
 
     logits = prefill(tiny, caches, rest)
@@ -65,7 +99,16 @@ def _generate(tiny: TinyModel, caches: list[Any], rest: list[int], steps: int) -
         assert isinstance(token, int)
         out.append(token)
         logits = prefill(tiny, caches, [token])
+        if token in stop:
+            break
     return out
+
+
+@attrs.frozen
+class GenerateRequest:
+    conversation: str | None
+    tokens: list[int]
+    max_tokens: int
 
 
 @attrs.define(eq=False)
@@ -73,6 +116,7 @@ class App:
     owner: MlxOwner
     tiny: TinyModel
     cache: TieredPromptCache
+    tokenizer: Any = None  # with --model: the model's (mlx-lm's TokenizerWrapper)
     draining: bool = False
     idle: set[trio.CancelScope] = attrs.field(factory=set)
     lock: trio.Lock = attrs.field(factory=trio.Lock)
@@ -83,11 +127,32 @@ class App:
         if method == "GET" and target == "/stats":
             return 200, attrs.asdict(self.cache.statistics())
         if method == "POST" and target == "/generate":
-            return 200, await self.generate(_parse_generate(body, self.tiny.vocab_size))
+            return 200, await self.generate(self._parse(body, chat=False))
+        if method == "POST" and target == "/chat":
+            if self.tokenizer is None:
+                raise HttpError(404, "/chat needs a model with a tokenizer: start with --model")
+            return 200, await self.generate(self._parse(body, chat=True))
         raise HttpError(404, f"no route for {method} {target}")
 
-    async def generate(self, request: tuple[str | None, list[int], int]) -> dict[str, Any]:
-        conversation, tokens, max_tokens = request
+    def _parse(self, body: bytes, *, chat: bool) -> GenerateRequest:
+        raw = _json_object(body)
+        tokens: Any
+        if chat:
+            tokens = _chat_tokens(self.tokenizer, raw.get("messages"))
+        elif "prompt" in raw and self.tokenizer is not None:
+            prompt = raw["prompt"]
+            if not isinstance(prompt, str) or not prompt:
+                raise HttpError(400, "prompt: a non-empty string")
+            tokens = list(self.tokenizer.encode(prompt))
+        else:
+            tokens = raw.get("tokens")
+        return _parse_generate(raw, tokens, self.tiny.vocab_size)
+
+    async def generate(self, request: GenerateRequest) -> dict[str, Any]:
+        conversation, tokens, max_tokens = request.conversation, request.tokens, request.max_tokens
+        stop: frozenset[int] = frozenset()
+        if self.tokenizer is not None:
+            stop = frozenset(self.tokenizer.eos_token_ids)
         async with self.lock:  # one model step at a time, like mlx-lm's server
             start = time.perf_counter()
             fetched = await self.cache.fetch_nearest(tokens, need_logits=True)
@@ -95,26 +160,52 @@ class App:
             if caches is None:
                 caches = await self.owner.run(make_caches, self.tiny)
             rest = list(fetched.remaining)
-            reply = await self.owner.run(_generate, self.tiny, caches, rest, max_tokens)
+            reply = await self.owner.run(_generate, self.tiny, caches, rest, max_tokens, stop)
             elapsed = time.perf_counter() - start
             await self.cache.insert(tokens + reply, caches, conversation=conversation)
-        return {
+        out = {
             "reply": reply,
             "cache": fetched.tier.value if fetched.tier is not None else "miss",
             "reused": fetched.reused,
             "prompt_tokens": len(tokens),
             "seconds": round(elapsed, 6),
         }
+        if self.tokenizer is not None:
+            out["text"] = self.tokenizer.decode([t for t in reply if t not in stop])
+        return out
 
 
-def _parse_generate(body: bytes, vocab: int) -> tuple[str | None, list[int], int]:
+def _json_object(body: bytes) -> dict[str, Any]:
     try:
         raw = json.loads(body)
     except ValueError:
         raise HttpError(400, "body is not JSON") from None
     if not isinstance(raw, dict):
         raise HttpError(400, "body must be a JSON object")
-    tokens = raw.get("tokens")
+    return raw
+
+
+def _chat_tokens(tokenizer: Any, messages: Any) -> list[int]:
+    """The prompt of ``messages`` as the model's chat template renders it."""
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
+        raise HttpError(400, "messages: a non-empty list of {role, content} strings")
+    rendered = tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": m["content"]} for m in messages],
+        add_generation_prompt=True,
+    )
+    return list(rendered)
+
+
+def _parse_generate(raw: dict[str, Any], tokens: Any, vocab: int) -> GenerateRequest:
     if (
         not isinstance(tokens, list)
         or not 1 <= len(tokens) <= MAX_PROMPT_TOKENS
@@ -127,7 +218,7 @@ def _parse_generate(body: bytes, vocab: int) -> tuple[str | None, list[int], int
     conversation = raw.get("conversation")
     if conversation is not None and not isinstance(conversation, str):
         raise HttpError(400, "conversation: a string")
-    return conversation, tokens, max_tokens
+    return GenerateRequest(conversation, tokens, max_tokens)
 
 
 # -- HTTP/1.1 over h11 ---------------------------------------------------------------------
@@ -221,7 +312,11 @@ async def handle_connection(app: App, stream: trio.SocketStream) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     async with MlxOwner.dedicated() as owner:
-        tiny = await owner.run(build_tiny_model)
+        tokenizer = None
+        if args.model is None:
+            tiny = await owner.run(build_tiny_model)
+        else:
+            tiny, tokenizer = await owner.run(load_model_dir, args.model)
         async with open_tiered_cache(
             args.data_dir,
             ModelKey(tiny.model_id, tiny.fingerprint),
@@ -230,7 +325,7 @@ async def serve(args: argparse.Namespace) -> None:
             cold_budget=int(args.cold_mb * (1 << 20)),
             block_size=64,
         ) as cache:
-            app = App(owner, tiny, cache)
+            app = App(owner, tiny, cache, tokenizer)
             await _serve_until_signalled(app, args)
         print("cache written; bye", flush=True)
 
@@ -281,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--data-dir", type=Path, required=True)
+    parser.add_argument(
+        "--model",
+        help="an mlx-lm model directory or repo id (default: kvtrio's tiny random llama)",
+    )
     parser.add_argument("--hot-mb", type=float, default=64.0)
     parser.add_argument("--cold-mb", type=float, default=1024.0)
     parser.add_argument("--grace", type=float, default=10.0, help="seconds to finish requests")

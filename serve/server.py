@@ -502,6 +502,10 @@ def serve(args: argparse.Namespace) -> int:
     server = _mlx_server()
     if mx.distributed.init().size() > 1:
         raise SystemExit("kvtrio serve: distributed runs are not supported")
+    if str(args.model).endswith(".gguf"):  # converted once, beside the cold tier's files
+        from kvtrio.serve.gguf import gguf_model_dir
+
+        args.model = str(gguf_model_dir(args.model, Path(args.cache_dir) / "gguf"))
     options = ServeOptions.from_args(args)
     tier = TierThread(
         TierOptions(

@@ -39,3 +39,24 @@ def test_bench_policy_prints_json_figures_and_headline_ratios() -> None:
     assert headline["written_cut"] == (
         runs["cost", "all"]["gib_written"] / runs["cost", "default"]["gib_written"]
     )
+
+
+def test_bench_serve_spill_phase_prints_latencies_and_ratios_of_the_same_run() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtrio", "bench", "serve", "--json", "--phases", "spill",
+         "--spill-rounds", "1", "--spill-length", "256", "--decode-tokens", "16"],
+        capture_output=True, text=True, check=True, timeout=300,
+    )  # fmt: skip
+    figures = json.loads(out.stdout)
+    assert "restart" not in figures and "decode" not in figures  # only the phase asked for
+    spill, ratios = figures["spill"], figures["ratios"]["spill"]
+    for kind in ("mlx_lm", "naive", "kvtrio"):
+        assert spill[kind]["samples_during"] > 0, kind
+        assert 0 < spill[kind]["itl_p50_ms_during"] <= spill[kind]["itl_max_ms_during"], kind
+    kv, naive = spill["kvtrio"], spill["naive"]
+    assert ratios["itl_p99_kvtrio_during_vs_quiet"] == (
+        kv["itl_p99_ms_during"] / kv["itl_p99_ms_quiet"]
+    )
+    assert ratios["itl_p99_naive_vs_kvtrio_during"] == (
+        naive["itl_p99_ms_during"] / kv["itl_p99_ms_during"]
+    )

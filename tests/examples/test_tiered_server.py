@@ -1,7 +1,9 @@
 """examples/tiered_server.py: a trio HTTP server embedding kvtrio, on loopback.
 
 It serves a conversation, exits 0 on SIGTERM with its cache written, and after a restart
-serves the next turn from the cold tier (disk).
+serves the next turn from the cold tier (disk); with ``--model`` (a real mlx-lm model
+directory: serve/modeldir.py's tiny one) it takes text through the model's tokenizer
+and chat template.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ SERVER = Path(__file__).resolve().parents[2] / "examples" / "tiered_server.py"
 
 
 @contextmanager
-def _server(data_dir: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+def _server(data_dir: Path, *extra: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     proc = subprocess.Popen(
-        [sys.executable, str(SERVER), "--port", "0", "--data-dir", str(data_dir)],
+        [sys.executable, str(SERVER), "--port", "0", "--data-dir", str(data_dir), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -43,10 +45,8 @@ def _server(data_dir: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
             proc.wait(timeout=30)
 
 
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(
-        url + "/generate", data=json.dumps(body).encode(), method="POST"
-    )
+def _post(url: str, body: dict[str, Any], route: str = "/generate") -> dict[str, Any]:
+    request = urllib.request.Request(url + route, data=json.dumps(body).encode(), method="POST")
     with urllib.request.urlopen(request, timeout=120) as response:
         out: dict[str, Any] = json.loads(response.read())
         return out
@@ -79,6 +79,11 @@ def test_restart_serves_the_conversation_from_disk(tmp_path: Path) -> None:
             raise AssertionError("an out-of-vocabulary token was accepted")
         except urllib.error.HTTPError as exc:
             assert exc.code == 400
+        try:
+            _post(url, {"messages": [{"role": "user", "content": "hi"}]}, "/chat")
+            raise AssertionError("/chat answered without a tokenizer")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 404
         again = _post(url, {"conversation": "c2", "tokens": history, "max_tokens": 4})
         assert again["cache"] == "hot" and again["reused"] == len(history) - 1  # exact hit
         assert "cache written" in _stop(proc)
@@ -88,4 +93,37 @@ def test_restart_serves_the_conversation_from_disk(tmp_path: Path) -> None:
         assert (third["cache"], third["reused"]) == ("cold", len(history) + 4)
         stats = _get(url, "/stats")
         assert stats["hits_cold"] == 1 and stats["cold_entries"] >= 1
+        _stop(proc)
+
+
+def test_with_a_model_directory_text_goes_through_its_tokenizer_and_chat_template(
+    tmp_path: Path,
+) -> None:
+    from kvtrio.serve.modeldir import write_tiny_model_dir
+    from mlx_lm import load
+
+    model_dir = write_tiny_model_dir(tmp_path / "model")
+    tokenizer: Any = load(str(model_dir))[1]
+    data = tmp_path / "cache"
+    question = [{"role": "user", "content": "What is the capital of France? " * 8}]
+    rendered = list(tokenizer.apply_chat_template(question, add_generation_prompt=True))
+    with _server(data, "--model", str(model_dir)) as (url, proc):
+        first = _post(url, {"conversation": "c1", "messages": question, "max_tokens": 6}, "/chat")
+        assert first["cache"] == "miss" and first["prompt_tokens"] == len(rendered)
+        assert 1 <= len(first["reply"]) <= 6 and isinstance(first["text"], str)
+        turn2 = [
+            *question,
+            {"role": "assistant", "content": first["text"]},
+            {"role": "user", "content": "And of Italy?"},
+        ]
+        second = _post(url, {"conversation": "c1", "messages": turn2, "max_tokens": 6}, "/chat")
+        assert second["cache"] == "hot" and second["reused"] >= len(rendered) - 1
+        text = _post(url, {"prompt": "The quick brown fox", "max_tokens": 2})
+        assert text["prompt_tokens"] == len(tokenizer.encode("The quick brown fox"))
+        assert "cache written" in _stop(proc)
+    with _server(data, "--model", str(model_dir)) as (url, proc):
+        turn3 = [*turn2, {"role": "assistant", "content": second["text"]}]
+        turn3.append({"role": "user", "content": "Thanks."})
+        third = _post(url, {"conversation": "c1", "messages": turn3, "max_tokens": 4}, "/chat")
+        assert third["cache"] == "cold" and third["reused"] >= len(rendered) - 1
         _stop(proc)

