@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from kvtrio.actors.coldside import DEFAULT_PENDING_BYTES
 from kvtrio.actors.coldstore import ColdTierStore
 from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.policy import AdmissionPolicy, PolicyKind, PrefillCost
 from kvtrio.actors.prefix import DEFAULT_BLOCK_SIZE, ModelKey
 from kvtrio.actors.tier import DEFAULT_LOCK_TIMEOUT, ColdTier
 from kvtrio.actors.tiered import TieredPromptCache, WritePolicy
@@ -50,6 +51,10 @@ async def open_tiered_cache(
     shared_index: bool = True,
     shared_refresh: float | None = None,
     pending_budget: int = DEFAULT_PENDING_BYTES,
+    eviction: PolicyKind = PolicyKind.COST,
+    admission: AdmissionPolicy | None = None,
+    prefill: PrefillCost | None = None,
+    pin_limit: int = 0,
 ) -> AsyncIterator[TieredPromptCache]:
     """A :class:`TieredPromptCache` over a :class:`ColdTier` at ``directory``.
 
@@ -64,7 +69,8 @@ async def open_tiered_cache(
     belongs to one process: a second opener waits up to ``lock_timeout`` seconds for the
     first to close, then gets DirectoryLockedError (:class:`ColdTier`'s rule 5).
     ``options``: the cold tier's I/O tuning (:class:`~kvtrio.storage.options.IoOptions`,
-    docs/tuning.md).
+    docs/tuning.md). ``eviction``, ``admission``, ``prefill``, ``pin_limit``: see
+    :meth:`TieredPromptCache.open` (rules 10-12).
     """
     shared = is_redis_url(os.fspath(directory))
     async with ColdTier.open(
@@ -91,6 +97,10 @@ async def open_tiered_cache(
                 shared_refresh=shared_refresh if shared else None,
                 shared_index=shared and shared_index,
                 pending_budget=pending_budget,
+                eviction=eviction,
+                admission=admission,
+                prefill=prefill,
+                pin_limit=pin_limit,
             ) as cache,
         ):
             yield cache

@@ -575,13 +575,19 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         return self._index.lookup(self.model, tuple(int(t) for t in tokens))
 
     async def spill(
-        self, tokens: Sequence[int], caches: list[Any], *, meta: Mapping[str, str] | None = None
+        self,
+        tokens: Sequence[int],
+        caches: list[Any],
+        *,
+        meta: Mapping[str, str] | None = None,
+        flush: bool = False,
     ) -> str:
         """Write ``caches`` (which hold exactly ``tokens``) to the cold tier without keeping
         a copy in RAM; return its key. The caller hands them over: it must not change them
         (a server's own RAM tier evicting an entry). Findable once durable (rule 3); an
         entry already on disk, or being written, is left as it is. The write waits with
-        the others (rule 3's byte cap may shed it, counted)."""
+        the others (rule 3's byte cap may shed it, counted). The admission policy decides
+        whether it is written (rule 11), unless ``flush`` (a graceful close's write)."""
         nbytes, trimmable, min_offset = await self.owner.run(_describe, caches)
         entry = self._index.make_entry(
             self.model, tokens, trimmable=trimmable, min_reusable_offset=min_offset
@@ -598,7 +604,9 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         if record is None:
             record = self._records[entry.key] = CacheRecord.of(entry, nbytes)
         record.entry = entry
-        if not self._admit(record, nbytes):  # rule 11: the caller's RAM tier evicted it
+        if not flush and not self._admit(
+            record, nbytes
+        ):  # rule 11: the caller's RAM tier evicted it
             record.leaving = MissReason.DROPPED
             self._set_hot(record, None)
             await trio.lowlevel.checkpoint()

@@ -33,6 +33,10 @@ Theory of operation:
    RAM entry to disk (the tier drains its queue within the same grace) and ends; exit 0.
    A second signal exits at once with status 1: every file is published by rename after
    fsync, so nothing on disk is torn (a tmp file at worst, removed by the next start).
+   At exit it prints the disk's wear: bytes written, read, read back, and admissions.
+5. ``GET /metrics``: Prometheus text (format 0.0.4) of the RAM tier's lookups and the
+   cold tier's families (``TieredPromptCache.metrics_text``, read on the tier's loop
+   thread; docs/metrics.md names them).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from queue import Queue
 from typing import Any
 
 import attrs
+from kvtrio.actors.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvtrio.actors.owner import release_thread_streams
 from kvtrio.actors.prefix import ModelKey
 from kvtrio.serve.adapter import CacheTier, FetchInfo, TieredLRUPromptCache
@@ -74,6 +79,8 @@ logger = logging.getLogger(__name__)
 
 CACHE_HEADER = "X-Kvtrio-Cache"
 CACHED_TOKENS_HEADER = "X-Kvtrio-Cached-Tokens"
+# GET: the Prometheus text of the RAM tier and the cold tier (docs/serve.md, docs/metrics.md).
+METRICS_PATH = "/metrics"
 
 #: Seconds a handler waits for its request's lookup before sending headers without it.
 TAG_WAIT = 120.0
@@ -449,6 +456,18 @@ def _handler_class() -> type:
             with tracker:
                 super().do_POST()
 
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] != METRICS_PATH:
+                super().do_GET()
+                return
+            adapter: TieredLRUPromptCache = self.server.kvtrio_adapter
+            body = adapter.metrics_text().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", METRICS_CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
     return KvtrioHandler
 
 
@@ -522,6 +541,7 @@ def serve(args: argparse.Namespace) -> int:
     provider = server.ModelProvider(args)
     generator = _generator_class()(provider, adapter)
     httpd = _http_server(args.host, args.port, generator)
+    httpd.kvtrio_adapter = adapter  # type: ignore[attr-defined]
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -551,4 +571,13 @@ def serve(args: argparse.Namespace) -> int:
         f"disk loads set aside {stats.prefetches})",
         flush=True,
     )
+    wear = adapter.wear()
+    if wear is not None:
+        print(
+            f"kvtrio serve: disk wear (bytes written {wear.bytes_written}, "
+            f"bytes read {wear.bytes_read}, bytes read back {wear.bytes_reused}, "
+            f"reuse ratio {wear.reuse_ratio:.3f}, admitted {wear.admitted}, "
+            f"refused {wear.refused}, bytes refused {wear.bytes_refused})",
+            flush=True,
+        )
     return 0 if generator.closed_in_time else 1

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from kvtrio.actors.policy import AdmissionPolicy, AdmitAll
 from kvtrio.actors.prefix import ModelKey
 from kvtrio.actors.testing import mlx_thread_guard
 from kvtrio.serve.adapter import CacheTier, FetchInfo, TieredLRUPromptCache
@@ -47,10 +48,18 @@ def _bytes(caches: list[Any]) -> list[bytes]:
 
 @contextmanager
 def _adapter(
-    tiny: TinyModel, directory: Path, **kwargs: Any
+    tiny: TinyModel,
+    directory: Path,
+    admission: AdmissionPolicy | None = None,
+    **kwargs: Any,
 ) -> Iterator[tuple[TieredLRUPromptCache, TierThread]]:
     tier = TierThread(
-        TierOptions(str(directory), ModelKey(tiny.model_id, tiny.fingerprint), block_size=BLOCK)
+        TierOptions(
+            str(directory),
+            ModelKey(tiny.model_id, tiny.fingerprint),
+            block_size=BLOCK,
+            admission=admission,
+        )
     )
     tier.start()
     tier.bind()
@@ -216,7 +225,7 @@ def test_no_snapshot_is_leaked_over_many_requests_and_restarts(
     (the tier's ledger counts them), and every written entry is on disk at the end."""
     made = 0
     for run in range(3):
-        with _adapter(tiny, tmp_path, max_size=2) as (cache, tier):
+        with _adapter(tiny, tmp_path, AdmitAll(), max_size=2) as (cache, tier):
             for i in range(60):
                 tokens = [run + 1, i + 1, *range(3, 3 + i % 7)]
                 hit, rest = cache.fetch_nearest_cache(MODEL, tokens)
