@@ -117,6 +117,8 @@ class ColdSideMixin:
 
         def _cold_cost(self, record: CacheRecord) -> EntryCost: ...
 
+        def _prefetch_gone(self, key: str) -> None: ...
+
         def _enter_policy(
             self, policy: EvictionPolicy, record: CacheRecord, cost: EntryCost
         ) -> None: ...
@@ -135,6 +137,7 @@ class ColdSideMixin:
                 self.departures.forget(key)  # back: no longer a miss's cause
         elif key in self._index:
             self._index.remove(key)
+            self._prefetch_gone(key)
             if record.leaving is not None:
                 self.departures.note(record.entry, record.leaving)
         if record.hot is None and record.cold.state is ColdState.NONE:

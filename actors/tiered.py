@@ -66,6 +66,12 @@ Theory of operation
    leaves the index is noted in ``departures`` with why (evicted, dropped or refused,
    corrupt, unreachable, expired; not a superseded one), and forgotten there when it
    comes back.
+14. ``prefetch(tokens)`` starts the cold load of the entry a lookup of ``tokens`` would
+   reuse, in the background; the next lookup that picks that entry adopts the loaded
+   caches instead of reading them again. Prefetched bytes held at once are capped by
+   ``prefetch_budget``; a prefetch is cancelled when its entry leaves the index
+   (evicted, removed, superseded) and dropped when no lookup takes it within
+   ``prefetch_deadline`` seconds; ``statistics()`` counts the bytes used and wasted.
 
 Costs (N entries, P prompt blocks, C candidates examined): ``open`` is O(N) in batches
 of :data:`OPEN_BATCH` entries with a checkpoint between batches; a lookup is O(P + C)
@@ -186,6 +192,10 @@ def __getattr__(name: str) -> Any:
 RELOAD_BYTES_PER_SECOND = 2e9
 DEFAULT_BYTES_PER_TOKEN = 128 << 10
 
+# Rule 14's defaults: prefetched bytes held at once, and seconds a prefetch waits for use.
+DEFAULT_PREFETCH_BYTES = 2 << 30
+DEFAULT_PREFETCH_DEADLINE = 30.0
+
 # Entries indexed per step of open, between checkpoints (rule: no long loop stall).
 OPEN_BATCH = 256
 
@@ -229,6 +239,18 @@ class Fetched:
         return self.match.reuse if self.match is not None else 0
 
 
+@attrs.define(eq=False)
+class _Prefetch:
+    """A cold load started ahead of its lookup (rule 14)."""
+
+    record: Any  # CacheRecord
+    nbytes: int
+    scope: trio.CancelScope
+    loaded: trio.Event = attrs.field(factory=trio.Event)
+    taken: trio.Event = attrs.field(factory=trio.Event)
+    caches: list[Any] | None = None
+
+
 @attrs.frozen
 class TieredStatistics:
     """Counters of a tiered prompt cache."""
@@ -268,6 +290,12 @@ class TieredStatistics:
     wear: WearStatistics | None = None
     hot_policy: EvictionStatistics | None = None
     cold_policy: EvictionStatistics | None = None
+    # Rule 14: prefetches started, and the bytes they loaded that a lookup used or that
+    # were dropped (superseded, unused by the deadline, or the load failed).
+    prefetches: int = 0
+    prefetch_used_bytes: int = 0
+    prefetch_wasted_bytes: int = 0
+    prefetch_bytes: int = 0  # held or loading now
 
 
 def _by_mtime(info: ColdEntryInfo) -> float:
@@ -337,6 +365,10 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
     admission: AdmissionPolicy = attrs.field(factory=default_admission)
     prefill: PrefillCost = attrs.field(factory=PrefillCost)
     pin_limit: int = 0
+    # Rule 14: bytes of prefetched cold loads held at once, and how long one waits to be
+    # used (seconds, trio's clock).
+    prefetch_budget: int = DEFAULT_PREFETCH_BYTES
+    prefetch_deadline: float = DEFAULT_PREFETCH_DEADLINE
     _nursery: trio.Nursery | None = None
     hot_policy: EvictionPolicy = attrs.field(init=False)
     cold_policy: EvictionPolicy = attrs.field(init=False)
@@ -344,6 +376,8 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
     departures: Departures = attrs.field(init=False)
     _misses: MissCounter = attrs.field(init=False, factory=MissCounter)
     _other_models: set[ModelKey] = attrs.field(init=False, factory=set)
+    _prefetches: dict[str, _Prefetch] = attrs.field(init=False, factory=dict)
+    _prefetch_bytes: int = attrs.field(init=False, default=0)
     _index: PrefixIndex = attrs.field(init=False)
     _records: dict[str, CacheRecord] = attrs.field(init=False, factory=dict)
     _hot_lru: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)
@@ -484,7 +518,9 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
                 return Fetched(
                     caches, query[match.reuse :], Tier.HOT, match, self._explained(query, match)
                 )
-            loaded = await self._load_cold(record)
+            loaded = await self._take_prefetch(record)
+            if loaded is None and self._owns(record) and record.cold.state is ColdState.DURABLE:
+                loaded = await self._load_cold(record)
             if loaded is None:
                 continue
             self._count("hits_cold")
@@ -499,6 +535,74 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
             return Fetched(caches, query[match.reuse :], Tier.COLD, match, explanation)
         self._count("misses")
         return Fetched(None, query, None, None, self._explained(query, None))
+
+    def prefetch(self, tokens: Sequence[int]) -> bool:
+        """Start loading, off the request path, the disk entry that :meth:`fetch_nearest`
+        would reuse for ``tokens`` (rule 14); the lookup then adopts it. False (nothing
+        started) when the best match is hot, none is on disk, one is already loading, or
+        the prefetched bytes would exceed ``prefetch_budget``."""
+        match = self._index.lookup(self.model, tuple(int(t) for t in tokens))
+        if match is None:
+            return False
+        record = self._records[match.entry.key]
+        key = record.entry.key
+        if record.hot is not None or record.cold.state is not ColdState.DURABLE:
+            return False
+        if key in self._prefetches:
+            return False
+        nbytes = record.cold.nbytes or len(record.entry.tokens) * self._bytes_per_token
+        if self._prefetch_bytes + nbytes > self.prefetch_budget:
+            self._count("prefetches_refused")
+            return False
+        pending = self._prefetches[key] = _Prefetch(record, nbytes, trio.CancelScope())
+        self._prefetch_bytes += nbytes
+        self._count("prefetches")
+        if self._nursery is None:
+            raise RuntimeError("TieredPromptCache is not open")
+        # Not a _spawn: an unused prefetch must not hold wait_writes_settled (or a close)
+        # until its deadline; the close's cancel ends it.
+        self._nursery.start_soon(self._run_prefetch, pending)
+        return True
+
+    async def _run_prefetch(self, pending: _Prefetch) -> None:
+        """Load, then hold the caches until a lookup takes them or the deadline passes."""
+        key = pending.record.entry.key
+        try:
+            with pending.scope:
+                pending.caches = await self._load_cold(pending.record)
+                pending.loaded.set()
+                if pending.caches is not None:
+                    with trio.move_on_after(self.prefetch_deadline):
+                        await pending.taken.wait()
+        finally:
+            pending.loaded.set()
+            if self._prefetches.get(key) is pending:
+                del self._prefetches[key]
+            self._prefetch_bytes -= pending.nbytes
+            if not pending.taken.is_set() and pending.caches is not None:
+                pending.caches = None  # loaded, never used: wasted
+                self._count("prefetch_wasted_bytes", pending.nbytes)
+
+    async def _take_prefetch(self, record: CacheRecord) -> list[Any] | None:
+        """The caches a prefetch of ``record`` loaded (waiting for it if it is in flight),
+        or None when there is none (or it failed)."""
+        pending = self._prefetches.get(record.entry.key)
+        if pending is None or pending.record is not record:
+            return None
+        await pending.loaded.wait()
+        caches = pending.caches
+        if caches is None or pending.taken.is_set():
+            return None
+        pending.taken.set()
+        self._count("prefetch_used_bytes", pending.nbytes)
+        return caches
+
+    def _prefetch_gone(self, key: str) -> None:
+        """Rule 14: the entry left the index (or is hot again): a prefetch of it is
+        superseded (cancelled; its bytes counted as wasted)."""
+        pending = self._prefetches.get(key)
+        if pending is not None and not pending.taken.is_set():
+            pending.scope.cancel()
 
     def _explained(self, query: tuple[int, ...], match: PrefixMatch | None) -> Explanation:
         """Why this lookup did not reuse more (kvtrio.actors.misses), counted."""
@@ -664,6 +768,10 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
             wear=self.wear.statistics(),
             hot_policy=self.hot_policy.statistics(),
             cold_policy=self.cold_policy.statistics(),
+            prefetches=c("prefetches", 0),
+            prefetch_used_bytes=c("prefetch_used_bytes", 0),
+            prefetch_wasted_bytes=c("prefetch_wasted_bytes", 0),
+            prefetch_bytes=self._prefetch_bytes,
         )
 
     def metrics_text(self) -> str:

@@ -445,6 +445,7 @@ async def _prefetch(
     """Load the entry holding exactly ``tokens`` and hand it to ``admit`` on the owner."""
     caches: list[Any] | None = None
     try:
+        cold.prefetch(tokens)  # the library's prefetch: the lookup below adopts its load
         fetched: Fetched = await cold.fetch_nearest(tokens, admit=False)
         if fetched.caches is not None and not fetched.remaining:
             caches = fetched.caches

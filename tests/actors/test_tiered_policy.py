@@ -39,8 +39,10 @@ class FaultyStore(FakeColdStore):
     """A fake store whose fetch of the keys in ``faults`` raises the error given."""
 
     faults: dict[str, KvtrioError] = attrs.field(factory=dict)
+    fetches: int = 0
 
     async def fetch(self, key: str, *, model: ModelKey) -> tuple[list[Any], int]:
+        self.fetches += 1
         if key in self.faults:
             raise self.faults[key]
         return await super().fetch(key, model=model)
@@ -162,7 +164,7 @@ async def test_admission_decides_write_backs_and_wear_is_counted(tmp_path: Path)
         assert (wear.bytes_written, wear.bytes_reused) == (_bytes(30), 0)
         assert (await cache.fetch_nearest(long_)).tier is Tier.COLD
         wear = cache.statistics().wear
-        assert wear is not None and wear.bytes_reused == _bytes(30) and wear.reuse_ratio == 1.0
+        assert wear is not None and (wear.bytes_reused, wear.entries_read_back) == (_bytes(30), 1)
         assert (await cache.fetch_nearest(short)).explanation.reason is MissReason.DROPPED  # type: ignore[union-attr]
 
 
@@ -288,3 +290,60 @@ async def test_metrics_text_parses(tmp_path: Path) -> None:
     assert samples["kvtrio_cache_lookup_reasons_total", (("reason", "none"),)] == 1
     assert samples["kvtrio_cold_queue_depth", ()] == 0
     assert ("kvtrio_cache_pinned_bytes", (("tier", "cold"),)) in samples
+
+
+async def _on_disk(cache: TieredPromptCache, *prompts: list[int]) -> None:
+    for tokens in prompts:
+        await cache.insert(tokens, fake_caches(len(tokens)))
+    await cache.insert([0] * 10, fake_caches(10))  # pushes the others out of RAM
+    await cache.wait_writes_settled()
+
+
+async def test_a_prefetch_is_adopted_by_the_lookup(tmp_path: Path) -> None:
+    store = FaultyStore(tmp_path, MODEL)
+    async with _open(store, hot_budget=_bytes(10), eviction=PolicyKind.LRU) as cache:
+        prompt = list(range(100, 110))
+        await _on_disk(cache, prompt)
+        store.gate = trio.Event()  # the load is in flight when the lookup comes
+        assert cache.prefetch([*prompt, 5])
+        assert not cache.prefetch(prompt)  # one load per entry
+        assert not cache.prefetch([0] * 10)  # hot: nothing to load
+        await trio.sleep(0.01)
+        assert store.fetches == 1
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep, 0.01)
+            store.gate.set()
+        got = await cache.fetch_nearest([*prompt, 5])
+        assert got.tier is Tier.COLD and got.remaining == (5,)
+        assert store.fetches == 1  # adopted: not read again
+        stats = cache.statistics()
+        assert (stats.prefetches, stats.prefetch_used_bytes) == (1, _bytes(10))
+        assert (stats.prefetch_wasted_bytes, stats.prefetch_bytes) == (0, 0)
+
+
+async def test_prefetches_unused_or_superseded_are_wasted_and_bounded(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    store = FakeColdStore(tmp_path, MODEL)
+    async with _open(store, hot_budget=_bytes(10), eviction=PolicyKind.LRU) as cache:
+        cache.prefetch_budget = _bytes(15)
+        cache.prefetch_deadline = 5.0
+        a, b = list(range(100, 110)), list(range(200, 210))
+        await _on_disk(cache, a, b)
+        assert cache.prefetch(a)
+        assert not cache.prefetch(b)  # over the byte bound
+        assert cache.statistics().prefetch_bytes == _bytes(10)
+        await trio.sleep(6)  # unused past the deadline
+        stats = cache.statistics()
+        assert (stats.prefetch_wasted_bytes, stats.prefetch_bytes) == (_bytes(10), 0)
+        assert cache.prefetch(b)  # room again
+        await trio.sleep(1)  # loaded, waiting for its lookup
+        assert cache.statistics().prefetch_bytes == _bytes(10)
+        record = cache._records[cache.peek(b).entry.key]  # type: ignore[union-attr]
+        await cache._remove(record)  # b leaves the index: its prefetch is superseded
+        await trio.sleep(0.1)
+        stats = cache.statistics()
+        assert (stats.prefetch_bytes, stats.prefetch_used_bytes) == (0, 0)
+        assert stats.prefetch_wasted_bytes == _bytes(20)
+        assert (await cache.fetch_nearest(b)).caches is None
+        cache.check()

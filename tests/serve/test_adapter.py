@@ -249,12 +249,15 @@ def test_prefetch_loads_without_waiting_and_the_lookup_is_then_a_ram_hit(
         original = _prefilled(tiny, tokens)
         expected = _bytes(original)
         cache.insert_cache(MODEL, tokens, original)
-    with _adapter(tiny, tmp_path) as (cache, _):
+    with _adapter(tiny, tmp_path) as (cache, tier):
         settled: list[bool] = []
         assert cache.prefetch(MODEL, [*tokens, 5], settled.append)
         assert settled == [] and len(cache) == 0  # returned before the load
         _pump_until(cache, lambda: bool(settled))
         assert settled == [True] and len(cache) == 1
+        # The load was the tier's own prefetch (TieredPromptCache.prefetch), adopted.
+        cold = tier.peek(lambda: tier.cache.statistics())  # type: ignore[union-attr]
+        assert cold.prefetches == 1 and cold.prefetch_used_bytes > 0
         got, rest = cache.fetch_nearest_cache(MODEL, [*tokens, 5])
         assert rest == [5] and cache.last_fetch == FetchInfo(CacheTier.HOT, len(tokens))
         assert _bytes(got) == expected
