@@ -81,6 +81,8 @@ CACHE_HEADER = "X-Kvtrio-Cache"
 CACHED_TOKENS_HEADER = "X-Kvtrio-Cached-Tokens"
 # GET: the Prometheus text of the RAM tier and the cold tier (docs/serve.md, docs/metrics.md).
 METRICS_PATH = "/metrics"
+# Tokens per model call when --warm-prompts prefills a prompt.
+WARM_STEP = 512
 
 #: Seconds a handler waits for its request's lookup before sending headers without it.
 TAG_WAIT = 120.0
@@ -168,6 +170,14 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
         type=float,
         default=30.0,
         help="a disk load taking longer is a miss for its request (seconds)",
+    )
+    group.add_argument(
+        "--warm-prompts",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="prefill each line of FILE (a text prompt) at start and store it on disk, "
+        "skipping prompts already there",
     )
 
 
@@ -285,6 +295,50 @@ def _pumping_budget(adapter: TieredLRUPromptCache) -> Any:
     return PumpingBudget()
 
 
+def warm_prompts(provider: Any, adapter: TieredLRUPromptCache, path: Path) -> tuple[int, int]:
+    """Generation thread (the MLX owner): prefill each non-empty line of ``path`` (a text
+    prompt, tokenized as ``/v1/completions`` does, less its last token) and hand it to
+    the cold tier as a flush (written whatever the admission policy says); a prompt whose
+    exact entry is on disk already is skipped. (stored, skipped); the writes finish in
+    the background."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = provider.load("default_model")
+    key = provider.model_key
+    stored = skipped = 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        text = line.strip()
+        tier = adapter.tier
+        if not text or tier is None or not tier.alive or tier.cache is None:
+            continue
+        if key != adapter.tier_model:
+            logger.warning("kvtrio serve: warm prompts skipped: the model is not the tier's")
+            break
+        # All but the last token: a request of this prompt still has one to process (an
+        # exact hit would leave mlx-lm's batch an empty prompt), and reuses the rest.
+        tokens = [int(t) for t in tokenizer.encode(text)][:-1]
+        if not tokens:
+            continue
+        cold = tier.cache
+        match = tier.peek(cold.peek, tokens)
+        if match is not None and match.reuse == len(tokens) and not match.trim:
+            skipped += 1
+            continue
+        caches = make_prompt_cache(model)
+        for start in range(0, len(tokens), WARM_STEP):
+            model(mx.array(tokens[start : start + WARM_STEP])[None], cache=caches)
+            mx.eval([c.state for c in caches])
+        if tier.submit(_flush_spill, cold, tokens, caches):
+            stored += 1
+        adapter.pump()
+    return stored, skipped
+
+
+async def _flush_spill(cold: Any, tokens: list[int], caches: list[Any]) -> None:
+    await cold.spill(tokens, caches, meta={"mlx_lm.cache_type": "assistant"}, flush=True)
+
+
 def _generator_class() -> type:
     server = _mlx_server()
 
@@ -321,6 +375,13 @@ def _generator_class() -> type:
                 adapter.tier.bind()
             self._time_budget = _pumping_budget(adapter)
             try:
+                warm = getattr(self.cli_args, "warm_prompts", None)
+                if warm is not None:
+                    stored, skipped = warm_prompts(self.model_provider, adapter, Path(warm))
+                    print(
+                        f"kvtrio serve: warm prompts stored {stored}, already on disk {skipped}",
+                        flush=True,
+                    )
                 super()._generate()
             finally:
                 grace = float(getattr(self.cli_args, "grace", 10.0))

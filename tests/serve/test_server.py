@@ -261,3 +261,23 @@ def test_metrics_endpoint_parses_and_wear_is_printed_at_shutdown(
     assert ("kvtrio_cold_written_bytes_total", ()) in samples
     wear = exit_wear(server)
     assert wear["written"] > 0 and wear["admitted"] >= 1  # the close spilled RAM to disk
+
+
+def test_warm_prompts_are_stored_at_start_and_skipped_when_on_disk(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    prompts = tmp_path / "warm.txt"
+    prompts.write_text("The capital of France is\n\nOnce upon a time, in a land far away\n")
+    argv = ("--warm-prompts", str(prompts))
+    first = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "a.txt", *argv)
+    assert first.stop() == 0, first.output()
+    assert "warm prompts stored 2, already on disk 0" in first.output()
+    second = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "b.txt", *argv)
+    try:
+        completion = second.client().completions.with_raw_response.create(
+            model="default_model", prompt="The capital of France is", max_tokens=3
+        )
+    finally:
+        assert second.stop() == 0, second.output()
+    assert "warm prompts stored 0, already on disk 2" in second.output()
+    assert completion.headers["X-Kvtrio-Cache"] == "cold"
