@@ -786,6 +786,7 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
             wear=stats.wear,
             eviction={"hot": stats.hot_policy, "cold": stats.cold_policy},
             queue_depth=stats.pending_writes,
+            prefetch=(stats.prefetches, stats.prefetch_used_bytes, stats.prefetch_wasted_bytes),
         )
 
     def observe_prefill(self, start: int, end: int, seconds: float) -> None:

@@ -290,6 +290,8 @@ async def test_metrics_text_parses(tmp_path: Path) -> None:
     assert samples["kvtrio_cache_lookup_reasons_total", (("reason", "none"),)] == 1
     assert samples["kvtrio_cold_queue_depth", ()] == 0
     assert ("kvtrio_cache_pinned_bytes", (("tier", "cold"),)) in samples
+    assert samples["kvtrio_cold_prefetches_total", ()] == 0
+    assert samples["kvtrio_cold_prefetch_bytes_total", (("outcome", "wasted"),)] == 0
 
 
 async def _on_disk(cache: TieredPromptCache, *prompts: list[int]) -> None:
