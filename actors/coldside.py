@@ -39,6 +39,8 @@ import attrs
 import trio
 from kvtrio.actors.coldstore import CONVERSATIONS_META, ColdStore, StoreResult
 from kvtrio.actors.lifecycle import FINDABLE_COLD, ColdEvent, ColdLedger, ColdSide, ColdState
+from kvtrio.actors.misses import Departures, MissReason
+from kvtrio.actors.policy import EntryCost, EvictionPolicy, WearAccount
 from kvtrio.actors.prefix import PrefixEntry, PrefixIndex
 from kvtrio.errors import KvtrioError
 
@@ -70,6 +72,12 @@ class CacheRecord:
     pending: list[Any] | None = None  # the caches a QUEUED write will store
     pending_meta: dict[str, str] | None = None
     retired: bool = False  # superseded: never promoted to RAM again
+    # Issue 18: lookups it served (admission's "uses"), its TTL, its pin, and why it would
+    # leave the index next (noted in the cache's Departures; None: not a miss's cause).
+    uses: int = 0
+    ttl: float | None = None
+    pinned: bool = False
+    leaving: MissReason | None = MissReason.EVICTED
     supersedes: tuple[CacheRecord, ...] = ()  # deleted once this is durable
 
     @classmethod
@@ -101,8 +109,19 @@ class ColdSideMixin:
         _busy: int
         _wake: trio.Event
         _touched: dict[str, float]
+        cold_policy: EvictionPolicy
+        wear: WearAccount
+        departures: Departures
 
         async def _remove(self, record: CacheRecord) -> None: ...
+
+        def _cold_cost(self, record: CacheRecord) -> EntryCost: ...
+
+        def _prefetch_gone(self, key: str) -> None: ...
+
+        def _enter_policy(
+            self, policy: EvictionPolicy, record: CacheRecord, cost: EntryCost
+        ) -> None: ...
 
     def _count(self, name: str, n: int = 1) -> None:
         self._counts[name] = self._counts.get(name, 0) + n
@@ -115,8 +134,12 @@ class ColdSideMixin:
         if record.findable:
             if key not in self._index:
                 self._index.add(record.entry)
+                self.departures.forget(key)  # back: no longer a miss's cause
         elif key in self._index:
             self._index.remove(key)
+            self._prefetch_gone(key)
+            if record.leaving is not None:
+                self.departures.note(record.entry, record.leaving)
         if record.hot is None and record.cold.state is ColdState.NONE:
             del self._records[key]
             for conversation in record.conversations:
@@ -124,7 +147,14 @@ class ColdSideMixin:
                     del self._conversations[conversation]
 
     def _apply(self, record: CacheRecord, event: ColdEvent) -> ColdState:
+        old = record.cold.state
         state = self._ledger.apply(record.cold, event)
+        if state is not old and self._owns(record):
+            # The cold policy holds exactly the DURABLE entries (the eviction loop's choice).
+            if state is ColdState.DURABLE:
+                self._enter_policy(self.cold_policy, record, self._cold_cost(record))
+            elif old is ColdState.DURABLE:
+                self.cold_policy.on_remove(record.entry.key)
         self._sync(record)
         return state
 
@@ -179,6 +209,7 @@ class ColdSideMixin:
         try:
             freed = await self.cold.remove(record.entry.key)
             self._ledger.used -= freed  # not `-= await`: that reads the total before the await
+            self.wear.on_removed(record.entry.key)
         except KvtrioError:
             self._count("drops")
         except OSError:  # a background removal must never kill the cache
@@ -237,6 +268,7 @@ class ColdSideMixin:
                 break
             self._count("pending_dropped")
             self._count("drops")
+            self._records[victim.key].leaving = MissReason.DROPPED
             self._settle_pending(self._records[victim.key], ColdEvent.DROP)
 
     def _cancel_pending(self, record: CacheRecord) -> None:
@@ -252,6 +284,7 @@ class ColdSideMixin:
         (by the writer, in batches) so the order survives a restart."""
         if record.cold.state is ColdState.DURABLE:
             self._ledger.touch(record.cold)
+            self.cold_policy.on_hit(record.entry.key)
             self._touched[record.entry.key] = time.time()
 
     async def _flush_touches(self) -> None:
@@ -296,9 +329,11 @@ class ColdSideMixin:
             if result.written:
                 self._count("bytes_written", result.bytes_written)
                 self._count("bytes_deduplicated", result.bytes_deduplicated)
+                self.wear.on_written(key, result.bytes_written)
                 self._apply(record, ColdEvent.WRITTEN)
             else:
                 self._count("drops")
+                record.leaving = MissReason.DROPPED
                 self._apply(record, ColdEvent.FAILED)
             if record.cold.state is ColdState.EVICTING:  # removed while it was written
                 await self._remove_cold_file(record)
@@ -330,25 +365,29 @@ class ColdSideMixin:
         return result
 
     async def _make_room(self, *, extra: int = 0) -> bool:
-        """The one eviction loop (only the writer task runs it): evict least recently used
-        DURABLE entries, one removal at a time, while used + reserved + ``extra`` exceeds
-        the effective budget; with ``extra``, evict at least one. True if it evicted."""
+        """The one eviction loop (only the writer task runs it): evict the DURABLE entries
+        the cold policy names (``cold_policy.victim()``: least recently used with LRU, the
+        least valuable with the cost-aware policy; never a pinned one), one removal at a
+        time, while used + reserved + ``extra`` exceeds the effective budget; with
+        ``extra``, evict at least one. True if it evicted."""
         evicted = False
         while True:
             need = self._ledger.used + self._ledger.reserved + extra
             if need <= self._effective_cold_budget() and (evicted or not extra):
                 return evicted
-            victim = self._ledger.oldest_durable()
-            if victim is None:
+            key = self.cold_policy.victim()
+            if key is None:
                 return evicted
-            record = self._records[victim.key]
+            record = self._records[key]
+            assert record.cold.state is ColdState.DURABLE, key
+            record.leaving = MissReason.EVICTED
             self._evict(record)
             self._count("cold_evictions")
-            previous, done = self._reserve_turn(victim.key)
+            previous, done = self._reserve_turn(key)
             try:
                 if previous is not None:
                     await previous.wait()
                 await self._remove_cold_file(record)
             finally:
-                self._release_turn(victim.key, done)
+                self._release_turn(key, done)
             evicted = True

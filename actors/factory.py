@@ -11,6 +11,7 @@ from kvtrio.actors.callerchecks import DEFAULT_MIN_REUSE_TOKENS
 from kvtrio.actors.coldside import DEFAULT_PENDING_BYTES
 from kvtrio.actors.coldstore import ColdTierStore
 from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.policy import AdmissionPolicy, PolicyKind, PrefillCost
 from kvtrio.actors.prefix import DEFAULT_BLOCK_SIZE, ModelKey
 from kvtrio.actors.tier import DEFAULT_LOCK_TIMEOUT, ColdTier
 from kvtrio.actors.tiered import TieredPromptCache, WritePolicy
@@ -53,6 +54,10 @@ async def open_tiered_cache(
     shared_refresh: float | None = None,
     pending_budget: int = DEFAULT_PENDING_BYTES,
     min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS,
+    eviction: PolicyKind = PolicyKind.COST,
+    admission: AdmissionPolicy | None = None,
+    prefill: PrefillCost | None = None,
+    pin_limit: int = 0,
 ) -> AsyncIterator[TieredPromptCache]:
     """A :class:`TieredPromptCache` over a :class:`ColdTier` at ``directory``.
 
@@ -67,7 +72,8 @@ async def open_tiered_cache(
     belongs to one process: a second opener waits up to ``lock_timeout`` seconds for the
     first to close, then gets DirectoryLockedError (:class:`ColdTier`'s rule 5).
     ``options``: the cold tier's I/O tuning (:class:`~kvtrio.storage.options.IoOptions`,
-    docs/tuning.md). ``min_reuse_tokens``: see :meth:`TieredPromptCache.open`.
+    docs/tuning.md). ``min_reuse_tokens``, ``eviction``, ``admission``, ``prefill``,
+    ``pin_limit``: see :meth:`TieredPromptCache.open`.
 
     An error of the open itself reaches the caller as the one typed kvtrio error it is,
     not wrapped in the nurseries' ExceptionGroups.
@@ -91,6 +97,10 @@ async def open_tiered_cache(
             shared_refresh=shared_refresh,
             pending_budget=pending_budget,
             min_reuse_tokens=min_reuse_tokens,
+            eviction=eviction,
+            admission=admission,
+            prefill=prefill,
+            pin_limit=pin_limit,
         ) as cache:
             opened = True
             yield cache
@@ -135,6 +145,10 @@ async def _open(
     shared_refresh: float | None,
     pending_budget: int,
     min_reuse_tokens: int,
+    eviction: PolicyKind,
+    admission: AdmissionPolicy | None,
+    prefill: PrefillCost | None,
+    pin_limit: int,
 ) -> AsyncIterator[TieredPromptCache]:
     shared = is_redis_url(os.fspath(directory))
     async with ColdTier.open(
@@ -162,6 +176,10 @@ async def _open(
                 shared_index=shared and shared_index,
                 pending_budget=pending_budget,
                 min_reuse_tokens=min_reuse_tokens,
+                eviction=eviction,
+                admission=admission,
+                prefill=prefill,
+                pin_limit=pin_limit,
             ) as cache,
         ):
             yield cache

@@ -224,6 +224,7 @@ def tiered_metrics(
     wear: WearStatistics | None = None,
     eviction: Mapping[str, EvictionStatistics] | None = None,
     queue_depth: int | None = None,
+    prefetch: tuple[int, int, int] | None = None,
     load_seconds: HistogramSnapshot | None = None,
     save_seconds: HistogramSnapshot | None = None,
     loop_lag_seconds: HistogramSnapshot | None = None,
@@ -231,7 +232,8 @@ def tiered_metrics(
     """The Prometheus text of a tiered cache's ``statistics()`` and what else is given.
 
     ``eviction``: each tier's (``"hot"``, ``"cold"``) eviction-policy statistics (pins,
-    TTL expiries); ``queue_depth``: cold writes waiting to start.
+    TTL expiries); ``queue_depth``: cold writes waiting to start; ``prefetch``: prefetches
+    started, bytes prefetched that a lookup used, and bytes wasted.
     """
     families = [
         _labelled(
@@ -346,6 +348,23 @@ def tiered_metrics(
                 (("", (), queue_depth),),
             )
         )
+    if prefetch is not None:
+        started, used, wasted = prefetch
+        families += [
+            _counter(
+                "kvtrio_cold_prefetches_total",
+                "Cold loads started ahead of their lookup (prefetch).",
+                started,
+            ),
+            _labelled(
+                "kvtrio_cold_prefetch_bytes_total",
+                "counter",
+                "Bytes prefetched, by outcome (used by a lookup, or wasted: superseded or "
+                "unused by the deadline).",
+                "outcome",
+                [("used", used), ("wasted", wasted)],
+            ),
+        ]
     for name, help, snapshot in (
         ("kvtrio_cold_load_seconds", "Seconds per cold load (read, verify, adopt).", load_seconds),
         ("kvtrio_cold_save_seconds", "Seconds per cold save (snapshot to durable).", save_seconds),

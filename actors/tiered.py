@@ -45,6 +45,33 @@ Theory of operation
 9. Every entry's cold side moves only through the transition table of
    :mod:`kvtrio.actors.lifecycle`; the cold LRU, the pending queue and the reserved bytes
    derive from it, and an entry is indexed iff it is hot or DURABLE.
+10. Each tier orders its evictions by an :class:`~kvtrio.actors.policy.EvictionPolicy`
+   (``eviction``; both tiers one kind, sharing one :class:`~kvtrio.actors.policy.
+   PrefillCost` fed by :meth:`TieredPromptCache.observe_prefill`): the hot budget evicts
+   ``hot_policy.victim()``, the one eviction loop ``cold_policy.victim()``. The default
+   is the cost-aware GreedyDual-Size (recompute seconds per byte, aged; a hot entry the
+   disk holds or will take is valued by its reload instead); ``PolicyKind.LRU`` keeps
+   plain LRU. The cold policy holds exactly the DURABLE entries.
+11. A write-back (an entry leaving RAM, or :meth:`TieredPromptCache.spill`) is queued only
+   if ``admission`` admits it (default: :func:`~kvtrio.actors.policy.default_admission`);
+   a refused entry is forgotten (a DROPPED departure). A flush (a graceful close) writes
+   every hot entry regardless. ``wear`` counts bytes written, read and read back.
+12. A pinned entry (:meth:`TieredPromptCache.pin`) is never a victim of either tier and
+   never expires; its bytes count against the budgets, and each tier holds at most
+   ``pin_limit`` pinned bytes. ``insert(ttl=)``: the entry leaves both tiers ``ttl``
+   seconds (trio's clock) after its last use in a tier; expiry is checked at each lookup
+   and insert.
+13. Every lookup is explained (:func:`~kvtrio.actors.misses.explain`, ``Fetched.
+   explanation``) and counted by reason (``statistics().lookups``); every entry that
+   leaves the index is noted in ``departures`` with why (evicted, dropped or refused,
+   corrupt, unreachable, expired; not a superseded one), and forgotten there when it
+   comes back.
+14. ``prefetch(tokens)`` starts the cold load of the entry a lookup of ``tokens`` would
+   reuse, in the background; the next lookup that picks that entry adopts the loaded
+   caches instead of reading them again. Prefetched bytes held at once are capped by
+   ``prefetch_budget``; a prefetch is cancelled when its entry leaves the index
+   (evicted, removed, superseded) and dropped when no lookup takes it within
+   ``prefetch_deadline`` seconds; ``statistics()`` counts the bytes used and wasted.
 
 Costs (N entries, P prompt blocks, C candidates examined): ``open`` is O(N) in batches
 of :data:`OPEN_BATCH` entries with a checkpoint between batches; a lookup is O(P + C)
@@ -92,6 +119,28 @@ from kvtrio.actors.coldstore import (
     collector_paused,
 )
 from kvtrio.actors.lifecycle import ColdEvent, ColdLedger, ColdState
+from kvtrio.actors.metrics import tiered_metrics
+from kvtrio.actors.misses import (
+    Departures,
+    Explanation,
+    MissCounter,
+    MissReason,
+    MissStatistics,
+    explain,
+)
+from kvtrio.actors.policy import (
+    AdmissionCandidate,
+    AdmissionPolicy,
+    EntryCost,
+    EvictionPolicy,
+    EvictionStatistics,
+    PolicyKind,
+    PrefillCost,
+    WearAccount,
+    WearStatistics,
+    default_admission,
+    make_eviction_policy,
+)
 from kvtrio.actors.prefix import (
     DEFAULT_BLOCK_SIZE,
     MatchKind,
@@ -106,6 +155,7 @@ from kvtrio.errors import (
     CacheMissError,
     CorruptCacheError,
     InvalidInputError,
+    PinLimitError,
     ShuttingDown,
     StoreUnavailableError,
     UnknownCacheKindError,
@@ -145,6 +195,16 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# Issue 18: the disk's read speed a hot entry's reload is valued at (bytes per second), and
+# the bytes per token assumed for entries found at open until an insert measures them
+# (Llama-3-8B in fp16), as kvtrio bench policy does.
+RELOAD_BYTES_PER_SECOND = 2e9
+DEFAULT_BYTES_PER_TOKEN = 128 << 10
+
+# Rule 14's defaults: prefetched bytes held at once, and seconds a prefetch waits for use.
+DEFAULT_PREFETCH_BYTES = 2 << 30
+DEFAULT_PREFETCH_DEADLINE = 30.0
+
 # Entries indexed per step of open, between checkpoints (rule: no long loop stall).
 OPEN_BATCH = 256
 
@@ -180,10 +240,24 @@ class Fetched:
     remaining: tuple[int, ...]
     tier: Tier | None
     match: PrefixMatch | None
+    # Why it did not reuse more (kvtrio.actors.misses; None only for a caller-made one).
+    explanation: Explanation | None = None
 
     @property
     def reused(self) -> int:
         return self.match.reuse if self.match is not None else 0
+
+
+@attrs.define(eq=False)
+class _Prefetch:
+    """A cold load started ahead of its lookup (rule 14)."""
+
+    record: Any  # CacheRecord
+    nbytes: int
+    scope: trio.CancelScope
+    loaded: trio.Event = attrs.field(factory=trio.Event)
+    taken: trio.Event = attrs.field(factory=trio.Event)
+    caches: list[Any] | None = None
 
 
 @attrs.frozen
@@ -225,6 +299,17 @@ class TieredStatistics:
     cold_errors: int = 0
     # Cold matches reusing fewer than min_reuse_tokens tokens, not loaded (a miss).
     cold_skipped: int = 0
+    # Issue 18: lookups by reason, disk wear, and each tier's eviction policy (pins, TTLs).
+    lookups: MissStatistics | None = None
+    wear: WearStatistics | None = None
+    hot_policy: EvictionStatistics | None = None
+    cold_policy: EvictionStatistics | None = None
+    # Rule 14: prefetches started, and the bytes they loaded that a lookup used or that
+    # were dropped (superseded, unused by the deadline, or the load failed).
+    prefetches: int = 0
+    prefetch_used_bytes: int = 0
+    prefetch_wasted_bytes: int = 0
+    prefetch_bytes: int = 0  # held or loading now
 
 
 def _by_mtime(info: ColdEntryInfo) -> float:
@@ -290,7 +375,26 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
     shared_index: bool = False
     pending_budget: int = DEFAULT_PENDING_BYTES
     min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS
+    # Issue 18: each tier's eviction order (rules 10-12), the write admission of entries
+    # leaving RAM, the prefill speed both tiers value entries by, and the pinned bytes
+    # each tier may hold.
+    eviction: PolicyKind = PolicyKind.COST
+    admission: AdmissionPolicy = attrs.field(factory=default_admission)
+    prefill: PrefillCost = attrs.field(factory=PrefillCost)
+    pin_limit: int = 0
+    # Rule 14: bytes of prefetched cold loads held at once, and how long one waits to be
+    # used (seconds, trio's clock).
+    prefetch_budget: int = DEFAULT_PREFETCH_BYTES
+    prefetch_deadline: float = DEFAULT_PREFETCH_DEADLINE
     _nursery: trio.Nursery | None = None
+    hot_policy: EvictionPolicy = attrs.field(init=False)
+    cold_policy: EvictionPolicy = attrs.field(init=False)
+    wear: WearAccount = attrs.field(init=False, factory=WearAccount)
+    departures: Departures = attrs.field(init=False)
+    _misses: MissCounter = attrs.field(init=False, factory=MissCounter)
+    _other_models: set[ModelKey] = attrs.field(init=False, factory=set)
+    _prefetches: dict[str, _Prefetch] = attrs.field(init=False, factory=dict)
+    _prefetch_bytes: int = attrs.field(init=False, default=0)
     _index: PrefixIndex = attrs.field(init=False)
     _records: dict[str, CacheRecord] = attrs.field(init=False, factory=dict)
     _hot_lru: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)
@@ -307,9 +411,17 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
     _refreshing: bool = attrs.field(init=False, default=False)
     _shared_paused_until: float = attrs.field(init=False, default=-math.inf)
     _shared_backoff: float = attrs.field(init=False, default=0.0)
+    _bytes_per_token: int = attrs.field(init=False, default=DEFAULT_BYTES_PER_TOKEN)
 
     def __attrs_post_init__(self) -> None:
         self._index = PrefixIndex(block_size=self.block_size)
+        self.departures = Departures(block_size=self.block_size)
+        self.hot_policy = make_eviction_policy(
+            self.eviction, prefill=self.prefill, pin_limit=self.pin_limit
+        )
+        self.cold_policy = make_eviction_policy(
+            self.eviction, prefill=self.prefill, pin_limit=self.pin_limit
+        )
         self._idle.set()
 
     @classmethod
@@ -330,6 +442,10 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         shared_index: bool = False,
         pending_budget: int = DEFAULT_PENDING_BYTES,
         min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS,
+        eviction: PolicyKind = PolicyKind.COST,
+        admission: AdmissionPolicy | None = None,
+        prefill: PrefillCost | None = None,
+        pin_limit: int = 0,
     ) -> AsyncIterator[TieredPromptCache]:
         """Rebuild the index from ``cold`` and serve.
 
@@ -345,6 +461,11 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         (trio's clock): a fallback for entries saved without index registration.
         ``min_free_bytes``: the free-space floor of the cold tier's volume (rule 2);
         ``pending_budget``: the byte cap of pending write-backs (rule 3).
+        ``eviction``: both tiers' eviction order (rule 10; ``PolicyKind.LRU`` for plain
+        LRU); ``admission``: which entries leaving RAM are written back (rule 11; default
+        :func:`~kvtrio.actors.policy.default_admission`); ``prefill``: the prefill speeds
+        entries are valued by (fed by :meth:`observe_prefill`); ``pin_limit``: the bytes
+        each tier may hold pinned (rule 12).
 
         Leaving the block normally writes the hot entries not yet on disk (with
         ``flush_on_close``, so a graceful restart keeps them) and waits for every write.
@@ -357,18 +478,22 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
             min_reuse_tokens=min_reuse_tokens,
         )
         self = cls(
-            owner,
-            cold,
-            model,
-            hot_budget,
-            cold_budget,
-            policy,
-            min_free_bytes,
-            block_size,
-            shared_refresh,
-            shared_index,
-            pending_budget,
-            min_reuse_tokens,
+            owner=owner,
+            cold=cold,
+            model=model,
+            hot_budget=hot_budget,
+            cold_budget=cold_budget,
+            policy=policy,
+            min_free_bytes=min_free_bytes,
+            block_size=block_size,
+            shared_refresh=shared_refresh,
+            shared_index=shared_index,
+            pending_budget=pending_budget,
+            eviction=eviction,
+            admission=admission if admission is not None else default_admission(),
+            prefill=prefill if prefill is not None else PrefillCost(),
+            pin_limit=pin_limit,
+            min_reuse_tokens=min_reuse_tokens,
         )
         if shared_index and not isinstance(cold, SharedColdStore):
             raise TypeError("shared_index needs a cold store with find() and entry()")
@@ -401,6 +526,7 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         of its own, such as kvtrio.serve's adapter).
         """
         query = tuple(int(t) for t in tokens)
+        await self._expire()
         if self.shared_index or self.shared_refresh is not None:
             found = self._index.lookup(self.model, query)
             if found is None or found.kind is not MatchKind.EXACT:
@@ -420,7 +546,9 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
                 caches = await self.owner.run(_clone_trimmed, record.hot, match.trim)
                 self._touch(record)
                 self._count("hits_hot")
-                return Fetched(caches, query[match.reuse :], Tier.HOT, match)
+                return Fetched(
+                    caches, query[match.reuse :], Tier.HOT, match, self._explained(query, match)
+                )
             if trio.current_time() < self._shared_paused_until:
                 break  # the shared store just failed: a miss, not another deadline spent
             if match.reuse < self.min_reuse_tokens:
@@ -428,19 +556,104 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
                 # the best match is this one, so no other is worth it either.
                 self._count("cold_skipped")
                 break
-            loaded = await self._load_cold(record)
+            loaded = await self._take_prefetch(record)
+            if loaded is None and self._owns(record) and record.cold.state is ColdState.DURABLE:
+                loaded = await self._load_cold(record)
             if loaded is None:
                 continue
             self._count("hits_cold")
+            record.uses += 1
+            explanation = self._explained(query, match)
             if not admit:
                 if match.trim:
                     await self.owner.run(_trim, loaded, match.trim)
-                return Fetched(loaded, query[match.reuse :], Tier.COLD, match)
+                return Fetched(loaded, query[match.reuse :], Tier.COLD, match, explanation)
             caches = await self.owner.run(_clone_trimmed, loaded, match.trim)
             await self._admit_hot(record, loaded)
-            return Fetched(caches, query[match.reuse :], Tier.COLD, match)
+            return Fetched(caches, query[match.reuse :], Tier.COLD, match, explanation)
         self._count("misses")
-        return Fetched(None, query, None, None)
+        return Fetched(None, query, None, None, self._explained(query, None))
+
+    def prefetch(self, tokens: Sequence[int]) -> bool:
+        """Start loading, off the request path, the disk entry that :meth:`fetch_nearest`
+        would reuse for ``tokens`` (rule 14); the lookup then adopts it. False (nothing
+        started) when the best match is hot, none is on disk, one is already loading, or
+        the prefetched bytes would exceed ``prefetch_budget``."""
+        match = self._index.lookup(self.model, tuple(int(t) for t in tokens))
+        if match is None:
+            return False
+        record = self._records[match.entry.key]
+        key = record.entry.key
+        if record.hot is not None or record.cold.state is not ColdState.DURABLE:
+            return False
+        if key in self._prefetches:
+            return False
+        nbytes = record.cold.nbytes or len(record.entry.tokens) * self._bytes_per_token
+        if self._prefetch_bytes + nbytes > self.prefetch_budget:
+            self._count("prefetches_refused")
+            return False
+        pending = self._prefetches[key] = _Prefetch(record, nbytes, trio.CancelScope())
+        self._prefetch_bytes += nbytes
+        self._count("prefetches")
+        if self._nursery is None:
+            raise RuntimeError("TieredPromptCache is not open")
+        # Not a _spawn: an unused prefetch must not hold wait_writes_settled (or a close)
+        # until its deadline; the close's cancel ends it.
+        self._nursery.start_soon(self._run_prefetch, pending)
+        return True
+
+    async def _run_prefetch(self, pending: _Prefetch) -> None:
+        """Load, then hold the caches until a lookup takes them or the deadline passes."""
+        key = pending.record.entry.key
+        try:
+            with pending.scope:
+                pending.caches = await self._load_cold(pending.record)
+                pending.loaded.set()
+                if pending.caches is not None:
+                    with trio.move_on_after(self.prefetch_deadline):
+                        await pending.taken.wait()
+        finally:
+            pending.loaded.set()
+            if self._prefetches.get(key) is pending:
+                del self._prefetches[key]
+            self._prefetch_bytes -= pending.nbytes
+            if not pending.taken.is_set() and pending.caches is not None:
+                pending.caches = None  # loaded, never used: wasted
+                self._count("prefetch_wasted_bytes", pending.nbytes)
+
+    async def _take_prefetch(self, record: CacheRecord) -> list[Any] | None:
+        """The caches a prefetch of ``record`` loaded (waiting for it if it is in flight),
+        or None when there is none (or it failed)."""
+        pending = self._prefetches.get(record.entry.key)
+        if pending is None or pending.record is not record:
+            return None
+        await pending.loaded.wait()
+        caches = pending.caches
+        if caches is None or pending.taken.is_set():
+            return None
+        pending.taken.set()
+        self._count("prefetch_used_bytes", pending.nbytes)
+        return caches
+
+    def _prefetch_gone(self, key: str) -> None:
+        """Rule 14: the entry left the index (or is hot again): a prefetch of it is
+        superseded (cancelled; its bytes counted as wasted)."""
+        pending = self._prefetches.get(key)
+        if pending is not None and not pending.taken.is_set():
+            pending.scope.cancel()
+
+    def _explained(self, query: tuple[int, ...], match: PrefixMatch | None) -> Explanation:
+        """Why this lookup did not reuse more (kvtrio.actors.misses), counted."""
+        explanation = explain(
+            self._index,
+            self.model,
+            query,
+            match,
+            departures=self.departures,
+            other_models=self._other_models,
+        )
+        self._misses.add(explanation)
+        return explanation
 
     def _leave_one(self, exact: PrefixMatch, query: tuple[int, ...]) -> PrefixMatch | None:
         entry = exact.entry
@@ -456,6 +669,7 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         *,
         conversation: str | None = None,
         meta: Mapping[str, str] | None = None,
+        ttl: float | None = None,
     ) -> str:
         """Cache a copy of ``caches`` (which hold exactly ``tokens``); return its key.
 
@@ -466,7 +680,8 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         token ids outside ``[0, 2**31)`` or not ints, a ``conversation`` that is not a
         str or ``meta`` that is not str -> str (InvalidInputError); a layer whose offset
         is not ``len(tokens)`` (CacheMismatchError); after the cache closed
-        (ShuttingDown).
+        (ShuttingDown). ``ttl``: the entry leaves both tiers ``ttl`` seconds (trio's clock)
+        after its last use in a tier, unless pinned (rule 12).
         """
         if self._nursery is None:
             raise ShuttingDown("tiered prompt cache is closed: insert refused")
@@ -476,7 +691,14 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
                 f"conversation: expected a str, got {type(conversation).__name__}"
             )
         meta = check_meta(meta or {})
+        if ttl is not None and (
+            isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl < 0
+        ):
+            raise InvalidInputError(f"ttl: expected a number >= 0, got {ttl!r}")
+        await self._expire()
         nbytes, trimmable, min_offset = await self.owner.run(_describe, caches, len(tokens))
+        if tokens:
+            self._bytes_per_token = max(1, nbytes // len(tokens))
         clone = await self.owner.run(_clone, caches)
         entry = self._index.make_entry(
             self.model, tokens, trimmable=trimmable, min_reusable_offset=min_offset
@@ -494,6 +716,8 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         if record is None:
             record = self._records[entry.key] = CacheRecord.of(entry, nbytes)
         record.entry = entry
+        record.ttl = ttl
+        record.leaving = MissReason.EVICTED
         self._set_hot(record, clone, nbytes)
         if conversation is not None:
             await self._supersede(conversation, record)
@@ -508,14 +732,20 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         return self._index.lookup(self.model, tuple(int(t) for t in tokens))
 
     async def spill(
-        self, tokens: Sequence[int], caches: list[Any], *, meta: Mapping[str, str] | None = None
+        self,
+        tokens: Sequence[int],
+        caches: list[Any],
+        *,
+        meta: Mapping[str, str] | None = None,
+        flush: bool = False,
     ) -> str:
         """Write ``caches`` (which hold exactly ``tokens``) to the cold tier without keeping
         a copy in RAM; return its key. The caller hands them over: it must not change them
         (a server's own RAM tier evicting an entry). Findable once durable (rule 3); an
         entry already on disk, or being written, is left as it is. The write waits with
-        the others (rule 3's byte cap may shed it, counted). Its arguments are checked as
-        :meth:`insert` checks them."""
+        the others (rule 3's byte cap may shed it, counted). The admission policy decides
+        whether it is written (rule 11), unless ``flush`` (a graceful close's write). Its
+        arguments are checked as :meth:`insert` checks them."""
         if self._nursery is None:
             raise ShuttingDown("tiered prompt cache is closed: spill refused")
         tokens = check_token_ids(tokens)
@@ -536,6 +766,13 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         if record is None:
             record = self._records[entry.key] = CacheRecord.of(entry, nbytes)
         record.entry = entry
+        if not flush and not self._admit(
+            record, nbytes
+        ):  # rule 11: the caller's RAM tier evicted it
+            record.leaving = MissReason.DROPPED
+            self._set_hot(record, None)
+            await trio.lowlevel.checkpoint()
+            return entry.key
         self._queue_write(record, caches, meta or {}, nbytes=nbytes)
         self._set_hot(record, None)  # the RAM copy, if any, goes: the caller keeps its own
         await trio.lowlevel.checkpoint()
@@ -587,7 +824,72 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
             no_space_retries=c("no_space_retries", 0),
             cold_errors=c("cold_errors", 0),
             cold_skipped=c("cold_skipped", 0),
+            lookups=self._misses.statistics(),
+            wear=self.wear.statistics(),
+            hot_policy=self.hot_policy.statistics(),
+            cold_policy=self.cold_policy.statistics(),
+            prefetches=c("prefetches", 0),
+            prefetch_used_bytes=c("prefetch_used_bytes", 0),
+            prefetch_wasted_bytes=c("prefetch_wasted_bytes", 0),
+            prefetch_bytes=self._prefetch_bytes,
         )
+
+    def metrics_text(self) -> str:
+        """Prometheus text (kvtrio.actors.metrics, format 0.0.4) of :meth:`statistics`:
+        hits and misses per tier and reason, bytes, wear, pins and TTL expiries, evictions
+        and the cold write queue's depth (docs/metrics.md names every family)."""
+        stats = self.statistics()
+        assert stats.hot_policy is not None and stats.cold_policy is not None
+        return tiered_metrics(
+            stats,
+            misses=stats.lookups,
+            wear=stats.wear,
+            eviction={"hot": stats.hot_policy, "cold": stats.cold_policy},
+            queue_depth=stats.pending_writes,
+            prefetch=(stats.prefetches, stats.prefetch_used_bytes, stats.prefetch_wasted_bytes),
+        )
+
+    def observe_prefill(self, start: int, end: int, seconds: float) -> None:
+        """A prefill of this model's tokens ``start .. end`` (``start`` reused from the
+        cache) took ``seconds``: the cost-aware policies value entries by these
+        measurements (:class:`~kvtrio.actors.policy.PrefillCost`)."""
+        self.prefill.observe(self.model, start, end, seconds)
+
+    def pin(self, tokens: Sequence[int]) -> str:
+        """Never evict or expire the entry of exactly ``tokens`` from either tier (rule 12);
+        return its key. CacheMissError if there is none; PinLimitError (nothing pinned) if
+        a tier's pinned bytes would exceed ``pin_limit``."""
+        record = self._exact(tokens)
+        key = record.entry.key
+        done: list[EvictionPolicy] = []
+        try:
+            for policy in (self.hot_policy, self.cold_policy):
+                if key in policy and not policy.is_pinned(key):
+                    policy.pin(key)
+                    done.append(policy)
+        except PinLimitError:
+            for policy in done:
+                policy.unpin(key)
+            raise
+        record.pinned = True
+        return key
+
+    def unpin(self, tokens: Sequence[int]) -> None:
+        """Make the entry of exactly ``tokens`` evictable again (absent: nothing)."""
+        match = self._index.lookup(self.model, tuple(int(t) for t in tokens))
+        if match is None or match.kind is not MatchKind.EXACT:
+            return
+        record = self._records[match.entry.key]
+        record.pinned = False
+        self.hot_policy.unpin(record.entry.key)
+        self.cold_policy.unpin(record.entry.key)
+
+    def _exact(self, tokens: Sequence[int]) -> CacheRecord:
+        query = tuple(int(t) for t in tokens)
+        match = self._index.lookup(self.model, query)
+        if match is None or match.kind is not MatchKind.EXACT:
+            raise CacheMissError(f"no entry of exactly these {len(query)} tokens")
+        return self._records[match.entry.key]
 
     def check(self) -> None:
         """Check every derived figure against the records (tests; O(entries)):
@@ -613,17 +915,82 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         if record.hot is not None:
             self._hot_bytes -= record.hot_bytes
             self._hot_lru.pop(key, None)
+            self.hot_policy.on_remove(key)
         record.hot, record.hot_bytes = caches, (nbytes if caches is not None else 0)
         if caches is not None:
             self._hot_bytes += nbytes
             self._hot_lru[key] = None
+            self._enter_policy(self.hot_policy, record, self._hot_cost(record, nbytes))
         self._sync(record)
+
+    # -- internals: the policies (rules 10-12) -------------------------------------------
+
+    def _enter_policy(self, policy: EvictionPolicy, record: CacheRecord, cost: EntryCost) -> None:
+        """``record`` arrived in ``policy``'s tier: with its TTL, and pinned if it is (a
+        tier whose pin limit it would exceed holds it unpinned, counted)."""
+        key = record.entry.key
+        policy.on_insert(key, cost, ttl=record.ttl)
+        if record.pinned and not policy.is_pinned(key):
+            try:
+                policy.pin(key)
+            except PinLimitError:
+                self._count("pins_refused")
+
+    def _hot_cost(self, record: CacheRecord, nbytes: int) -> EntryCost:
+        """What losing a hot entry costs: its recompute, or its reload when the disk holds
+        it or will take it (write-through, or the admission would write it back)."""
+        tokens = len(record.entry.tokens)
+        reload: float | None = None
+        if (
+            record.cold.state is not ColdState.NONE
+            or self.policy is WritePolicy.WRITE_THROUGH
+            or self.admission.would_admit(self._candidate(record, nbytes))
+        ):
+            reload = nbytes / RELOAD_BYTES_PER_SECOND
+        return EntryCost(nbytes, tokens, self.model, reload)
+
+    def _cold_cost(self, record: CacheRecord) -> EntryCost:
+        """What losing a DURABLE entry costs: its recompute. An entry found at open has no
+        byte count: this model's last bytes per token stand in."""
+        tokens = len(record.entry.tokens)
+        nbytes = record.cold.nbytes or tokens * self._bytes_per_token
+        return EntryCost(nbytes, tokens, record.entry.model)
+
+    def _candidate(self, record: CacheRecord, nbytes: int) -> AdmissionCandidate:
+        tokens = len(record.entry.tokens)
+        return AdmissionCandidate(
+            record.entry.key,
+            tokens,
+            nbytes,
+            record.uses,
+            self.prefill.seconds(self.model, tokens),
+        )
+
+    def _admit(self, record: CacheRecord, nbytes: int) -> bool:
+        """Rule 11: whether a write-back of ``record`` leaving RAM is queued (counted)."""
+        candidate = self._candidate(record, nbytes)
+        admitted = self.admission.admit(candidate)
+        self.wear.on_admission(candidate, admitted)
+        return admitted
+
+    async def _expire(self) -> None:
+        """Rule 12: entries whose TTL ran out in either tier leave both."""
+        expired = self.hot_policy.expire() + self.cold_policy.expire()
+        for key in expired:
+            record = self._records.get(key)
+            if record is None or record.pinned:
+                continue
+            self._count("expired")
+            record.leaving = MissReason.EXPIRED
+            await self._remove(record)
 
     def _touch(self, record: CacheRecord) -> None:
         """Mark a hit as most recent in both tiers (it may have left them while cloning)."""
         key = record.entry.key
+        record.uses += 1
         if key in self._hot_lru:
             self._hot_lru.move_to_end(key)
+            self.hot_policy.on_hit(key)
         self._touch_cold(record)
 
     async def _load_index(self) -> None:
@@ -653,6 +1020,8 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
                 trimmable=info.trimmable,
                 min_reusable_offset=info.min_reusable_offset,
             )
+            if info.model != self.model:
+                self._other_models.add(info.model)
             record = self._records[info.key] = CacheRecord.of(entry)
             record.conversations = frozenset(info.conversations)
             self._apply(record, ColdEvent.FOUND)
@@ -672,8 +1041,11 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
             caches, nbytes = await self.cold.fetch(
                 key, model=self.model, tokens=record.entry.tokens
             )
-        except (CacheMissError, CorruptCacheError, CacheMismatchError):
+        except (CacheMissError, CorruptCacheError, CacheMismatchError) as error:
             self._count("drops")
+            record.leaving = (
+                MissReason.EVICTED if isinstance(error, CacheMissError) else MissReason.CORRUPT
+            )
             if record.cold.state is ColdState.DURABLE:
                 self._evict(record)
                 self._spawn_removal(record)
@@ -683,20 +1055,25 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
             # forgotten here only; it stays in the store for every host (and this one's
             # next open).
             self._count("drops")
+            record.leaving = MissReason.STORE_UNREACHABLE
             self._pause_shared()
             if record.cold.state is ColdState.DURABLE:
                 self._apply(record, ColdEvent.FORGET)
             return None
-        except (OSError, UnknownCacheKindError):
+        except (OSError, UnknownCacheKindError) as error:
             # The disk failed under this entry (EIO, a directory in its place), or it is of
             # a kind this process has no codec for: a miss, counted. Forgotten here, not
             # deleted: neither proves corruption.
             self._count("drops")
             self._count("cold_errors")
+            record.leaving = (
+                MissReason.STORE_UNREACHABLE if isinstance(error, OSError) else MissReason.CORRUPT
+            )
             if record.cold.state is ColdState.DURABLE:
                 self._apply(record, ColdEvent.FORGET)
             return None
         self._count("bytes_read", nbytes)
+        self.wear.on_read(key, nbytes)
         self._touch_cold(record)
         return caches
 
@@ -714,11 +1091,18 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
 
     async def _enforce_hot_budget(self, meta: Mapping[str, str]) -> None:
         while self._hot_bytes > self.hot_budget and len(self._hot_lru) > 1:
-            record = self._records[next(iter(self._hot_lru))]
+            key = self.hot_policy.victim()  # rule 10 (never a pinned one)
+            if key is None:
+                break
+            record = self._records[key]
             caches = record.hot
+            record.leaving = MissReason.EVICTED
             if self.policy is WritePolicy.WRITE_BACK and record.cold.state is ColdState.NONE:
                 assert caches is not None
-                self._queue_write(record, caches, meta)
+                if self._admit(record, record.hot_bytes):  # rule 11
+                    self._queue_write(record, caches, meta)
+                else:
+                    record.leaving = MissReason.DROPPED
             self._set_hot(record, None)  # rule 3: findable again once durable
             self._count("hot_evictions")
         await trio.lowlevel.checkpoint()
@@ -738,6 +1122,7 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
             return  # still another conversation's, or not a prefix of the new checkpoint
         self._count("superseded")
         old.retired = True
+        old.leaving = None  # its newer checkpoint answers its lookups: not a miss's cause
         record.supersedes += old.supersedes
         old.supersedes = ()
         if record.cold.state is ColdState.DURABLE:

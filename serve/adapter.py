@@ -55,8 +55,10 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import attrs
+from kvtrio.actors.metrics import MetricFamily, render
+from kvtrio.actors.policy import WearStatistics
 from kvtrio.actors.tiered import Fetched
-from kvtrio.errors import UnsupportedCacheError
+from kvtrio.errors import ShuttingDown, UnsupportedCacheError
 from kvtrio.serve.bridge import TierThread
 from kvtrio.storage import codecs
 from mlx_lm.models import cache as _mlx_cache
@@ -196,6 +198,7 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         self.last_fetch: FetchInfo | None = None
         self.fetch_count = 0  # lookups made so far (kvtrio serve tags requests with them)
         self._counts: dict[str, int] = {}
+        self._closing = False
 
     # -- mlx-lm's interface ------------------------------------------------------------
 
@@ -290,6 +293,7 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
     def close(self, *, timeout: float | None = None) -> bool:
         """Write every RAM entry of the tier's model to disk, close the tier (rule 6);
         True when everything settled within ``timeout``."""
+        self._closing = True  # the close's spills are a flush: not subject to admission
         self.trim_to(n_sequences=0)
         if self.tier is None:
             return True
@@ -309,6 +313,73 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
             load_failures=c("load_failures", 0),
             prefetches=c("prefetches", 0),
         )
+
+    def metrics_text(self) -> str:
+        """Prometheus text (format 0.0.4): this RAM tier's lookups by where they were
+        served, then the cold tier's own families (TieredPromptCache.metrics_text, read on
+        its loop) while it is open. Any thread but the owner's may call it."""
+        stats = self.statistics()
+        families = [
+            MetricFamily(
+                "kvtrio_serve_lookups_total",
+                "counter",
+                "kvtrio serve's prompt lookups, by where they were served (ram, disk, miss).",
+                tuple(
+                    ("", (("served", name),), value)
+                    for name, value in (
+                        ("ram", stats.hits_hot),
+                        ("disk", stats.hits_cold),
+                        ("miss", stats.misses),
+                    )
+                ),
+            ),
+            MetricFamily(
+                "kvtrio_serve_ram_entries",
+                "gauge",
+                "Entries in kvtrio serve's RAM tier (mlx-lm's LRUPromptCache).",
+                (("", (), stats.ram_entries),),
+            ),
+            MetricFamily(
+                "kvtrio_serve_ram_bytes",
+                "gauge",
+                "Bytes in kvtrio serve's RAM tier.",
+                (("", (), stats.ram_bytes),),
+            ),
+            MetricFamily(
+                "kvtrio_serve_spilled_total",
+                "counter",
+                "RAM entries handed to the cold tier when RAM evicted them.",
+                (("", (), stats.spilled),),
+            ),
+            MetricFamily(
+                "kvtrio_serve_prefetches_total",
+                "counter",
+                "Disk loads started while a request waited.",
+                (("", (), stats.prefetches),),
+            ),
+        ]
+        text = render(families)
+        tier = self.tier
+        if tier is not None and tier.alive and tier.cache is not None:
+            try:
+                text += tier.read(tier.cache.metrics_text)
+            except ShuttingDown:
+                pass
+        return text
+
+    def wear(self) -> WearStatistics | None:
+        """The cold tier's wear (bytes written, read, read back), once it is closed or from
+        any thread but the owner's while it is open; None without a tier."""
+        tier = self.tier
+        if tier is None or tier.cache is None:
+            return None
+        cache = tier.cache
+        if tier.alive:
+            try:
+                return tier.read(lambda: cache.wear.statistics())
+            except ShuttingDown:
+                pass
+        return cache.wear.statistics()
 
     # -- internals ---------------------------------------------------------------------
 
@@ -359,7 +430,7 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
             cold = tier.cache
             assert cold is not None
             meta = {"mlx_lm.cache_type": str(entry.cache_type)}
-            if tier.submit(_spill, cold, tokens, entry.prompt_cache, meta):
+            if tier.submit(_spill, cold, tokens, entry.prompt_cache, meta, self._closing):
                 self._count("spilled")
 
 
@@ -374,6 +445,7 @@ async def _prefetch(
     """Load the entry holding exactly ``tokens`` and hand it to ``admit`` on the owner."""
     caches: list[Any] | None = None
     try:
+        cold.prefetch(tokens)  # the library's prefetch: the lookup below adopts its load
         fetched: Fetched = await cold.fetch_nearest(tokens, admit=False)
         if fetched.caches is not None and not fetched.remaining:
             caches = fetched.caches
@@ -381,5 +453,7 @@ async def _prefetch(
         await cold.owner.run(admit, caches)
 
 
-async def _spill(cold: Any, tokens: list[int], caches: list[Any], meta: dict[str, str]) -> None:
-    await cold.spill(tokens, caches, meta=meta)
+async def _spill(
+    cold: Any, tokens: list[int], caches: list[Any], meta: dict[str, str], flush: bool
+) -> None:
+    await cold.spill(tokens, caches, meta=meta, flush=flush)

@@ -37,6 +37,7 @@ import attrs
 import trio
 from kvtrio.actors.callerchecks import DEFAULT_MIN_REUSE_TOKENS
 from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.policy import AdmissionPolicy, PolicyKind
 from kvtrio.actors.prefix import DEFAULT_BLOCK_SIZE, ModelKey
 from kvtrio.actors.tiered import TieredPromptCache, WritePolicy, open_tiered_cache
 from kvtrio.errors import ShuttingDown
@@ -62,6 +63,8 @@ class TierOptions:
     policy: WritePolicy = WritePolicy.WRITE_BACK
     # Cold matches reusing fewer tokens are not loaded (slower than recomputing them).
     min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS
+    eviction: PolicyKind = PolicyKind.COST
+    admission: AdmissionPolicy | None = None  # None: default_admission()
 
 
 class TierThread:
@@ -210,6 +213,19 @@ class TierThread:
             raise TimeoutError(f"the cold tier did not answer within {timeout:g}s")
         return reply.unwrap()
 
+    def read(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
+        """Run the plain function ``fn(*args)`` on the loop's thread and return its result,
+        from any thread but the owner's and the loop's (an HTTP handler reading the
+        statistics): it waits for the loop, pumping nothing. ShuttingDown once the loop
+        is closed or gone."""
+        token = self._token
+        if not self.alive or token is None:
+            raise ShuttingDown("the cold tier is closed")
+        try:
+            return trio.from_thread.run_sync(fn, *args, trio_token=token)
+        except trio.RunFinishedError:
+            raise ShuttingDown("the cold tier is closed") from None
+
     # -- the loop's thread -------------------------------------------------------------
 
     def _main(self) -> None:
@@ -240,6 +256,8 @@ class TierThread:
             block_size=options.block_size,
             shutdown_grace=options.shutdown_grace,
             min_reuse_tokens=options.min_reuse_tokens,
+            eviction=options.eviction,
+            admission=options.admission,
         ) as cache:
             async with trio.open_nursery() as nursery:
                 self.cache = cache

@@ -33,6 +33,10 @@ Theory of operation:
    RAM entry to disk (the tier drains its queue within the same grace) and ends; exit 0.
    A second signal exits at once with status 1: every file is published by rename after
    fsync, so nothing on disk is torn (a tmp file at worst, removed by the next start).
+   At exit it prints the disk's wear: bytes written, read, read back, and admissions.
+5. ``GET /metrics``: Prometheus text (format 0.0.4) of the RAM tier's lookups and the
+   cold tier's families (``TieredPromptCache.metrics_text``, read on the tier's loop
+   thread; docs/metrics.md names them).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from queue import Queue
 from typing import Any
 
 import attrs
+from kvtrio.actors.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvtrio.actors.owner import release_thread_streams
 from kvtrio.actors.prefix import ModelKey
 from kvtrio.serve.adapter import CacheTier, FetchInfo, TieredLRUPromptCache
@@ -74,6 +79,10 @@ logger = logging.getLogger(__name__)
 
 CACHE_HEADER = "X-Kvtrio-Cache"
 CACHED_TOKENS_HEADER = "X-Kvtrio-Cached-Tokens"
+# GET: the Prometheus text of the RAM tier and the cold tier (docs/serve.md, docs/metrics.md).
+METRICS_PATH = "/metrics"
+# Tokens per model call when --warm-prompts prefills a prompt.
+WARM_STEP = 512
 
 #: Seconds a handler waits for its request's lookup before sending headers without it.
 TAG_WAIT = 120.0
@@ -161,6 +170,14 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
         type=float,
         default=30.0,
         help="a disk load taking longer is a miss for its request (seconds)",
+    )
+    group.add_argument(
+        "--warm-prompts",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="prefill each line of FILE (a text prompt) at start and store it on disk, "
+        "skipping prompts already there",
     )
 
 
@@ -278,6 +295,50 @@ def _pumping_budget(adapter: TieredLRUPromptCache) -> Any:
     return PumpingBudget()
 
 
+def warm_prompts(provider: Any, adapter: TieredLRUPromptCache, path: Path) -> tuple[int, int]:
+    """Generation thread (the MLX owner): prefill each non-empty line of ``path`` (a text
+    prompt, tokenized as ``/v1/completions`` does, less its last token) and hand it to
+    the cold tier as a flush (written whatever the admission policy says); a prompt whose
+    exact entry is on disk already is skipped. (stored, skipped); the writes finish in
+    the background."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = provider.load("default_model")
+    key = provider.model_key
+    stored = skipped = 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        text = line.strip()
+        tier = adapter.tier
+        if not text or tier is None or not tier.alive or tier.cache is None:
+            continue
+        if key != adapter.tier_model:
+            logger.warning("kvtrio serve: warm prompts skipped: the model is not the tier's")
+            break
+        # All but the last token: a request of this prompt still has one to process (an
+        # exact hit would leave mlx-lm's batch an empty prompt), and reuses the rest.
+        tokens = [int(t) for t in tokenizer.encode(text)][:-1]
+        if not tokens:
+            continue
+        cold = tier.cache
+        match = tier.peek(cold.peek, tokens)
+        if match is not None and match.reuse == len(tokens) and not match.trim:
+            skipped += 1
+            continue
+        caches = make_prompt_cache(model)
+        for start in range(0, len(tokens), WARM_STEP):
+            model(mx.array(tokens[start : start + WARM_STEP])[None], cache=caches)
+            mx.eval([c.state for c in caches])
+        if tier.submit(_flush_spill, cold, tokens, caches):
+            stored += 1
+        adapter.pump()
+    return stored, skipped
+
+
+async def _flush_spill(cold: Any, tokens: list[int], caches: list[Any]) -> None:
+    await cold.spill(tokens, caches, meta={"mlx_lm.cache_type": "assistant"}, flush=True)
+
+
 def _generator_class() -> type:
     server = _mlx_server()
 
@@ -314,6 +375,13 @@ def _generator_class() -> type:
                 adapter.tier.bind()
             self._time_budget = _pumping_budget(adapter)
             try:
+                warm = getattr(self.cli_args, "warm_prompts", None)
+                if warm is not None:
+                    stored, skipped = warm_prompts(self.model_provider, adapter, Path(warm))
+                    print(
+                        f"kvtrio serve: warm prompts stored {stored}, already on disk {skipped}",
+                        flush=True,
+                    )
                 super()._generate()
             finally:
                 grace = float(getattr(self.cli_args, "grace", 10.0))
@@ -449,6 +517,18 @@ def _handler_class() -> type:
             with tracker:
                 super().do_POST()
 
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] != METRICS_PATH:
+                super().do_GET()
+                return
+            adapter: TieredLRUPromptCache = self.server.kvtrio_adapter
+            body = adapter.metrics_text().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", METRICS_CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
     return KvtrioHandler
 
 
@@ -526,6 +606,7 @@ def serve(args: argparse.Namespace) -> int:
     provider = server.ModelProvider(args)
     generator = _generator_class()(provider, adapter)
     httpd = _http_server(args.host, args.port, generator)
+    httpd.kvtrio_adapter = adapter  # type: ignore[attr-defined]
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -555,4 +636,13 @@ def serve(args: argparse.Namespace) -> int:
         f"disk loads set aside {stats.prefetches})",
         flush=True,
     )
+    wear = adapter.wear()
+    if wear is not None:
+        print(
+            f"kvtrio serve: disk wear (bytes written {wear.bytes_written}, "
+            f"bytes read {wear.bytes_read}, bytes read back {wear.bytes_reused}, "
+            f"reuse ratio {wear.reuse_ratio:.3f}, admitted {wear.admitted}, "
+            f"refused {wear.refused}, bytes refused {wear.bytes_refused})",
+            flush=True,
+        )
     return 0 if generator.closed_in_time else 1

@@ -67,6 +67,7 @@ def _full_text() -> str:
         wear=wear.statistics(),
         eviction={"hot": hot.statistics(), "cold": LruPolicy().statistics()},
         queue_depth=2,
+        prefetch=(3, 1000, 200),
         load_seconds=load.statistics(),
         save_seconds=Histogram().statistics(),
         loop_lag_seconds=Histogram(LAG_BUCKETS).statistics(),
@@ -122,7 +123,7 @@ def test_every_family_follows_prometheus_naming() -> None:
         assert family.documentation, family.name
         if "bytes" in family.name:
             assert family.name.endswith(("_bytes", "_bytes_total")), family.name
-    assert len(seen) == 20
+    assert len(seen) == 22  # with the two prefetch families
 
 
 def test_help_and_label_values_are_escaped() -> None:

@@ -102,3 +102,15 @@ def exit_summary(server: Server) -> dict[str, int]:
     assert match is not None, server.output()
     names = ("spilled", "hits_hot", "hits_cold", "misses", "prefetches")
     return dict(zip(names, map(int, match.groups()), strict=True))
+
+
+def exit_wear(server: Server) -> dict[str, float]:
+    """The disk wear ``kvtrio serve`` prints when it stops."""
+    match = re.search(
+        r"disk wear \(bytes written (\d+), bytes read (\d+), bytes read back (\d+), "
+        r"reuse ratio ([\d.]+), admitted (\d+), refused (\d+), bytes refused (\d+)\)",
+        server.output(),
+    )
+    assert match is not None, server.output()
+    names = ("written", "read", "reused", "ratio", "admitted", "refused", "bytes_refused")
+    return dict(zip(names, map(float, match.groups()), strict=True))

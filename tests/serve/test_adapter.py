@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from kvtrio.actors.policy import AdmissionPolicy, AdmitAll
 from kvtrio.actors.prefix import ModelKey
 from kvtrio.actors.testing import mlx_thread_guard
 from kvtrio.serve.adapter import CacheTier, FetchInfo, TieredLRUPromptCache
@@ -47,7 +48,10 @@ def _bytes(caches: list[Any]) -> list[bytes]:
 
 @contextmanager
 def _adapter(
-    tiny: TinyModel, directory: Path, **kwargs: Any
+    tiny: TinyModel,
+    directory: Path,
+    admission: AdmissionPolicy | None = None,
+    **kwargs: Any,
 ) -> Iterator[tuple[TieredLRUPromptCache, TierThread]]:
     tier = TierThread(
         TierOptions(
@@ -55,6 +59,7 @@ def _adapter(
             ModelKey(tiny.model_id, tiny.fingerprint),
             block_size=BLOCK,
             min_reuse_tokens=0,  # prompts of 40-50 tokens: every cold match is loaded
+            admission=admission,
         )
     )
     tier.start()
@@ -229,7 +234,7 @@ def test_no_snapshot_is_leaked_over_many_requests_and_restarts(
     per_lifetime = REQUESTS // LIFETIMES
     for life in range(LIFETIMES):
         restarts += life > 0
-        with _adapter(tiny, tmp_path, max_size=2) as (cache, tier):
+        with _adapter(tiny, tmp_path, AdmitAll(), max_size=2) as (cache, tier):
             for i in range(per_lifetime):
                 tokens = [life + 1, i + 1, *range(3, 3 + i % 7)]
                 if life > 0 and i % 10 == 0:  # the earlier lifetime's entry, one token on
@@ -260,12 +265,15 @@ def test_prefetch_loads_without_waiting_and_the_lookup_is_then_a_ram_hit(
         original = _prefilled(tiny, tokens)
         expected = _bytes(original)
         cache.insert_cache(MODEL, tokens, original)
-    with _adapter(tiny, tmp_path) as (cache, _):
+    with _adapter(tiny, tmp_path) as (cache, tier):
         settled: list[bool] = []
         assert cache.prefetch(MODEL, [*tokens, 5], settled.append)
         assert settled == [] and len(cache) == 0  # returned before the load
         _pump_until(cache, lambda: bool(settled))
         assert settled == [True] and len(cache) == 1
+        # The load was the tier's own prefetch (TieredPromptCache.prefetch), adopted.
+        cold = tier.peek(lambda: tier.cache.statistics())  # type: ignore[union-attr]
+        assert cold.prefetches == 1 and cold.prefetch_used_bytes > 0
         got, rest = cache.fetch_nearest_cache(MODEL, [*tokens, 5])
         assert rest == [5] and cache.last_fetch == FetchInfo(CacheTier.HOT, len(tokens))
         assert _bytes(got) == expected

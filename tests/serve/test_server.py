@@ -9,13 +9,20 @@ import json
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kvtrio.serve.modeldir import write_tiny_model_dir
-from kvtrio.tests.serve.servers import Server, exit_summary, start_kvtrio, start_mlx_lm
+from kvtrio.tests.serve.servers import (
+    Server,
+    exit_summary,
+    exit_wear,
+    start_kvtrio,
+    start_mlx_lm,
+)
 
 pytest.importorskip("openai")
 
@@ -228,3 +235,50 @@ def test_a_second_signal_exits_at_once_with_status_one(model_dir: Path, tmp_path
     assert server.stop(signal.SIGTERM, timeout=30) == 1
     assert time.monotonic() - started < 5
     connection.close()
+
+
+def test_metrics_endpoint_parses_and_wear_is_printed_at_shutdown(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "log.txt")
+    try:
+        _chat(server.client(), TURN1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics") as response:
+            assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            text = response.read().decode()
+    finally:
+        assert server.stop() == 0, server.output()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples["kvtrio_serve_lookups_total", (("served", "miss"),)] == 1
+    assert samples["kvtrio_serve_ram_entries", ()] >= 1
+    assert ("kvtrio_cache_lookup_reasons_total", (("reason", "no-entry"),)) in samples
+    assert ("kvtrio_cold_written_bytes_total", ()) in samples
+    wear = exit_wear(server)
+    # The close wrote the RAM entry (a flush: not offered to the admission policy).
+    assert wear["written"] > 0 and (wear["admitted"], wear["refused"]) == (0, 0)
+
+
+def test_warm_prompts_are_stored_at_start_and_skipped_when_on_disk(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    prompts = tmp_path / "warm.txt"
+    prompts.write_text("The capital of France is\n\nOnce upon a time, in a land far away\n")
+    argv = ("--warm-prompts", str(prompts))
+    first = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "a.txt", *argv)
+    assert first.stop() == 0, first.output()
+    assert "warm prompts stored 2, already on disk 0" in first.output()
+    second = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "b.txt", *argv)
+    try:
+        completion = second.client().completions.with_raw_response.create(
+            model="default_model", prompt="The capital of France is", max_tokens=3
+        )
+    finally:
+        assert second.stop() == 0, second.output()
+    assert "warm prompts stored 0, already on disk 2" in second.output()
+    assert completion.headers["X-Kvtrio-Cache"] == "cold"
