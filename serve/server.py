@@ -58,6 +58,7 @@ from queue import Queue
 from typing import Any
 
 import attrs
+from kvtrio.actors.callerchecks import DEFAULT_MIN_REUSE_TOKENS
 from kvtrio.actors.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvtrio.actors.owner import release_thread_streams
 from kvtrio.actors.prefix import ModelKey
@@ -172,6 +173,13 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
         help="a disk load taking longer is a miss for its request (seconds)",
     )
     group.add_argument(
+        "--min-reuse-tokens",
+        type=int,
+        default=DEFAULT_MIN_REUSE_TOKENS,
+        help="a disk entry reusing fewer tokens is not loaded: recomputing them is faster "
+        f"(default {DEFAULT_MIN_REUSE_TOKENS}, measured: docs/tiered.md)",
+    )
+    group.add_argument(
         "--warm-prompts",
         type=Path,
         default=None,
@@ -190,6 +198,7 @@ class ServeOptions:
     cold_bytes: int = 8 << 30
     grace: float = 10.0
     cold_load_timeout: float = 30.0
+    min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -199,6 +208,7 @@ class ServeOptions:
             cold_bytes=args.cold_bytes,
             grace=args.grace,
             cold_load_timeout=args.cold_load_timeout,
+            min_reuse_tokens=args.min_reuse_tokens,
         )
 
 
@@ -593,6 +603,7 @@ def serve(args: argparse.Namespace) -> int:
             model_identity(args),
             cold_budget=options.cold_bytes,
             shutdown_grace=options.grace,
+            min_reuse_tokens=options.min_reuse_tokens,
         )
     )
     tier.start()

@@ -75,6 +75,7 @@ async def _open(
             eviction=eviction,
             admission=admission,
             pin_limit=pin_limit,
+            min_reuse_tokens=0,  # short prompts: every cold match is loaded
         ) as cache,
     ):
         yield cache
