@@ -227,10 +227,11 @@ class ColdTierStore:
        until the next open. A write that failed for want of space says so
        (``StoreResult.no_space``): the caller evicts and retries.
     3. On a shared (Redis) tier this host never deletes blocks: another host's
-       manifests may name them. Shared blocks leave by the store's own eviction or by
-       ``kvtrio gc`` over the shared manifests with its grace period
-       (docs/shared-tier.md); removing an entry frees its manifest alone, and its blocks
-       are counted at their declared sizes (nothing lists a shared store cheaply).
+       manifests may name them (the store has no local block store to delete with).
+       Shared blocks leave by the store's own eviction, Redis's ``maxmemory``
+       (docs/shared-tier.md, "Deleting and collecting garbage"); removing an entry frees
+       its manifest alone, and its blocks are counted at their declared sizes (nothing
+       lists a shared store cheaply).
 
     On a shared tier it is also a :class:`SharedColdStore`: created with
     ``index_block_size``, every manifest the tier publishes is registered in the store's

@@ -46,7 +46,7 @@ thread; ``list`` reads every header (the tiered cache reads its catalogue instea
 Files: ``<root>/caches/<key>.kvc`` (a cache file, or a manifest in the blocks layout) and
 ``<root>/blocks/<sha256>`` (blocks). Given a ``redis://`` (or ``rediss://``) URL instead
 of a directory, the tier keeps blocks and manifests in Redis through storage's
-:func:`~kvtrio.storage.openstore.open_store` (blocks layout only), so several hosts
+:func:`~kvtrio.storage.openstore.open_store` (blocks layout only; no directory), so several hosts
 share one cold tier. Keys are 1-150 characters of ``[0-9A-Za-z._-]``,
 starting with a letter or digit.
 """
