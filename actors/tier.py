@@ -248,7 +248,7 @@ class ColdTier:
             if manifests is None:
                 # The entries' directory: its files are manifests (blocks layout) or cache
                 # files (single layout); the tier reads both by path (_read_header).
-                manifests = LocalManifestStore(str(root / "caches"), file_ops)
+                manifests = LocalManifestStore(str(root / "caches"), file_ops, make_directory=False)
         self.block_store = block_store
         self.manifests = manifests
         self.file_ops = file_ops

@@ -190,9 +190,12 @@ class LocalManifestStore(ManifestStore):
 
     directory: str
     file_ops: FileOps = OS_FILE_OPS
+    # False: the owner makes (and checks) the directory itself (ColdTier, under its lock).
+    make_directory: bool = attrs.field(default=True, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
-        self.file_ops.mkdir(self.directory)
+        if self.make_directory:
+            self.file_ops.mkdir(self.directory)
 
     def path_of(self, name: str) -> str:
         """The file of manifest ``name``."""
