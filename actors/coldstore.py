@@ -229,7 +229,7 @@ class ColdTierStore:
     3. On a shared (Redis) tier this host never deletes blocks: another host's
        manifests may name them (the store has no local block store to delete with).
        Shared blocks leave by the store's own eviction, Redis's ``maxmemory``
-       (docs/shared-tier.md, "Deleting and collecting garbage"); removing an entry frees
+       (docs/design.md invariant 17, docs/shared-tier.md); removing an entry frees
        its manifest alone, and its blocks are counted at their declared sizes (nothing
        lists a shared store cheaply).
 
