@@ -164,8 +164,11 @@ class ColdSideMixin:
 
     def _effective_cold_budget(self) -> int:
         """Rule 2: the budget, shrunk so the volume keeps its free-space floor."""
+        directory = self.cold.directory
+        if directory is None:  # no local volume (a shared store): the budget alone
+            return self.cold_budget
         try:
-            disk = shutil.disk_usage(self.cold.directory)
+            disk = shutil.disk_usage(directory)
         except OSError:
             return self.cold_budget
         floor = self.min_free_bytes

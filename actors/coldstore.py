@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -39,9 +39,8 @@ from kvtrio.actors.tier import SUFFIX, ColdTier, TierEntry
 from kvtrio.errors import CacheMismatchError, CacheMissError, CorruptCacheError, KvtrioError
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.catalogue import Catalogue, CatalogueRow
-from kvtrio.storage.format import PREAMBLE, Header, parse_header, parse_preamble
+from kvtrio.storage.format import Header
 from kvtrio.storage.manifeststore import ManifestStore
-from kvtrio.storage.openstore import ManifestFileOps
 
 __all__ = [
     "CONVERSATIONS_META",
@@ -121,7 +120,15 @@ class ColdStore(Protocol):
     """The cold tier as the tiered cache uses it (an adapter over the actors' ColdTier)."""
 
     @property
-    def directory(self) -> Path: ...
+    def directory(self) -> Path | None:
+        """The volume the store writes to (its free space bounds the cold budget); None
+        for a store with no local volume (Redis)."""
+        ...
+
+    def shared_lookups(self) -> SharedColdStore | None:
+        """Declared, not probed: the store's :class:`SharedColdStore` side when other
+        hosts write to it too (rule 8), else None."""
+        ...
 
     async def store(
         self,
@@ -161,7 +168,6 @@ class ColdStore(Protocol):
         ...
 
 
-@runtime_checkable
 class SharedColdStore(Protocol):
     """A cold store other hosts write to as well, with a prefix index (rule 8)."""
 
@@ -231,10 +237,11 @@ class ColdTierStore:
        until the next open. A write that failed for want of space says so
        (``StoreResult.no_space``): the caller evicts and retries.
     3. On a shared (Redis) tier this host never deletes blocks: another host's
-       manifests may name them. Shared blocks leave by the store's own eviction or by
-       ``kvtrio gc`` over the shared manifests with its grace period
-       (docs/shared-tier.md); removing an entry frees its manifest alone, and its blocks
-       are counted at their declared sizes (nothing lists a shared store cheaply).
+       manifests may name them (the store has no local block store to delete with).
+       Shared blocks leave by the store's own eviction, Redis's ``maxmemory``
+       (docs/design.md invariant 17, docs/shared-tier.md); removing an entry frees
+       its manifest alone, and its blocks are counted at their declared sizes (nothing
+       lists a shared store cheaply).
 
     On a shared tier it is also a :class:`SharedColdStore`: created with
     ``index_block_size``, every manifest the tier publishes is registered in the store's
@@ -267,17 +274,13 @@ class ColdTierStore:
         store's prefix index, with chain hashes of token blocks of this size (the
         :class:`TieredPromptCache`'s ``block_size``), and answer :meth:`find`.
         """
-        local = tier.url is None
+        local = tier.root is not None
         self = cls(tier, LocalBlockStore(str(tier.block_dir)) if local else None)
-        file_ops = tier.file_ops
-        if (
-            index_block_size is not None
-            and isinstance(file_ops, ManifestFileOps)
-            and file_ops.manifests.shared
-        ):
-            self._shared = file_ops.manifests
+        manifests = tier.manifests
+        if index_block_size is not None and manifests.supports_index:
+            self._shared = manifests
             self._index_block_size = index_block_size
-            file_ops.index_keys_of = _ManifestIndexKeys(index_block_size)
+            tier.index_manifests(_ManifestIndexKeys(index_block_size))
         if local:
             # Everything proportional to N runs on the worker thread (nothing else
             # touches this new store yet), so the open never holds the loop for it.
@@ -290,8 +293,8 @@ class ColdTierStore:
             for entry in entries:
                 self._note(entry.key, entry.header, entry.disk_bytes, declared)
             self._block_sizes.update(declared)
-            if isinstance(file_ops, ManifestFileOps):
-                self._manifests = file_ops.manifests
+            if manifests.supports_touch:
+                self._manifests = manifests
             uses = await self._last_uses([entry.key for entry in entries])
             self._infos = [
                 attrs.evolve(_entry_info(entry), mtime=used)
@@ -368,8 +371,11 @@ class ColdTierStore:
         return {b.name: b.size for b in stored if b.name in named}
 
     @property
-    def directory(self) -> Path:
+    def directory(self) -> Path | None:
         return self.tier.root
+
+    def shared_lookups(self) -> SharedColdStore | None:
+        return self if self.tier.manifests.shared else None
 
     def _note(self, key: str, header: Header, file_bytes: int, sizes: dict[str, int]) -> None:
         """Count ``key``'s manifest and its block references; ``sizes`` gets the declared
@@ -624,14 +630,11 @@ def _entry_info(entry: TierEntry) -> ColdEntryInfo:
 
 @attrs.frozen
 class _ManifestIndexKeys:
-    """The prefix-index keys of a manifest being published (``ManifestFileOps.index_keys_of``):
+    """The prefix-index keys of a manifest being published (:meth:`ColdTier.index_manifests`):
     the chain hashes of its tokens, of its model. Runs on the writer's worker thread."""
 
     block_size: int
 
-    def __call__(self, name: str, data: bytes) -> list[str]:
-        preamble = parse_preamble(data[: PREAMBLE.size], len(data))
-        body = data[PREAMBLE.size : PREAMBLE.size + preamble.header_len]
-        header = parse_header(body, preamble, len(data))
+    def __call__(self, header: Header) -> list[str]:
         model = ModelKey(header.model_id or "", header.config_fingerprint or "")
         return index_keys(model, header.tokens, self.block_size)

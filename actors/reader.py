@@ -21,8 +21,15 @@ from kvtrio.runtime.offload import CancelToken, Offload
 from kvtrio.storage.blockstore import BlockStore
 from kvtrio.storage.fileops import OS_FILE_OPS, FileOps
 from kvtrio.storage.format import Header
+from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
-from kvtrio.storage.reader import CacheFile, check_blocks, read_header, read_tensors
+from kvtrio.storage.reader import (
+    CacheFile,
+    check_blocks,
+    read_header,
+    read_manifest,
+    read_tensors,
+)
 
 __all__ = ["Reader", "ReaderStatistics"]
 
@@ -46,6 +53,8 @@ class Reader:
     offload: Offload
     file_ops: FileOps = OS_FILE_OPS
     block_store: BlockStore | None = None
+    # A store whose manifests :meth:`read_manifest` gets (a shared tier's).
+    manifests: ManifestStore | None = None
     background: float | None = BACKGROUND_SLICE
     options: IoOptions = DEFAULT_IO_OPTIONS
     _running: int = attrs.field(default=0, init=False)
@@ -57,6 +66,13 @@ class Reader:
     async def read_header(self, path: str) -> CacheFile:
         """The validated header of the file at ``path`` (FileNotFoundError when absent)."""
         return await self.offload.run(self._header_job, path)
+
+    async def read_manifest(self, name: str) -> CacheFile:
+        """The validated header of manifest ``name`` of ``manifests`` (FileNotFoundError
+        when absent)."""
+        if self.manifests is None:
+            raise ValueError("this reader has no manifest store")
+        return await self.offload.run(self._manifest_job, self.manifests, name)
 
     async def check_blocks(self, cache_file: CacheFile) -> None:
         """Before allocating for a block-layout load: every block the manifest names is in
@@ -107,6 +123,11 @@ class Reader:
     def _header_job(self, token: CancelToken, path: str) -> CacheFile:
         token.check()
         return read_header(path, file_ops=self.file_ops, follow_links=False)
+
+    @staticmethod
+    def _manifest_job(token: CancelToken, manifests: ManifestStore, name: str) -> CacheFile:
+        token.check()
+        return read_manifest(manifests, name)
 
     def _tensors_job(
         self,

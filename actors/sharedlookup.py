@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 from kvtrio.actors.coldside import CacheRecord
-from kvtrio.actors.coldstore import ColdEntryInfo, ColdStore, SharedColdStore
+from kvtrio.actors.coldstore import ColdEntryInfo, ColdStore
 from kvtrio.actors.prefix import ModelKey, PrefixIndex, PrefixMatch
 from kvtrio.errors import KvtrioError
 
@@ -88,13 +88,14 @@ class SharedLookupMixin:
         the store stays out of reach, so an unreachable Redis (connect timeouts) does not
         delay every request.
         """
-        assert isinstance(self.cold, SharedColdStore)
+        shared = self.cold.shared_lookups()
+        assert shared is not None, "checked at open: shared_index needs shared lookups"
         now = trio.current_time()
         if now < self._shared_paused_until:
             return
         best = local.reuse if local is not None else 0
         try:
-            candidates = await self.cold.find(self.model, query)
+            candidates = await shared.find(self.model, query)
         except (KvtrioError, OSError):
             self._pause_shared()
             return
@@ -108,7 +109,7 @@ class SharedLookupMixin:
                 continue  # known here: the local lookup already weighed it
             reads += 1
             try:
-                info = await self.cold.entry(key)
+                info = await shared.entry(key)
             except (KvtrioError, OSError):
                 return
             if info is None or info.model != self.model:
@@ -125,8 +126,9 @@ class SharedLookupMixin:
                 return
 
     async def _forget_shared(self, key: str, query: tuple[int, ...]) -> None:
-        assert isinstance(self.cold, SharedColdStore)
+        shared = self.cold.shared_lookups()
+        assert shared is not None, "checked at open: shared_index needs shared lookups"
         try:
-            await self.cold.forget(key, self.model, query)
+            await shared.forget(key, self.model, query)
         except (KvtrioError, OSError):
             return  # best effort: the next host to miss on it tries again

@@ -46,7 +46,7 @@ thread; ``list`` reads every header (the tiered cache reads its catalogue instea
 Files: ``<root>/caches/<key>.kvc`` (a cache file, or a manifest in the blocks layout) and
 ``<root>/blocks/<sha256>`` (blocks). Given a ``redis://`` (or ``rediss://``) URL instead
 of a directory, the tier keeps blocks and manifests in Redis through storage's
-:func:`~kvtrio.storage.openstore.open_store` (blocks layout only), so several hosts
+:func:`~kvtrio.storage.openstore.open_store` (blocks layout only; no directory), so several hosts
 share one cold tier. Keys are 1-150 characters of ``[0-9A-Za-z._-]``,
 starting with a letter or digit.
 """
@@ -59,6 +59,7 @@ import math
 import os
 import re
 import stat
+import time
 from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -88,11 +89,11 @@ from kvtrio.storage.dirlock import DirectoryLock, holder_pid, try_lock
 from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps, not_a_real_directory
 from kvtrio.storage.format import Header, Layout, check_meta, check_str_arg, check_token_ids
 from kvtrio.storage.hostbuffers import LoadBuffers, check_allocatable
-from kvtrio.storage.manifeststore import ManifestStore
-from kvtrio.storage.openstore import ManifestFileOps, is_redis_url, open_store
+from kvtrio.storage.manifeststore import LocalManifestStore, ManifestStore
+from kvtrio.storage.openstore import is_redis_url, open_store
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, TIER_LOAD_STREAMS, IoOptions
 from kvtrio.storage.reader import CacheFile
-from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, WriteResult
+from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, IndexKeysOf, WriteResult
 
 __all__ = [
     "DEFAULT_LOCK_TIMEOUT",
@@ -225,7 +226,7 @@ class ColdTier:
 
     def __init__(
         self,
-        root: Path,
+        root: Path | None,
         *,
         owner: MlxOwner,
         offload: Offload,
@@ -235,10 +236,13 @@ class ColdTier:
         verify: bool,
         file_ops: FileOps,
         block_store: BlockStore | None = None,
+        manifests: ManifestStore | None = None,
         url: str | None = None,
         background: float | None = BACKGROUND_SLICE,
         options: IoOptions = DEFAULT_IO_OPTIONS,
     ) -> None:
+        # ``root`` None: a shared tier (``url``), whose ``block_store`` and ``manifests``
+        # are given and which has no directory at all.
         self.root = root
         self.options = options
         self.url = url
@@ -246,18 +250,38 @@ class ColdTier:
         self.layout: Layout = layout
         self.block_tokens = block_tokens
         self.verify = verify
-        self.cache_dir = root / "caches"
-        self.block_dir = root / "blocks"
-        if block_store is None:
-            block_store = LocalBlockStore(str(self.block_dir), file_ops)
+        if root is None:
+            if block_store is None or manifests is None:
+                raise ValueError("a tier without a directory needs its block and manifest stores")
+        else:
+            if block_store is None:
+                block_store = LocalBlockStore(str(root / "blocks"), file_ops)
+            if manifests is None:
+                # The entries' directory: its files are manifests (blocks layout) or cache
+                # files (single layout); the tier reads both by path (_read_header).
+                manifests = LocalManifestStore(str(root / "caches"), file_ops, make_directory=False)
         self.block_store = block_store
+        self.manifests = manifests
         self.file_ops = file_ops
         self.load_streams = options.streams(TIER_LOAD_STREAMS)
         self.ledger = SnapshotLedger()
         self.writer = Writer(
-            offload, file_ops, block_store, block_tokens, background, options=options
+            offload,
+            file_ops,
+            block_store,
+            block_tokens,
+            background=background,
+            options=options,
+            manifests=manifests,
         )
-        self.reader = Reader(offload, file_ops, block_store, background, options=options)
+        self.reader = Reader(
+            offload,
+            file_ops,
+            block_store,
+            manifests=None if root is not None else manifests,
+            background=background,
+            options=options,
+        )
         self.spill: Spill[Snapshot] = Spill(
             self._store,
             Snapshot.release,
@@ -271,6 +295,27 @@ class ColdTier:
         self._load_misses = 0
         self._load_failures = 0
         self._debris_removed = 0
+
+    @property
+    def cache_dir(self) -> Path:
+        """A local tier's entries directory (ValueError on a shared tier: it has none)."""
+        return self._directory() / "caches"
+
+    @property
+    def block_dir(self) -> Path:
+        """A local tier's block directory (ValueError on a shared tier: it has none)."""
+        return self._directory() / "blocks"
+
+    def _directory(self) -> Path:
+        if self.root is None:
+            raise ValueError(f"the shared cold tier {self.url} has no directory")
+        return self.root
+
+    def index_manifests(self, keys_of: IndexKeysOf) -> None:
+        """Register every manifest published from now on in the manifest store's prefix
+        index under ``keys_of(its header)`` (a store that declares ``supports_index``;
+        the others ignore index keys). Runs on the writer's worker thread."""
+        self.writer.index_keys_of = keys_of
 
     # -- opening and closing ---------------------------------------------------------------
 
@@ -319,19 +364,17 @@ class ColdTier:
             target = os.fspath(directory)
             shared = is_redis_url(target)
             block_store: BlockStore | None = None
+            manifests: ManifestStore | None = None
+            root: Path | None = None
             if shared:
                 if layout != "blocks":
                     raise ValueError("a Redis cold tier stores blocks: use layout='blocks'")
-                shared_blocks, manifests = await offload.run(
+                shared_blocks, shared_manifests = await offload.run(
                     _open_shared, target, file_ops, options
                 )
-                stack.callback(manifests.close)
+                stack.callback(shared_manifests.close)
                 stack.callback(shared_blocks.close)
-                block_store = shared_blocks
-                # Manifests live in Redis; a virtual directory maps them to the path-based
-                # writer and reader (storage's ManifestFileOps).
-                root = Path("/kvtrio-shared-tier")
-                file_ops = ManifestFileOps(manifests, str(root / "caches"), file_ops)
+                block_store, manifests = shared_blocks, shared_manifests
             else:
                 root = Path(target).absolute()
                 lock = await take_directory_lock(str(root), timeout=lock_timeout)
@@ -346,6 +389,7 @@ class ColdTier:
                 verify=verify,
                 file_ops=file_ops,
                 block_store=block_store,
+                manifests=manifests,
                 url=target if shared else None,
                 background=None if inline else background,
                 options=options,
@@ -402,8 +446,22 @@ class ColdTier:
     # -- saving ----------------------------------------------------------------------------
 
     def path_of(self, key: str) -> Path:
-        """The file of ``key`` (a cache file, or a manifest in the blocks layout)."""
-        return self.cache_dir / (check_key(key) + SUFFIX)
+        """The file of ``key`` on a local tier (a cache file, or a manifest in the blocks
+        layout); ValueError on a shared tier, whose entries are manifests in its store."""
+        return self.cache_dir / self.name_of(key)
+
+    @staticmethod
+    def name_of(key: str) -> str:
+        """The entry's name in the manifest store (on a local tier, its file's name)."""
+        return check_key(key) + SUFFIX
+
+    async def _read_header(self, key: str) -> CacheFile:
+        """The checked header of ``key``'s entry (FileNotFoundError when absent): a local
+        entry is read by path (it may be a single-layout cache file), a shared one is
+        a manifest got from the store."""
+        if self.root is None:
+            return await self.reader.read_manifest(self.name_of(key))
+        return await self.reader.read_header(str(self.path_of(key)))
 
     async def save(
         self,
@@ -427,7 +485,7 @@ class ColdTier:
         same ``conversation`` (default: the same key) cancels the older queued ones.
         ``droppable=False`` makes the save survive the byte cap's shedding.
         """
-        self.path_of(key)
+        check_key(key)
         if self._closing:
             raise ShuttingDown("cold tier is shutting down: save refused")
         # The caller's arguments, checked as the reader will check them (issue 15): a bad
@@ -465,7 +523,7 @@ class ColdTier:
         await self.spill.drain()
 
     async def _store(self, snap: Snapshot) -> WriteResult:
-        path = str(self.path_of(str(snap.key)))
+        name = self.name_of(str(snap.key))
         block_tokens = None if self.layout == "single" else self.block_tokens
         host: list[HostTensor] = []
         try:
@@ -474,9 +532,10 @@ class ColdTier:
             )
             if block_tokens is None:
                 return await self.writer.write_single(
-                    path, snap.plan, [h.segments[0] for h in host]
+                    str(self.cache_dir / name), snap.plan, [h.segments[0] for h in host]
                 )
-            return await self.writer.write_blocks(path, snap.plan, [h.segments for h in host])
+            # The manifest goes to the manifest store (put), after its blocks are durable.
+            return await self.writer.write_blocks(name, snap.plan, [h.segments for h in host])
         finally:
             # Free the materialized copies (and the views) on the owner, a few at a time
             # (MlxOwner.release says why).
@@ -493,11 +552,11 @@ class ColdTier:
         Raises CacheMissError (no such entry, or a block is missing), CorruptCacheError
         (the file fails validation or its hashes), CacheMismatchError (``expect`` not met).
         """
-        path = str(self.path_of(key))
+        check_key(key)
         self._loads += 1
         try:
             try:
-                cache_file = await self.reader.read_header(path)
+                cache_file = await self._read_header(key)
             except FileNotFoundError:
                 self._load_misses += 1
                 raise CacheMissError(f"cold tier has no entry {key!r}") from None
@@ -561,7 +620,7 @@ class ColdTier:
     async def entry(self, key: str) -> TierEntry:
         """The stored entry of ``key`` (CacheMissError if absent)."""
         try:
-            return await self._offload.run(self._entry_job, self.path_of(key))
+            return await self._offload.run(self._entry_job, self.name_of(key))
         except FileNotFoundError:
             raise CacheMissError(f"cold tier has no entry {key!r}") from None
 
@@ -572,12 +631,12 @@ class ColdTier:
     async def delete(self, key: str) -> int:
         """Cancel queued saves of ``key``, let one in flight finish, delete the file;
         return the bytes freed (0 when there was no file)."""
-        path = self.path_of(key)
+        name = self.name_of(key)
         self.spill.cancel_where(lambda t: t.item.key == key)
         for ticket in self.spill.pending():
             if ticket.item.key == key:
                 await ticket.wait()
-        return await self._offload.run(self._delete_job, path)
+        return await self._offload.run(self._delete_job, name)
 
     def statistics(self) -> ColdTierStatistics:
         return ColdTierStatistics(
@@ -593,52 +652,55 @@ class ColdTier:
         )
 
     def list_keys(self) -> set[str]:
-        """Blocking (a worker thread): the keys of every stored file, without reading one."""
-        names = self.file_ops.listdir(str(self.cache_dir))
+        """Blocking (a worker thread): the keys of every stored entry, without reading one."""
+        names = self.manifests.list()
         keys = (name[: -len(SUFFIX)] for name in names if name.endswith(SUFFIX))
         return {key for key in keys if KEY_RE.fullmatch(key) is not None}
 
     def entry_blocking(self, key: str) -> TierEntry:
         """Blocking (a worker thread): :meth:`entry`; FileNotFoundError if absent."""
-        return self._read_entry(self.path_of(key))
+        return self._read_entry(self.name_of(key))
 
-    def _entry_job(self, token: CancelToken, path: Path) -> TierEntry:
+    def _entry_job(self, token: CancelToken, name: str) -> TierEntry:
         token.check()
-        return self._read_entry(path)
+        return self._read_entry(name)
 
-    def _read_entry(self, path: Path) -> TierEntry:
-        from kvtrio.storage.reader import read_header
+    def _read_entry(self, name: str) -> TierEntry:
+        from kvtrio.storage.reader import read_header, read_manifest
 
-        cache_file = read_header(str(path), file_ops=self.file_ops, follow_links=False)
-        mtime = self.file_ops.stat(str(path)).st_mtime
-        return TierEntry(path.name[: -len(SUFFIX)], cache_file.header, cache_file.file_size, mtime)
+        key = name[: -len(SUFFIX)]
+        if self.root is None:
+            # A shared store's last uses are the tiered cache's business (ColdTierStore).
+            cache_file = read_manifest(self.manifests, name)
+            return TierEntry(key, cache_file.header, cache_file.file_size, time.time())
+        path = str(self.path_of(key))
+        cache_file = read_header(path, file_ops=self.file_ops, follow_links=False)
+        mtime = self.file_ops.stat(path).st_mtime
+        return TierEntry(key, cache_file.header, cache_file.file_size, mtime)
 
     def _list_job(self, token: CancelToken) -> builtins.list[TierEntry]:
         entries: builtins.list[TierEntry] = []
-        for name in sorted(self.file_ops.listdir(str(self.cache_dir))):
+        for name in self.manifests.list():
             if not name.endswith(SUFFIX) or KEY_RE.fullmatch(name[: -len(SUFFIX)]) is None:
                 continue
-            path = self.cache_dir / name
             try:
                 # Only a regular file reached without a link is opened: a FIFO would block
                 # the open forever, a directory or link is not an entry (issue 15). A
                 # shared tier's manifests are Redis values, not files: no stat for them.
-                local = self.url is None
-                if local and not stat.S_ISREG(self.file_ops.stat(str(path)).st_mode):
-                    _log.warning("%s: not a regular file, ignored", path)
-                    continue
-                entries.append(self._entry_job(token, path))
+                if self.root is not None:
+                    path = self.cache_dir / name
+                    if not stat.S_ISREG(self.file_ops.stat(str(path)).st_mode):
+                        _log.warning("%s: not a regular file, ignored", path)
+                        continue
+                entries.append(self._entry_job(token, name))
             except (CorruptCacheError, CacheMissError, FileNotFoundError):
                 continue
             except OSError as exc:  # unreadable: not an entry, and no reason to fail open
-                _log.warning("%s: unreadable (%s), ignored", path, exc)
+                _log.warning("%s: unreadable (%s), ignored", name, exc)
         return entries
 
-    def _delete_job(self, token: CancelToken, path: Path) -> int:
-        try:
-            size = self.file_ops.stat(str(path)).st_size
-            self.file_ops.unlink(str(path))
-        except FileNotFoundError:
+    def _delete_job(self, token: CancelToken, name: str) -> int:
+        size = self.manifests.size(name)
+        if size is None or not self.manifests.delete(name):
             return 0
-        self.file_ops.fsync_dir(str(path.parent))
         return size

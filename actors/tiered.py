@@ -454,8 +454,8 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         (:data:`~kvtrio.actors.callerchecks.DEFAULT_MIN_REUSE_TOKENS` says how that was
         measured). Hot matches are always used.
 
-        ``shared_index``: ``cold`` is a :class:`SharedColdStore` (Redis, shared with other
-        hosts); a lookup that finds no exact entry first asks its prefix index for a
+        ``shared_index``: ``cold.shared_lookups()`` gives a :class:`SharedColdStore` (Redis,
+        shared with other hosts); a lookup with no exact entry first asks its prefix index for a
         longer prefix another host saved (rule 8). ``shared_refresh``: such a lookup also
         re-reads the store's whole catalogue, at most once per ``shared_refresh`` seconds
         (trio's clock): a fallback for entries saved without index registration.
@@ -495,8 +495,8 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
             pin_limit=pin_limit,
             min_reuse_tokens=min_reuse_tokens,
         )
-        if shared_index and not isinstance(cold, SharedColdStore):
-            raise TypeError("shared_index needs a cold store with find() and entry()")
+        if shared_index and cold.shared_lookups() is None:
+            raise TypeError("shared_index needs a cold store whose shared_lookups() is not None")
         await self._load_index()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery

@@ -31,9 +31,11 @@ from kvtrio.runtime.offload import CancelToken, Offload
 from kvtrio.storage.blockstore import BlockStore
 from kvtrio.storage.fileops import OS_FILE_OPS, FileOps
 from kvtrio.storage.format import Header
+from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 from kvtrio.storage.writer import (
     DEFAULT_BLOCK_TOKENS,
+    IndexKeysOf,
     Segmented,
     WriteResult,
     write_blocks,
@@ -74,6 +76,11 @@ class Writer:
     file_ops: FileOps = OS_FILE_OPS
     block_store: BlockStore | None = None
     block_tokens: int = DEFAULT_BLOCK_TOKENS
+    # Where the blocks layout publishes manifests (``write_blocks``'s ``path`` is then a
+    # manifest name); None: the manifest is the file at ``path``.
+    manifests: ManifestStore | None = None
+    # The prefix-index keys a manifest is registered under (a store with an index).
+    index_keys_of: IndexKeysOf | None = None
     background: float | None = BACKGROUND_SLICE
     direct: bool | None = None
     options: IoOptions = DEFAULT_IO_OPTIONS
@@ -145,6 +152,8 @@ class Writer:
                 block_tokens=self.block_tokens,
                 file_ops=self.file_ops,
                 cancel=token,
+                manifests=self.manifests,
+                index_keys_of=self.index_keys_of,
             )
         return box.result
 

@@ -9,6 +9,7 @@ run them on worker threads.
 
 from __future__ import annotations
 
+import abc
 import errno
 import hashlib
 import logging
@@ -17,7 +18,7 @@ import re
 import secrets
 import stat
 from collections.abc import Iterator, Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import ClassVar, Literal
 
 import attrs
 from kvtrio.errors import CorruptCacheError
@@ -79,44 +80,79 @@ class BlockInfo:
     mtime: float  # seconds since the epoch; stores without mtimes report the time first seen
 
 
-@runtime_checkable
-class BlockStore(Protocol):
+class BlockStore(abc.ABC):
     """A store of immutable blocks named by their sha256.
 
     Implementations: the local directory store (the default) and Redis (shared by
     hosts). Writes are idempotent: putting a block that exists stores nothing.
+
+    Optional abilities are declared, not probed (the model is zarr-python v3's store
+    ABC): each ``supports_*`` class attribute says whether the method of that name does
+    more than the default here, and callers read the attribute. The batch methods have
+    defaults built on the single ones, so every store answers every call.
     """
 
+    #: :meth:`read_many_into` reads a batch in one round trip (the block reader then
+    #: sends batches of up to ``BLOCK_BATCH_BYTES``, else one block per call).
+    supports_batched_reads: ClassVar[bool] = False
+    #: :meth:`read_many_verified_into` re-hashes each block as it arrives (the block
+    #: reader then leaves the sha256 check to the store).
+    supports_verified_reads: ClassVar[bool] = False
+    #: :meth:`stored_size` / :meth:`stored_sizes` tell a block's size without reading it
+    #: (the block reader then checks sizes before it allocates).
+    supports_sizes: ClassVar[bool] = False
+
+    @abc.abstractmethod
     def put_many(self, blocks: Sequence[tuple[str, memoryview]]) -> int:
         """Store the blocks that are absent; return the number of bytes newly stored.
 
         Durable on return (local store: file fsynced, renamed, directory fsynced).
         """
-        ...
 
+    @abc.abstractmethod
     def has_many(self, names: Sequence[str]) -> list[bool]:
         """Which of ``names`` are present."""
-        ...
 
+    @abc.abstractmethod
     def read_into(self, name: str, buffer: memoryview) -> bool:
         """Fill ``buffer`` (exactly the block's size) with the block; False if it is missing.
 
         Raises CorruptCacheError when the stored size differs from ``len(buffer)``.
         Does not hash: the caller verifies against the name.
         """
-        ...
 
+    @abc.abstractmethod
     def delete_many(self, names: Sequence[str]) -> int:
         """Delete the named blocks that exist; return how many were deleted."""
-        ...
 
+    @abc.abstractmethod
     def iter_blocks(self) -> Iterator[BlockInfo]:
         """Every stored block (for GC and verify)."""
-        ...
 
+    @abc.abstractmethod
     def close(self) -> None:
         """Release connections or handles."""
-        ...
+
+    def read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
+        """:meth:`read_into` for each ``(name, buffer)``; False for each missing block."""
+        return [self.read_into(name, buffer) for name, buffer in items]
+
+    def read_many_verified_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
+        """:meth:`read_many_into`, then each block that was read re-hashed against its name
+        (CorruptBlockError with ``field="sha256"`` for one that does not match)."""
+        found = self.read_many_into(items)
+        for (name, buffer), ok in zip(items, found, strict=True):
+            if ok and hashlib.sha256(buffer).hexdigest() != name:
+                raise CorruptBlockError(name, "sha256", "block content does not hash to its name")
+        return found
+
+    def stored_size(self, name: str) -> int | None:
+        """The stored size of block ``name``, None if absent (only with ``supports_sizes``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support sizes")
+
+    def stored_sizes(self, names: Sequence[str]) -> list[int | None]:
+        """:meth:`stored_size` of each of ``names`` (only with ``supports_sizes``)."""
+        return [self.stored_size(name) for name in names]
 
 
 def read_block_verified(store: BlockStore, name: str, buffer: memoryview) -> bool:
@@ -134,7 +170,7 @@ def read_block_verified(store: BlockStore, name: str, buffer: memoryview) -> boo
 
 
 @attrs.define
-class LocalBlockStore:
+class LocalBlockStore(BlockStore):
     """Blocks as files ``<directory>/<sha256>``, written durably, read without following links.
 
     ``put_many`` writes each absent block to an O_EXCL 0600 tmp file, fsyncs it, renames it
@@ -148,6 +184,8 @@ class LocalBlockStore:
     lists no block, holds none (reads miss), deletes nothing, and refuses puts
     (StoreUnavailableError), with a warning in the log.
     """
+
+    supports_sizes: ClassVar[bool] = True  # a stat, no read
 
     directory: str
     file_ops: FileOps = OS_FILE_OPS

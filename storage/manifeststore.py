@@ -31,6 +31,7 @@ prefix" is one pipelined round trip for a whole prompt.
 
 from __future__ import annotations
 
+import abc
 import builtins
 import errno
 import hashlib
@@ -38,7 +39,7 @@ import os
 import re
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 from kvtrio.errors import CorruptCacheError
@@ -82,46 +83,72 @@ def check_manifest_name(name: str) -> str:
     return name
 
 
-@runtime_checkable
-class ManifestStore(Protocol):
-    """Named manifests: atomic put, get, delete, list; blocking, for worker threads."""
+class ManifestStore(abc.ABC):
+    """Named manifests, key -> bytes: atomic put, get, delete, list; blocking, for worker
+    threads.
 
-    @property
-    def shared(self) -> bool:
-        """True when other hosts write to this store too (lookups must ask it)."""
-        ...
+    What a store can do beyond that is declared, not probed (the model is zarr-python
+    v3's store ABC): the class attributes below, read by the callers. The methods of an
+    ability a store lacks keep their defaults here (an empty lookup, no last uses), and
+    the batch methods have defaults built on the single ones.
+    """
 
+    #: Other hosts write to this store too: lookups must ask it (and a host never deletes
+    #: the blocks its manifests name: docs/shared-tier.md).
+    shared: ClassVar[bool] = False
+    #: :meth:`list` names every stored manifest.
+    supports_listing: ClassVar[bool] = True
+    #: :meth:`delete` removes a manifest.
+    supports_deletes: ClassVar[bool] = True
+    #: :meth:`touch` records last uses that :meth:`last_uses` reads back.
+    supports_touch: ClassVar[bool] = False
+    #: ``put(index_keys=...)`` registers a manifest in a prefix index that
+    #: :meth:`lookup_each` asks and :meth:`unregister` cleans.
+    supports_index: ClassVar[bool] = False
+
+    @abc.abstractmethod
     def put(self, name: str, data: bytes, *, index_keys: Sequence[str] = ()) -> None:
         """Publish ``data`` under ``name`` atomically (replacing any), durable on return.
 
-        ``index_keys`` register the manifest in the shared prefix index (ignored by a
-        store that is not shared: its single writer's own index knows them already).
+        ``index_keys`` register the manifest in the prefix index (ignored by a store that
+        does not declare ``supports_index``: its single writer's own index knows them).
         """
-        ...
 
+    @abc.abstractmethod
     def get(self, name: str) -> bytes | None:
         """The manifest's bytes, or None if absent. CorruptCacheError if they fail checks."""
-        ...
 
+    @abc.abstractmethod
     def size(self, name: str) -> int | None:
         """The manifest's size in bytes without reading it, or None if absent."""
-        ...
 
+    @abc.abstractmethod
     def delete(self, name: str) -> bool:
         """Remove the manifest (and its index entries); False if it was absent."""
-        ...
 
+    @abc.abstractmethod
     def list(self) -> builtins.list[str]:
         """Names of every stored manifest."""
-        ...
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections or handles."""
+
+    def location(self, name: str) -> str:
+        """Where manifest ``name`` lives, for messages and results (a path, a key)."""
+        return name
+
+    def get_many(self, names: Sequence[str]) -> builtins.list[bytes | None]:
+        """:meth:`get` of each of ``names``."""
+        return [self.get(name) for name in names]
 
     def lookup(self, index_keys: Sequence[str]) -> builtins.list[str]:
-        """Names of manifests registered under any of ``index_keys`` (no duplicates).
-
-        Only a shared store has entries that its caller's own index may lack; a local
-        store returns an empty list.
-        """
-        ...
+        """Names of manifests registered under any of ``index_keys`` (no duplicates)."""
+        seen: dict[str, None] = {}
+        for names in self.lookup_each(index_keys):
+            for name in names:
+                seen.setdefault(name, None)
+        return builtins.list(seen)
 
     def lookup_each(
         self, index_keys: Sequence[str], *, limit: int | None = None
@@ -129,50 +156,53 @@ class ManifestStore(Protocol):
         """For each of ``index_keys``, in order, the names registered under it (sorted).
 
         One round trip for a whole prompt, so the caller can tell how deep each name's
-        prefix goes; a local store returns an empty list per key. With ``limit``, at
-        most that many names per key, chosen at random: the key of a prefix every entry
-        shares (a system prompt) may name thousands.
+        prefix goes; without ``supports_index``, an empty list per key. With ``limit``,
+        at most that many names per key, chosen at random: the key of a prefix every
+        entry shares (a system prompt) may name thousands.
         """
-        ...
+        return [[] for _ in index_keys]
 
     def unregister(self, name: str, index_keys: Sequence[str]) -> bool:
         """Remove ``name`` from the index under ``index_keys`` (and every key its record
         of registrations still names) if the manifest is absent (a stale entry: the
-        manifest was evicted or deleted); True if it was removed.
+        manifest was evicted or deleted); True if it was removed. Without
+        ``supports_index``, False.
         """
-        ...
+        return False
 
     def touch(self, last_use: Mapping[str, float]) -> None:
         """Record when manifests were last used (seconds since the epoch), so a tier's
-        LRU order survives a restart; names that are absent are ignored."""
-        ...
+        LRU order survives a restart; names that are absent are ignored. Without
+        ``supports_touch``, nothing is recorded."""
+        return None
 
     def last_uses(self, names: Sequence[str]) -> builtins.list[float | None]:
         """The last use of each of ``names`` (None: never recorded, or absent)."""
-        ...
-
-    def close(self) -> None:
-        """Release connections or handles."""
-        ...
+        return [None for _ in names]
 
 
 @attrs.define(eq=False)
-class LocalManifestStore:
-    """Manifests as files ``<directory>/<name>``, published atomically and durably."""
+class LocalManifestStore(ManifestStore):
+    """Manifests as files ``<directory>/<name>``, published atomically and durably; a
+    manifest's mtime is its last use (``supports_touch``)."""
+
+    supports_touch: ClassVar[bool] = True
 
     directory: str
     file_ops: FileOps = OS_FILE_OPS
+    # False: the owner makes (and checks) the directory itself (ColdTier, under its lock).
+    make_directory: bool = attrs.field(default=True, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
-        self.file_ops.mkdir(self.directory)
-
-    @property
-    def shared(self) -> bool:
-        return False
+        if self.make_directory:
+            self.file_ops.mkdir(self.directory)
 
     def path_of(self, name: str) -> str:
         """The file of manifest ``name``."""
         return os.path.join(self.directory, check_manifest_name(name))
+
+    def location(self, name: str) -> str:
+        return os.path.abspath(self.path_of(name))
 
     def put(self, name: str, data: bytes, *, index_keys: Sequence[str] = ()) -> None:
         if len(data) > MAX_MANIFEST_BYTES:
@@ -220,17 +250,6 @@ class LocalManifestStore:
             if MANIFEST_NAME_RE.fullmatch(name) and not name.endswith(TMP_SUFFIX)
         )
 
-    def lookup(self, index_keys: Sequence[str]) -> builtins.list[str]:
-        return []
-
-    def lookup_each(
-        self, index_keys: Sequence[str], *, limit: int | None = None
-    ) -> builtins.list[builtins.list[str]]:
-        return [[] for _ in index_keys]
-
-    def unregister(self, name: str, index_keys: Sequence[str]) -> bool:
-        return False
-
     def touch(self, last_use: Mapping[str, float]) -> None:
         # A local manifest's mtime is its last use.
         for name, when in last_use.items():
@@ -253,8 +272,12 @@ class LocalManifestStore:
 
 
 @attrs.define(eq=False)
-class RedisManifestStore:
+class RedisManifestStore(ManifestStore):
     """Manifests and the prefix index in Redis, shared by every host on the URL."""
+
+    shared: ClassVar[bool] = True
+    supports_touch: ClassVar[bool] = True
+    supports_index: ClassVar[bool] = True
 
     client: redis.Redis
     target: RedisTarget
@@ -265,13 +288,12 @@ class RedisManifestStore:
         target = parse_redis_url(url)
         return cls(connect(target), target)
 
-    @property
-    def shared(self) -> bool:
-        return True
-
     def manifest_key(self, name: str) -> str:
         """The Redis key of manifest ``name``."""
         return f"{self.target.prefix}:manifest:{check_manifest_name(name)}"
+
+    def location(self, name: str) -> str:
+        return self.manifest_key(name)
 
     def _keys_key(self, name: str) -> str:
         return f"{self.target.prefix}:manifest-keys:{name}"
@@ -342,13 +364,6 @@ class RedisManifestStore:
             keys = [_text(k) for k in self.client.scan_iter(match=pattern, count=_SCAN_COUNT)]
         names = (key[len(prefix) :] for key in keys)
         return sorted(name for name in names if MANIFEST_NAME_RE.fullmatch(name))
-
-    def lookup(self, index_keys: Sequence[str]) -> builtins.list[str]:
-        seen: dict[str, None] = {}
-        for names in self.lookup_each(index_keys):
-            for name in names:
-                seen.setdefault(name, None)
-        return list(seen)
 
     def lookup_each(
         self, index_keys: Sequence[str], *, limit: int | None = None

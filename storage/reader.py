@@ -17,8 +17,8 @@ hashes
 when asked to verify, and never trusts a header field it has not bounds-checked. Every
 validation failure is a CorruptCacheError naming the field; a missing block is a
 CacheMissError (a clean miss). ``cancel()`` is polled at every tensor, chunk and block
-boundary (between batches of blocks for stores with a batched ``read_many_into``, such
-as Redis: at most :data:`BLOCK_BATCH_BYTES` per round trip); when it returns True,
+boundary (between batches of blocks for stores that declare ``supports_batched_reads``,
+such as Redis: at most :data:`BLOCK_BATCH_BYTES` per round trip); when it returns True,
 :class:`~kvtrio.errors.OperationCancelled` is raised.
 """
 
@@ -56,6 +56,7 @@ from kvtrio.storage.format import (
     slot_names,
 )
 from kvtrio.storage.hashpool import HashBatch, HashPool
+from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.memadvise import PrefaultAhead, prefault
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 
@@ -66,6 +67,7 @@ __all__ = [
     "check_blocks",
     "piece_sizes",
     "read_header",
+    "read_manifest",
     "read_tensors",
 ]
 
@@ -86,13 +88,12 @@ _DIRECT_ALIGN = 4096
 _SUB = 1024 * 1024
 _BEHIND = 2
 
-# Block-layout reads from a store with ``read_many_into`` go this many bytes per call
-# (one pipelined round trip on Redis): enough to amortize the round trip, bounded so
+# Block-layout reads from a store that declares ``supports_batched_reads`` go this many
+# bytes per call (one pipelined round trip on Redis): enough to amortize the round trip, bounded so
 # cancellation is polled often and the store buffers little.
 BLOCK_BATCH_BYTES = 16 * 1024 * 1024
 
 Cancel = Callable[[], bool] | None
-ReadMany = Callable[[Sequence[tuple[str, memoryview]]], list[bool]]
 
 
 @attrs.frozen
@@ -153,26 +154,46 @@ def read_header(
     )
 
 
+def read_manifest(manifests: ManifestStore, name: str) -> CacheFile:
+    """Get manifest ``name`` from ``manifests`` and return its checked header.
+
+    FileNotFoundError when the store has no such manifest (as for a missing file);
+    CorruptCacheError when its bytes fail the checks or it is not a block-layout
+    manifest (a store holds no tensor data, so nothing else can be read from one).
+    """
+    data = manifests.get(name)
+    if data is None:
+        raise FileNotFoundError(errno.ENOENT, "no such manifest", name)
+    preamble = parse_preamble(data[: PREAMBLE.size], len(data))
+    body = data[PREAMBLE.size : PREAMBLE.size + preamble.header_len]
+    header = parse_header(body, preamble, len(data))
+    if header.layout != "blocks":
+        raise CorruptCacheError(f"manifest {name}: layout is {header.layout!r}, not 'blocks'")
+    return CacheFile(
+        path=name,
+        header=header,
+        data_start=preamble.data_start,
+        file_size=len(data),
+        st_dev=0,
+        st_ino=0,
+    )
+
+
 def check_blocks(header: Header, store: BlockStore) -> None:
     """Before allocating for a block-layout load: every block is present (CacheMissError).
 
-    Stores that can tell a block's size without reading it (``stored_sizes(names)``, one
-    round trip on Redis, or ``stored_size(name)``, as
-    :class:`~kvtrio.storage.blockstore.LocalBlockStore` does) also have each size checked
+    A store that declares ``supports_sizes`` (it tells a block's size without reading
+    it: one round trip on Redis, a stat for
+    :class:`~kvtrio.storage.blockstore.LocalBlockStore`) also has each size checked
     against the manifest (CorruptCacheError), so a crafted manifest cannot make the
     caller allocate more than the store holds.
     """
     names = list(slot_names(header))
-    sizes_of: Callable[[list[str]], list[int | None]] | None = getattr(store, "stored_sizes", None)
-    sized: Callable[[str], int | None] | None = getattr(store, "stored_size", None)
-    if sizes_of is None and sized is not None:
-        one = sized
-        sizes_of = lambda batch: [one(n) for n in batch]  # noqa: E731
     for slot, name in zip(header.slots(), names, strict=True):
         refs = slot.blocks or ()
         shas = [r.sha256 for r in refs]
-        if sizes_of is not None:
-            sizes = sizes_of(shas) if shas else []
+        if store.supports_sizes:
+            sizes = store.stored_sizes(shas) if shas else []
             for ref, size in zip(refs, sizes, strict=True):
                 if size is not None and size != ref.nbytes:
                     raise CorruptCacheError(
@@ -480,36 +501,34 @@ def _read_blocks(
                     f"{name}.blocks[{j}].bytes: {ref.nbytes}, the token block has {len(piece)}"
                 )
             wanted.append((f"{name}.blocks[{j}]", ref.sha256, piece))
-    # Stores with a batched read (RedisBlockStore: one pipelined round trip per batch) get
-    # up to BLOCK_BATCH_BYTES per call; the others are read one block per call.
-    read_many: ReadMany | None = getattr(store, "read_many_into", None)
-    # A store that can re-hash each block as it arrives (RedisBlockStore: while the bytes
-    # are cache-hot and the next replies are still on the wire) verifies for us.
-    verified: ReadMany | None = getattr(store, "read_many_verified_into", None) if verify else None
-    if verified is not None:
-        read_many = verified
-    for batch in _block_batches([len(piece) for _, _, piece in wanted], read_many is not None):
+    # A store that declares batched reads (RedisBlockStore: one pipelined round trip per
+    # batch) gets up to BLOCK_BATCH_BYTES per call; the others are read one block per call.
+    batched = store.supports_batched_reads
+    # A store that declares verified reads (RedisBlockStore: each block re-hashed while
+    # the bytes are cache-hot and the next replies are still on the wire) verifies for us.
+    store_verifies = verify and store.supports_verified_reads
+    for batch in _block_batches([len(piece) for _, _, piece in wanted], batched):
         _check_cancel(cancel)
         items = [wanted[i] for i in batch]
         if options.prefaults_ahead:
             for _, _, piece in items:
                 prefault(piece, huge=options.prefault_huge)
-        if verified is not None:
+        if store_verifies:
             try:
-                found = verified([(sha, piece) for _, sha, piece in items])
+                found = store.read_many_verified_into([(sha, piece) for _, sha, piece in items])
             except CorruptBlockError as exc:
                 named = _name_block_field(exc, items)
                 if named is None:
                     raise
                 raise named from exc
-        elif read_many is not None:
-            found = read_many([(sha, piece) for _, sha, piece in items])
+        elif batched:
+            found = store.read_many_into([(sha, piece) for _, sha, piece in items])
         else:
             found = [store.read_into(sha, piece) for _, sha, piece in items]
         for (label, sha, piece), ok in zip(items, found, strict=True):
             if not ok:
                 raise CacheMissError(f"{label}: block {sha} is missing")
-            if verify and verified is None and hashlib.sha256(piece).hexdigest() != sha:
+            if verify and not store_verifies and hashlib.sha256(piece).hexdigest() != sha:
                 raise CorruptCacheError(f"{label}.sha256: block content does not hash to its name")
 
 

@@ -52,7 +52,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import attrs
@@ -60,6 +60,7 @@ from kvtrio.errors import StoreUnavailableError
 from kvtrio.storage.blockstore import (
     BLOCK_NAME_RE,
     BlockInfo,
+    BlockStore,
     CorruptBlockError,
     check_block_name,
 )
@@ -572,12 +573,18 @@ def glob_escape(text: str) -> str:
 
 
 @attrs.define(eq=False)
-class RedisBlockStore:
+class RedisBlockStore(BlockStore):
     """A :class:`~kvtrio.storage.blockstore.BlockStore` on Redis; safe to share between threads.
 
     Build it with :meth:`open` (from a URL) or from an existing client and target (to share
     one connection pool with a :class:`~kvtrio.storage.manifeststore.RedisManifestStore`).
+    Declares every optional ability: pipelined batches, reads verified as they arrive,
+    sizes by STRLEN.
     """
+
+    supports_batched_reads: ClassVar[bool] = True
+    supports_verified_reads: ClassVar[bool] = True
+    supports_sizes: ClassVar[bool] = True
 
     client: redis.Redis
     target: RedisTarget

@@ -11,7 +11,8 @@ produced them with :func:`kvtrio.storage.cacheio.materialize_tensor`).
 - :func:`write_blocks` writes the block layout: ``pieces[i]`` are the i-th slot's pieces
   (each a buffer or segments) as :func:`kvtrio.storage.format.piece_ranges` cuts them
   (KV tensors token-block-major, so a shared prefix is shared blocks). Blocks go to
-  ``store`` and are durable before the manifest naming them is published.
+  ``store`` and are durable before the manifest naming them is published, as a file or
+  through a :class:`~kvtrio.storage.manifeststore.ManifestStore` (``put``).
 
 Theory of operation (docs/design.md invariants 4, 5 and 6):
 
@@ -47,11 +48,12 @@ import secrets
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
 import xxhash
-from kvtrio.errors import OperationCancelled
+from kvtrio.errors import CorruptCacheError, OperationCancelled
 from kvtrio.storage.blockstore import BlockStore
 from kvtrio.storage.fileops import (
     OS_FILE_OPS,
@@ -77,9 +79,13 @@ from kvtrio.storage.format import (
 from kvtrio.storage.hashpool import HashPool
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 
+if TYPE_CHECKING:
+    from kvtrio.storage.manifeststore import ManifestStore
+
 __all__ = [
     "DEFAULT_BLOCK_TOKENS",
     "TMP_SUFFIX",
+    "IndexKeysOf",
     "Segmented",
     "WriteResult",
     "as_bytes",
@@ -104,6 +110,8 @@ _BEHIND = 4
 # IoOptions.save_direct makes O_DIRECT the default again (macOS has no O_DIRECT).
 
 Cancel = Callable[[], bool] | None
+#: The prefix-index keys of a manifest about to be published (its placed header).
+IndexKeysOf = Callable[[Header], Sequence[str]]
 
 #: One tensor's (or block's) bytes: a C-contiguous buffer, or ordered contiguous segments.
 Segmented = memoryview | Sequence[memoryview]
@@ -550,14 +558,26 @@ def write_blocks(
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     file_ops: FileOps = OS_FILE_OPS,
     cancel: Cancel = None,
+    manifests: ManifestStore | None = None,
+    index_keys_of: IndexKeysOf | None = None,
 ) -> WriteResult:
-    """Store every piece as a sha256 block, then durably publish the manifest at ``path``.
+    """Store every piece as a sha256 block, then publish the manifest naming them.
+
+    Where the manifest goes: with ``manifests``, it is ``manifests.put(path, ...)``
+    (``path`` is then the manifest's name in that store: a
+    :class:`~kvtrio.storage.manifeststore.LocalManifestStore` directory, or Redis);
+    without, the file ``path`` is published durably as a local manifest store does (tmp,
+    fsync, rename, fsync dir), through ``file_ops``. ``index_keys_of(manifest header)``
+    gives the prefix-index keys the publication registers it under (for a store that
+    declares ``supports_index``); a manifest it has no keys for (CorruptCacheError,
+    ValueError) is published unindexed: the index only speeds up finding entries.
 
     Blocks are put (and durable: ``put_many`` returns after fsync) before the manifest is
-    written. On cancel or failure the manifest is not published; blocks already stored
-    are unreferenced and GC collects them after its grace period. Each block's sha256 is
-    computed over its segments; a segmented block is gathered (memmove, GIL released)
-    into a staging buffer reused from tensor to tensor, so it is warm after the first.
+    published (docs/design.md invariant 5). On cancel or failure the manifest is not
+    published; blocks already stored are unreferenced and GC collects them after its
+    grace period. Each block's sha256 is computed over its segments; a segmented block is
+    gathered (memmove, GIL released) into a staging buffer reused from tensor to tensor,
+    so it is warm after the first.
     """
     check_writable(header, block_tokens=block_tokens)
     slots = list(header.slots())
@@ -578,10 +598,19 @@ def write_blocks(
     body = encode_header(manifest)
     data = encode_preamble(body, manifest.format_version) + body
     _check_cancel(cancel)
-    publish_bytes(path, data, file_ops=file_ops)
-    return WriteResult(
-        path=os.path.abspath(path), header=manifest, file_bytes=len(data), new_block_bytes=new_bytes
-    )
+    if manifests is None:
+        publish_bytes(path, data, file_ops=file_ops)
+        where = os.path.abspath(path)
+    else:
+        index_keys: Sequence[str] = ()
+        if index_keys_of is not None and manifests.supports_index:
+            try:
+                index_keys = index_keys_of(manifest)
+            except (CorruptCacheError, ValueError):
+                index_keys = ()  # published, just not indexed
+        manifests.put(path, data, index_keys=index_keys)
+        where = manifests.location(path)
+    return WriteResult(path=where, header=manifest, file_bytes=len(data), new_block_bytes=new_bytes)
 
 
 def _hashed_blocks(

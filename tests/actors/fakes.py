@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 import trio
 from kvtrio.actors.prefix import ModelKey
-from kvtrio.actors.tiered import CONVERSATIONS_META, ColdEntryInfo, StoreResult
+from kvtrio.actors.tiered import CONVERSATIONS_META, ColdEntryInfo, SharedColdStore, StoreResult
 from kvtrio.errors import CacheMismatchError, CacheMissError, KvtrioError
 
 __all__ = ["FakeCache", "FakeColdStore", "fake_caches"]
@@ -60,6 +60,9 @@ class FakeColdStore:
     capacity: int | None = None  # a volume of this many bytes: a store past it is ENOSPC
     store_gate: trio.Event | None = None  # stores wait for it when set
     peak: int = 0  # the most bytes the "disk" ever held
+
+    def shared_lookups(self) -> SharedColdStore | None:
+        return None  # only this process writes it
 
     async def _yield(self) -> None:
         if self.jitter is not None:

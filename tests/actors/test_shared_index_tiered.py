@@ -13,7 +13,7 @@ import attrs
 import trio
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import ModelKey, entry_key, index_keys, probe_keys
-from kvtrio.actors.tiered import ColdEntryInfo, Tier, TieredPromptCache
+from kvtrio.actors.tiered import ColdEntryInfo, SharedColdStore, Tier, TieredPromptCache
 from kvtrio.errors import StoreUnavailableError
 
 from .fakes import FakeColdStore, fake_caches
@@ -32,6 +32,9 @@ class FakeSharedStore(FakeColdStore):
     entry_calls: list[str] = attrs.field(factory=list)
     forgotten: list[str] = attrs.field(factory=list)
     fail_find: bool = False
+
+    def shared_lookups(self) -> SharedColdStore | None:
+        return self  # other hosts write to it: its prefix index is asked (rule 8)
 
     def publish(self, tokens: Sequence[int], *, trimmable: bool = True) -> str:
         key = entry_key(MODEL, tokens, BLOCK)

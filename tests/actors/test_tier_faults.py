@@ -22,6 +22,7 @@ TOKENS = list(range(1, 300))
 
 def leftovers(tier: ColdTier) -> list[str]:
     """Tmp files (torn writes) anywhere in the tier's directories."""
+    assert tier.root is not None
     return [p.name for p in tier.root.rglob(f"*{TMP_SUFFIX}")]
 
 

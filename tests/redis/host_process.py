@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 
 import numpy as np
 from kvtrio.storage.format import CacheEntry, Header, TensorSlot, piece_ranges
-from kvtrio.storage.openstore import ManifestFileOps, open_store
-from kvtrio.storage.reader import allocate_buffers, read_header, read_tensors
+from kvtrio.storage.openstore import open_store
+from kvtrio.storage.reader import allocate_buffers, read_manifest, read_tensors
 from kvtrio.storage.writer import write_blocks
 
 LAYERS, HEADS, DIM, BLOCK_TOKENS = 2, 2, 32, 16
@@ -71,23 +70,23 @@ def digest(buffers: list[list[bytearray]] | list[list[memoryview]]) -> str:
 
 
 def main(action: str, url: str, local_dir: str, name: str, tokens: int) -> dict[str, object]:
+    # ``local_dir`` is the host's own directory: a Redis host needs nothing there.
     blocks, manifests = open_store(url)
-    file_ops = ManifestFileOps(manifests, os.path.join(local_dir, "manifests"))
-    path = os.path.join(file_ops.directory, name)
     try:
         if action == "save":
             header, arrays = synthetic_cache(tokens)
             pieces = pieces_of(header, arrays)
             result = write_blocks(
-                path, header, pieces, blocks, block_tokens=BLOCK_TOKENS, file_ops=file_ops
+                name, header, pieces, blocks, block_tokens=BLOCK_TOKENS, manifests=manifests
             )
             return {"new_block_bytes": result.new_block_bytes, "digest": digest(pieces)}
-        cache_file = read_header(path, file_ops=file_ops)
+        cache_file = read_manifest(manifests, name)
         buffers = allocate_buffers(cache_file.header)
         views = [[memoryview(b) for b in pieces] for pieces in buffers]
         read_tensors(cache_file, views, store=blocks, verify=True)
         return {"tokens": len(cache_file.header.tokens), "digest": digest(buffers)}
     finally:
+        manifests.close()
         blocks.close()
 
 

@@ -1,20 +1,29 @@
 """The block layout over Redis: two hosts (two processes, separate local dirs, one Redis).
 
 These run the storage engineer's writer and reader unchanged over the Redis stores
-(:func:`kvtrio.storage.openstore.open_store` + :class:`ManifestFileOps`).
+(:func:`kvtrio.storage.openstore.open_store`): the writer publishes the manifest with
+``ManifestStore.put`` and the reader gets it with
+:func:`~kvtrio.storage.reader.read_manifest`, the local directory store and Redis alike.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtrio.errors import CacheMissError, CorruptCacheError, StoreUnavailableError
+from kvtrio.errors import (
+    CacheMissError,
+    CorruptCacheError,
+    OperationCancelled,
+    StoreUnavailableError,
+)
 from kvtrio.storage.blockstore import LocalBlockStore
-from kvtrio.storage.manifeststore import LocalManifestStore, RedisManifestStore
-from kvtrio.storage.openstore import ManifestFileOps, open_store
+from kvtrio.storage.manifeststore import LocalManifestStore, ManifestStore, RedisManifestStore
+from kvtrio.storage.openstore import open_store
+from kvtrio.storage.reader import read_manifest
 from kvtrio.storage.redisstore import RedisBlockStore
 
 from . import hostscripts
@@ -120,19 +129,88 @@ def test_missing_manifest_is_file_not_found(tmp_path: Path, redis_url: str) -> N
         host.main("load", redis_url, str(tmp_path / "b"), "never-saved", 0)
 
 
-def test_failed_write_publishes_no_manifest(tmp_path: Path, redis_url: str) -> None:
-    """docs/design.md invariant 4 through ManifestFileOps: a write that fails before rename leaves
-    nothing."""
-    blocks, manifests = open_store(redis_url)
-    file_ops = ManifestFileOps(manifests, str(tmp_path / "manifests"))
+@pytest.fixture(params=["local", "redis"])
+def tier_target(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A cold tier's stores: a local directory, or a Redis URL (the same two interfaces)."""
+    if request.param == "local":
+        return str(tmp_path / "tier")
+    return str(request.getfixturevalue("redis_url"))
+
+
+def test_failed_write_publishes_no_manifest(tier_target: str) -> None:
+    """docs/design.md invariant 4 through the manifest store: a write that fails before
+    ``put`` leaves no manifest."""
+    blocks, manifests = open_store(tier_target)
     header, arrays = host.synthetic_cache(32)
     pieces = host.pieces_of(header, arrays)
     pieces[-1] = pieces[-1][:-1]  # one piece short: the writer refuses
     with pytest.raises(ValueError, match=r"pieces, expected"):
-        host.write_blocks(str(tmp_path / "manifests" / "m"), header, pieces, blocks,
-                          block_tokens=host.BLOCK_TOKENS, file_ops=file_ops)  # fmt: skip
-    assert manifests.list() == [] and file_ops.listdir(str(tmp_path / "manifests")) == []
+        host.write_blocks("m", header, pieces, blocks, block_tokens=host.BLOCK_TOKENS,
+                          manifests=manifests)  # fmt: skip
+    assert manifests.list() == [] and manifests.get("m") is None
+    with pytest.raises(FileNotFoundError):
+        read_manifest(manifests, "m")
+    manifests.close()
     blocks.close()
+
+
+def test_write_cancelled_after_its_blocks_publishes_no_manifest(tier_target: str) -> None:
+    """A write cancelled once its blocks are stored, before the manifest goes out, leaves
+    no manifest: its blocks are unreferenced (GC's or eviction's), never half an entry."""
+    blocks, manifests = open_store(tier_target)
+    header, arrays = host.synthetic_cache(32)
+    stored = lambda: any(True for _ in blocks.iter_blocks())  # noqa: E731
+    with pytest.raises(OperationCancelled):
+        host.write_blocks("m", header, host.pieces_of(header, arrays), blocks,
+                          block_tokens=host.BLOCK_TOKENS, manifests=manifests,
+                          cancel=stored)  # fmt: skip
+    assert stored() and manifests.list() == [] and manifests.get("m") is None
+    manifests.close()
+    blocks.close()
+
+
+class _CheckingPut(LocalManifestStore):
+    """A local manifest store whose ``put`` records whether every block the manifest
+    names was already in ``blocks`` (docs/design.md invariant 5)."""
+
+    def __init__(self, directory: str, blocks: LocalBlockStore | RedisBlockStore) -> None:
+        super().__init__(directory)
+        self.blocks = blocks
+        self.seen: list[bool] = []
+
+    def put(self, name: str, data: bytes, *, index_keys: Sequence[str] = ()) -> None:
+        super().put(name, data, index_keys=index_keys)
+        header = read_manifest(self, name).header
+        shas = [ref.sha256 for slot in header.slots() for ref in slot.blocks or ()]
+        self.seen.append(bool(shas) and all(self.blocks.has_many(shas)))
+
+
+def test_manifest_is_put_after_its_blocks_are_stored(tier_target: str, tmp_path: Path) -> None:
+    """docs/design.md invariant 5: ``put`` comes after ``put_many`` of every block."""
+    blocks, shared = open_store(tier_target)
+    assert isinstance(blocks, LocalBlockStore | RedisBlockStore)
+    manifests = _CheckingPut(str(tmp_path / "checked"), blocks)
+    header, arrays = host.synthetic_cache(48)
+    host.write_blocks("m", header, host.pieces_of(header, arrays), blocks,
+                      block_tokens=host.BLOCK_TOKENS, manifests=manifests)  # fmt: skip
+    assert manifests.seen == [True]
+    shared.close()
+    blocks.close()
+
+
+def test_store_capabilities_are_declared() -> None:
+    """What the callers read instead of probing for methods."""
+    assert (LocalBlockStore.supports_batched_reads, LocalBlockStore.supports_sizes) == (
+        False,
+        True,
+    )
+    assert RedisBlockStore.supports_batched_reads and RedisBlockStore.supports_verified_reads
+    local: type[ManifestStore] = LocalManifestStore
+    redis: type[ManifestStore] = RedisManifestStore
+    assert (local.shared, local.supports_index, local.supports_touch) == (False, False, True)
+    assert (redis.shared, redis.supports_index, redis.supports_touch) == (True, True, True)
+    assert local.supports_listing and local.supports_deletes
+    assert redis.supports_listing and redis.supports_deletes
 
 
 def test_redis_restarted_mid_run(tmp_path: Path, private_redis: Any) -> None:

@@ -9,7 +9,7 @@ import pickle
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import kvtrio
 import mlx.core as mx
@@ -231,18 +231,18 @@ def test_gc_deletes_nothing_when_a_manifest_cannot_be_read(tmp_path: Path, op: s
     assert kvtrio.load_cache(tmp_path / "live.kvt").caches[0].offset == 256
 
 
-class _StoreVerifyingWith:
-    """A local store with a verifying batched read that raises the error it is given."""
+class _StoreVerifyingWith(LocalBlockStore):
+    """A local store that declares verified reads, whose verifying read raises the error
+    it is given."""
 
-    def __init__(self, inner: LocalBlockStore, error: CorruptBlockError) -> None:
-        self._inner = inner
-        self._error = error
+    supports_verified_reads: ClassVar[bool] = True
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+    def __init__(self, directory: str, error: CorruptBlockError) -> None:
+        super().__init__(directory)
+        self.error = error
 
     def read_many_verified_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
-        raise self._error
+        raise self.error
 
 
 @pytest.mark.parametrize("field", ["sha256", "bytes"])
@@ -256,7 +256,7 @@ def test_store_block_error_is_named_by_its_field_not_its_text(
     first = next(iter(cache_file.header.slots())).blocks
     assert first is not None
     error = CorruptBlockError(first[0].sha256, field, "stored size 1, does not hash either")
-    store = _StoreVerifyingWith(LocalBlockStore(str(tmp_path / "blocks")), error)
+    store = _StoreVerifyingWith(str(tmp_path / "blocks"), error)
     buffers = [[memoryview(b) for b in slot] for slot in allocate_buffers(cache_file.header)]
     with pytest.raises(CorruptCacheError) as info:
         read_tensors(cache_file, buffers, store=store)
