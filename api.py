@@ -38,11 +38,12 @@ from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
 from kvtrio.storage.cacheio import AttachmentData, Restored, adopt, materialize, snapshot
 from kvtrio.storage.codecs import check_kinds
 from kvtrio.storage.fileops import OS_FILE_OPS
-from kvtrio.storage.format import Header, Layout, check_meta, check_str_arg, check_token_ids
+from kvtrio.storage.format import Header, Layout
 from kvtrio.storage.hostbuffers import LoadBuffers, allocate_slot, check_allocatable
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, SCRIPT_LOAD_STREAMS, IoOptions
 from kvtrio.storage.reader import CacheFile, check_blocks, read_header, read_tensors
 from kvtrio.storage.structure import cache_structure, header_structure
+from kvtrio.storage.writable import check_meta, check_str_arg, check_token_ids
 from kvtrio.storage.writer import (
     DEFAULT_BLOCK_TOKENS,
     WriteResult,

@@ -2,7 +2,7 @@
 
 The tier can only write what it can read back, so caller input is refused before
 anything is kept: token ids and ``meta`` by the reader's own rules
-(:func:`kvtrio.storage.format.check_token_ids`, :func:`~kvtrio.storage.format.check_meta`),
+(:func:`kvtrio.storage.writable.check_token_ids`, :func:`~kvtrio.storage.writable.check_meta`),
 a conversation id that is not a ``str``, caches whose layers do not hold ``len(tokens)``
 tokens (:func:`check_held_tokens`), and budgets that are not non-negative ints
 (:func:`check_open_arguments`).

@@ -63,16 +63,22 @@ import time
 from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import attrs
 import trio
 from kvtrio.actors.owner import MlxOwner, steps
-from kvtrio.actors.reader import Reader, ReaderStatistics
+from kvtrio.actors.reader import Reader
 from kvtrio.actors.sched import BACKGROUND_SLICE
-from kvtrio.actors.snapshot import Snapshot, SnapshotLedger, SnapshotLedgerStatistics
-from kvtrio.actors.spill import Spill, SpillActor, SpillOutcome, SpillStatistics, SpillTicket
-from kvtrio.actors.writer import Writer, WriterStatistics
+from kvtrio.actors.snapshot import Snapshot, SnapshotLedger
+from kvtrio.actors.spill import Spill, SpillActor
+from kvtrio.actors.tierrecords import (
+    ColdTierStatistics,
+    Expectation,
+    SaveResult,
+    SaveTicket,
+    TierEntry,
+)
+from kvtrio.actors.writer import Writer
 from kvtrio.errors import (
     CacheMissError,
     CorruptCacheError,
@@ -81,18 +87,19 @@ from kvtrio.errors import (
     ShuttingDown,
 )
 from kvtrio.runtime.offload import CancelToken, InlineOffload, Offload, ThreadOffload
-from kvtrio.runtime.system import ActorSystem, SystemStatistics
+from kvtrio.runtime.system import ActorSystem
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore
 from kvtrio.storage.cacheio import AttachmentData, HostTensor, Restored
 from kvtrio.storage.codecs import check_kinds
 from kvtrio.storage.dirlock import DirectoryLock, holder_pid, try_lock
 from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps, not_a_real_directory
-from kvtrio.storage.format import Header, Layout, check_meta, check_str_arg, check_token_ids
+from kvtrio.storage.format import Layout
 from kvtrio.storage.hostbuffers import LoadBuffers, check_allocatable
 from kvtrio.storage.manifeststore import LocalManifestStore, ManifestStore
 from kvtrio.storage.openstore import is_redis_url, open_store
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, TIER_LOAD_STREAMS, IoOptions
 from kvtrio.storage.reader import CacheFile
+from kvtrio.storage.writable import check_meta, check_str_arg, check_token_ids
 from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, IndexKeysOf, WriteResult
 
 __all__ = [
@@ -115,82 +122,6 @@ DEFAULT_LOCK_TIMEOUT = 30.0
 LOCK_POLL = 0.05
 SUFFIX = ".kvc"
 _HEADER_META_KEYS = frozenset({"model_id", "config_fingerprint"})
-
-
-class Expectation(Protocol):
-    """What a load must match, e.g. :class:`kvtrio.Expect`: raises CacheMismatchError."""
-
-    def check(self, header: Header) -> None: ...
-
-
-@attrs.frozen
-class SaveResult:
-    """How a save settled; ``write`` says what was published when it was WRITTEN."""
-
-    outcome: SpillOutcome
-    error: BaseException | None = None
-    write: WriteResult | None = None
-
-    @property
-    def written(self) -> bool:
-        return self.outcome is SpillOutcome.WRITTEN
-
-
-@attrs.define(eq=False)
-class SaveTicket:
-    """A queued save. ``await ticket.wait()`` returns its :class:`SaveResult`."""
-
-    key: str
-    nbytes: int
-    _ticket: SpillTicket[Snapshot]
-
-    @property
-    def outcome(self) -> SpillOutcome | None:
-        """None until the save settles."""
-        return self._ticket.outcome
-
-    @property
-    def settled(self) -> bool:
-        return self._ticket.settled
-
-    async def wait(self) -> SaveResult:
-        result = await self._ticket.wait()
-        write = result.value if isinstance(result.value, WriteResult) else None
-        return SaveResult(result.outcome, result.error, write)
-
-
-@attrs.frozen
-class TierEntry:
-    """One stored cache: its key, validated header, and size and time on disk."""
-
-    key: str
-    header: Header
-    disk_bytes: int
-    mtime: float
-
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        return self.header.tokens
-
-    @property
-    def nbytes(self) -> int:
-        """Tensor bytes (what a load brings into memory)."""
-        return self.header.nbytes
-
-
-@attrs.frozen
-class ColdTierStatistics:
-    """The tier's parts, each as its own statistics record."""
-
-    spill: SpillStatistics
-    writer: WriterStatistics
-    reader: ReaderStatistics
-    snapshots: SnapshotLedgerStatistics
-    actors: SystemStatistics | None
-    loads: int
-    load_misses: int
-    load_failures: int
-    debris_removed: int
 
 
 def _open_shared(

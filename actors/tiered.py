@@ -86,20 +86,16 @@ containment belongs there).
 
 from __future__ import annotations
 
-import copy
-import enum
-import functools
 import math
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 from kvtrio.actors.callerchecks import (
     DEFAULT_MIN_REUSE_TOKENS,
-    check_held_tokens,
     check_open_arguments,
 )
 from kvtrio.actors.coldside import (
@@ -116,28 +112,19 @@ from kvtrio.actors.coldstore import (
     ColdTierStore,
     SharedColdStore,
     StoreResult,
-    collector_paused,
 )
-from kvtrio.actors.lifecycle import ColdEvent, ColdLedger, ColdState
-from kvtrio.actors.metrics import tiered_metrics
+from kvtrio.actors.lifecycle import ColdLedger, ColdState
 from kvtrio.actors.misses import (
     Departures,
-    Explanation,
     MissCounter,
     MissReason,
-    MissStatistics,
-    explain,
 )
 from kvtrio.actors.policy import (
-    AdmissionCandidate,
     AdmissionPolicy,
-    EntryCost,
     EvictionPolicy,
-    EvictionStatistics,
     PolicyKind,
     PrefillCost,
     WearAccount,
-    WearStatistics,
     default_admission,
     make_eviction_policy,
 )
@@ -145,22 +132,32 @@ from kvtrio.actors.prefix import (
     DEFAULT_BLOCK_SIZE,
     MatchKind,
     ModelKey,
-    PrefixEntry,
     PrefixIndex,
     PrefixMatch,
 )
 from kvtrio.actors.sharedlookup import SHARED_READS, SharedLookupMixin
-from kvtrio.errors import (
-    CacheMismatchError,
-    CacheMissError,
-    CorruptCacheError,
-    InvalidInputError,
-    PinLimitError,
-    ShuttingDown,
-    StoreUnavailableError,
-    UnknownCacheKindError,
+from kvtrio.actors.tieredextras import PolicyFeaturesMixin
+from kvtrio.actors.tieredload import IndexAndLoadMixin
+from kvtrio.actors.tieredtypes import (
+    DEFAULT_BYTES_PER_TOKEN,
+    DEFAULT_PREFETCH_BYTES,
+    DEFAULT_PREFETCH_DEADLINE,
+    Fetched,
+    OwnerLike,
+    Tier,
+    TieredStatistics,
+    WritePolicy,
+    _clone,
+    _clone_trimmed,
+    _describe,
+    _Prefetch,
+    _trim,
 )
-from kvtrio.storage.format import check_meta, check_token_ids
+from kvtrio.errors import (
+    InvalidInputError,
+    ShuttingDown,
+)
+from kvtrio.storage.writable import check_meta, check_token_ids
 
 if TYPE_CHECKING:
     from kvtrio.actors.factory import open_tiered_cache
@@ -195,168 +192,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# Issue 18: the disk's read speed a hot entry's reload is valued at (bytes per second), and
-# the bytes per token assumed for entries found at open until an insert measures them
-# (Llama-3-8B in fp16), as kvtrio bench policy does.
-RELOAD_BYTES_PER_SECOND = 2e9
-DEFAULT_BYTES_PER_TOKEN = 128 << 10
-
-# Rule 14's defaults: prefetched bytes held at once, and seconds a prefetch waits for use.
-DEFAULT_PREFETCH_BYTES = 2 << 30
-DEFAULT_PREFETCH_DEADLINE = 30.0
-
-# Entries indexed per step of open, between checkpoints (rule: no long loop stall).
-OPEN_BATCH = 256
-
-
-class WritePolicy(enum.Enum):
-    """When an entry is written to the cold tier."""
-
-    WRITE_BACK = "write-back"  # when it is evicted from RAM
-    WRITE_THROUGH = "write-through"  # at insert
-
-
-class Tier(enum.Enum):
-    """Where a hit came from."""
-
-    HOT = "hot"
-    COLD = "cold"
-
-
-class OwnerLike(Protocol):
-    """The MLX owner: runs ``fn(*args)`` on the one thread that may touch MLX."""
-
-    async def run(self, fn: Any, *args: Any) -> Any: ...
-
-
-@attrs.frozen
-class Fetched:
-    """What ``fetch_nearest`` found: caches to continue from and the tokens still to run.
-
-    ``caches`` is None on a miss (then ``remaining`` is the whole prompt).
-    """
-
-    caches: list[Any] | None
-    remaining: tuple[int, ...]
-    tier: Tier | None
-    match: PrefixMatch | None
-    # Why it did not reuse more (kvtrio.actors.misses; None only for a caller-made one).
-    explanation: Explanation | None = None
-
-    @property
-    def reused(self) -> int:
-        return self.match.reuse if self.match is not None else 0
-
-
 @attrs.define(eq=False)
-class _Prefetch:
-    """A cold load started ahead of its lookup (rule 14)."""
-
-    record: Any  # CacheRecord
-    nbytes: int
-    scope: trio.CancelScope
-    loaded: trio.Event = attrs.field(factory=trio.Event)
-    taken: trio.Event = attrs.field(factory=trio.Event)
-    caches: list[Any] | None = None
-
-
-@attrs.frozen
-class TieredStatistics:
-    """Counters of a tiered prompt cache."""
-
-    hot_entries: int
-    hot_bytes: int
-    hot_budget: int
-    cold_entries: int
-    cold_bytes: int
-    cold_budget: int
-    hits_hot: int
-    hits_cold: int
-    misses: int
-    bytes_written: int
-    bytes_read: int
-    bytes_deduplicated: int
-    hot_evictions: int
-    cold_evictions: int
-    drops: int
-    superseded: int
-    # Shared cold store (rule 8): prefix-index round trips, entries found through them,
-    # index entries whose manifest was gone, and whole-catalogue re-reads (the fallback).
-    shared_lookups: int = 0
-    shared_found: int = 0
-    shared_vanished: int = 0
-    shared_refreshes: int = 0
-    shared_errors: int = 0  # index lookups that failed (store out of reach): then paused
-    # The ledger (rule 2) and the pending write-backs (rule 3).
-    cold_reserved: int = 0  # bytes reserved by writes in flight
-    pending_writes: int = 0
-    pending_bytes: int = 0
-    pending_budget: int = 0
-    pending_dropped: int = 0  # pending write-backs shed by the byte cap (also in drops)
-    no_space_retries: int = 0  # writes that found the volume full, evicted and retried
-    # OSErrors around the cold tier (EIO on a load, a block replaced by a directory, ...),
-    # each turned into a miss or a dropped write: a request never fails for the disk.
-    cold_errors: int = 0
-    # Cold matches reusing fewer than min_reuse_tokens tokens, not loaded (a miss).
-    cold_skipped: int = 0
-    # Issue 18: lookups by reason, disk wear, and each tier's eviction policy (pins, TTLs).
-    lookups: MissStatistics | None = None
-    wear: WearStatistics | None = None
-    hot_policy: EvictionStatistics | None = None
-    cold_policy: EvictionStatistics | None = None
-    # Rule 14: prefetches started, and the bytes they loaded that a lookup used or that
-    # were dropped (superseded, unused by the deadline, or the load failed).
-    prefetches: int = 0
-    prefetch_used_bytes: int = 0
-    prefetch_wasted_bytes: int = 0
-    prefetch_bytes: int = 0  # held or loading now
-
-
-def _by_mtime(info: ColdEntryInfo) -> float:
-    return info.mtime
-
-
-def _cache_nbytes(caches: Sequence[Any]) -> int:
-    return sum(int(c.nbytes) for c in caches)
-
-
-def _min_reusable_offset(caches: Sequence[Any]) -> int:
-    return max([0, *(int(getattr(c, "min_reusable_offset", 0) or 0) for c in caches)])
-
-
-def _clone(caches: list[Any]) -> list[Any]:
-    """Owner thread: an independent deep copy of mlx-lm caches."""
-    return copy.deepcopy(caches)
-
-
-def _clone_trimmed(caches: list[Any], trim: int) -> list[Any]:
-    """Owner thread: a deep copy, trimmed back by ``trim`` tokens."""
-    from mlx_lm.models.cache import trim_prompt_cache
-
-    out = copy.deepcopy(caches)
-    if trim:
-        trim_prompt_cache(out, trim)
-    return out
-
-
-def _trim(caches: list[Any], trim: int) -> None:
-    """Owner thread: trim ``caches`` back by ``trim`` tokens, in place."""
-    from mlx_lm.models.cache import trim_prompt_cache
-
-    trim_prompt_cache(caches, trim)
-
-
-def _describe(caches: list[Any], n_tokens: int) -> tuple[int, bool, int]:
-    """Owner thread: bytes, trimmability and minimum reusable offset of ``caches``, after
-    checking that every layer holds ``n_tokens`` tokens (CacheMismatchError)."""
-    from mlx_lm.models.cache import can_trim_prompt_cache
-
-    check_held_tokens(caches, n_tokens)
-    return _cache_nbytes(caches), bool(can_trim_prompt_cache(caches)), _min_reusable_offset(caches)
-
-
-@attrs.define(eq=False)
-class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
+class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixin, ColdSideMixin):
     """The prompt cache a server embeds. Open with :meth:`open`."""
 
     owner: OwnerLike
@@ -574,86 +411,6 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
         self._count("misses")
         return Fetched(None, query, None, None, self._explained(query, None))
 
-    def prefetch(self, tokens: Sequence[int]) -> bool:
-        """Start loading, off the request path, the disk entry that :meth:`fetch_nearest`
-        would reuse for ``tokens`` (rule 14); the lookup then adopts it. False (nothing
-        started) when the best match is hot, none is on disk, one is already loading, or
-        the prefetched bytes would exceed ``prefetch_budget``."""
-        match = self._index.lookup(self.model, tuple(int(t) for t in tokens))
-        if match is None:
-            return False
-        record = self._records[match.entry.key]
-        key = record.entry.key
-        if record.hot is not None or record.cold.state is not ColdState.DURABLE:
-            return False
-        if key in self._prefetches:
-            return False
-        nbytes = record.cold.nbytes or len(record.entry.tokens) * self._bytes_per_token
-        if self._prefetch_bytes + nbytes > self.prefetch_budget:
-            self._count("prefetches_refused")
-            return False
-        pending = self._prefetches[key] = _Prefetch(record, nbytes, trio.CancelScope())
-        self._prefetch_bytes += nbytes
-        self._count("prefetches")
-        if self._nursery is None:
-            raise RuntimeError("TieredPromptCache is not open")
-        # Not a _spawn: an unused prefetch must not hold wait_writes_settled (or a close)
-        # until its deadline; the close's cancel ends it.
-        self._nursery.start_soon(self._run_prefetch, pending)
-        return True
-
-    async def _run_prefetch(self, pending: _Prefetch) -> None:
-        """Load, then hold the caches until a lookup takes them or the deadline passes."""
-        key = pending.record.entry.key
-        try:
-            with pending.scope:
-                pending.caches = await self._load_cold(pending.record)
-                pending.loaded.set()
-                if pending.caches is not None:
-                    with trio.move_on_after(self.prefetch_deadline):
-                        await pending.taken.wait()
-        finally:
-            pending.loaded.set()
-            if self._prefetches.get(key) is pending:
-                del self._prefetches[key]
-            self._prefetch_bytes -= pending.nbytes
-            if not pending.taken.is_set() and pending.caches is not None:
-                pending.caches = None  # loaded, never used: wasted
-                self._count("prefetch_wasted_bytes", pending.nbytes)
-
-    async def _take_prefetch(self, record: CacheRecord) -> list[Any] | None:
-        """The caches a prefetch of ``record`` loaded (waiting for it if it is in flight),
-        or None when there is none (or it failed)."""
-        pending = self._prefetches.get(record.entry.key)
-        if pending is None or pending.record is not record:
-            return None
-        await pending.loaded.wait()
-        caches = pending.caches
-        if caches is None or pending.taken.is_set():
-            return None
-        pending.taken.set()
-        self._count("prefetch_used_bytes", pending.nbytes)
-        return caches
-
-    def _prefetch_gone(self, key: str) -> None:
-        """Rule 14: the entry left the index (or is hot again): a prefetch of it is
-        superseded (cancelled; its bytes counted as wasted)."""
-        pending = self._prefetches.get(key)
-        if pending is not None and not pending.taken.is_set():
-            pending.scope.cancel()
-
-    def _explained(self, query: tuple[int, ...], match: PrefixMatch | None) -> Explanation:
-        """Why this lookup did not reuse more (kvtrio.actors.misses), counted."""
-        explanation = explain(
-            self._index,
-            self.model,
-            query,
-            match,
-            departures=self.departures,
-            other_models=self._other_models,
-        )
-        self._misses.add(explanation)
-        return explanation
 
     def _leave_one(self, exact: PrefixMatch, query: tuple[int, ...]) -> PrefixMatch | None:
         entry = exact.entry
@@ -834,62 +591,6 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
             prefetch_bytes=self._prefetch_bytes,
         )
 
-    def metrics_text(self) -> str:
-        """Prometheus text (kvtrio.actors.metrics, format 0.0.4) of :meth:`statistics`:
-        hits and misses per tier and reason, bytes, wear, pins and TTL expiries, evictions
-        and the cold write queue's depth (docs/metrics.md names every family)."""
-        stats = self.statistics()
-        assert stats.hot_policy is not None and stats.cold_policy is not None
-        return tiered_metrics(
-            stats,
-            misses=stats.lookups,
-            wear=stats.wear,
-            eviction={"hot": stats.hot_policy, "cold": stats.cold_policy},
-            queue_depth=stats.pending_writes,
-            prefetch=(stats.prefetches, stats.prefetch_used_bytes, stats.prefetch_wasted_bytes),
-        )
-
-    def observe_prefill(self, start: int, end: int, seconds: float) -> None:
-        """A prefill of this model's tokens ``start .. end`` (``start`` reused from the
-        cache) took ``seconds``: the cost-aware policies value entries by these
-        measurements (:class:`~kvtrio.actors.policy.PrefillCost`)."""
-        self.prefill.observe(self.model, start, end, seconds)
-
-    def pin(self, tokens: Sequence[int]) -> str:
-        """Never evict or expire the entry of exactly ``tokens`` from either tier (rule 12);
-        return its key. CacheMissError if there is none; PinLimitError (nothing pinned) if
-        a tier's pinned bytes would exceed ``pin_limit``."""
-        record = self._exact(tokens)
-        key = record.entry.key
-        done: list[EvictionPolicy] = []
-        try:
-            for policy in (self.hot_policy, self.cold_policy):
-                if key in policy and not policy.is_pinned(key):
-                    policy.pin(key)
-                    done.append(policy)
-        except PinLimitError:
-            for policy in done:
-                policy.unpin(key)
-            raise
-        record.pinned = True
-        return key
-
-    def unpin(self, tokens: Sequence[int]) -> None:
-        """Make the entry of exactly ``tokens`` evictable again (absent: nothing)."""
-        match = self._index.lookup(self.model, tuple(int(t) for t in tokens))
-        if match is None or match.kind is not MatchKind.EXACT:
-            return
-        record = self._records[match.entry.key]
-        record.pinned = False
-        self.hot_policy.unpin(record.entry.key)
-        self.cold_policy.unpin(record.entry.key)
-
-    def _exact(self, tokens: Sequence[int]) -> CacheRecord:
-        query = tuple(int(t) for t in tokens)
-        match = self._index.lookup(self.model, query)
-        if match is None or match.kind is not MatchKind.EXACT:
-            raise CacheMissError(f"no entry of exactly these {len(query)} tokens")
-        return self._records[match.entry.key]
 
     def check(self) -> None:
         """Check every derived figure against the records (tests; O(entries)):
@@ -925,64 +626,6 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
 
     # -- internals: the policies (rules 10-12) -------------------------------------------
 
-    def _enter_policy(self, policy: EvictionPolicy, record: CacheRecord, cost: EntryCost) -> None:
-        """``record`` arrived in ``policy``'s tier: with its TTL, and pinned if it is (a
-        tier whose pin limit it would exceed holds it unpinned, counted)."""
-        key = record.entry.key
-        policy.on_insert(key, cost, ttl=record.ttl)
-        if record.pinned and not policy.is_pinned(key):
-            try:
-                policy.pin(key)
-            except PinLimitError:
-                self._count("pins_refused")
-
-    def _hot_cost(self, record: CacheRecord, nbytes: int) -> EntryCost:
-        """What losing a hot entry costs: its recompute, or its reload when the disk holds
-        it or will take it (write-through, or the admission would write it back)."""
-        tokens = len(record.entry.tokens)
-        reload: float | None = None
-        if (
-            record.cold.state is not ColdState.NONE
-            or self.policy is WritePolicy.WRITE_THROUGH
-            or self.admission.would_admit(self._candidate(record, nbytes))
-        ):
-            reload = nbytes / RELOAD_BYTES_PER_SECOND
-        return EntryCost(nbytes, tokens, self.model, reload)
-
-    def _cold_cost(self, record: CacheRecord) -> EntryCost:
-        """What losing a DURABLE entry costs: its recompute. An entry found at open has no
-        byte count: this model's last bytes per token stand in."""
-        tokens = len(record.entry.tokens)
-        nbytes = record.cold.nbytes or tokens * self._bytes_per_token
-        return EntryCost(nbytes, tokens, record.entry.model)
-
-    def _candidate(self, record: CacheRecord, nbytes: int) -> AdmissionCandidate:
-        tokens = len(record.entry.tokens)
-        return AdmissionCandidate(
-            record.entry.key,
-            tokens,
-            nbytes,
-            record.uses,
-            self.prefill.seconds(self.model, tokens),
-        )
-
-    def _admit(self, record: CacheRecord, nbytes: int) -> bool:
-        """Rule 11: whether a write-back of ``record`` leaving RAM is queued (counted)."""
-        candidate = self._candidate(record, nbytes)
-        admitted = self.admission.admit(candidate)
-        self.wear.on_admission(candidate, admitted)
-        return admitted
-
-    async def _expire(self) -> None:
-        """Rule 12: entries whose TTL ran out in either tier leave both."""
-        expired = self.hot_policy.expire() + self.cold_policy.expire()
-        for key in expired:
-            record = self._records.get(key)
-            if record is None or record.pinned:
-                continue
-            self._count("expired")
-            record.leaving = MissReason.EXPIRED
-            await self._remove(record)
 
     def _touch(self, record: CacheRecord) -> None:
         """Mark a hit as most recent in both tiers (it may have left them while cloning)."""
@@ -993,159 +636,7 @@ class TieredPromptCache(SharedLookupMixin, ColdSideMixin):
             self.hot_policy.on_hit(key)
         self._touch_cold(record)
 
-    async def _load_index(self) -> None:
-        self._ledger.used = await self.cold.usage()
-        entries = await self.cold.entries()
-        with collector_paused(lambda: len(self._records)):
-            await self._add_cold_entries(entries)
-
-    async def _add_cold_entries(self, infos: Iterable[ColdEntryInfo]) -> None:
-        """Index stored entries, least recently used first, :data:`OPEN_BATCH` at a time
-        with a checkpoint between batches (the loop never stalls for all N at once)."""
-        listed = list(infos)
-        if len(listed) > OPEN_BATCH:  # a sort of N on the loop would be one long step
-            by_mtime = functools.partial(sorted, listed, key=_by_mtime)
-            ordered = await trio.to_thread.run_sync(by_mtime)
-        else:
-            ordered = sorted(listed, key=_by_mtime)
-        for n, info in enumerate(ordered):
-            if n and n % OPEN_BATCH == 0:
-                await trio.lowlevel.checkpoint()
-            if info.key in self._records:
-                continue
-            entry = PrefixEntry(
-                key=info.key,
-                model=info.model,
-                tokens=info.tokens,
-                trimmable=info.trimmable,
-                min_reusable_offset=info.min_reusable_offset,
-            )
-            if info.model != self.model:
-                self._other_models.add(info.model)
-            record = self._records[info.key] = CacheRecord.of(entry)
-            record.conversations = frozenset(info.conversations)
-            self._apply(record, ColdEvent.FOUND)
-            for conversation in info.conversations:  # the latest checkpoint is the longest
-                latest = self._records.get(self._conversations.get(conversation, ""))
-                if latest is None or len(latest.entry.tokens) < len(entry.tokens):
-                    self._conversations[conversation] = info.key
 
     # -- internals: the cold side -------------------------------------------------------
 
-    async def _load_cold(self, record: CacheRecord) -> list[Any] | None:
-        """Read a DURABLE entry's caches (None: gone or bad, counted and forgotten)."""
-        key = record.entry.key
-        try:
-            # Content is bound to its key: a manifest replaced by another valid one (a
-            # Redis value overwritten, a file copied over) is a mismatch, never a hit.
-            caches, nbytes = await self.cold.fetch(
-                key, model=self.model, tokens=record.entry.tokens
-            )
-        except (CacheMissError, CorruptCacheError, CacheMismatchError) as error:
-            self._count("drops")
-            record.leaving = (
-                MissReason.EVICTED if isinstance(error, CacheMissError) else MissReason.CORRUPT
-            )
-            if record.cold.state is ColdState.DURABLE:
-                self._evict(record)
-                self._spawn_removal(record)
-            return None
-        except StoreUnavailableError:
-            # A shared store (Redis) out of reach: a miss for this request. The entry is
-            # forgotten here only; it stays in the store for every host (and this one's
-            # next open).
-            self._count("drops")
-            record.leaving = MissReason.STORE_UNREACHABLE
-            self._pause_shared()
-            if record.cold.state is ColdState.DURABLE:
-                self._apply(record, ColdEvent.FORGET)
-            return None
-        except (OSError, UnknownCacheKindError) as error:
-            # The disk failed under this entry (EIO, a directory in its place), or it is of
-            # a kind this process has no codec for: a miss, counted. Forgotten here, not
-            # deleted: neither proves corruption.
-            self._count("drops")
-            self._count("cold_errors")
-            record.leaving = (
-                MissReason.STORE_UNREACHABLE if isinstance(error, OSError) else MissReason.CORRUPT
-            )
-            if record.cold.state is ColdState.DURABLE:
-                self._apply(record, ColdEvent.FORGET)
-            return None
-        self._count("bytes_read", nbytes)
-        self.wear.on_read(key, nbytes)
-        self._touch_cold(record)
-        return caches
 
-    async def _admit_hot(self, record: CacheRecord, caches: list[Any]) -> None:
-        """Promote a disk hit to RAM, unless the entry changed while it was loading."""
-        nbytes = await self.owner.run(_cache_nbytes, caches)
-        if (
-            record.hot is not None
-            or record.retired
-            or self._records.get(record.entry.key) is not record
-        ):
-            return
-        self._set_hot(record, caches, nbytes)
-        await self._enforce_hot_budget({})
-
-    async def _enforce_hot_budget(self, meta: Mapping[str, str]) -> None:
-        while self._hot_bytes > self.hot_budget and len(self._hot_lru) > 1:
-            key = self.hot_policy.victim()  # rule 10 (never a pinned one)
-            if key is None:
-                break
-            record = self._records[key]
-            caches = record.hot
-            record.leaving = MissReason.EVICTED
-            if self.policy is WritePolicy.WRITE_BACK and record.cold.state is ColdState.NONE:
-                assert caches is not None
-                if self._admit(record, record.hot_bytes):  # rule 11
-                    self._queue_write(record, caches, meta)
-                else:
-                    record.leaving = MissReason.DROPPED
-            self._set_hot(record, None)  # rule 3: findable again once durable
-            self._count("hot_evictions")
-        await trio.lowlevel.checkpoint()
-
-    async def _supersede(self, conversation: str, record: CacheRecord) -> None:
-        old_key = self._conversations.get(conversation)
-        self._conversations[conversation] = record.entry.key
-        record.conversations |= {conversation}
-        if old_key is None or old_key == record.entry.key:
-            return
-        old = self._records.get(old_key)
-        if old is None:
-            return
-        old.conversations -= {conversation}
-        n = len(old.entry.tokens)
-        if old.conversations or record.entry.tokens[:n] != old.entry.tokens:
-            return  # still another conversation's, or not a prefix of the new checkpoint
-        self._count("superseded")
-        old.retired = True
-        old.leaving = None  # its newer checkpoint answers its lookups: not a miss's cause
-        record.supersedes += old.supersedes
-        old.supersedes = ()
-        if record.cold.state is ColdState.DURABLE:
-            await self._remove(old)
-            return
-        # Rule 4: the old checkpoint leaves RAM now, and the disk once the new one is durable
-        # there (a crash in between keeps the old one; the new write shares its blocks).
-        self._set_hot(old, None)
-        if old.cold.state is ColdState.NONE:
-            await self._remove(old)
-        else:
-            record.supersedes += (old,)
-
-    async def _remove(self, record: CacheRecord) -> None:
-        """Take ``record`` out of both tiers (its file in the background)."""
-        self._set_hot(record, None)
-        state = record.cold.state
-        if state is ColdState.QUEUED:
-            self._cancel_pending(record)
-        elif state is ColdState.WRITING:
-            self._apply(record, ColdEvent.DOOM)  # deleted once written
-        elif state is ColdState.DURABLE:
-            self._apply(record, ColdEvent.EVICT)
-            # In the background: the store may be busy with a write (never on the request path).
-            self._spawn_removal(record)
-        await trio.lowlevel.checkpoint()

@@ -54,7 +54,8 @@ from kvtrio.drills.hostile_corpus import (
 from kvtrio.drills.report import DrillResult, Tally
 from kvtrio.drills.workload import CacheDir
 from kvtrio.errors import CacheMissError, CorruptCacheError, UnknownCacheKindError
-from kvtrio.storage.format import PREAMBLE, Layout, parse_header, parse_preamble
+from kvtrio.storage.format import PREAMBLE, Layout
+from kvtrio.storage.headerparse import parse_header, parse_preamble
 
 __all__ = ["load_hostile", "run_hostile_drill"]
 

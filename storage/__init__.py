@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from kvtrio.storage.codecs import CacheCodec, register_codec, unregister_codec
     from kvtrio.storage.fileops import FaultyFileOps, FileOps, OsFileOps
     from kvtrio.storage.fingerprint import config_fingerprint
-    from kvtrio.storage.format import CacheEntry, Header, Layout, TensorSlot, parse_header
+    from kvtrio.storage.format import CacheEntry, Header, Layout, TensorSlot
+    from kvtrio.storage.headerparse import parse_header
     from kvtrio.storage.maintenance import GcReport, VerifyReport, collect_garbage, verify_tree
     from kvtrio.storage.manifeststore import LocalManifestStore, ManifestStore
     from kvtrio.storage.options import IoOptions
@@ -60,7 +61,7 @@ _EXPORTS = {
     "WriteResult": "kvtrio.storage.writer",
     "collect_garbage": "kvtrio.storage.maintenance",
     "config_fingerprint": "kvtrio.storage.fingerprint",
-    "parse_header": "kvtrio.storage.format",
+    "parse_header": "kvtrio.storage.headerparse",
     "read_header": "kvtrio.storage.reader",
     "read_tensors": "kvtrio.storage.reader",
     "register_codec": "kvtrio.storage.codecs",

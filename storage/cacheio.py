@@ -75,10 +75,9 @@ from kvtrio.storage.format import (
     CacheEntry,
     Header,
     TensorSlot,
-    nth_slot,
     piece_ranges,
-    slot_names,
 )
+from kvtrio.storage.headerparse import nth_slot, slot_names
 from kvtrio.storage.hostbuffers import NP_DTYPES, LoadBuffers, dtype_name, materialize_part
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 

@@ -29,7 +29,8 @@ import mlx.core as mx
 import numpy as np
 from kvtrio.storage.dtypes import DTYPES
 from kvtrio.storage.fileops import byte_view
-from kvtrio.storage.format import DTYPE_SIZES, Header, nth_slot, piece_ranges
+from kvtrio.storage.format import DTYPE_SIZES, Header, piece_ranges
+from kvtrio.storage.headerparse import nth_slot
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 
 __all__ = [

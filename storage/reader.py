@@ -45,17 +45,9 @@ from kvtrio.storage.fileops import (
     pread_full,
     write_behind_ops,
 )
-from kvtrio.storage.format import (
-    PREAMBLE,
-    Header,
-    TensorSlot,
-    parse_header,
-    parse_preamble,
-    piece_nbytes,
-    piece_ranges,
-    slot_names,
-)
+from kvtrio.storage.format import PREAMBLE, Header, TensorSlot, piece_nbytes, piece_ranges
 from kvtrio.storage.hashpool import HashBatch, HashPool
+from kvtrio.storage.headerparse import parse_header, parse_preamble, slot_names
 from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.memadvise import PrefaultAhead, prefault
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions

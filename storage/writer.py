@@ -26,7 +26,7 @@ Theory of operation (docs/design.md invariants 4, 5 and 6):
    ``IoOptions.save_direct``) uses O_DIRECT through aligned bounce buffers instead. Both
    make the same file (each tensor's tail zero-padded to 4 KiB).
 3. Write what you can read: the header is run through the reader's own validation
-   (:func:`~kvtrio.storage.format.check_writable`) before a byte is written, so a save
+   (:func:`~kvtrio.storage.writable.check_writable`) before a byte is written, so a save
    never publishes a file its reader refuses (InvalidInputError, CacheMismatchError).
 4. Publication is fsync(file) -> rename(tmp, final) -> fsync(dir) (F_FULLFSYNC on macOS);
    a final name never names a partial file. The result returns only after all three; if
@@ -68,7 +68,6 @@ from kvtrio.storage.format import (
     Header,
     TensorSlot,
     align_up,
-    check_writable,
     encode_file_prefix,
     encode_header,
     encode_preamble,
@@ -78,6 +77,7 @@ from kvtrio.storage.format import (
 )
 from kvtrio.storage.hashpool import HashPool
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
+from kvtrio.storage.writable import check_writable
 
 if TYPE_CHECKING:
     from kvtrio.storage.manifeststore import ManifestStore

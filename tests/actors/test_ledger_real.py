@@ -18,7 +18,8 @@ from kvtrio.actors.prefix import ModelKey
 from kvtrio.actors.tier import ColdTier
 from kvtrio.actors.tiered import TieredPromptCache, WritePolicy
 from kvtrio.storage.fileops import OS_FILE_OPS, FaultyFileOps, FileOps
-from kvtrio.storage.format import PREAMBLE, parse_header, parse_preamble
+from kvtrio.storage.format import PREAMBLE
+from kvtrio.storage.headerparse import parse_header, parse_preamble
 from kvtrio.tinymodel import TinyModel, build_tiny_model, make_caches, prefill
 
 BLOCK = 64

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 from kvtrio.errors import CorruptCacheError
-from kvtrio.storage import options, redisstore
+from kvtrio.storage import options, redisrecv, redisstore
 from kvtrio.storage.options import IoOptions
 from kvtrio.storage.redisstore import RedisBlockStore
 
@@ -162,7 +162,7 @@ def test_first_corrupted_block_in_order_is_reported_with_hash_threads(
 ) -> None:
     """Helper threads finish in any order; the error names the first bad block of the
     batch, and the read waits for every helper before raising (none is left reading)."""
-    monkeypatch.setattr(redisstore, "_HASH_GROUP", 1)  # one block per helper task
+    monkeypatch.setattr(redisrecv, "_HASH_GROUP", 1)  # one block per helper task
     store = RedisBlockStore.open(redis_url, options=IoOptions(redis_hash_threads=3))
     blobs = [os.urandom(65536) for _ in range(64)]
     names = [hashlib.sha256(b).hexdigest() for b in blobs]

@@ -1,0 +1,277 @@
+"""Issue 18's parts of :class:`~kvtrio.actors.tiered.TieredPromptCache`: prefetch, pins,
+the policies' valuation of entries (rules 10-14), TTL expiry, explained misses and the
+Prometheus text. A mixin: its methods run on the cache (``self`` is the cache)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import trio
+from kvtrio.actors.coldside import (
+    CacheRecord,
+)
+from kvtrio.actors.lifecycle import ColdState
+from kvtrio.actors.metrics import tiered_metrics
+from kvtrio.actors.misses import (
+    Departures,
+    Explanation,
+    MissCounter,
+    MissReason,
+    explain,
+)
+from kvtrio.actors.policy import (
+    AdmissionCandidate,
+    AdmissionPolicy,
+    EntryCost,
+    EvictionPolicy,
+    PrefillCost,
+    WearAccount,
+)
+from kvtrio.actors.prefix import (
+    MatchKind,
+    ModelKey,
+    PrefixIndex,
+    PrefixMatch,
+)
+from kvtrio.actors.tieredtypes import (
+    RELOAD_BYTES_PER_SECOND,
+    TieredStatistics,
+    WritePolicy,
+    _Prefetch,
+)
+from kvtrio.errors import (
+    CacheMissError,
+    PinLimitError,
+)
+
+__all__ = ["PolicyFeaturesMixin"]
+
+
+class PolicyFeaturesMixin:
+    """Prefetch, pins, valuation, expiry, explanations and metrics of the tiered cache."""
+
+    if TYPE_CHECKING:  # what the cache provides (its attrs fields and other parts)
+        _bytes_per_token: int
+        def _count(self, name: str, n: int = 1) -> None: ...
+        _index: PrefixIndex
+        async def _load_cold(self, record: CacheRecord) -> list[Any] | None: ...
+        _misses: MissCounter
+        _nursery: trio.Nursery | None
+        _other_models: set[ModelKey]
+        _prefetch_bytes: int
+        _prefetches: dict[str, _Prefetch]
+        _records: dict[str, CacheRecord]
+        async def _remove(self, record: CacheRecord) -> None: ...
+        admission: AdmissionPolicy
+        cold_policy: EvictionPolicy
+        departures: Departures
+        hot_policy: EvictionPolicy
+        model: ModelKey
+        policy: WritePolicy
+        prefetch_budget: int
+        prefetch_deadline: float
+        prefill: PrefillCost
+        def statistics(self) -> TieredStatistics: ...
+        wear: WearAccount
+
+    def prefetch(self, tokens: Sequence[int]) -> bool:
+        """Start loading, off the request path, the disk entry that :meth:`fetch_nearest`
+        would reuse for ``tokens`` (rule 14); the lookup then adopts it. False (nothing
+        started) when the best match is hot, none is on disk, one is already loading, or
+        the prefetched bytes would exceed ``prefetch_budget``."""
+        match = self._index.lookup(self.model, tuple(int(t) for t in tokens))
+        if match is None:
+            return False
+        record = self._records[match.entry.key]
+        key = record.entry.key
+        if record.hot is not None or record.cold.state is not ColdState.DURABLE:
+            return False
+        if key in self._prefetches:
+            return False
+        nbytes = record.cold.nbytes or len(record.entry.tokens) * self._bytes_per_token
+        if self._prefetch_bytes + nbytes > self.prefetch_budget:
+            self._count("prefetches_refused")
+            return False
+        pending = self._prefetches[key] = _Prefetch(record, nbytes, trio.CancelScope())
+        self._prefetch_bytes += nbytes
+        self._count("prefetches")
+        if self._nursery is None:
+            raise RuntimeError("TieredPromptCache is not open")
+        # Not a _spawn: an unused prefetch must not hold wait_writes_settled (or a close)
+        # until its deadline; the close's cancel ends it.
+        self._nursery.start_soon(self._run_prefetch, pending)
+        return True
+
+    async def _run_prefetch(self, pending: _Prefetch) -> None:
+        """Load, then hold the caches until a lookup takes them or the deadline passes."""
+        key = pending.record.entry.key
+        try:
+            with pending.scope:
+                pending.caches = await self._load_cold(pending.record)
+                pending.loaded.set()
+                if pending.caches is not None:
+                    with trio.move_on_after(self.prefetch_deadline):
+                        await pending.taken.wait()
+        finally:
+            pending.loaded.set()
+            if self._prefetches.get(key) is pending:
+                del self._prefetches[key]
+            self._prefetch_bytes -= pending.nbytes
+            if not pending.taken.is_set() and pending.caches is not None:
+                pending.caches = None  # loaded, never used: wasted
+                self._count("prefetch_wasted_bytes", pending.nbytes)
+
+    async def _take_prefetch(self, record: CacheRecord) -> list[Any] | None:
+        """The caches a prefetch of ``record`` loaded (waiting for it if it is in flight),
+        or None when there is none (or it failed)."""
+        pending = self._prefetches.get(record.entry.key)
+        if pending is None or pending.record is not record:
+            return None
+        await pending.loaded.wait()
+        caches = pending.caches
+        if caches is None or pending.taken.is_set():
+            return None
+        pending.taken.set()
+        self._count("prefetch_used_bytes", pending.nbytes)
+        return caches
+
+    def _prefetch_gone(self, key: str) -> None:
+        """Rule 14: the entry left the index (or is hot again): a prefetch of it is
+        superseded (cancelled; its bytes counted as wasted)."""
+        pending = self._prefetches.get(key)
+        if pending is not None and not pending.taken.is_set():
+            pending.scope.cancel()
+
+    def _explained(
+        self, query: tuple[int, ...], match: PrefixMatch | None
+    ) -> Explanation:
+        """Why this lookup did not reuse more (kvtrio.actors.misses), counted."""
+        explanation = explain(
+            self._index,
+            self.model,
+            query,
+            match,
+            departures=self.departures,
+            other_models=self._other_models,
+        )
+        self._misses.add(explanation)
+        return explanation
+
+    def metrics_text(self) -> str:
+        """Prometheus text (kvtrio.actors.metrics, format 0.0.4) of :meth:`statistics`:
+        hits and misses per tier and reason, bytes, wear, pins and TTL expiries, evictions
+        and the cold write queue's depth (docs/metrics.md names every family)."""
+        stats = self.statistics()
+        assert stats.hot_policy is not None and stats.cold_policy is not None
+        return tiered_metrics(
+            stats,
+            misses=stats.lookups,
+            wear=stats.wear,
+            eviction={"hot": stats.hot_policy, "cold": stats.cold_policy},
+            queue_depth=stats.pending_writes,
+            prefetch=(stats.prefetches, stats.prefetch_used_bytes, stats.prefetch_wasted_bytes),
+        )
+
+    def observe_prefill(self, start: int, end: int, seconds: float) -> None:
+        """A prefill of this model's tokens ``start .. end`` (``start`` reused from the
+        cache) took ``seconds``: the cost-aware policies value entries by these
+        measurements (:class:`~kvtrio.actors.policy.PrefillCost`)."""
+        self.prefill.observe(self.model, start, end, seconds)
+
+    def pin(self, tokens: Sequence[int]) -> str:
+        """Never evict or expire the entry of exactly ``tokens`` from either tier (rule 12);
+        return its key. CacheMissError if there is none; PinLimitError (nothing pinned) if
+        a tier's pinned bytes would exceed ``pin_limit``."""
+        record = self._exact(tokens)
+        key = record.entry.key
+        done: list[EvictionPolicy] = []
+        try:
+            for policy in (self.hot_policy, self.cold_policy):
+                if key in policy and not policy.is_pinned(key):
+                    policy.pin(key)
+                    done.append(policy)
+        except PinLimitError:
+            for policy in done:
+                policy.unpin(key)
+            raise
+        record.pinned = True
+        return key
+
+    def unpin(self, tokens: Sequence[int]) -> None:
+        """Make the entry of exactly ``tokens`` evictable again (absent: nothing)."""
+        match = self._index.lookup(self.model, tuple(int(t) for t in tokens))
+        if match is None or match.kind is not MatchKind.EXACT:
+            return
+        record = self._records[match.entry.key]
+        record.pinned = False
+        self.hot_policy.unpin(record.entry.key)
+        self.cold_policy.unpin(record.entry.key)
+
+    def _exact(self, tokens: Sequence[int]) -> CacheRecord:
+        query = tuple(int(t) for t in tokens)
+        match = self._index.lookup(self.model, query)
+        if match is None or match.kind is not MatchKind.EXACT:
+            raise CacheMissError(f"no entry of exactly these {len(query)} tokens")
+        return self._records[match.entry.key]
+
+    def _enter_policy(
+        self, policy: EvictionPolicy, record: CacheRecord, cost: EntryCost
+    ) -> None:
+        """``record`` arrived in ``policy``'s tier: with its TTL, and pinned if it is (a
+        tier whose pin limit it would exceed holds it unpinned, counted)."""
+        key = record.entry.key
+        policy.on_insert(key, cost, ttl=record.ttl)
+        if record.pinned and not policy.is_pinned(key):
+            try:
+                policy.pin(key)
+            except PinLimitError:
+                self._count("pins_refused")
+
+    def _hot_cost(self, record: CacheRecord, nbytes: int) -> EntryCost:
+        """What losing a hot entry costs: its recompute, or its reload when the disk holds
+        it or will take it (write-through, or the admission would write it back)."""
+        tokens = len(record.entry.tokens)
+        reload: float | None = None
+        if (
+            record.cold.state is not ColdState.NONE
+            or self.policy is WritePolicy.WRITE_THROUGH
+            or self.admission.would_admit(self._candidate(record, nbytes))
+        ):
+            reload = nbytes / RELOAD_BYTES_PER_SECOND
+        return EntryCost(nbytes, tokens, self.model, reload)
+
+    def _cold_cost(self, record: CacheRecord) -> EntryCost:
+        """What losing a DURABLE entry costs: its recompute. An entry found at open has no
+        byte count: this model's last bytes per token stand in."""
+        tokens = len(record.entry.tokens)
+        nbytes = record.cold.nbytes or tokens * self._bytes_per_token
+        return EntryCost(nbytes, tokens, record.entry.model)
+
+    def _candidate(self, record: CacheRecord, nbytes: int) -> AdmissionCandidate:
+        tokens = len(record.entry.tokens)
+        return AdmissionCandidate(
+            record.entry.key,
+            tokens,
+            nbytes,
+            record.uses,
+            self.prefill.seconds(self.model, tokens),
+        )
+
+    def _admit(self, record: CacheRecord, nbytes: int) -> bool:
+        """Rule 11: whether a write-back of ``record`` leaving RAM is queued (counted)."""
+        candidate = self._candidate(record, nbytes)
+        admitted = self.admission.admit(candidate)
+        self.wear.on_admission(candidate, admitted)
+        return admitted
+
+    async def _expire(self) -> None:
+        """Rule 12: entries whose TTL ran out in either tier leave both."""
+        expired = self.hot_policy.expire() + self.cold_policy.expire()
+        for key in expired:
+            record = self._records.get(key)
+            if record is None or record.pinned:
+                continue
+            self._count("expired")
+            record.leaving = MissReason.EXPIRED
+            await self._remove(record)

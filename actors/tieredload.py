@@ -1,0 +1,239 @@
+"""The index build at open, cold loads and RAM eviction of
+:class:`~kvtrio.actors.tiered.TieredPromptCache`. A mixin: its methods run on the cache
+(``self`` is the cache)."""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import trio
+from kvtrio.actors.coldside import (
+    CacheRecord,
+)
+from kvtrio.actors.coldstore import (
+    ColdEntryInfo,
+    ColdStore,
+    collector_paused,
+)
+from kvtrio.actors.lifecycle import ColdEvent, ColdLedger, ColdState
+from kvtrio.actors.misses import (
+    MissReason,
+)
+from kvtrio.actors.policy import EvictionPolicy, WearAccount
+from kvtrio.actors.prefix import (
+    ModelKey,
+    PrefixEntry,
+)
+from kvtrio.actors.tieredtypes import (
+    OPEN_BATCH,
+    OwnerLike,
+    WritePolicy,
+    _by_mtime,
+    _cache_nbytes,
+)
+from kvtrio.errors import (
+    CacheMismatchError,
+    CacheMissError,
+    CorruptCacheError,
+    StoreUnavailableError,
+    UnknownCacheKindError,
+)
+
+__all__ = ["IndexAndLoadMixin"]
+
+
+class IndexAndLoadMixin:
+    """Open's index build in bounded batches, cold loads, promotion and RAM eviction."""
+
+    if TYPE_CHECKING:  # what the cache provides (its attrs fields and other parts)
+        def _admit(self, record: CacheRecord, nbytes: int) -> bool: ...
+        def _apply(self, record: CacheRecord, event: ColdEvent) -> ColdState: ...
+        def _cancel_pending(self, record: CacheRecord) -> None: ...
+        _conversations: dict[str, str]
+        def _count(self, name: str, n: int = 1) -> None: ...
+        def _evict(self, record: CacheRecord) -> None: ...
+        _hot_bytes: int
+        _hot_lru: OrderedDict[str, None]
+        _ledger: ColdLedger
+        _other_models: set[ModelKey]
+        def _pause_shared(self) -> None: ...
+        def _queue_write(
+            self,
+            record: CacheRecord,
+            caches: list[Any],
+            meta: Mapping[str, str],
+            *,
+            droppable: bool = True,
+            nbytes: int | None = None,
+        ) -> None: ...
+        _records: dict[str, CacheRecord]
+        def _set_hot(
+            self, record: CacheRecord, caches: list[Any] | None, nbytes: int = 0
+        ) -> None: ...
+        def _spawn_removal(self, record: CacheRecord) -> None: ...
+        def _touch_cold(self, record: CacheRecord) -> None: ...
+        cold: ColdStore
+        hot_budget: int
+        hot_policy: EvictionPolicy
+        model: ModelKey
+        owner: OwnerLike
+        policy: WritePolicy
+        wear: WearAccount
+
+    async def _load_index(self) -> None:
+        self._ledger.used = await self.cold.usage()
+        entries = await self.cold.entries()
+        with collector_paused(lambda: len(self._records)):
+            await self._add_cold_entries(entries)
+
+    async def _add_cold_entries(self, infos: Iterable[ColdEntryInfo]) -> None:
+        """Index stored entries, least recently used first, :data:`OPEN_BATCH` at a time
+        with a checkpoint between batches (the loop never stalls for all N at once)."""
+        listed = list(infos)
+        if len(listed) > OPEN_BATCH:  # a sort of N on the loop would be one long step
+            by_mtime = functools.partial(sorted, listed, key=_by_mtime)
+            ordered = await trio.to_thread.run_sync(by_mtime)
+        else:
+            ordered = sorted(listed, key=_by_mtime)
+        for n, info in enumerate(ordered):
+            if n and n % OPEN_BATCH == 0:
+                await trio.lowlevel.checkpoint()
+            if info.key in self._records:
+                continue
+            entry = PrefixEntry(
+                key=info.key,
+                model=info.model,
+                tokens=info.tokens,
+                trimmable=info.trimmable,
+                min_reusable_offset=info.min_reusable_offset,
+            )
+            if info.model != self.model:
+                self._other_models.add(info.model)
+            record = self._records[info.key] = CacheRecord.of(entry)
+            record.conversations = frozenset(info.conversations)
+            self._apply(record, ColdEvent.FOUND)
+            for conversation in info.conversations:  # the latest checkpoint is the longest
+                latest = self._records.get(self._conversations.get(conversation, ""))
+                if latest is None or len(latest.entry.tokens) < len(entry.tokens):
+                    self._conversations[conversation] = info.key
+
+    async def _load_cold(self, record: CacheRecord) -> list[Any] | None:
+        """Read a DURABLE entry's caches (None: gone or bad, counted and forgotten)."""
+        key = record.entry.key
+        try:
+            # Content is bound to its key: a manifest replaced by another valid one (a
+            # Redis value overwritten, a file copied over) is a mismatch, never a hit.
+            caches, nbytes = await self.cold.fetch(
+                key, model=self.model, tokens=record.entry.tokens
+            )
+        except (CacheMissError, CorruptCacheError, CacheMismatchError) as error:
+            self._count("drops")
+            record.leaving = (
+                MissReason.EVICTED if isinstance(error, CacheMissError) else MissReason.CORRUPT
+            )
+            if record.cold.state is ColdState.DURABLE:
+                self._evict(record)
+                self._spawn_removal(record)
+            return None
+        except StoreUnavailableError:
+            # A shared store (Redis) out of reach: a miss for this request. The entry is
+            # forgotten here only; it stays in the store for every host (and this one's
+            # next open).
+            self._count("drops")
+            record.leaving = MissReason.STORE_UNREACHABLE
+            self._pause_shared()
+            if record.cold.state is ColdState.DURABLE:
+                self._apply(record, ColdEvent.FORGET)
+            return None
+        except (OSError, UnknownCacheKindError) as error:
+            # The disk failed under this entry (EIO, a directory in its place), or it is of
+            # a kind this process has no codec for: a miss, counted. Forgotten here, not
+            # deleted: neither proves corruption.
+            self._count("drops")
+            self._count("cold_errors")
+            record.leaving = (
+                MissReason.STORE_UNREACHABLE if isinstance(error, OSError) else MissReason.CORRUPT
+            )
+            if record.cold.state is ColdState.DURABLE:
+                self._apply(record, ColdEvent.FORGET)
+            return None
+        self._count("bytes_read", nbytes)
+        self.wear.on_read(key, nbytes)
+        self._touch_cold(record)
+        return caches
+
+    async def _admit_hot(self, record: CacheRecord, caches: list[Any]) -> None:
+        """Promote a disk hit to RAM, unless the entry changed while it was loading."""
+        nbytes = await self.owner.run(_cache_nbytes, caches)
+        if (
+            record.hot is not None
+            or record.retired
+            or self._records.get(record.entry.key) is not record
+        ):
+            return
+        self._set_hot(record, caches, nbytes)
+        await self._enforce_hot_budget({})
+
+    async def _enforce_hot_budget(self, meta: Mapping[str, str]) -> None:
+        while self._hot_bytes > self.hot_budget and len(self._hot_lru) > 1:
+            key = self.hot_policy.victim()  # rule 10 (never a pinned one)
+            if key is None:
+                break
+            record = self._records[key]
+            caches = record.hot
+            record.leaving = MissReason.EVICTED
+            if self.policy is WritePolicy.WRITE_BACK and record.cold.state is ColdState.NONE:
+                assert caches is not None
+                if self._admit(record, record.hot_bytes):  # rule 11
+                    self._queue_write(record, caches, meta)
+                else:
+                    record.leaving = MissReason.DROPPED
+            self._set_hot(record, None)  # rule 3: findable again once durable
+            self._count("hot_evictions")
+        await trio.lowlevel.checkpoint()
+
+    async def _supersede(self, conversation: str, record: CacheRecord) -> None:
+        old_key = self._conversations.get(conversation)
+        self._conversations[conversation] = record.entry.key
+        record.conversations |= {conversation}
+        if old_key is None or old_key == record.entry.key:
+            return
+        old = self._records.get(old_key)
+        if old is None:
+            return
+        old.conversations -= {conversation}
+        n = len(old.entry.tokens)
+        if old.conversations or record.entry.tokens[:n] != old.entry.tokens:
+            return  # still another conversation's, or not a prefix of the new checkpoint
+        self._count("superseded")
+        old.retired = True
+        old.leaving = None  # its newer checkpoint answers its lookups: not a miss's cause
+        record.supersedes += old.supersedes
+        old.supersedes = ()
+        if record.cold.state is ColdState.DURABLE:
+            await self._remove(old)
+            return
+        # Rule 4: the old checkpoint leaves RAM now, and the disk once the new one is durable
+        # there (a crash in between keeps the old one; the new write shares its blocks).
+        self._set_hot(old, None)
+        if old.cold.state is ColdState.NONE:
+            await self._remove(old)
+        else:
+            record.supersedes += (old,)
+
+    async def _remove(self, record: CacheRecord) -> None:
+        """Take ``record`` out of both tiers (its file in the background)."""
+        self._set_hot(record, None)
+        state = record.cold.state
+        if state is ColdState.QUEUED:
+            self._cancel_pending(record)
+        elif state is ColdState.WRITING:
+            self._apply(record, ColdEvent.DOOM)  # deleted once written
+        elif state is ColdState.DURABLE:
+            self._apply(record, ColdEvent.EVICT)
+            # In the background: the store may be busy with a write (never on the request path).
+            self._spawn_removal(record)
+        await trio.lowlevel.checkpoint()
