@@ -22,21 +22,23 @@ Theory of operation (DedicatedThreadExecutor):
    when it runs out, leave the owner thread running as a daemon thread (it does not keep
    the interpreter alive), log a warning and raise :class:`ExecutorCloseTimeout`. The
    thread then exits on its own once its current job (and any queued behind it) returns.
+
+Rules 2-5 are the job lifecycle :mod:`kvtrio.runtime.jobbook` keeps for every thread
+executor; this module adds the queue, the thread and rules 1 and 6.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import queue
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Generic, Protocol, TypeVar, TypeVarTuple, Unpack
+from typing import Protocol, TypeVar, TypeVarTuple, Unpack
 
-import attrs
 import trio
 from kvtrio.errors import KvtrioError
+from kvtrio.runtime.jobbook import ExecutorStatistics, JobBook, _Job
 
 __all__ = [
     "DedicatedThreadExecutor",
@@ -77,40 +79,6 @@ class ExecutorCloseTimeout(KvtrioError):
         )
 
 
-@attrs.frozen
-class ExecutorStatistics:
-    """A snapshot of an executor's counters."""
-
-    queued: int
-    started: int
-    completed: int
-    skipped: int
-    abandoned: int  # started jobs whose caller left before they returned
-    thread_abandoned: bool = False  # close gave up waiting for the owner thread (rule 6)
-
-
-class _State(enum.Enum):
-    PENDING = "pending"
-    STARTED = "started"
-    DONE = "done"
-    SKIPPED = "skipped"
-    ABANDONED = "abandoned"
-
-
-@attrs.define(eq=False)
-class _Job(Generic[T]):
-    fn: Callable[[], T]
-    task: trio.lowlevel.Task
-    trio_token: trio.lowlevel.TrioToken
-    state: _State = _State.PENDING
-    value: T | None = None
-    error: BaseException | None = None
-
-
-def _released() -> Any:
-    raise AssertionError("a job runs at most once")
-
-
 _CLOSE = object()  # queue sentinel: the owner thread exits after the jobs before it
 
 
@@ -137,14 +105,9 @@ class DedicatedThreadExecutor:
         self.on_thread_exit = on_thread_exit
         self._thread_abandoned = False
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._jobs = JobBook()  # rules 2-5
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._queued = 0
-        self._started = 0
-        self._completed = 0
-        self._skipped = 0
-        self._abandoned = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -219,47 +182,12 @@ class DedicatedThreadExecutor:
             state = "closed" if self._closed else "not started"
             raise trio.ClosedResourceError(f"executor {self.name!r} is {state}")
         await trio.lowlevel.checkpoint_if_cancelled()
-        job: _Job[T] = _Job(
-            fn=lambda: fn(*args),
-            task=trio.lowlevel.current_task(),
-            trio_token=trio.lowlevel.current_trio_token(),
-        )
-        self._queued += 1
+        job = self._jobs.new(lambda: fn(*args))
         self._queue.put(job)
-
-        def abort(_: object) -> trio.lowlevel.Abort:
-            with self._lock:
-                if job.state is _State.PENDING:
-                    job.state = _State.SKIPPED  # rule 2
-                    self._skipped += 1
-                    return trio.lowlevel.Abort.SUCCEEDED
-                if job.state is _State.STARTED:
-                    job.state = _State.ABANDONED  # rule 3
-                    self._abandoned += 1
-                    return trio.lowlevel.Abort.SUCCEEDED
-            # DONE: the wake-up is already on its way; take the result.
-            return trio.lowlevel.Abort.FAILED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
-        # Rule 5: the job record keeps nothing once the result is handed over.
-        value, error = job.value, job.error
-        job.value = job.error = None
-        if error is not None:
-            try:
-                raise error
-            finally:
-                del error
-        return value  # type: ignore[return-value]
+        return await self._jobs.wait(job)
 
     def statistics(self) -> ExecutorStatistics:
-        return ExecutorStatistics(
-            queued=self._queued,
-            started=self._started,
-            completed=self._completed,
-            skipped=self._skipped,
-            abandoned=self._abandoned,
-            thread_abandoned=self._thread_abandoned,
-        )
+        return self._jobs.statistics(thread_abandoned=self._thread_abandoned)
 
     # -- the owner thread ------------------------------------------------------------------
 
@@ -270,7 +198,7 @@ class DedicatedThreadExecutor:
                 self._thread_exit()
                 return
             assert isinstance(item, _Job)
-            self._run_job(item)
+            self._jobs.execute(item)
             del item  # rule 5: do not hold the settled job until the next one arrives
 
     def _thread_exit(self) -> None:
@@ -280,33 +208,6 @@ class DedicatedThreadExecutor:
             self.on_thread_exit()
         except Exception:
             logger.exception("executor %r: on_thread_exit failed", self.name)
-
-    def _run_job(self, job: _Job[Any]) -> None:
-        fn, job.fn = job.fn, _released  # rule 5: the closure holds the job's arguments
-        with self._lock:
-            if job.state is not _State.PENDING:
-                return  # skipped: its caller left before we got here
-            job.state = _State.STARTED
-            self._started += 1
-        value: Any = None
-        error: BaseException | None = None
-        try:
-            value = fn()
-        except BaseException as exc:
-            error = exc
-        del fn
-        with self._lock:
-            self._completed += 1
-            if job.state is _State.ABANDONED:
-                return  # rule 3: nobody waits; the result is released here
-            job.state = _State.DONE
-            job.value = value
-            job.error = error
-        del value, error
-        try:
-            job.trio_token.run_sync_soon(trio.lowlevel.reschedule, job.task)
-        except trio.RunFinishedError:
-            pass  # the trio run ended while the job ran; nobody is left to wake
 
 
 class InlineExecutor:

@@ -39,7 +39,7 @@ from typing import Any, Generic, TypeVar, TypeVarTuple, Unpack
 
 import attrs
 import trio
-from kvtrio.runtime.executor import ExecutorStatistics, _Job, _State
+from kvtrio.runtime.jobbook import ExecutorStatistics, JobBook, _Job
 
 __all__ = ["ExternalThreadExecutor", "Reply"]
 
@@ -74,13 +74,8 @@ class ExternalThreadExecutor:
         self.on_queued: Callable[[], object] | None = None
         self._owner = threading.get_ident()
         self._queue: queue.SimpleQueue[_Job[Any] | Reply[Any]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._jobs = JobBook()  # rule 2
         self._closed = False
-        self._queued = 0
-        self._started = 0
-        self._completed = 0
-        self._skipped = 0
-        self._abandoned = 0
         self._in_job = False
 
     # -- the owner thread --------------------------------------------------------------
@@ -153,35 +148,11 @@ class ExternalThreadExecutor:
 
     def _run_job(self, job: _Job[Any]) -> bool:
         """Run ``job`` unless it was skipped; whether it ran."""
-        fn, job.fn = job.fn, _released
-        with self._lock:
-            if job.state is not _State.PENDING:
-                return False  # skipped (rule 2)
-            job.state = _State.STARTED
-            self._started += 1
-        value: Any = None
-        error: BaseException | None = None
-        self._in_job = True
+        self._in_job = True  # rule 7
         try:
-            value = fn()
-        except BaseException as exc:
-            error = exc
+            return self._jobs.execute(job)
         finally:
             self._in_job = False
-        del fn
-        with self._lock:
-            self._completed += 1
-            if job.state is _State.ABANDONED:
-                return True
-            job.state = _State.DONE
-            job.value = value
-            job.error = error
-        del value, error
-        try:
-            job.trio_token.run_sync_soon(trio.lowlevel.reschedule, job.task)
-        except trio.RunFinishedError:
-            pass
-        return True
 
     # -- the trio side -----------------------------------------------------------------
 
@@ -193,52 +164,16 @@ class ExternalThreadExecutor:
         if self._closed:
             raise trio.ClosedResourceError(f"executor {self.name!r} is closed")
         await trio.lowlevel.checkpoint_if_cancelled()
-        job: _Job[T] = _Job(
-            fn=lambda: fn(*args),
-            task=trio.lowlevel.current_task(),
-            trio_token=trio.lowlevel.current_trio_token(),
-        )
-        self._queued += 1
+        job = self._jobs.new(lambda: fn(*args))
         self._queue.put(job)
         if self.on_queued is not None:
             self.on_queued()
-
-        def abort(_: object) -> trio.lowlevel.Abort:
-            with self._lock:
-                if job.state is _State.PENDING:
-                    job.state = _State.SKIPPED
-                    self._skipped += 1
-                    return trio.lowlevel.Abort.SUCCEEDED
-                if job.state is _State.STARTED:
-                    job.state = _State.ABANDONED
-                    self._abandoned += 1
-                    return trio.lowlevel.Abort.SUCCEEDED
-            return trio.lowlevel.Abort.FAILED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
-        value, error = job.value, job.error
-        job.value = job.error = None
-        if error is not None:
-            try:
-                raise error
-            finally:
-                del error
-        return value  # type: ignore[return-value]
+        return await self._jobs.wait(job)
 
     def statistics(self) -> ExecutorStatistics:
-        return ExecutorStatistics(
-            queued=self._queued,
-            started=self._started,
-            completed=self._completed,
-            skipped=self._skipped,
-            abandoned=self._abandoned,
-        )
+        return self._jobs.statistics()
 
 
 def _check_stray(reply: Reply[Any]) -> None:
     if not reply.abandoned:
         raise AssertionError("a reply arrived that nobody waits for")
-
-
-def _released() -> Any:
-    raise AssertionError("a job runs at most once")
