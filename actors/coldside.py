@@ -109,6 +109,7 @@ class ColdSideMixin:
         _busy: int
         _wake: trio.Event
         _touched: dict[str, float]
+        _pins_to_record: dict[str, bool]
         cold_policy: EvictionPolicy
         wear: WearAccount
         departures: Departures
@@ -291,13 +292,30 @@ class ColdSideMixin:
             self._touched[record.entry.key] = time.time()
 
     async def _flush_touches(self) -> None:
-        if not self._touched:
-            return
-        batch, self._touched = self._touched, {}
-        try:
-            await self.cold.touch(batch)
-        except (KvtrioError, OSError):
-            return  # best effort: the order since the last flush is lost, nothing else
+        """Record the last uses and pins noted since the last flush (the writer task, and
+        the close)."""
+        if self._touched:
+            batch, self._touched = self._touched, {}
+            try:
+                await self.cold.touch(batch)
+            except (KvtrioError, OSError):
+                pass  # best effort: the order since the last flush is lost, nothing else
+        if self._pins_to_record:
+            pins, self._pins_to_record = self._pins_to_record, {}
+            try:
+                await self.cold.pin(pins)
+            except (KvtrioError, OSError):
+                self._count("cold_errors")  # held in this run; lost at the next open
+            finally:
+                self._busy_down()
+
+    def _note_pin(self, key: str, pinned: bool) -> None:
+        """Have the writer task record a DURABLE entry's pin in the store (rule 12);
+        ``wait_writes_settled`` (and so a close) waits until it has."""
+        if not self._pins_to_record:
+            self._busy_up()
+        self._pins_to_record[key] = pinned
+        self._wake.set()
 
     async def _writer(self) -> None:
         """The one writer task: takes pending writes oldest first, one at a time (and
@@ -334,6 +352,8 @@ class ColdSideMixin:
                 self._count("bytes_deduplicated", result.bytes_deduplicated)
                 self.wear.on_written(key, result.bytes_written)
                 self._apply(record, ColdEvent.WRITTEN)
+                if record.pinned:  # pinned before it was on disk: recorded now (rule 12)
+                    self._note_pin(key, True)
             else:
                 self._count("drops")
                 record.leaving = MissReason.DROPPED

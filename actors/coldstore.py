@@ -36,7 +36,13 @@ from kvtrio.actors.prefix import (
     probe_keys,
 )
 from kvtrio.actors.tier import SUFFIX, ColdTier, TierEntry
-from kvtrio.errors import CacheMismatchError, CacheMissError, CorruptCacheError, KvtrioError
+from kvtrio.errors import (
+    CacheMismatchError,
+    CacheMissError,
+    CorruptCacheError,
+    KvtrioError,
+    StoreUnavailableError,
+)
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.catalogue import Catalogue, CatalogueRow
 from kvtrio.storage.format import Header
@@ -103,6 +109,7 @@ class ColdEntryInfo:
     min_reusable_offset: int
     mtime: float
     conversations: tuple[str, ...] = ()  # whose checkpoint it is (see CONVERSATIONS_META)
+    pinned: bool = False  # recorded by ColdStore.pin (survives a restart)
 
 
 @attrs.frozen
@@ -165,6 +172,12 @@ class ColdStore(Protocol):
     async def touch(self, last_use: Mapping[str, float]) -> None:
         """Record when entries were last used (seconds since the epoch), so the cold LRU's
         order survives a restart; keys the store does not hold are ignored."""
+        ...
+
+    async def pin(self, pins: Mapping[str, bool]) -> None:
+        """Record that entries are pinned (True) or not (False), so :meth:`entries` says
+        so after a restart (``ColdEntryInfo.pinned``); keys the store does not hold are
+        ignored, and removing an entry unpins it."""
         ...
 
 
@@ -295,9 +308,11 @@ class ColdTierStore:
             self._block_sizes.update(declared)
             if manifests.supports_touch:
                 self._manifests = manifests
-            uses = await self._last_uses([entry.key for entry in entries])
+            keys = [entry.key for entry in entries]
+            uses = await self._last_uses(keys)
+            pinned = await trio.to_thread.run_sync(self._pinned_keys, keys)
             self._infos = [
-                attrs.evolve(_entry_info(entry), mtime=used)
+                attrs.evolve(_entry_info(entry), mtime=used, pinned=entry.key in pinned)
                 for entry, used in zip(entries, uses, strict=True)
             ]
             self._usage = sum(self._entry_bytes.values()) + sum(self._block_sizes.values())
@@ -341,6 +356,12 @@ class ColdTierStore:
             blocks = self._present_blocks(rows.values(), report)
         report.clean = catalogue.was_clean and not (report.rebuilt or report.dropped or fresh)
         if not report.clean:
+            # The rows' pins may be stale or lost with the catalogue: the manifest store's
+            # record is the truth.
+            pinned = self._pinned_keys(rows.keys())
+            for key, row in rows.items():
+                if row.pinned != (key in pinned):
+                    rows[key] = attrs.evolve(row, pinned=key in pinned)
             catalogue.replace_all(rows.values(), blocks)
         models: dict[tuple[str, str], ModelKey] = {}
         infos = []
@@ -498,6 +519,36 @@ class ColdTierStore:
             named = {key + SUFFIX: when for key, when in last_use.items()}
             await trio.to_thread.run_sync(self._manifests.touch, named)
 
+    async def pin(self, pins: Mapping[str, bool]) -> None:
+        """Record pins in the manifest store (the truth: it survives the catalogue's
+        loss), then in the catalogue's copy (what a clean open reads)."""
+        async with self._lock:
+            held = {key: pinned for key, pinned in pins.items() if key in self._entry_bytes}
+            if not held:
+                return
+            named = {key + SUFFIX: pinned for key, pinned in held.items()}
+            await trio.to_thread.run_sync(self.tier.manifests.set_pinned, named)
+            if self._catalogue is not None:
+                await trio.to_thread.run_sync(self._catalogue.set_pinned, held)
+
+    def _pinned_keys(self, keys: Iterable[str]) -> set[str]:
+        """Worker thread: which of ``keys`` the manifest store records as pinned (none when
+        its record is unreadable: logged; the pins are lost, nothing else). A recorded
+        name whose entry is gone (evicted behind this host's back, or a crash between a
+        deletion and its unpin) is unpinned now, so a later entry of that key is not."""
+        manifests = self.tier.manifests
+        try:
+            names = manifests.pinned_names()
+        except (CorruptCacheError, StoreUnavailableError) as exc:
+            _log.warning("cold tier: pins unreadable, none kept (%s)", exc)
+            return set()
+        pinned = {name[: -len(SUFFIX)] for name in names if name.endswith(SUFFIX)}
+        held = pinned.intersection(keys)
+        stale = {key + SUFFIX: False for key in pinned - held}
+        if stale and not manifests.shared:  # other hosts' entries are theirs to unpin
+            manifests.set_pinned(stale)
+        return held
+
     async def _last_uses(self, keys: list[str]) -> list[float]:
         """A shared store's recorded last uses of ``keys`` (0.0, the oldest, if none)."""
         if self._manifests is None or not keys:
@@ -612,6 +663,7 @@ def _row_info(row: CatalogueRow, models: dict[tuple[str, str], ModelKey]) -> Col
         min_reusable_offset=row.min_offset,
         mtime=row.last_use,
         conversations=row.conversations,
+        pinned=row.pinned,
     )
 
 

@@ -58,7 +58,9 @@ Theory of operation
    every hot entry regardless. ``wear`` counts bytes written, read and read back.
 12. A pinned entry (:meth:`TieredPromptCache.pin`) is never a victim of either tier and
    never expires; its bytes count against the budgets, and each tier holds at most
-   ``pin_limit`` pinned bytes. ``insert(ttl=)``: the entry leaves both tiers ``ttl``
+   ``pin_limit`` pinned bytes. A pin is recorded in the cold store once the entry is on
+   disk (``ColdStore.pin``, by the writer task): it survives a restart, and the entry
+   is pinned again at the next open. ``insert(ttl=)``: the entry leaves both tiers ``ttl``
    seconds (trio's clock) after its last use in a tier; expiry is checked at each lookup
    and insert.
 13. Every lookup is explained (:func:`~kvtrio.actors.misses.explain`, ``Fetched.
@@ -240,6 +242,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
     _key_tail: dict[str, trio.Event] = attrs.field(init=False, factory=dict)
     _hot_bytes: int = attrs.field(init=False, default=0)
     _touched: dict[str, float] = attrs.field(init=False, factory=dict)  # last uses to record
+    _pins_to_record: dict[str, bool] = attrs.field(init=False, factory=dict)  # ... and pins
     _counts: dict[str, int] = attrs.field(init=False, factory=dict)
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
     _busy: int = attrs.field(init=False, default=0)  # queued writes + background tasks
@@ -581,6 +584,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
             no_space_retries=c("no_space_retries", 0),
             cold_errors=c("cold_errors", 0),
             cold_skipped=c("cold_skipped", 0),
+            pins_refused=c("pins_refused", 0),
             lookups=self._misses.statistics(),
             wear=self.wear.statistics(),
             hot_policy=self.hot_policy.statistics(),

@@ -62,6 +62,7 @@ class PolicyFeaturesMixin:
         _prefetch_bytes: int
         _prefetches: dict[str, _Prefetch]
         _records: dict[str, CacheRecord]
+        def _note_pin(self, key: str, pinned: bool) -> None: ...
         async def _remove(self, record: CacheRecord) -> None: ...
         admission: AdmissionPolicy
         cold_policy: EvictionPolicy
@@ -196,6 +197,7 @@ class PolicyFeaturesMixin:
                 policy.unpin(key)
             raise
         record.pinned = True
+        self._record_pin(record)
         return key
 
     def unpin(self, tokens: Sequence[int]) -> None:
@@ -207,6 +209,13 @@ class PolicyFeaturesMixin:
         record.pinned = False
         self.hot_policy.unpin(record.entry.key)
         self.cold_policy.unpin(record.entry.key)
+        self._record_pin(record)
+
+    def _record_pin(self, record: CacheRecord) -> None:
+        """Have the writer task record ``record``'s pin in the cold store, so it survives a
+        restart (rule 12). An entry not on disk yet is recorded once its write is."""
+        if record.cold.state is ColdState.DURABLE:
+            self._note_pin(record.entry.key, record.pinned)
 
     def _exact(self, tokens: Sequence[int]) -> CacheRecord:
         query = tuple(int(t) for t in tokens)

@@ -114,6 +114,7 @@ class IndexAndLoadMixin:
                 self._other_models.add(info.model)
             record = self._records[info.key] = CacheRecord.of(entry)
             record.conversations = frozenset(info.conversations)
+            record.pinned = info.pinned  # rule 12: pins survive a restart
             self._apply(record, ColdEvent.FOUND)
             for conversation in info.conversations:  # the latest checkpoint is the longest
                 latest = self._records.get(self._conversations.get(conversation, ""))

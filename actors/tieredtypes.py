@@ -153,6 +153,9 @@ class TieredStatistics:
     cold_errors: int = 0
     # Cold matches reusing fewer than min_reuse_tokens tokens, not loaded (a miss).
     cold_skipped: int = 0
+    # Pinned entries a tier holds unpinned: pinning them would pass its pin_limit (one
+    # pinned before a restart, or promoted to RAM).
+    pins_refused: int = 0
     # Issue 18: lookups by reason, disk wear, and each tier's eviction policy (pins, TTLs).
     lookups: MissStatistics | None = None
     wear: WearStatistics | None = None

@@ -17,10 +17,13 @@ Rules:
    finds it clean, with the same manifest names as the directory listing, trusts the
    rows; otherwise (a crash, a manifest added or removed behind its back, a missing,
    truncated or corrupt file, another schema version) the caller rebuilds it from the
-   manifests (:meth:`Catalogue.replace_all`) and counts that.
+   manifests (:meth:`Catalogue.replace_all`) and counts that. A version-2 catalogue (no
+   pinned column) is migrated in place: the column is added, every entry unpinned.
 3. Per entry: key, model id and fingerprint, tokens (u32 little-endian), trimmability,
    minimum reusable offset, conversations, manifest bytes, last use (seconds since the
-   epoch: the cold LRU's order survives a restart), and its blocks with their sizes.
+   epoch: the cold LRU's order survives a restart), whether it is pinned (a copy of the
+   manifest store's pins, :meth:`ManifestStore.pinned_names`, read instead of them when
+   the catalogue is clean), and its blocks with their sizes.
    Per block that exists: its size. Reference counts are derived from the entries'
    block lists when loaded (so they cannot drift from them).
 
@@ -37,7 +40,7 @@ import json
 import os
 import sqlite3
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import attrs
 from kvtrio.errors import CorruptCacheError
@@ -45,7 +48,8 @@ from kvtrio.errors import CorruptCacheError
 __all__ = ["CATALOGUE_NAME", "Catalogue", "CatalogueRow", "pack_tokens", "unpack_tokens"]
 
 CATALOGUE_NAME = ".kvtrio-catalogue.sqlite3"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+_MIGRATABLE = {"2": "ALTER TABLE entries ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0"}
 _DIGEST = 32
 assert array.array("I").itemsize == 4
 
@@ -62,7 +66,8 @@ CREATE TABLE IF NOT EXISTS entries (
     file_bytes INTEGER NOT NULL,
     last_use REAL NOT NULL,
     block_names BLOB NOT NULL,
-    block_sizes BLOB NOT NULL
+    block_sizes BLOB NOT NULL,
+    pinned INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS blocks (name BLOB PRIMARY KEY, size INTEGER NOT NULL);
 """
@@ -99,6 +104,7 @@ class CatalogueRow:
     file_bytes: int
     last_use: float
     blocks: tuple[tuple[str, int], ...]  # (sha256 hex, size) in the manifest's order
+    pinned: bool = False
 
 
 @attrs.define(eq=False)
@@ -129,7 +135,8 @@ class Catalogue:
             db.executescript(_SCHEMA)
             meta = dict(db.execute("SELECT name, value FROM meta").fetchall())
             version = meta.get("version")
-            if version is not None and version != str(SCHEMA_VERSION):
+            migration = _MIGRATABLE.get(version or "")
+            if version is not None and version != str(SCHEMA_VERSION) and migration is None:
                 raise CorruptCacheError(f"catalogue {path}: schema {version}, not {SCHEMA_VERSION}")
             integrity = db.execute("PRAGMA quick_check").fetchone()
             if integrity is None or integrity[0] != "ok":
@@ -137,6 +144,8 @@ class Catalogue:
             was_clean = meta.get("clean") == "1" and version is not None
             with db:
                 db.execute("BEGIN")
+                if migration is not None:
+                    db.execute(migration)
                 db.execute(
                     "INSERT OR REPLACE INTO meta VALUES ('version', ?)", (str(SCHEMA_VERSION),)
                 )
@@ -177,7 +186,8 @@ class Catalogue:
         """Every entry, least recently used first. CorruptCacheError on a bad row."""
         query = (
             "SELECT key, model_id, fingerprint, tokens, trimmable, min_offset, conversations,"
-            " file_bytes, last_use, block_names, block_sizes FROM entries ORDER BY last_use"
+            " file_bytes, last_use, block_names, block_sizes, pinned FROM entries"
+            " ORDER BY last_use"
         )
         try:
             for row in self._db.execute(query):
@@ -204,7 +214,7 @@ class Catalogue:
             self._db.execute("DELETE FROM entries")
             self._db.execute("DELETE FROM blocks")
             self._db.executemany(
-                "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (_values(row) for row in rows),
             )
             self._db.executemany(
@@ -217,7 +227,7 @@ class Catalogue:
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute(
-                "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 _values(row),
             )
             self._db.executemany(
@@ -250,6 +260,15 @@ class Catalogue:
                 ((when, key) for key, when in last_use.items()),
             )
 
+    def set_pinned(self, pins: Mapping[str, bool]) -> None:
+        """Record which entries are pinned (True) or not (rule 3; absent keys: nothing)."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.executemany(
+                "UPDATE entries SET pinned = ? WHERE key = ?",
+                ((int(pinned), key) for key, pinned in pins.items()),
+            )
+
 
 def _values(row: CatalogueRow) -> tuple[object, ...]:
     names = b"".join(bytes.fromhex(name) for name, _ in row.blocks)
@@ -265,6 +284,7 @@ def _values(row: CatalogueRow) -> tuple[object, ...]:
         row.last_use,
         names,
         _pack_sizes([size for _, size in row.blocks]),
+        int(row.pinned),
     )
 
 
@@ -287,7 +307,7 @@ def _unpack_sizes(data: bytes) -> array.array[int]:
 
 def _row(row: tuple[object, ...]) -> CatalogueRow:
     (key, model_id, fingerprint, tokens, trimmable, min_offset, conversations, file_bytes,
-     last_use, names, sizes) = row  # fmt: skip
+     last_use, names, sizes, pinned) = row  # fmt: skip
     try:
         if not (isinstance(names, bytes) and isinstance(tokens, bytes)):
             raise TypeError("names and tokens must be blobs")
@@ -313,6 +333,7 @@ def _row(row: tuple[object, ...]) -> CatalogueRow:
             file_bytes=int(str(file_bytes)),
             last_use=float(str(last_use)),
             blocks=blocks,
+            pinned=bool(pinned),
         )
     except (ValueError, TypeError) as exc:
         raise CorruptCacheError(f"catalogue: entry {key!r:.80}: {exc}") from exc

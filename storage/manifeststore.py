@@ -18,6 +18,7 @@ Two stores keep the same contract, :class:`ManifestStore`:
       P:manifest-keys:<name>  set of the index keys the manifest was registered under
       P:prefix:<index key>    set of manifest names registered under that key
       P:manifest-last-use     sorted set: manifest name -> last use (seconds since epoch)
+      P:manifest-pinned       set of the pinned manifests' names
 
   A manifest and its index entries are written in one MULTI/EXEC transaction, so no host
   sees an index entry before the manifest it names. Keys may vanish at any time (Redis's
@@ -35,6 +36,7 @@ import abc
 import builtins
 import errno
 import hashlib
+import json
 import os
 import re
 import time
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MANIFEST_NAME_RE",
     "MAX_MANIFEST_BYTES",
+    "PINS_NAME",
     "LocalManifestStore",
     "ManifestStore",
     "RedisManifestStore",
@@ -68,6 +71,8 @@ __all__ = [
 MANIFEST_NAME_RE = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,199}")
 # A manifest lists blocks, not data: even a 1M-token cache of a deep model stays far below.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+# A local store's record of its pinned names (hidden: no manifest name, no cache file).
+PINS_NAME = ".kvtrio-pins"
 _DIGEST = 32
 _SCAN_COUNT = 1000
 
@@ -102,6 +107,8 @@ class ManifestStore(abc.ABC):
     supports_deletes: ClassVar[bool] = True
     #: :meth:`touch` records last uses that :meth:`last_uses` reads back.
     supports_touch: ClassVar[bool] = False
+    #: :meth:`set_pinned` records pins that :meth:`pinned_names` reads back.
+    supports_pins: ClassVar[bool] = False
     #: ``put(index_keys=...)`` registers a manifest in a prefix index that
     #: :meth:`lookup_each` asks and :meth:`unregister` cleans.
     supports_index: ClassVar[bool] = False
@@ -180,18 +187,35 @@ class ManifestStore(abc.ABC):
         """The last use of each of ``names`` (None: never recorded, or absent)."""
         return [None for _ in names]
 
+    def set_pinned(self, pins: Mapping[str, bool]) -> None:
+        """Record that manifests are pinned (True) or not (False), so a tier's pins survive
+        a restart; deleting a manifest unpins it. Without ``supports_pins``, nothing is
+        recorded."""
+        return None
+
+    def pinned_names(self) -> set[str]:
+        """Names recorded as pinned (a name whose manifest vanished without a
+        :meth:`delete`, evicted or lost in a crash, may remain: the caller checks).
+        CorruptCacheError if the record is unreadable."""
+        return set()
+
 
 @attrs.define(eq=False)
 class LocalManifestStore(ManifestStore):
     """Manifests as files ``<directory>/<name>``, published atomically and durably; a
-    manifest's mtime is its last use (``supports_touch``)."""
+    manifest's mtime is its last use (``supports_touch``); the pinned names are a JSON
+    list in the hidden file ``<directory>/.kvtrio-pins`` (:data:`PINS_NAME`), republished
+    whole (atomically, durably) on each change. One process writes a directory (the
+    tier's lock), so the names read once are kept in memory."""
 
     supports_touch: ClassVar[bool] = True
+    supports_pins: ClassVar[bool] = True
 
     directory: str
     file_ops: FileOps = OS_FILE_OPS
     # False: the owner makes (and checks) the directory itself (ColdTier, under its lock).
     make_directory: bool = attrs.field(default=True, kw_only=True)
+    _pins: set[str] | None = attrs.field(default=None, init=False)  # read once, then kept
 
     def __attrs_post_init__(self) -> None:
         if self.make_directory:
@@ -241,6 +265,8 @@ class LocalManifestStore(ManifestStore):
         except FileNotFoundError:
             return False
         self.file_ops.fsync_dir(self.directory)
+        if name in self._pinned():
+            self.set_pinned({name: False})
         return True
 
     def list(self) -> builtins.list[str]:
@@ -267,6 +293,53 @@ class LocalManifestStore(ManifestStore):
                 out.append(None)
         return out
 
+    def set_pinned(self, pins: Mapping[str, bool]) -> None:
+        names = self._pinned()
+        updated = {n for n in names if pins.get(n, True)}
+        updated.update(check_manifest_name(n) for n, pinned in pins.items() if pinned)
+        if updated == names:
+            return
+        data = json.dumps(sorted(updated)).encode()
+        publish_bytes(os.path.join(self.directory, PINS_NAME), data, file_ops=self.file_ops)
+        self._pins = updated
+
+    def pinned_names(self) -> set[str]:
+        return set(self._pinned())
+
+    def _pinned(self) -> set[str]:
+        if self._pins is None:
+            self._pins = self._read_pins()
+        return self._pins
+
+    def _read_pins(self) -> set[str]:
+        path = os.path.join(self.directory, PINS_NAME)
+        try:
+            fd = self.file_ops.open(path, os.O_RDONLY | O_NOFOLLOW)
+        except FileNotFoundError:
+            return set()
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CorruptCacheError(f"{path}: is a symbolic link") from exc
+            raise
+        try:
+            size = self.file_ops.fstat(fd).st_size
+            if size > MAX_MANIFEST_BYTES:
+                raise CorruptCacheError(f"{path}: {size} bytes > {MAX_MANIFEST_BYTES}")
+            buffer = bytearray(size)
+            if pread_full(self.file_ops, fd, memoryview(buffer), 0) != size:
+                raise CorruptCacheError(f"{path}: shorter than its size")
+        finally:
+            self.file_ops.close(fd)
+        try:
+            names = json.loads(buffer)
+        except ValueError as exc:
+            raise CorruptCacheError(f"{path}: not JSON ({exc})") from exc
+        if not isinstance(names, builtins.list) or not all(
+            isinstance(n, str) and MANIFEST_NAME_RE.fullmatch(n) for n in names
+        ):
+            raise CorruptCacheError(f"{path}: not a list of manifest names")
+        return set(names)
+
     def close(self) -> None:
         return None
 
@@ -277,6 +350,7 @@ class RedisManifestStore(ManifestStore):
 
     shared: ClassVar[bool] = True
     supports_touch: ClassVar[bool] = True
+    supports_pins: ClassVar[bool] = True
     supports_index: ClassVar[bool] = True
 
     client: redis.Redis
@@ -303,6 +377,9 @@ class RedisManifestStore(ManifestStore):
 
     def _last_use_key(self) -> str:
         return f"{self.target.prefix}:manifest-last-use"
+
+    def _pinned_key(self) -> str:
+        return f"{self.target.prefix}:manifest-pinned"
 
     def put(self, name: str, data: bytes, *, index_keys: Sequence[str] = ()) -> None:
         key = self.manifest_key(name)
@@ -351,6 +428,7 @@ class RedisManifestStore(ManifestStore):
             pipe = self.client.pipeline(transaction=True)
             pipe.delete(key)
             pipe.zrem(self._last_use_key(), name)
+            pipe.srem(self._pinned_key(), name)
             pipe.delete(self._keys_key(name))
             for index_key in index_keys:
                 pipe.srem(self._index_key(_text(index_key)), name)
@@ -421,6 +499,25 @@ class RedisManifestStore(ManifestStore):
         with translate_redis_errors(self.target):
             scores = self.client.zmscore(self._last_use_key(), list(names))
         return [None if score is None else float(score) for score in scores]
+
+    def set_pinned(self, pins: Mapping[str, bool]) -> None:
+        added = [check_manifest_name(n) for n, pinned in pins.items() if pinned]
+        removed = [check_manifest_name(n) for n, pinned in pins.items() if not pinned]
+        if not pins:
+            return
+        with translate_redis_errors(self.target):
+            pipe = self.client.pipeline(transaction=True)
+            if added:
+                pipe.sadd(self._pinned_key(), *added)
+            if removed:
+                pipe.srem(self._pinned_key(), *removed)
+            pipe.execute()
+
+    def pinned_names(self) -> set[str]:
+        with translate_redis_errors(self.target):
+            members = self.client.smembers(self._pinned_key())
+        # From the shared (untrusted) store: only valid names go on.
+        return {name for name in map(_text, members) if MANIFEST_NAME_RE.fullmatch(name)}
 
     def close(self) -> None:
         self.client.close()

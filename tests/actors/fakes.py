@@ -132,6 +132,12 @@ class FakeColdStore:
                 info, caches = self.disk[key]
                 self.disk[key] = (attrs.evolve(info, mtime=when), caches)
 
+    async def pin(self, pins: Mapping[str, bool]) -> None:
+        for key, pinned in pins.items():
+            if key in self.disk:
+                info, caches = self.disk[key]
+                self.disk[key] = (attrs.evolve(info, pinned=pinned), caches)
+
     async def entries(self) -> list[ColdEntryInfo]:
         return [info for info, _ in self.disk.values()]
 

@@ -152,3 +152,40 @@ async def test_the_cold_lru_order_survives_a_restart(tmp_path: Path, tiny: TinyM
             assert cache.statistics().cold_evictions == 1
             assert (await cache.fetch_nearest([*_prompt(0), 9])).tier is Tier.COLD
             assert (await cache.fetch_nearest([*_prompt(1), 9])).caches is None
+
+
+@pytest.mark.parametrize("catalogue", ["kept", "deleted"])
+async def test_a_pin_survives_a_restart_and_pressure(
+    tmp_path: Path, tiny: TinyModel, catalogue: str
+) -> None:
+    """docs/design.md invariant 15 (nothing lost with the catalogue): a pinned entry is
+    pinned again after a restart, whether the catalogue is kept or deleted (the manifest
+    store's record of pins is the truth), and a budget too small for every entry evicts
+    the others, never it; an unpin survives a restart too."""
+    async with MlxOwner.inline() as owner:
+        one = await _fill(tmp_path, tiny, owner, range(1)) + 8192
+        await _fill(tmp_path, tiny, owner, range(1, 3))
+        async with _open(tmp_path, tiny, owner, pin_limit=1 << 30) as cache:
+            cache.pin(_prompt(0))
+        if catalogue == "deleted":
+            (tmp_path / CATALOGUE_NAME).unlink()
+        async with _open(tmp_path, tiny, owner, pin_limit=1 << 30) as cache:
+            assert _report(cache).rebuilt is False and _report(cache).clean is (catalogue == "kept")
+            policy = cache.statistics().cold_policy
+            assert policy is not None and policy.pinned_entries == 1
+            cache.cold_budget = 2 * one
+            for seed in range(3, 6):
+                tokens = _prompt(seed)
+                caches = make_caches(tiny)
+                prefill(tiny, caches, tokens)
+                await cache.insert(tokens, caches)
+                await cache.wait_writes_settled()
+            assert cache.statistics().cold_evictions >= 3  # 1, 2 and newer ones went
+            assert (await cache.fetch_nearest([*_prompt(1), 9])).caches is None
+            assert (await cache.fetch_nearest([*_prompt(0), 9])).tier is Tier.COLD
+        async with _open(tmp_path, tiny, owner, pin_limit=1) as cache:  # too small now
+            assert cache.statistics().pins_refused == 1
+            cache.unpin(_prompt(0))
+        async with _open(tmp_path, tiny, owner, pin_limit=1 << 30) as cache:
+            policy = cache.statistics().cold_policy
+            assert policy is not None and policy.pinned_entries == 0

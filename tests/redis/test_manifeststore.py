@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 from kvtrio.errors import CorruptCacheError, StoreUnavailableError
-from kvtrio.storage.manifeststore import LocalManifestStore, ManifestStore, RedisManifestStore
+from kvtrio.storage.manifeststore import (
+    PINS_NAME,
+    LocalManifestStore,
+    ManifestStore,
+    RedisManifestStore,
+)
 
 
 @pytest.fixture(params=["local", "redis"])
@@ -145,3 +150,34 @@ def test_last_uses_are_recorded_and_ordered(manifests: ManifestStore) -> None:
     manifests.delete("a")
     assert manifests.last_uses(["a"]) == [None]
     assert manifests.get("ghost") is None
+
+
+def test_pins_are_recorded_and_go_with_the_manifest(manifests: ManifestStore) -> None:
+    """Both stores keep the pinned names (a tier's pins across restarts, its catalogue
+    lost or not): set and cleared by set_pinned, gone when the manifest is deleted."""
+    manifests.put("a", b"1")
+    manifests.put("b", b"2")
+    assert manifests.supports_pins and manifests.pinned_names() == set()
+    manifests.set_pinned({"a": True, "b": True})
+    manifests.set_pinned({"b": False})
+    assert manifests.pinned_names() == {"a"}
+    manifests.delete("a")
+    assert manifests.pinned_names() == set()
+
+
+def test_local_pins_survive_a_new_store_and_hostile_records_are_corrupt(tmp_path: Path) -> None:
+    directory = tmp_path / "manifests"
+    first = LocalManifestStore(str(directory))
+    first.put("a.kvc", b"1")
+    first.set_pinned({"a.kvc": True})
+    assert LocalManifestStore(str(directory)).pinned_names() == {"a.kvc"}
+    assert first.list() == ["a.kvc"]  # the record is no manifest
+    pins = directory / PINS_NAME
+    for hostile in (b"{not json", b'["../escape"]', b'{"a.kvc": 1}'):
+        pins.write_bytes(hostile)
+        with pytest.raises(CorruptCacheError):
+            LocalManifestStore(str(directory)).pinned_names()
+    pins.unlink()
+    pins.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(CorruptCacheError, match="symbolic link"):
+        LocalManifestStore(str(directory)).pinned_names()

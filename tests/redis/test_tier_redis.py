@@ -241,3 +241,26 @@ async def test_the_cold_lru_order_survives_a_restart_on_redis(private_redis: Any
             assert (await cache.fetch_nearest([*prompts[0], 1])).tier is Tier.COLD
         async with open_tiered_cache(url, model, **options) as cache:
             assert cache._ledger.durable_keys() == [keys[1], keys[2], keys[0]]
+
+
+async def test_a_pin_survives_a_restart_on_redis(private_redis: Any) -> None:
+    """Pins live beside the last uses (``P:manifest-pinned``): an entry pinned before a
+    restart is pinned again after it (never the cold policy's victim), and an unpin
+    survives a restart too."""
+    url = private_redis.url(0, prefix="kvtrio")
+    async with MlxOwner.dedicated() as owner:
+        tiny = await owner.run(host._build)
+        model = ModelKey(tiny.model_id, tiny.fingerprint)
+        prompts = [[seed, *range(2, 40)] for seed in (100, 200)]
+        options = _tiered_options(owner, policy=WritePolicy.WRITE_THROUGH, pin_limit=1 << 30)
+        async with open_tiered_cache(url, model, **options) as cache:
+            for tokens in prompts:
+                await cache.insert(tokens, await owner.run(host._fresh, tiny, tokens))
+            await cache.wait_writes_settled()
+            key = cache.pin(prompts[0])
+        async with open_tiered_cache(url, model, **options) as cache:
+            assert cache.cold_policy.is_pinned(key)
+            assert cache.cold_policy.victim() != key and cache.cold_policy.victim() is None
+            cache.unpin(prompts[0])
+        async with open_tiered_cache(url, model, **options) as cache:
+            assert not cache.cold_policy.is_pinned(key)

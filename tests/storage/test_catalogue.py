@@ -6,6 +6,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import attrs
 import pytest
 from kvtrio.errors import CorruptCacheError
 from kvtrio.storage.catalogue import CATALOGUE_NAME, Catalogue, CatalogueRow
@@ -68,3 +69,28 @@ def test_a_bad_row_is_refused(tmp_path: Path) -> None:
     catalogue._db.execute("UPDATE entries SET block_sizes = zeroblob(8)")  # 2 names, 1 size
     with pytest.raises(CorruptCacheError, match="entry 'a'"):
         list(catalogue.rows())
+
+
+def test_pins_round_trip(tmp_path: Path) -> None:
+    catalogue = Catalogue.open(str(tmp_path))
+    catalogue.put(attrs.evolve(_row("a", 1.0), pinned=True), {})
+    catalogue.put(_row("b", 2.0), {})
+    catalogue.set_pinned({"a": False, "b": True, "missing": True})
+    assert [(r.key, r.pinned) for r in catalogue.rows()] == [("a", False), ("b", True)]
+
+
+def test_a_version_2_catalogue_is_migrated_with_its_rows(tmp_path: Path) -> None:
+    """A catalogue of the schema before pins keeps its rows (no rebuild), all unpinned."""
+    catalogue = Catalogue.open(str(tmp_path))
+    catalogue.put(_row("a", 1.0), {"00" * 32: 10})
+    catalogue.close()
+    db = sqlite3.connect(tmp_path / CATALOGUE_NAME)
+    db.execute("ALTER TABLE entries DROP COLUMN pinned")
+    db.execute("UPDATE meta SET value = '2' WHERE name = 'version'")
+    db.commit()
+    db.close()
+    again = Catalogue.open(str(tmp_path))
+    assert again.was_clean and list(again.rows()) == [_row("a", 1.0)]
+    again.set_pinned({"a": True})
+    again.close()
+    assert [r.pinned for r in Catalogue.open(str(tmp_path)).rows()] == [True]
