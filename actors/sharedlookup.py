@@ -76,7 +76,7 @@ class SharedLookupMixin:
         )
         self._shared_paused_until = trio.current_time() + self._shared_backoff
 
-    async def _find_shared(self, query: tuple[int, ...], local: PrefixMatch | None) -> None:
+    async def _find_shared(self, query: tuple[int, ...], local: PrefixMatch | None) -> bool:
         """Add to the index the entry another host saved with the longest prefix of
         ``query``, if it beats ``local`` (rule 8): one index round trip, then the manifests
         of at most :data:`SHARED_READS` candidates, deepest first, until one does.
@@ -87,18 +87,21 @@ class SharedLookupMixin:
         doubles from :data:`SHARED_PAUSE_MIN` up to :data:`SHARED_PAUSE_MAX` seconds while
         the store stays out of reach, so an unreachable Redis (connect timeouts) does not
         delay every request.
+
+        False when the store could not be asked (a failure, or the pause after one): the
+        lookup's miss reason is then ``store-unreachable`` (rule 13).
         """
         shared = self.cold.shared_lookups()
         assert shared is not None, "checked at open: shared_index needs shared lookups"
         now = trio.current_time()
         if now < self._shared_paused_until:
-            return
+            return False
         best = local.reuse if local is not None else 0
         try:
             candidates = await shared.find(self.model, query)
         except (KvtrioError, OSError):
             self._pause_shared()
-            return
+            return False
         self._shared_backoff = 0.0
         self._count("shared_lookups")
         reads = 0
@@ -111,7 +114,7 @@ class SharedLookupMixin:
             try:
                 info = await shared.entry(key)
             except (KvtrioError, OSError):
-                return
+                return False
             if info is None or info.model != self.model:
                 self._count("shared_vanished")
                 if info is None:  # a stale registration: clean it up for every host
@@ -123,7 +126,8 @@ class SharedLookupMixin:
             self._count("shared_found")
             match = self._index.lookup(self.model, query)
             if match is not None and match.reuse > best:
-                return
+                return True
+        return True
 
     async def _forget_shared(self, key: str, query: tuple[int, ...]) -> None:
         shared = self.cold.shared_lookups()

@@ -67,7 +67,9 @@ Theory of operation
    explanation``) and counted by reason (``statistics().lookups``); every entry that
    leaves the index is noted in ``departures`` with why (evicted, dropped or refused,
    corrupt, unreachable, expired; not a superseded one), and forgotten there when it
-   comes back.
+   comes back. A lookup the shared store could not answer (its index lookup failed, or
+   is paused after a failure) that finds nothing better to blame is a
+   ``store-unreachable`` miss, not ``no-entry``: the store may hold a longer prefix.
 14. ``prefetch(tokens)`` starts the cold load of the entry a lookup of ``tokens`` would
    reuse, in the background; the next lookup that picks that entry adopts the loaded
    caches instead of reading them again. Prefetched bytes held at once are capped by
@@ -367,12 +369,13 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
         """
         query = tuple(int(t) for t in tokens)
         await self._expire()
+        unreachable = False  # the shared store could not be asked (rule 13)
         if self.shared_index or self.shared_refresh is not None:
             found = self._index.lookup(self.model, query)
             if found is None or found.kind is not MatchKind.EXACT:
                 # Another host may have saved a better one (rule 8).
                 if self.shared_index:
-                    await self._find_shared(query, found)
+                    unreachable = not await self._find_shared(query, found)
                 if self.shared_refresh is not None:
                     await self._refresh_shared()
         for _ in range(8):  # bounded: each retry forgot a bad cold entry
@@ -387,9 +390,14 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
                 self._touch(record)
                 self._count("hits_hot")
                 return Fetched(
-                    caches, query[match.reuse :], Tier.HOT, match, self._explained(query, match)
+                    caches,
+                    query[match.reuse :],
+                    Tier.HOT,
+                    match,
+                    self._explained(query, match, unreachable),
                 )
             if trio.current_time() < self._shared_paused_until:
+                unreachable = True
                 break  # the shared store just failed: a miss, not another deadline spent
             if match.reuse < self.min_reuse_tokens:
                 # Loading would be slower than recomputing so few tokens (bench reuse);
@@ -403,7 +411,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
                 continue
             self._count("hits_cold")
             record.uses += 1
-            explanation = self._explained(query, match)
+            explanation = self._explained(query, match, unreachable)
             if not admit:
                 if match.trim:
                     await self.owner.run(_trim, loaded, match.trim)
@@ -412,7 +420,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
             await self._admit_hot(record, loaded)
             return Fetched(caches, query[match.reuse :], Tier.COLD, match, explanation)
         self._count("misses")
-        return Fetched(None, query, None, None, self._explained(query, None))
+        return Fetched(None, query, None, None, self._explained(query, None, unreachable))
 
 
     def _leave_one(self, exact: PrefixMatch, query: tuple[int, ...]) -> PrefixMatch | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 from kvtrio.actors.coldside import (
     CacheRecord,
@@ -145,9 +146,11 @@ class PolicyFeaturesMixin:
             pending.scope.cancel()
 
     def _explained(
-        self, query: tuple[int, ...], match: PrefixMatch | None
+        self, query: tuple[int, ...], match: PrefixMatch | None, unreachable: bool = False
     ) -> Explanation:
-        """Why this lookup did not reuse more (kvtrio.actors.misses), counted."""
+        """Why this lookup did not reuse more (kvtrio.actors.misses), counted.
+        ``unreachable``: the shared store could not be asked, so it, not the absence of
+        an entry, is why (rule 13)."""
         explanation = explain(
             self._index,
             self.model,
@@ -156,6 +159,8 @@ class PolicyFeaturesMixin:
             departures=self.departures,
             other_models=self._other_models,
         )
+        if unreachable and explanation.reason is MissReason.NO_ENTRY:
+            explanation = attrs.evolve(explanation, reason=MissReason.STORE_UNREACHABLE)
         self._misses.add(explanation)
         return explanation
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 import trio
+from kvtrio.actors.misses import MissReason
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import ModelKey, entry_key, index_keys, probe_keys
 from kvtrio.actors.tiered import ColdEntryInfo, SharedColdStore, Tier, TieredPromptCache
@@ -142,3 +143,30 @@ async def test_an_unreachable_index_is_paused(tmp_path: Path, autojump_clock: An
         await trio.sleep(1.1)  # back to the shortest pause after a success
         await cache.fetch_nearest([9, 9, 9])
         assert store.find_calls == 6
+
+
+async def test_an_unreachable_index_is_a_store_unreachable_miss(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    """A lookup the shared store could not answer (its index lookup failed, or was skipped
+    in the pause after a failure) with nothing better to blame is counted
+    store-unreachable, not no-entry; once the store answers, an empty lookup is no-entry."""
+    store = FakeSharedStore(tmp_path, MODEL)
+    query = list(range(6))
+    async with _open(store) as cache:
+        store.publish(query)
+        store.fail_find = True
+        failed = await cache.fetch_nearest(query)
+        paused = await cache.fetch_nearest(query)
+        assert store.find_calls == 1  # the second was not asked: paused
+        for missed in (failed, paused):
+            assert missed.caches is None and missed.explanation is not None
+            assert missed.explanation.reason is MissReason.STORE_UNREACHABLE
+        lookups = cache.statistics().lookups
+        assert lookups is not None
+        assert (lookups.count(MissReason.STORE_UNREACHABLE), lookups.no_entry) == (2, 0)
+        store.fail_find = False
+        await trio.sleep(1.1)
+        answered = await cache.fetch_nearest([9, 9, 9])
+        assert answered.explanation is not None
+        assert answered.explanation.reason is MissReason.NO_ENTRY
