@@ -39,6 +39,7 @@ import attrs
 import trio
 from kvtrio.actors.coldstore import CONVERSATIONS_META, ColdStore, StoreResult
 from kvtrio.actors.lifecycle import FINDABLE_COLD, ColdEvent, ColdLedger, ColdSide, ColdState
+from kvtrio.actors.metrics import Histogram
 from kvtrio.actors.misses import Departures, MissReason
 from kvtrio.actors.policy import EntryCost, EvictionPolicy, WearAccount
 from kvtrio.actors.prefix import PrefixEntry, PrefixIndex
@@ -110,6 +111,7 @@ class ColdSideMixin:
         _wake: trio.Event
         _touched: dict[str, float]
         _pins_to_record: dict[str, bool]
+        save_seconds: Histogram
         cold_policy: EvictionPolicy
         wear: WearAccount
         departures: Departures
@@ -375,10 +377,13 @@ class ColdSideMixin:
         await self._make_room()
         if record.conversations:
             meta[CONVERSATIONS_META] = json.dumps(sorted(record.conversations))
+        started = time.perf_counter()
         try:
             result = await self.cold.store(
                 record.entry.key, record.entry.model, record.entry.tokens, caches, meta=meta
             )
+            if result.written:
+                self.save_seconds.observe(time.perf_counter() - started)
         except KvtrioError:
             result = StoreResult(written=False)
         except OSError:  # the disk failed under the write: a counted drop (issue 15)

@@ -76,6 +76,10 @@ Theory of operation
    ``prefetch_budget``; a prefetch is cancelled when its entry leaves the index
    (evicted, removed, superseded) and dropped when no lookup takes it within
    ``prefetch_deadline`` seconds; ``statistics()`` counts the bytes used and wasted.
+15. ``metrics_text()`` carries histograms of the seconds per cold load and per cold save
+   (each one that completed: a failed one is a drop) and of the event loop's lag: a task
+   started with the cache sleeps ``loop_lag_interval`` seconds on trio's clock and
+   records how late it woke (:func:`~kvtrio.actors.metrics.watch_loop_lag`).
 
 Costs (N entries, P prompt blocks, C candidates examined): ``open`` is O(N) in batches
 of :data:`OPEN_BATCH` entries with a checkpoint between batches; a lookup is O(P + C)
@@ -90,6 +94,7 @@ containment belongs there).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -118,6 +123,7 @@ from kvtrio.actors.coldstore import (
     StoreResult,
 )
 from kvtrio.actors.lifecycle import ColdLedger, ColdState
+from kvtrio.actors.metrics import LAG_BUCKETS, Histogram, watch_loop_lag
 from kvtrio.actors.misses import (
     Departures,
     MissCounter,
@@ -144,6 +150,7 @@ from kvtrio.actors.tieredextras import PolicyFeaturesMixin
 from kvtrio.actors.tieredload import IndexAndLoadMixin
 from kvtrio.actors.tieredtypes import (
     DEFAULT_BYTES_PER_TOKEN,
+    DEFAULT_LAG_INTERVAL,
     DEFAULT_PREFETCH_BYTES,
     DEFAULT_PREFETCH_DEADLINE,
     Fetched,
@@ -227,7 +234,12 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
     # used (seconds, trio's clock).
     prefetch_budget: int = DEFAULT_PREFETCH_BYTES
     prefetch_deadline: float = DEFAULT_PREFETCH_DEADLINE
+    # Rule 15: seconds between the event-loop lag probe's wake-ups (None: no probe).
+    loop_lag_interval: float | None = DEFAULT_LAG_INTERVAL
     _nursery: trio.Nursery | None = None
+    load_seconds: Histogram = attrs.field(init=False, factory=Histogram)
+    save_seconds: Histogram = attrs.field(init=False, factory=Histogram)
+    loop_lag_seconds: Histogram = attrs.field(init=False, factory=lambda: Histogram(LAG_BUCKETS))
     hot_policy: EvictionPolicy = attrs.field(init=False)
     cold_policy: EvictionPolicy = attrs.field(init=False)
     wear: WearAccount = attrs.field(init=False, factory=WearAccount)
@@ -288,6 +300,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
         admission: AdmissionPolicy | None = None,
         prefill: PrefillCost | None = None,
         pin_limit: int = 0,
+        loop_lag_interval: float | None = DEFAULT_LAG_INTERVAL,
     ) -> AsyncIterator[TieredPromptCache]:
         """Rebuild the index from ``cold`` and serve.
 
@@ -307,7 +320,8 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
         LRU); ``admission``: which entries leaving RAM are written back (rule 11; default
         :func:`~kvtrio.actors.policy.default_admission`); ``prefill``: the prefill speeds
         entries are valued by (fed by :meth:`observe_prefill`); ``pin_limit``: the bytes
-        each tier may hold pinned (rule 12).
+        each tier may hold pinned (rule 12). ``loop_lag_interval``: the period of the
+        event-loop lag probe (rule 15; None: none).
 
         Leaving the block normally writes the hot entries not yet on disk (with
         ``flush_on_close``, so a graceful restart keeps them) and waits for every write.
@@ -336,6 +350,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
             prefill=prefill if prefill is not None else PrefillCost(),
             pin_limit=pin_limit,
             min_reuse_tokens=min_reuse_tokens,
+            loop_lag_interval=loop_lag_interval,
         )
         if shared_index and cold.shared_lookups() is None:
             raise TypeError("shared_index needs a cold store whose shared_lookups() is not None")
@@ -343,6 +358,12 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._writer)
+            if loop_lag_interval is not None:  # not a _spawn: it runs until the close
+                nursery.start_soon(
+                    functools.partial(
+                        watch_loop_lag, self.loop_lag_seconds, interval=loop_lag_interval
+                    )
+                )
             try:
                 yield self
                 if flush_on_close:

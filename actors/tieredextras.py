@@ -13,7 +13,7 @@ from kvtrio.actors.coldside import (
     CacheRecord,
 )
 from kvtrio.actors.lifecycle import ColdState
-from kvtrio.actors.metrics import tiered_metrics
+from kvtrio.actors.metrics import Histogram, tiered_metrics
 from kvtrio.actors.misses import (
     Departures,
     Explanation,
@@ -63,6 +63,9 @@ class PolicyFeaturesMixin:
         _prefetch_bytes: int
         _prefetches: dict[str, _Prefetch]
         _records: dict[str, CacheRecord]
+        load_seconds: Histogram
+        save_seconds: Histogram
+        loop_lag_seconds: Histogram
         def _note_pin(self, key: str, pinned: bool) -> None: ...
         async def _remove(self, record: CacheRecord) -> None: ...
         admission: AdmissionPolicy
@@ -166,8 +169,10 @@ class PolicyFeaturesMixin:
 
     def metrics_text(self) -> str:
         """Prometheus text (kvtrio.actors.metrics, format 0.0.4) of :meth:`statistics`:
-        hits and misses per tier and reason, bytes, wear, pins and TTL expiries, evictions
-        and the cold write queue's depth (docs/metrics.md names every family)."""
+        hits and misses per tier and reason, bytes, wear, pins and TTL expiries, evictions,
+        the cold write queue's depth, and histograms of the seconds per cold load and
+        save (those that completed) and of the event loop's lag (rule 15; docs/metrics.md
+        names every family)."""
         stats = self.statistics()
         assert stats.hot_policy is not None and stats.cold_policy is not None
         return tiered_metrics(
@@ -177,6 +182,9 @@ class PolicyFeaturesMixin:
             eviction={"hot": stats.hot_policy, "cold": stats.cold_policy},
             queue_depth=stats.pending_writes,
             prefetch=(stats.prefetches, stats.prefetch_used_bytes, stats.prefetch_wasted_bytes),
+            load_seconds=self.load_seconds.statistics(),
+            save_seconds=self.save_seconds.statistics(),
+            loop_lag_seconds=self.loop_lag_seconds.statistics(),
         )
 
     def observe_prefill(self, start: int, end: int, seconds: float) -> None:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from kvtrio.actors.coldstore import (
     collector_paused,
 )
 from kvtrio.actors.lifecycle import ColdEvent, ColdLedger, ColdState
+from kvtrio.actors.metrics import Histogram
 from kvtrio.actors.misses import (
     MissReason,
 )
@@ -53,6 +55,7 @@ class IndexAndLoadMixin:
         def _apply(self, record: CacheRecord, event: ColdEvent) -> ColdState: ...
         def _cancel_pending(self, record: CacheRecord) -> None: ...
         _conversations: dict[str, str]
+        load_seconds: Histogram
         def _count(self, name: str, n: int = 1) -> None: ...
         def _evict(self, record: CacheRecord) -> None: ...
         _hot_bytes: int
@@ -124,6 +127,7 @@ class IndexAndLoadMixin:
     async def _load_cold(self, record: CacheRecord) -> list[Any] | None:
         """Read a DURABLE entry's caches (None: gone or bad, counted and forgotten)."""
         key = record.entry.key
+        started = time.perf_counter()
         try:
             # Content is bound to its key: a manifest replaced by another valid one (a
             # Redis value overwritten, a file copied over) is a mismatch, never a hit.
@@ -161,6 +165,7 @@ class IndexAndLoadMixin:
             if record.cold.state is ColdState.DURABLE:
                 self._apply(record, ColdEvent.FORGET)
             return None
+        self.load_seconds.observe(time.perf_counter() - started)
         self._count("bytes_read", nbytes)
         self.wear.on_read(key, nbytes)
         self._touch_cold(record)

@@ -32,6 +32,7 @@ from kvtrio.actors.prefix import (
 __all__ = [
     "DEFAULT_BYTES_PER_TOKEN",
     "DEFAULT_PREFETCH_BYTES",
+    "DEFAULT_LAG_INTERVAL",
     "DEFAULT_PREFETCH_DEADLINE",
     "Fetched",
     "OPEN_BATCH",
@@ -57,6 +58,8 @@ DEFAULT_PREFETCH_BYTES = 2 << 30
 
 
 DEFAULT_PREFETCH_DEADLINE = 30.0
+# Seconds between the event-loop lag probe's wake-ups (20 a second).
+DEFAULT_LAG_INTERVAL = 0.05
 
 
 # Entries indexed per step of open, between checkpoints (rule: no long loop stall).

@@ -297,6 +297,37 @@ async def test_metrics_text_parses(tmp_path: Path) -> None:
     assert samples["kvtrio_cold_prefetch_bytes_total", (("outcome", "wasted"),)] == 0
 
 
+async def test_load_save_and_loop_lag_histograms_count(tmp_path: Path) -> None:
+    """Rule 15: a completed save and a completed load each add one observation to their
+    histogram in metrics_text, and the loop-lag probe observes while the cache is open."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def histograms(text: str) -> dict[str, float]:
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        out = {}
+        for name in ("kvtrio_cold_load_seconds", "kvtrio_cold_save_seconds",
+                     "kvtrio_event_loop_lag_seconds"):  # fmt: skip
+            assert families[name].type == "histogram"
+            samples = {s.name: s for s in families[name].samples}
+            inf = [s for s in families[name].samples if s.labels.get("le") == "+Inf"]
+            assert inf[0].value == samples[name + "_count"].value
+            assert samples[name + "_sum"].value >= 0
+            out[name] = samples[name + "_count"].value
+        return out
+
+    async with _open(FakeColdStore(tmp_path, MODEL), hot_budget=_bytes(10)) as cache:
+        before = histograms(cache.metrics_text())
+        assert before["kvtrio_cold_save_seconds"] == before["kvtrio_cold_load_seconds"] == 0
+        await _on_disk(cache, [1, 2, 3, 4, 5, 6])  # saves one entry (the other stays hot)
+        saved = histograms(cache.metrics_text())
+        assert saved["kvtrio_cold_save_seconds"] == 1
+        assert (await cache.fetch_nearest([1, 2, 3, 4, 5, 6])).tier is Tier.COLD
+        await trio.sleep(0.2)
+        loaded = histograms(cache.metrics_text())
+        assert loaded["kvtrio_cold_load_seconds"] == 1
+        assert loaded["kvtrio_event_loop_lag_seconds"] >= 2  # every 0.05 s
+
+
 async def _on_disk(cache: TieredPromptCache, *prompts: list[int]) -> None:
     for tokens in prompts:
         await cache.insert(tokens, fake_caches(len(tokens)))
