@@ -234,21 +234,27 @@ class LocalManifestStore(ManifestStore):
         publish_bytes(self.path_of(name), data, file_ops=self.file_ops)
 
     def get(self, name: str) -> bytes | None:
+        return self._read(self.path_of(name), f"manifest {name}")
+
+    def _read(self, path: str, what: str) -> bytes | None:
+        """The bytes of the regular file ``path`` (None if absent), at most
+        :data:`MAX_MANIFEST_BYTES`; CorruptCacheError naming ``what`` for a link or a
+        file over the cap."""
         try:
-            fd = self.file_ops.open(self.path_of(name), os.O_RDONLY | O_NOFOLLOW)
+            fd = self.file_ops.open(path, os.O_RDONLY | O_NOFOLLOW)
         except FileNotFoundError:
             return None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise CorruptCacheError(f"manifest {name}: is a symbolic link") from exc
+                raise CorruptCacheError(f"{what}: is a symbolic link") from exc
             raise
         try:
             size = self.file_ops.fstat(fd).st_size
             if size > MAX_MANIFEST_BYTES:
-                raise CorruptCacheError(f"manifest {name}: {size} bytes > {MAX_MANIFEST_BYTES}")
+                raise CorruptCacheError(f"{what}: {size} bytes > {MAX_MANIFEST_BYTES}")
             buffer = bytearray(size)
             if pread_full(self.file_ops, fd, memoryview(buffer), 0) != size:
-                raise CorruptCacheError(f"manifest {name}: shorter than its size")
+                raise CorruptCacheError(f"{what}: shorter than its size")
             return bytes(buffer)
         finally:
             self.file_ops.close(fd)
@@ -313,25 +319,11 @@ class LocalManifestStore(ManifestStore):
 
     def _read_pins(self) -> set[str]:
         path = os.path.join(self.directory, PINS_NAME)
-        try:
-            fd = self.file_ops.open(path, os.O_RDONLY | O_NOFOLLOW)
-        except FileNotFoundError:
+        data = self._read(path, path)
+        if data is None:
             return set()
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise CorruptCacheError(f"{path}: is a symbolic link") from exc
-            raise
         try:
-            size = self.file_ops.fstat(fd).st_size
-            if size > MAX_MANIFEST_BYTES:
-                raise CorruptCacheError(f"{path}: {size} bytes > {MAX_MANIFEST_BYTES}")
-            buffer = bytearray(size)
-            if pread_full(self.file_ops, fd, memoryview(buffer), 0) != size:
-                raise CorruptCacheError(f"{path}: shorter than its size")
-        finally:
-            self.file_ops.close(fd)
-        try:
-            names = json.loads(buffer)
+            names = json.loads(data)
         except ValueError as exc:
             raise CorruptCacheError(f"{path}: not JSON ({exc})") from exc
         if not isinstance(names, builtins.list) or not all(
