@@ -95,7 +95,7 @@ from kvtrio.storage.dirlock import DirectoryLock, holder_pid, try_lock
 from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps, not_a_real_directory
 from kvtrio.storage.format import Layout
 from kvtrio.storage.hostbuffers import LoadBuffers, check_allocatable
-from kvtrio.storage.manifeststore import LocalManifestStore, ManifestStore
+from kvtrio.storage.manifeststore import PINS_NAME, LocalManifestStore, ManifestStore
 from kvtrio.storage.openstore import is_redis_url, open_store
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, TIER_LOAD_STREAMS, IoOptions
 from kvtrio.storage.reader import CacheFile
@@ -190,7 +190,12 @@ class ColdTier:
             if manifests is None:
                 # The entries' directory: its files are manifests (blocks layout) or cache
                 # files (single layout); the tier reads both by path (_read_header).
-                manifests = LocalManifestStore(str(root / "caches"), file_ops, make_directory=False)
+                manifests = LocalManifestStore(
+                    str(root / "caches"),
+                    file_ops,
+                    make_directory=False,
+                    pins_path=str(root / PINS_NAME),
+                )
         self.block_store = block_store
         self.manifests = manifests
         self.file_ops = file_ops

@@ -204,9 +204,10 @@ class ManifestStore(abc.ABC):
 class LocalManifestStore(ManifestStore):
     """Manifests as files ``<directory>/<name>``, published atomically and durably; a
     manifest's mtime is its last use (``supports_touch``); the pinned names are a JSON
-    list in the hidden file ``<directory>/.kvtrio-pins`` (:data:`PINS_NAME`), republished
-    whole (atomically, durably) on each change. One process writes a directory (the
-    tier's lock), so the names read once are kept in memory."""
+    list in the file ``pins_path`` (default: the hidden ``<directory>/.kvtrio-pins``,
+    :data:`PINS_NAME`; a tier keeps it in its root, beside its other metadata),
+    republished whole (atomically, durably) on each change. One process writes a
+    directory (the tier's lock), so the names read once are kept in memory."""
 
     supports_touch: ClassVar[bool] = True
     supports_pins: ClassVar[bool] = True
@@ -215,6 +216,7 @@ class LocalManifestStore(ManifestStore):
     file_ops: FileOps = OS_FILE_OPS
     # False: the owner makes (and checks) the directory itself (ColdTier, under its lock).
     make_directory: bool = attrs.field(default=True, kw_only=True)
+    pins_path: str | None = attrs.field(default=None, kw_only=True)
     _pins: set[str] | None = attrs.field(default=None, init=False)  # read once, then kept
 
     def __attrs_post_init__(self) -> None:
@@ -306,7 +308,7 @@ class LocalManifestStore(ManifestStore):
         if updated == names:
             return
         data = json.dumps(sorted(updated)).encode()
-        publish_bytes(os.path.join(self.directory, PINS_NAME), data, file_ops=self.file_ops)
+        publish_bytes(self._pins_file(), data, file_ops=self.file_ops)
         self._pins = updated
 
     def pinned_names(self) -> set[str]:
@@ -317,8 +319,11 @@ class LocalManifestStore(ManifestStore):
             self._pins = self._read_pins()
         return self._pins
 
+    def _pins_file(self) -> str:
+        return self.pins_path or os.path.join(self.directory, PINS_NAME)
+
     def _read_pins(self) -> set[str]:
-        path = os.path.join(self.directory, PINS_NAME)
+        path = self._pins_file()
         data = self._read(path, path)
         if data is None:
             return set()

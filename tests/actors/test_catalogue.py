@@ -21,6 +21,7 @@ from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import ModelKey
 from kvtrio.actors.tiered import Tier, TieredPromptCache, WritePolicy, open_tiered_cache
 from kvtrio.storage.catalogue import CATALOGUE_NAME
+from kvtrio.storage.manifeststore import PINS_NAME
 from kvtrio.tinymodel import TinyModel, build_tiny_model, make_caches, prefill
 
 BLOCK = 64
@@ -167,6 +168,7 @@ async def test_a_pin_survives_a_restart_and_pressure(
         await _fill(tmp_path, tiny, owner, range(1, 3))
         async with _open(tmp_path, tiny, owner, pin_limit=1 << 30) as cache:
             cache.pin(_prompt(0))
+        assert (tmp_path / PINS_NAME).is_file()  # the tier's metadata, beside the catalogue
         if catalogue == "deleted":
             (tmp_path / CATALOGUE_NAME).unlink()
         async with _open(tmp_path, tiny, owner, pin_limit=1 << 30) as cache:
