@@ -6,19 +6,43 @@ from __future__ import annotations
 import copy
 import json
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import attrs
 import trio
+from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import ModelKey
-from kvtrio.actors.tiered import CONVERSATIONS_META, ColdEntryInfo, SharedColdStore, StoreResult
+from kvtrio.actors.tiered import (
+    CONVERSATIONS_META,
+    ColdEntryInfo,
+    SharedColdStore,
+    StoreResult,
+    TieredPromptCache,
+)
 from kvtrio.errors import CacheMismatchError, CacheMissError, KvtrioError
 
-__all__ = ["FakeCache", "FakeColdStore", "fake_caches"]
+__all__ = [
+    "BYTES_PER_TOKEN",
+    "LAYERS",
+    "MODEL",
+    "FakeCache",
+    "FakeColdStore",
+    "entry_bytes",
+    "fake_caches",
+    "fake_tiered",
+]
 
 BYTES_PER_TOKEN = 100
+LAYERS = 2  # fake_caches' default
+MODEL = ModelKey("tiny", "fp-1")
+
+
+def entry_bytes(n_tokens: int) -> int:
+    """The bytes of ``fake_caches(n_tokens)``."""
+    return n_tokens * BYTES_PER_TOKEN * LAYERS
 
 
 @attrs.define
@@ -42,7 +66,7 @@ class FakeCache:
         return n
 
 
-def fake_caches(n_tokens: int, *, layers: int = 2, trimmable: bool = True) -> list[Any]:
+def fake_caches(n_tokens: int, *, layers: int = LAYERS, trimmable: bool = True) -> list[Any]:
     return [FakeCache(n_tokens, trimmable) for _ in range(layers)]
 
 
@@ -144,3 +168,25 @@ class FakeColdStore:
     @property
     def disk_bytes(self) -> int:
         return sum(self.sizes[key] for key in self.disk)
+
+
+@asynccontextmanager
+async def fake_tiered(
+    store: FakeColdStore,
+    *,
+    model: ModelKey = MODEL,
+    min_reuse_tokens: int | None = 0,
+    **options: Any,
+) -> AsyncIterator[TieredPromptCache]:
+    """A TieredPromptCache over ``store`` on an inline owner with budgets that never evict,
+    4-token blocks, and every cold match loaded (``min_reuse_tokens`` 0: prompts of a few
+    tokens; None: the cache's default), unless ``options`` (TieredPromptCache.open's) say
+    otherwise."""
+    options = {"hot_budget": 10**9, "cold_budget": 10**12, "block_size": 4, **options}
+    if min_reuse_tokens is not None:
+        options["min_reuse_tokens"] = min_reuse_tokens
+    async with (
+        MlxOwner.inline() as owner,
+        TieredPromptCache.open(owner, store, model, **options) as cache,
+    ):
+        yield cache

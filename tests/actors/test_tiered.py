@@ -4,53 +4,18 @@ restart, namespacing and supersession (the real ColdTier is in test_tiered_real.
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 from kvtrio.actors.lifecycle import ColdState
-from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import MatchKind, ModelKey
 from kvtrio.actors.tiered import Tier, TieredPromptCache, WritePolicy
 
-from .fakes import BYTES_PER_TOKEN, FakeColdStore, fake_caches
-
-MODEL = ModelKey("tiny", "fp-1")
-LAYERS = 2
-
-
-def _bytes(n_tokens: int) -> int:
-    return n_tokens * BYTES_PER_TOKEN * LAYERS
-
-
-@asynccontextmanager
-async def _open(
-    store: FakeColdStore,
-    *,
-    hot_budget: int = 10**9,
-    cold_budget: int = 10**12,
-    policy: WritePolicy = WritePolicy.WRITE_BACK,
-    model: ModelKey = MODEL,
-) -> AsyncIterator[TieredPromptCache]:
-    async with (
-        MlxOwner.inline() as owner,
-        TieredPromptCache.open(
-            owner,
-            store,
-            model,
-            hot_budget=hot_budget,
-            cold_budget=cold_budget,
-            policy=policy,
-            block_size=4,
-            min_reuse_tokens=0,  # prompts of a few tokens: every cold match is loaded
-        ) as cache,
-    ):
-        yield cache
+from .fakes import LAYERS, MODEL, FakeColdStore, entry_bytes, fake_caches, fake_tiered
 
 
 async def test_hot_hits_exact_shorter_and_longer_trimmed(tmp_path: Path) -> None:
-    async with _open(FakeColdStore(tmp_path, MODEL)) as cache:
+    async with fake_tiered(FakeColdStore(tmp_path, MODEL)) as cache:
         await cache.insert(list(range(10)), fake_caches(10))
         exact = await cache.fetch_nearest(list(range(10)))
         assert (exact.tier, exact.remaining) == (Tier.HOT, ())
@@ -68,7 +33,7 @@ async def test_hot_hits_exact_shorter_and_longer_trimmed(tmp_path: Path) -> None
 
 
 async def test_a_fetched_cache_is_a_private_copy(tmp_path: Path) -> None:
-    async with _open(FakeColdStore(tmp_path, MODEL)) as cache:
+    async with fake_tiered(FakeColdStore(tmp_path, MODEL)) as cache:
         await cache.insert(list(range(10)), fake_caches(10))
         first = await cache.fetch_nearest([*range(5), 42])
         assert first.caches is not None
@@ -78,7 +43,7 @@ async def test_a_fetched_cache_is_a_private_copy(tmp_path: Path) -> None:
 
 
 async def test_non_trimmable_entries_are_not_trimmed_back(tmp_path: Path) -> None:
-    async with _open(FakeColdStore(tmp_path, MODEL)) as cache:
+    async with fake_tiered(FakeColdStore(tmp_path, MODEL)) as cache:
         await cache.insert(list(range(10)), fake_caches(10, trimmable=False))
         assert (await cache.fetch_nearest([*range(6), 99])).caches is None
         assert (await cache.fetch_nearest(list(range(11)))).tier is Tier.HOT
@@ -87,9 +52,9 @@ async def test_non_trimmable_entries_are_not_trimmed_back(tmp_path: Path) -> Non
 async def test_ram_budget_is_never_exceeded_by_more_than_one_entry(tmp_path: Path) -> None:
     """Write-back: what leaves RAM goes to disk, and is found there."""
     store = FakeColdStore(tmp_path, MODEL)
-    budget = _bytes(50)
+    budget = entry_bytes(50)
     rng = random.Random(1)
-    async with _open(store, hot_budget=budget) as cache:
+    async with fake_tiered(store, hot_budget=budget) as cache:
         keys = []
         for i in range(20):
             n = rng.randrange(5, 40)
@@ -107,14 +72,14 @@ async def test_ram_budget_is_never_exceeded_by_more_than_one_entry(tmp_path: Pat
 
 async def test_disk_budget_is_never_exceeded_by_more_than_one_entry(tmp_path: Path) -> None:
     store = FakeColdStore(tmp_path, MODEL)
-    budget = _bytes(60)
+    budget = entry_bytes(60)
     sizes = []
-    async with _open(
+    async with fake_tiered(
         store, hot_budget=0, cold_budget=budget, policy=WritePolicy.WRITE_THROUGH
     ) as cache:
         for i in range(15):
             n = 5 + 3 * i % 31
-            sizes.append(_bytes(n + 1))
+            sizes.append(entry_bytes(n + 1))
             await cache.insert([i + 1000, *range(n)], fake_caches(n + 1))
             await cache.wait_writes_settled()
             assert store.disk_bytes <= budget or len(store.disk) == 1
@@ -125,17 +90,17 @@ async def test_disk_budget_is_never_exceeded_by_more_than_one_entry(tmp_path: Pa
 async def test_restart_keeps_the_cache_and_other_models_never_hit(tmp_path: Path) -> None:
     store = FakeColdStore(tmp_path, MODEL)
     prompt = list(range(30))
-    async with _open(store) as cache:
+    async with fake_tiered(store) as cache:
         await cache.insert(prompt, fake_caches(30))
         await cache.flush()
-    async with _open(store) as cache:
+    async with fake_tiered(store) as cache:
         assert cache.statistics().cold_entries == 1
         hit = await cache.fetch_nearest([*prompt, 1, 2])
         assert (hit.tier, hit.remaining) == (Tier.COLD, (1, 2))
         again = await cache.fetch_nearest([*prompt, 3])
         assert again.tier is Tier.HOT  # promoted on the cold hit
     for other in (ModelKey("other", "fp-1"), ModelKey("tiny", "fp-2")):
-        async with _open(store, model=other) as cache:
+        async with fake_tiered(store, model=other) as cache:
             for query in (prompt, [*prompt, 1], prompt[:10]):
                 assert (await cache.fetch_nearest(query)).caches is None
 
@@ -144,7 +109,7 @@ async def test_checkpoints_supersede_older_ones_of_the_same_conversation(
     tmp_path: Path,
 ) -> None:
     store = FakeColdStore(tmp_path, MODEL)
-    async with _open(store, policy=WritePolicy.WRITE_THROUGH) as cache:
+    async with fake_tiered(store, policy=WritePolicy.WRITE_THROUGH) as cache:
         await cache.insert(list(range(8)), fake_caches(8), conversation="c1")
         await cache.insert(list(range(8)), fake_caches(8), conversation="c2")
         await cache.wait_writes_settled()
@@ -159,7 +124,7 @@ async def test_checkpoints_supersede_older_ones_of_the_same_conversation(
 
 async def test_a_failing_cold_tier_never_fails_a_request(tmp_path: Path) -> None:
     store = FakeColdStore(tmp_path, MODEL, fail_stores=True)
-    async with _open(store, hot_budget=_bytes(10)) as cache:
+    async with fake_tiered(store, hot_budget=entry_bytes(10)) as cache:
         await cache.insert(list(range(10)), fake_caches(10))
         await cache.insert(list(range(100, 110)), fake_caches(10))
         await cache.wait_writes_settled()
@@ -170,10 +135,10 @@ async def test_a_failing_cold_tier_never_fails_a_request(tmp_path: Path) -> None
 
 async def test_a_vanished_cold_file_is_a_clean_miss(tmp_path: Path) -> None:
     store = FakeColdStore(tmp_path, MODEL)
-    async with _open(store) as cache:
+    async with fake_tiered(store) as cache:
         await cache.insert(list(range(10)), fake_caches(10))
         await cache.flush()
-    async with _open(store) as cache:
+    async with fake_tiered(store) as cache:
         store.disk.clear()
         result = await cache.fetch_nearest(list(range(12)))
         assert result.caches is None
@@ -182,7 +147,7 @@ async def test_a_vanished_cold_file_is_a_clean_miss(tmp_path: Path) -> None:
 
 
 async def test_need_logits_leaves_one_token_on_an_exact_hit(tmp_path: Path) -> None:
-    async with _open(FakeColdStore(tmp_path, MODEL)) as cache:
+    async with fake_tiered(FakeColdStore(tmp_path, MODEL)) as cache:
         await cache.insert(list(range(10)), fake_caches(10))
         found = await cache.fetch_nearest(list(range(10)), need_logits=True)
         assert found.remaining == (9,)
@@ -204,16 +169,16 @@ async def test_a_filling_disk_shrinks_the_cold_budget(
     free = {"bytes": 10**12}
     monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage(0, 0, free["bytes"]))
     store = FakeColdStore(tmp_path, MODEL)
-    async with _open(store, hot_budget=0, policy=WritePolicy.WRITE_THROUGH) as cache:
+    async with fake_tiered(store, hot_budget=0, policy=WritePolicy.WRITE_THROUGH) as cache:
         for i in range(4):
             await cache.insert([i + 1000, *range(9)], fake_caches(10))
         await cache.wait_writes_settled()
         assert len(store.disk) == 4
         free["bytes"] = 0  # the disk is full: only what the tier holds may stay
-        cache.min_free_bytes = _bytes(20)  # and the tier must leave 2 entries' worth free
+        cache.min_free_bytes = entry_bytes(20)  # and the tier must leave 2 entries' worth free
         await cache.insert([2000, *range(9)], fake_caches(10))
         await cache.wait_writes_settled()
-        assert store.disk_bytes <= 5 * _bytes(10) - _bytes(20) + _bytes(10)
+        assert store.disk_bytes <= 5 * entry_bytes(10) - entry_bytes(20) + entry_bytes(10)
         assert cache.statistics().cold_evictions >= 2
 
 
@@ -224,11 +189,11 @@ async def test_supersession_survives_a_restart_and_a_racing_disk_hit(tmp_path: P
     import trio
 
     store = FakeColdStore(tmp_path, MODEL)
-    async with _open(store) as cache:
+    async with fake_tiered(store) as cache:
         await cache.insert(list(range(12)), fake_caches(12), conversation="c1")
     assert len(store.disk) == 1
     store.gate = trio.Event()
-    async with _open(store) as cache:
+    async with fake_tiered(store) as cache:
         async with trio.open_nursery() as nursery:
             results = []
 
@@ -267,11 +232,14 @@ async def test_random_operations_keep_the_invariants(tmp_path: Path, seed: int) 
     rng = random.Random(seed)
     store = FakeColdStore(tmp_path, MODEL, jitter=random.Random(seed))
     policy = rng.choice(list(WritePolicy))
-    hot_budget, cold_budget = _bytes(rng.randrange(20, 80)), _bytes(rng.randrange(40, 200))
+    hot_budget, cold_budget = (
+        entry_bytes(rng.randrange(20, 80)),
+        entry_bytes(rng.randrange(40, 200)),
+    )
     base = [rng.randrange(6) for _ in range(40)]
     history: dict[str, list[int]] = {}
     for _restart in range(3):
-        async with _open(
+        async with fake_tiered(
             store, hot_budget=hot_budget, cold_budget=cold_budget, policy=policy
         ) as cache:
             for _ in range(40):

@@ -9,40 +9,18 @@ refuses (the entry vanished at the next open), an int conversation id beside a s
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtrio.actors.owner import MlxOwner
-from kvtrio.actors.prefix import ModelKey
-from kvtrio.actors.tiered import TieredPromptCache
 from kvtrio.errors import CacheMismatchError, InvalidInputError, ShuttingDown
 
-from .fakes import FakeColdStore, fake_caches
-
-MODEL = ModelKey("tiny", "fp-1")
-
-
-@asynccontextmanager
-async def _open(store: FakeColdStore, **options: Any) -> AsyncIterator[TieredPromptCache]:
-    budgets: dict[str, Any] = {
-        "hot_budget": 10**9,
-        "cold_budget": 10**12,
-        "block_size": 4,
-        **options,
-    }
-    async with (
-        MlxOwner.inline() as owner,
-        TieredPromptCache.open(owner, store, MODEL, **budgets) as cache,
-    ):
-        yield cache
+from .fakes import MODEL, FakeColdStore, fake_caches, fake_tiered
 
 
 async def test_insert_of_fewer_tokens_than_the_caches_hold_is_refused(tmp_path: Path) -> None:
     store = FakeColdStore(tmp_path, MODEL)
-    async with _open(store) as cache:
+    async with fake_tiered(store) as cache:
         with pytest.raises(
             CacheMismatchError,
             match=r"^caches\[0\]\.offset: the cache holds 400 tokens, 10 tokens were given$",
@@ -55,7 +33,7 @@ async def test_insert_of_fewer_tokens_than_the_caches_hold_is_refused(tmp_path: 
 
 async def test_token_id_of_2_to_the_31_is_refused_at_insert(tmp_path: Path) -> None:
     store = FakeColdStore(tmp_path, MODEL)
-    async with _open(store) as cache:
+    async with fake_tiered(store) as cache:
         with pytest.raises(
             InvalidInputError, match=r"^tokens\[2\]: 2147483648 is outside \[0, 2147483647\]$"
         ):
@@ -65,7 +43,7 @@ async def test_token_id_of_2_to_the_31_is_refused_at_insert(tmp_path: Path) -> N
 
 async def test_int_conversation_id_is_refused_and_the_others_are_written(tmp_path: Path) -> None:
     store = FakeColdStore(tmp_path, MODEL)
-    async with _open(store) as cache:
+    async with fake_tiered(store) as cache:
         await cache.insert(list(range(8)), fake_caches(8), conversation="ok")
         with pytest.raises(InvalidInputError, match=r"^conversation: expected a str, got int$"):
             await cache.insert(list(range(12)), fake_caches(12), conversation=5)  # type: ignore[arg-type]
@@ -73,13 +51,13 @@ async def test_int_conversation_id_is_refused_and_the_others_are_written(tmp_pat
 
 
 async def test_meta_values_must_be_strings(tmp_path: Path) -> None:
-    async with _open(FakeColdStore(tmp_path, MODEL)) as cache:
+    async with fake_tiered(FakeColdStore(tmp_path, MODEL)) as cache:
         with pytest.raises(InvalidInputError, match=r"^meta\['n'\]: expected a str, got int$"):
             await cache.insert([1], fake_caches(1), meta={"n": 1})  # type: ignore[dict-item]
 
 
 async def test_insert_after_close_raises_shutting_down(tmp_path: Path) -> None:
-    async with _open(FakeColdStore(tmp_path, MODEL)) as cache:
+    async with fake_tiered(FakeColdStore(tmp_path, MODEL)) as cache:
         pass
     with pytest.raises(ShuttingDown, match=r"^tiered prompt cache is closed: insert refused$"):
         await cache.insert([1], fake_caches(1))
@@ -98,7 +76,7 @@ async def test_budgets_are_validated_at_open(
     tmp_path: Path, options: dict[str, Any], match: str
 ) -> None:
     with pytest.raises(InvalidInputError, match=match):
-        async with _open(FakeColdStore(tmp_path, MODEL), **options):
+        async with fake_tiered(FakeColdStore(tmp_path, MODEL), **options):
             pass
 
 
@@ -106,9 +84,9 @@ async def test_a_cold_match_reusing_too_few_tokens_is_not_loaded(tmp_path: Path)
     """Item 9: below min_reuse_tokens a load is slower than recomputing (bench reuse)."""
     store = FakeColdStore(tmp_path, MODEL)
     tokens = list(range(1, 101))
-    async with _open(store) as cache:
+    async with fake_tiered(store) as cache:
         await cache.insert(tokens, fake_caches(100))
-    async with _open(store, min_reuse_tokens=64) as cache:  # reopened: the entry is cold
+    async with fake_tiered(store, min_reuse_tokens=64) as cache:  # reopened: the entry is cold
         few = await cache.fetch_nearest([*tokens[:10], 999])
         assert few.caches is None and cache.statistics().cold_skipped == 1
         many = await cache.fetch_nearest([*tokens[:80], 999])
@@ -119,8 +97,8 @@ async def test_a_cold_match_reusing_too_few_tokens_is_not_loaded(tmp_path: Path)
 async def test_the_default_minimum_reuse_is_the_measured_one(tmp_path: Path) -> None:
     from kvtrio.actors.callerchecks import DEFAULT_MIN_REUSE_TOKENS
 
-    async with _open(FakeColdStore(tmp_path, MODEL)) as cache:
+    async with fake_tiered(FakeColdStore(tmp_path, MODEL), min_reuse_tokens=None) as cache:
         assert cache.min_reuse_tokens == DEFAULT_MIN_REUSE_TOKENS == 64
     with pytest.raises(InvalidInputError, match=r"^min_reuse_tokens: expected an int >= 0"):
-        async with _open(FakeColdStore(tmp_path, MODEL), min_reuse_tokens=-1):
+        async with fake_tiered(FakeColdStore(tmp_path, MODEL), min_reuse_tokens=-1):
             pass

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import random
 import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -55,15 +57,27 @@ def options(tiny: TinyModel, owner: MlxOwner) -> dict[str, object]:
     }
 
 
-async def test_a_file_replaced_by_another_entrys_is_a_drop_not_a_hit(
-    tmp_path: Path, tiny: TinyModel
-) -> None:
+Entry = tuple[str, list[int]]
+
+
+@asynccontextmanager
+async def _two_cold(
+    directory: Path, tiny: TinyModel
+) -> AsyncIterator[tuple[TieredPromptCache, Entry, Entry]]:
+    """A write-through cache on ``directory`` with entries A and B (insert_two_cold)."""
     model = ModelKey(tiny.model_id, tiny.fingerprint)
     async with (
         MlxOwner.inline() as owner,
-        open_tiered_cache(tmp_path, model, **options(tiny, owner)) as cache,  # type: ignore[arg-type]
+        open_tiered_cache(directory, model, **options(tiny, owner)) as cache,  # type: ignore[arg-type]
     ):
-        (key_a, tokens_a), (key_b, _) = await insert_two_cold(cache, tiny, owner)
+        a, b = await insert_two_cold(cache, tiny, owner)
+        yield cache, a, b
+
+
+async def test_a_file_replaced_by_another_entrys_is_a_drop_not_a_hit(
+    tmp_path: Path, tiny: TinyModel
+) -> None:
+    async with _two_cold(tmp_path, tiny) as (cache, (key_a, tokens_a), (key_b, _)):
         caches_dir = tmp_path / "caches"
         shutil.copyfile(caches_dir / f"{key_b}.kvc", caches_dir / f"{key_a}.kvc")
         fetched = await cache.fetch_nearest(tokens_a)
@@ -116,12 +130,7 @@ async def test_eio_while_loading_a_cold_entry_is_a_counted_miss(
 async def test_a_block_replaced_by_a_directory_does_not_kill_the_cache(
     tmp_path: Path, tiny: TinyModel
 ) -> None:
-    model = ModelKey(tiny.model_id, tiny.fingerprint)
-    async with (
-        MlxOwner.inline() as owner,
-        open_tiered_cache(tmp_path, model, **options(tiny, owner)) as cache,  # type: ignore[arg-type]
-    ):
-        (_, tokens_a), _ = await insert_two_cold(cache, tiny, owner)
+    async with _two_cold(tmp_path, tiny) as (cache, (_, tokens_a), _):
         for block in (tmp_path / "blocks").iterdir():
             block.unlink()
             block.mkdir()  # every block of A (and B) is now a directory
@@ -140,12 +149,7 @@ async def test_an_entry_of_an_unknown_kind_is_a_miss_and_is_not_deleted(
 
     from kvtrio.storage.format import PREAMBLE, encode_preamble
 
-    model = ModelKey(tiny.model_id, tiny.fingerprint)
-    async with (
-        MlxOwner.inline() as owner,
-        open_tiered_cache(tmp_path, model, **options(tiny, owner)) as cache,  # type: ignore[arg-type]
-    ):
-        (key_a, tokens_a), _ = await insert_two_cold(cache, tiny, owner)
+    async with _two_cold(tmp_path, tiny) as (cache, (key_a, tokens_a), _):
         path = tmp_path / "caches" / f"{key_a}.kvc"
         raw = path.read_bytes()
         _, _, header_len, _ = PREAMBLE.unpack_from(raw)

@@ -10,9 +10,6 @@ ExceptionGroup[IsADirectoryError].
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import kvtrio
@@ -24,6 +21,8 @@ from kvtrio.actors.tiered import open_tiered_cache
 from kvtrio.errors import InvalidInputError
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.maintenance import collect_garbage
+
+from ..storage.test_boundary import _unblock_fifo_after
 
 MODEL = ModelKey("tiny", "fp-1")
 DEADLINE = 20.0
@@ -71,25 +70,6 @@ def test_block_store_never_traverses_a_symlinked_directory(tmp_path: Path) -> No
     report = collect_garbage(str(tmp_path / "caches"), store, grace_s=0.0)
     assert (report.deleted_blocks, report.tmp_removed) == (0, 0)
     assert (outside / SENTINEL).exists() and old_tmp.exists()
-
-
-@contextmanager
-def _unblock_fifo_after(path: Path, seconds: float) -> Iterator[None]:
-    """A regression must fail, not hang: after ``seconds`` a writer opens the FIFO, which
-    releases a reader blocked in open (an uncancellable worker thread)."""
-    done = threading.Event()
-
-    def watchdog() -> None:
-        if not done.wait(seconds):
-            os.close(os.open(path, os.O_RDWR))
-
-    thread = threading.Thread(target=watchdog, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
 
 
 async def test_fifo_in_caches_does_not_block_open(tmp_path: Path) -> None:

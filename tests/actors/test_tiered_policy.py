@@ -3,8 +3,7 @@ wear, pins, TTLs, explained misses and the metrics text (over the fake cold stor
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +11,7 @@ import attrs
 import pytest
 import trio
 from kvtrio.actors.misses import MissReason
-from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.policy import (
-    AdmissionPolicy,
     AdmitAll,
     MinimumTokens,
     PolicyKind,
@@ -24,14 +21,15 @@ from kvtrio.actors.prefix import ModelKey
 from kvtrio.actors.tiered import Tier, TieredPromptCache, WritePolicy
 from kvtrio.errors import CorruptCacheError, KvtrioError, PinLimitError, StoreUnavailableError
 
-from .fakes import BYTES_PER_TOKEN, FakeCache, FakeColdStore, fake_caches
-
-MODEL = ModelKey("tiny", "fp-1")
-LAYERS = 2
-
-
-def _bytes(n_tokens: int) -> int:
-    return n_tokens * BYTES_PER_TOKEN * LAYERS
+from .fakes import (
+    LAYERS,
+    MODEL,
+    FakeCache,
+    FakeColdStore,
+    entry_bytes,
+    fake_caches,
+    fake_tiered,
+)
 
 
 @attrs.define
@@ -48,37 +46,6 @@ class FaultyStore(FakeColdStore):
         if key in self.faults:
             raise self.faults[key]
         return await super().fetch(key, model=model, tokens=tokens)
-
-
-@asynccontextmanager
-async def _open(
-    store: FakeColdStore,
-    *,
-    hot_budget: int = 10**9,
-    cold_budget: int = 10**12,
-    policy: WritePolicy = WritePolicy.WRITE_BACK,
-    eviction: PolicyKind = PolicyKind.COST,
-    admission: AdmissionPolicy | None = None,
-    pin_limit: int = 0,
-    model: ModelKey = MODEL,
-) -> AsyncIterator[TieredPromptCache]:
-    async with (
-        MlxOwner.inline() as owner,
-        TieredPromptCache.open(
-            owner,
-            store,
-            model,
-            hot_budget=hot_budget,
-            cold_budget=cold_budget,
-            policy=policy,
-            block_size=4,
-            eviction=eviction,
-            admission=admission,
-            pin_limit=pin_limit,
-            min_reuse_tokens=0,  # short prompts: every cold match is loaded
-        ) as cache,
-    ):
-        yield cache
 
 
 def _quadratic_prefill(cache: TieredPromptCache) -> None:
@@ -105,9 +72,9 @@ async def test_hot_eviction_on_a_crafted_trace(tmp_path: Path, eviction: PolicyK
     # Nothing is written back (admission refuses all), so RAM entries are valued by
     # recompute: LRU drops the document (oldest), the cost policy the first chat.
     document, chat1, chat2 = list(range(1000, 1400)), [1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]
-    async with _open(
+    async with fake_tiered(
         FakeColdStore(tmp_path, MODEL),
-        hot_budget=_bytes(406),
+        hot_budget=entry_bytes(406),
         eviction=eviction,
         admission=MinimumTokens(10**9),
     ) as cache:
@@ -132,9 +99,9 @@ async def test_cold_eviction_goes_through_the_cold_policy(
 ) -> None:
     store = FakeColdStore(tmp_path, MODEL)
     document, chat1, chat2 = list(range(1000, 1400)), [1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]
-    async with _open(
+    async with fake_tiered(
         store,
-        cold_budget=_bytes(406),
+        cold_budget=entry_bytes(406),
         policy=WritePolicy.WRITE_THROUGH,
         eviction=eviction,
         admission=AdmitAll(),
@@ -153,8 +120,8 @@ async def test_cold_eviction_goes_through_the_cold_policy(
 async def test_admission_decides_write_backs_and_wear_is_counted(tmp_path: Path) -> None:
     store = FakeColdStore(tmp_path, MODEL)
     short, long_ = [1, 2, 3], list(range(100, 130))
-    async with _open(
-        store, hot_budget=_bytes(30), eviction=PolicyKind.LRU, admission=MinimumTokens(20)
+    async with fake_tiered(
+        store, hot_budget=entry_bytes(30), eviction=PolicyKind.LRU, admission=MinimumTokens(20)
     ) as cache:
         await cache.insert(short, fake_caches(3))
         await cache.insert(long_, fake_caches(30))  # the short one leaves RAM: refused
@@ -163,19 +130,22 @@ async def test_admission_decides_write_backs_and_wear_is_counted(tmp_path: Path)
         assert [info.tokens for info, _ in store.disk.values()] == [tuple(long_)]
         wear = cache.statistics().wear
         assert wear is not None
-        assert (wear.admitted, wear.refused, wear.bytes_refused) == (1, 1, _bytes(3))
-        assert (wear.bytes_written, wear.bytes_reused) == (_bytes(30), 0)
+        assert (wear.admitted, wear.refused, wear.bytes_refused) == (1, 1, entry_bytes(3))
+        assert (wear.bytes_written, wear.bytes_reused) == (entry_bytes(30), 0)
         assert (await cache.fetch_nearest(long_)).tier is Tier.COLD
         wear = cache.statistics().wear
-        assert wear is not None and (wear.bytes_reused, wear.entries_read_back) == (_bytes(30), 1)
+        assert wear is not None and (wear.bytes_reused, wear.entries_read_back) == (
+            entry_bytes(30),
+            1,
+        )
         assert (await cache.fetch_nearest(short)).explanation.reason is MissReason.DROPPED  # type: ignore[union-attr]
 
 
 async def test_a_pinned_entry_survives_pressure_within_the_pin_limit(tmp_path: Path) -> None:
     store = FakeColdStore(tmp_path, MODEL)
     system = list(range(50, 60))
-    async with _open(
-        store, hot_budget=_bytes(20), cold_budget=_bytes(20), pin_limit=_bytes(10)
+    async with fake_tiered(
+        store, hot_budget=entry_bytes(20), cold_budget=entry_bytes(20), pin_limit=entry_bytes(10)
     ) as cache:
         with pytest.raises(KvtrioError):  # nothing of these tokens yet
             cache.pin(system)
@@ -191,8 +161,8 @@ async def test_a_pinned_entry_survives_pressure_within_the_pin_limit(tmp_path: P
         found = await cache.fetch_nearest(system)
         assert found.tier is Tier.HOT and found.remaining == ()
         stats = cache.statistics()
-        assert stats.hot_policy is not None and stats.hot_policy.pinned_bytes == _bytes(10)
-        assert stats.hot_evictions >= 5 and stats.hot_bytes > stats.hot_budget - _bytes(10)
+        assert stats.hot_policy is not None and stats.hot_policy.pinned_bytes == entry_bytes(10)
+        assert stats.hot_evictions >= 5 and stats.hot_bytes > stats.hot_budget - entry_bytes(10)
         cache.unpin(system)
         for n in range(6):
             await cache.insert([n + 10] * 10, fake_caches(10))
@@ -203,7 +173,7 @@ async def test_a_pinned_entry_survives_pressure_within_the_pin_limit(tmp_path: P
 
 async def test_ttl_expires_entries_on_trios_clock(tmp_path: Path, autojump_clock: Any) -> None:
     store = FakeColdStore(tmp_path, MODEL)
-    async with _open(store, policy=WritePolicy.WRITE_THROUGH) as cache:
+    async with fake_tiered(store, policy=WritePolicy.WRITE_THROUGH) as cache:
         with pytest.raises(ValueError):
             await cache.insert([9, 9], fake_caches(2), ttl=-1)
         await cache.insert([1, 2, 3, 4], fake_caches(4), ttl=10)
@@ -236,9 +206,9 @@ async def test_every_miss_reason_through_the_cache(tmp_path: Path, autojump_cloc
 
     other = ModelKey("other", "fp-1")
     store = FaultyStore(tmp_path, MODEL)
-    async with _open(store, model=other) as cache:
+    async with fake_tiered(store, model=other) as cache:
         await cache.insert([40, 41, 42, 43, 44], fake_caches(5))
-    async with _open(store, hot_budget=_bytes(10), cold_budget=_bytes(20)) as cache:
+    async with fake_tiered(store, hot_budget=entry_bytes(10), cold_budget=entry_bytes(20)) as cache:
         assert await reason(cache, [40, 41, 42, 43, 44]) is MissReason.OTHER_MODEL
         assert await reason(cache, [1, 2, 3]) is MissReason.NO_ENTRY
         await cache.insert(list(range(10)), fake_caches(10, trimmable=False))
@@ -262,8 +232,10 @@ async def test_every_miss_reason_through_the_cache(tmp_path: Path, autojump_cloc
         await trio.sleep(6)
         assert await reason(cache, [90] * 10) is MissReason.EXPIRED
         stats = cache.statistics()
-    async with _open(
-        FakeColdStore(tmp_path / "d", MODEL), admission=MinimumTokens(99), hot_budget=_bytes(10)
+    async with fake_tiered(
+        FakeColdStore(tmp_path / "d", MODEL),
+        admission=MinimumTokens(99),
+        hot_budget=entry_bytes(10),
     ) as cache:
         await cache.insert([1] * 10, fake_caches(10))
         await cache.insert([2] * 10, fake_caches(10))  # the first leaves RAM, refused
@@ -277,7 +249,7 @@ async def test_every_miss_reason_through_the_cache(tmp_path: Path, autojump_cloc
 async def test_metrics_text_parses(tmp_path: Path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    async with _open(FakeColdStore(tmp_path, MODEL)) as cache:
+    async with fake_tiered(FakeColdStore(tmp_path, MODEL)) as cache:
         await cache.insert([1, 2, 3, 4], fake_caches(4))
         await cache.fetch_nearest([1, 2, 3, 4])
         await cache.fetch_nearest([9, 9])
@@ -315,7 +287,7 @@ async def test_load_save_and_loop_lag_histograms_count(tmp_path: Path) -> None:
             out[name] = samples[name + "_count"].value
         return out
 
-    async with _open(FakeColdStore(tmp_path, MODEL), hot_budget=_bytes(10)) as cache:
+    async with fake_tiered(FakeColdStore(tmp_path, MODEL), hot_budget=entry_bytes(10)) as cache:
         before = histograms(cache.metrics_text())
         assert before["kvtrio_cold_save_seconds"] == before["kvtrio_cold_load_seconds"] == 0
         await _on_disk(cache, [1, 2, 3, 4, 5, 6])  # saves one entry (the other stays hot)
@@ -337,7 +309,7 @@ async def _on_disk(cache: TieredPromptCache, *prompts: list[int]) -> None:
 
 async def test_a_prefetch_is_adopted_by_the_lookup(tmp_path: Path) -> None:
     store = FaultyStore(tmp_path, MODEL)
-    async with _open(store, hot_budget=_bytes(10), eviction=PolicyKind.LRU) as cache:
+    async with fake_tiered(store, hot_budget=entry_bytes(10), eviction=PolicyKind.LRU) as cache:
         prompt = list(range(100, 110))
         await _on_disk(cache, prompt)
         store.gate = trio.Event()  # the load is in flight when the lookup comes
@@ -353,7 +325,7 @@ async def test_a_prefetch_is_adopted_by_the_lookup(tmp_path: Path) -> None:
         assert got.tier is Tier.COLD and got.remaining == (5,)
         assert store.fetches == 1  # adopted: not read again
         stats = cache.statistics()
-        assert (stats.prefetches, stats.prefetch_used_bytes) == (1, _bytes(10))
+        assert (stats.prefetches, stats.prefetch_used_bytes) == (1, entry_bytes(10))
         assert (stats.prefetch_wasted_bytes, stats.prefetch_bytes) == (0, 0)
 
 
@@ -361,25 +333,25 @@ async def test_prefetches_unused_or_superseded_are_wasted_and_bounded(
     tmp_path: Path, autojump_clock: Any
 ) -> None:
     store = FakeColdStore(tmp_path, MODEL)
-    async with _open(store, hot_budget=_bytes(10), eviction=PolicyKind.LRU) as cache:
-        cache.prefetch_budget = _bytes(15)
+    async with fake_tiered(store, hot_budget=entry_bytes(10), eviction=PolicyKind.LRU) as cache:
+        cache.prefetch_budget = entry_bytes(15)
         cache.prefetch_deadline = 5.0
         a, b = list(range(100, 110)), list(range(200, 210))
         await _on_disk(cache, a, b)
         assert cache.prefetch(a)
         assert not cache.prefetch(b)  # over the byte bound
-        assert cache.statistics().prefetch_bytes == _bytes(10)
+        assert cache.statistics().prefetch_bytes == entry_bytes(10)
         await trio.sleep(6)  # unused past the deadline
         stats = cache.statistics()
-        assert (stats.prefetch_wasted_bytes, stats.prefetch_bytes) == (_bytes(10), 0)
+        assert (stats.prefetch_wasted_bytes, stats.prefetch_bytes) == (entry_bytes(10), 0)
         assert cache.prefetch(b)  # room again
         await trio.sleep(1)  # loaded, waiting for its lookup
-        assert cache.statistics().prefetch_bytes == _bytes(10)
+        assert cache.statistics().prefetch_bytes == entry_bytes(10)
         record = cache._records[cache.peek(b).entry.key]  # type: ignore[union-attr]
         await cache._remove(record)  # b leaves the index: its prefetch is superseded
         await trio.sleep(0.1)
         stats = cache.statistics()
         assert (stats.prefetch_bytes, stats.prefetch_used_bytes) == (0, 0)
-        assert stats.prefetch_wasted_bytes == _bytes(20)
+        assert stats.prefetch_wasted_bytes == entry_bytes(20)
         assert (await cache.fetch_nearest(b)).caches is None
         cache.check()

@@ -23,6 +23,8 @@ from kvtrio.actors.tiered import (
 from kvtrio.tinymodel import TinyModel, build_tiny_model, make_caches, prefill
 from mlx_lm.models.cache import trim_prompt_cache
 
+from .test_ledger_real import _disk_bytes
+
 BLOCK = 64
 
 
@@ -63,16 +65,6 @@ def _prompt(seed: int, n: int, prefix: list[int] | None = None) -> list[int]:
     rng = random.Random(seed)
     out = list(prefix or [])
     return out + [rng.randrange(512) for _ in range(n - len(out))]
-
-
-def _disk_bytes(directory: Path) -> int:
-    """Bytes of the files under ``directory``, but for the tier's own metadata in its
-    root (the lock file, the catalogue: ``.kvtrio-*``), which the cold budget leaves out."""
-    return sum(
-        p.stat().st_size
-        for p in directory.rglob("*")
-        if p.is_file() and not (p.parent == directory and p.name.startswith(".kvtrio-"))
-    )
 
 
 async def test_hits_from_ram_and_disk_are_bit_exact_and_survive_restart(

@@ -25,14 +25,19 @@ def _with_foreign_files(tree: Path) -> list[Path]:
     return foreign
 
 
-def test_verify_lists_foreign_files_apart_and_passes(
-    written: Path,  # noqa: F811
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+@pytest.fixture
+def foreign_tree(written: Path, tmp_path: Path) -> tuple[Path, list[Path]]:  # noqa: F811
+    """A copy of the written tier's caches with two files beside them that are not
+    kvtrio's, and those two."""
     tree = tmp_path / "tree"
     shutil.copytree(written, tree)
-    foreign = _with_foreign_files(tree)
+    return tree, _with_foreign_files(tree)
+
+
+def test_verify_lists_foreign_files_apart_and_passes(
+    foreign_tree: tuple[Path, list[Path]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    tree, foreign = foreign_tree
     assert main(["verify", str(tree), "--json"]) == 0
     body = json.loads(capsys.readouterr().out)
     assert body["ok"] and body["files_ok"] == 3 and body["bad_files"] == []
@@ -42,13 +47,9 @@ def test_verify_lists_foreign_files_apart_and_passes(
 
 
 def test_gc_lists_foreign_files_apart_and_leaves_them(
-    written: Path,  # noqa: F811
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    foreign_tree: tuple[Path, list[Path]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    tree = tmp_path / "tree"
-    shutil.copytree(written, tree)
-    foreign = _with_foreign_files(tree)
+    tree, foreign = foreign_tree
     assert main(["gc", str(tree), "--json"]) == 0
     body = json.loads(capsys.readouterr().out)
     assert body["unreadable"] == [] and sorted(body["foreign"]) == sorted(map(str, foreign))
