@@ -259,6 +259,9 @@ def test_metrics_endpoint_parses_and_wear_is_printed_at_shutdown(
     assert samples["kvtrio_serve_ram_entries", ()] >= 1
     assert ("kvtrio_cache_lookup_reasons_total", (("reason", "no-entry"),)) in samples
     assert ("kvtrio_cold_written_bytes_total", ()) in samples
+    for histogram in ("cold_load", "cold_save", "event_loop_lag"):  # docs/serve.md
+        assert (f"kvtrio_{histogram}_seconds_count", ()) in samples
+    assert samples["kvtrio_event_loop_lag_seconds_count", ()] >= 1
     wear = exit_wear(server)
     # The close wrote the RAM entry (a flush: not offered to the admission policy).
     assert wear["written"] > 0 and (wear["admitted"], wear["refused"]) == (0, 0)
