@@ -273,8 +273,11 @@ class LocalManifestStore(ManifestStore):
         except FileNotFoundError:
             return False
         self.file_ops.fsync_dir(self.directory)
-        if name in self._pinned():
-            self.set_pinned({name: False})
+        try:
+            if name in self._pinned():
+                self.set_pinned({name: False})
+        except OSError:
+            pass  # the manifest is gone all the same; the tier's next unclean open prunes
         return True
 
     def list(self) -> builtins.list[str]:
@@ -312,11 +315,18 @@ class LocalManifestStore(ManifestStore):
         self._pins = updated
 
     def pinned_names(self) -> set[str]:
-        return set(self._pinned())
+        if self._pins is None:
+            self._pins = self._read_pins()  # an unreadable record raises, for the caller
+        return set(self._pins)
 
     def _pinned(self) -> set[str]:
+        """The names, read once; an unreadable record counts as none (the next change
+        replaces it), so it never fails a deletion."""
         if self._pins is None:
-            self._pins = self._read_pins()
+            try:
+                self._pins = self._read_pins()
+            except CorruptCacheError:
+                self._pins = set()
         return self._pins
 
     def _pins_file(self) -> str:

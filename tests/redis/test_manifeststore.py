@@ -181,3 +181,10 @@ def test_local_pins_survive_a_new_store_and_hostile_records_are_corrupt(tmp_path
     pins.symlink_to(tmp_path / "elsewhere")
     with pytest.raises(CorruptCacheError, match="symbolic link"):
         LocalManifestStore(str(directory)).pinned_names()
+    pins.unlink()
+    pins.write_bytes(b"{not json")
+    damaged = LocalManifestStore(str(directory))
+    assert damaged.delete("a.kvc")  # an unreadable record fails no deletion
+    damaged.put("b.kvc", b"2")
+    damaged.set_pinned({"b.kvc": True})  # and the next change replaces it
+    assert LocalManifestStore(str(directory)).pinned_names() == {"b.kvc"}
