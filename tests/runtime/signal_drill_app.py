@@ -49,5 +49,10 @@ async def main(messages: int, seconds: float, grace: float) -> int:
 
 
 if __name__ == "__main__":
+    # The drills resend SIGTERM until the process ends (signals sent together may coalesce).
+    # trio restores the handler it found once shutdown_on_signals returns, so a resend that
+    # lands after that, while the summary line is printed, must find SIG_IGN rather than
+    # the default action (which would kill the process with -15 after a clean shutdown).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     count, per_message, grace_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
     sys.exit(trio.run(main, count, per_message, grace_s))
