@@ -172,6 +172,15 @@ __device__ __forceinline__ uint32_t kvt_trans(uint32_t x, int lane) {
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
   return y;
 }
+// A claim on the next chunk from counter ``at`` (lane 0 asks; the answer is lane 0's, see
+// kvt_bcast). The counters are an input the host zeroes for each launch.
+__device__ __forceinline__ int kvt_claim(const int* ctr, int at, int lane) {
+  int t = 0;
+  if (lane == 0) t = atomicAdd(const_cast<int*>(ctr) + at, 1);
+  return t;
+}
+// Lane 0's value, to the whole warp.
+__device__ __forceinline__ int kvt_bcast(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 // 16 bytes of a key or value row, through the read-only data path (WIDE: asking L2 to
 // fetch the 256-byte line around them).
 template <bool WIDE>
@@ -218,10 +227,11 @@ def partial(quantized: bool) -> Any:
 
 @functools.cache
 def partial_mma() -> Any:
-    """The float16/bfloat16 partition kernel on tensor cores (mma.sync)."""
+    """The float16/bfloat16 partition kernel on tensor cores (mma.sync); its last input is
+    the chunk counters (read only when CHUNK > 0)."""
     return mx.fast.cuda_kernel(
         name="kvtrio_paged_partial_mma",
-        input_names=_INPUTS,
+        input_names=[*_INPUTS, "ctr"],
         output_names=["out", "normal"],
         source=PARTIAL_MMA_SOURCE,
         header=HEADER_MMA,

@@ -131,7 +131,141 @@ def bench(budget: float) -> None:
             left -= time.time() - took
 
 
+def _single_views(length: int, shape: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """A shuffled one-sequence view of ``length`` random tokens, its contiguous keys and
+    values, and queries (as kvtrio.bench.attention lays them out)."""
+    import mlx.core as mx
+    from kvtrio.bench import attention as b
+
+    mx.random.seed(length)
+    keys = mx.random.normal((1, shape["kv_heads"], length, shape["dim"])).astype(shape["dtype"])
+    values = mx.random.normal((1, shape["kv_heads"], length, shape["dim"])).astype(
+        shape["dtype"])
+    queries = mx.random.normal((1, shape["q_heads"], 1, shape["dim"])).astype(shape["dtype"])
+    mx.eval(keys, values, queries)
+    view = b._paged_view(keys, values, shape["block_size"], None, 64)
+    return view, keys, values, queries
+
+
+def explore(budget: float) -> None:
+    """Launch-shape variants of the tensor-core kernel against contiguous sdpa, alternating
+    (two rounds), single sequences and batches, ceilings in the same process. Variants are
+    named ``b<blocks>`` (static items aiming for that many thread blocks) and
+    ``c<chunk>[_b<blocks>]`` (warps claiming chunks of that many tokens)."""
+    import random
+
+    import attrs
+    import mlx.core as mx
+    from kvtrio.bench import attention as b
+    from kvtrio.metal.attention import DEFAULT_TUNING, direct_backend
+
+    began = time.time()
+    backend = direct_backend()
+    assert backend is not None
+    shape = {"q_heads": 32, "kv_heads": 8, "dim": 128, "dtype": mx.float16, "block_size": 16}
+    results: dict[str, Any] = {"device": str(mx.default_device()), "single": [], "batch": []}
+    results["ceilings"] = b.ceilings(4 << 30, 10)
+    print("ceilings", json.dumps(results["ceilings"]), flush=True)
+    names = os.environ.get("KVTRIO_VARIANTS",
+                           "default,b528,b1056,c64,c128,c256,c128_b528").split(",")
+
+    def tuning_of(name: str) -> Any:
+        t = DEFAULT_TUNING
+        for part in name.split("_"):
+            if part.startswith("b"):
+                t = attrs.evolve(t, mma_blocks=int(part[1:]))
+            elif part.startswith("c"):
+                t = attrs.evolve(t, mma_chunk=int(part[1:]))
+            elif part.startswith("w"):
+                t = attrs.evolve(t, batch_waves=int(part[1:]))
+        return t
+
+    for length in (131072, 32768, 4096):
+        results["single"].append(_explore_length(length, shape, names, tuning_of, backend,
+                                                 results["ceilings"]["copy_gbs"]))
+        mx.clear_cache()
+    batch_names = os.environ.get("KVTRIO_BATCH_VARIANTS", "default,c128,c128_w1,c256").split(",")
+    for batch, lo, hi in ((32, 1024, 32768), (32, 1024, 4096)):
+        if time.time() - began > budget * 0.8:
+            break
+        rng = random.Random(16)
+        lengths = [rng.randint(lo, hi) for _ in range(batch)]
+        row = b.measure_batch(lengths, iters=10, padded=False,
+                              tunings={n: tuning_of(n) for n in batch_names},
+                              **shape)  # type: ignore[arg-type]
+        row["mix"] = f"{batch}x{lo}:{hi}"
+        copy = results["ceilings"]["copy_gbs"]
+        print(f"batch {row['mix']}: sdpa loop {row['sdpa_loop_us']:.1f} us, direct loop "
+              f"{row['direct_loop_us']:.1f} us", flush=True)
+        for name in batch_names:
+            print(f"        {name:<12} {row[name + '_us']:7.1f} us  "
+                  f"{row[name + '_vs_sdpa_loop']:5.3f}x loop  "
+                  f"{row[name + '_gbs'] / copy:.0%} of copy", flush=True)
+        results["batch"].append(row)
+        mx.clear_cache()
+    results["ceilings_end"] = b.ceilings(4 << 30, 10)
+    print("ceilings at the end", json.dumps(results["ceilings_end"]), flush=True)
+    (OUT / "explore.json").write_text(json.dumps(results, indent=1))
+
+
+def _explore_length(length: int, shape: dict[str, Any], names: list[str],
+                    tuning_of: Any, backend: Any, copy: float) -> dict[str, Any]:
+    import mlx.core as mx
+    from kvtrio.bench import attention as b
+
+    view, keys, values, queries = _single_views(length, shape)
+    scale = shape["dim"] ** -0.5
+    kv_bytes = keys.nbytes + values.nbytes
+    row: dict[str, Any] = {"tokens": length, "kv_bytes": kv_bytes}
+    for _ in range(2):
+        row.setdefault("sdpa_us", []).append(b._median_us(
+            lambda q: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale),
+            queries, 10))
+        for name in names:
+            tuning = tuning_of(name)
+            row.setdefault(name, []).append(b._median_us(
+                lambda q, t=tuning: view.attend_direct(q, scale, None, backend, t),
+                queries, 10))
+    # The partition kernel alone (the merge replaced by a slice), default and most items.
+    for name in ("default", "b1056"):
+        row[f"partial_{name}_us"] = _partial_only_us(view.as_batch(), queries, scale,
+                                                     backend, tuning_of(name))
+    sdpa = min(row["sdpa_us"])
+    print(f"{length:>7} sdpa {row['sdpa_us'][0]:7.1f} {row['sdpa_us'][1]:7.1f} us "
+          f"({kv_bytes / sdpa / 1e3 / copy:.0%} of copy)", flush=True)
+    for name in names:
+        best = min(row[name])
+        print(f"        {name:<12} {row[name][0]:7.1f} {row[name][1]:7.1f} us  "
+              f"{best / sdpa:5.3f}x sdpa  {kv_bytes / best / 1e3 / copy:.0%} of copy",
+              flush=True)
+    print(f"        without the merge: default {row['partial_default_us']:.1f} us, "
+          f"b1056 {row['partial_b1056_us']:.1f} us", flush=True)
+    return row
+
+
+def _partial_only_us(view: Any, queries: Any, scale: float, backend: Any,
+                     tuning: Any) -> float:
+    """A chained call with the merge kernel replaced by a slice of the partials (one small
+    copy): the partition kernel's share of the call."""
+    from kvtrio.bench import attention as b
+
+    real = backend.merge
+
+    def stub() -> Any:
+        def run(*, inputs: Any, output_shapes: Any, output_dtypes: Any, **_: Any) -> Any:
+            partials = inputs[0]
+            return [partials[:, 0, :].reshape(output_shapes[0]).astype(output_dtypes[0])]
+        return run
+
+    backend.merge = stub
+    try:
+        return b._median_us(
+            lambda q: view.attend_direct(q, scale, None, backend, tuning), queries, 10)
+    finally:
+        backend.merge = real
+
+
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     what, budget = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 500.0
-    {"tests": tests, "bench": bench}[what](budget)
+    {"tests": tests, "bench": bench, "explore": explore}[what](budget)
