@@ -161,10 +161,14 @@ def explore(budget: float) -> None:
 
     began = time.time()
     backend = direct_backend()
-    assert backend is not None
+    if backend is None:  # a CPU smoke run of this script: the numpy stand-in
+        from emulated_backend import EmulatedBackend  # type: ignore[import-not-found]
+
+        backend = EmulatedBackend()
+        b.direct_backend = lambda: backend  # type: ignore[assignment]
     shape = {"q_heads": 32, "kv_heads": 8, "dim": 128, "dtype": mx.float16, "block_size": 16}
     results: dict[str, Any] = {"device": str(mx.default_device()), "single": [], "batch": []}
-    results["ceilings"] = b.ceilings(4 << 30, 10)
+    results["ceilings"] = b.ceilings(int(os.environ.get("KVTRIO_CEILING_BYTES", 4 << 30)), 10)
     print("ceilings", json.dumps(results["ceilings"]), flush=True)
     names = os.environ.get("KVTRIO_VARIANTS",
                            "default,b528,b1056,c64,c128,c256,c128_b528").split(",")
@@ -180,12 +184,14 @@ def explore(budget: float) -> None:
                 t = attrs.evolve(t, batch_waves=int(part[1:]))
         return t
 
-    for length in (131072, 32768, 4096):
+    lengths = [int(x) for x in os.environ.get("KVTRIO_LENGTHS", "131072,32768,4096").split(",")]
+    for length in lengths:
         results["single"].append(_explore_length(length, shape, names, tuning_of, backend,
                                                  results["ceilings"]["copy_gbs"]))
         mx.clear_cache()
     batch_names = os.environ.get("KVTRIO_BATCH_VARIANTS", "default,c128,c128_w1,c256").split(",")
-    for batch, lo, hi in ((32, 1024, 32768), (32, 1024, 4096)):
+    mixes = os.environ.get("KVTRIO_MIXES", "32:1024:32768,32:1024:4096").split(",")
+    for batch, lo, hi in ([int(x) for x in mix.split(":")] for mix in mixes if mix):
         if time.time() - began > budget * 0.8:
             break
         rng = random.Random(16)
@@ -203,7 +209,7 @@ def explore(budget: float) -> None:
                   f"{row[name + '_gbs'] / copy:.0%} of copy", flush=True)
         results["batch"].append(row)
         mx.clear_cache()
-    results["ceilings_end"] = b.ceilings(4 << 30, 10)
+    results["ceilings_end"] = b.ceilings(int(os.environ.get("KVTRIO_CEILING_BYTES", 4 << 30)), 10)
     print("ceilings at the end", json.dumps(results["ceilings_end"]), flush=True)
     (OUT / "explore.json").write_text(json.dumps(results, indent=1))
 
