@@ -81,6 +81,10 @@ class KernelTuning:
     # share of its work item). Claimed chunks balance the warps' progress, so the launch does
     # not wait on the slowest item; the order of the sums then varies from run to run.
     mma_chunk: int = 0
+    # Kv head h starts its steps through an item h / kv_heads of the way round, so the heads
+    # of one item read different pool blocks at any moment (the order of the sums changes).
+    mma_rotate: bool = False
+    mma_no_l1: bool = False  # loads ask not to be kept in L1 (CUDA's L1::no_allocate)
     # A batch of several sequences aims for this many times the blocks above: its items end
     # at different times, and more, smaller items keep the GPU full to the end.
     batch_waves: int = 4
@@ -88,12 +92,13 @@ class KernelTuning:
     @classmethod
     def parse(cls, text: str) -> KernelTuning:
         """``warps,rows,unroll,pipeline,blocks[,mma[,mma_warps,mma_blocks[,mma_tiles,
-        mma_wide_l2[,batch_waves[,mma_chunk]]]]]`` (pipeline and mma_wide_l2 0 or 1; mma 0,
-        1 or -1 for the backend's default); fields left out keep their defaults."""
+        mma_wide_l2[,batch_waves[,mma_chunk[,mma_rotate,mma_no_l1]]]]]]`` (pipeline,
+        mma_wide_l2, mma_rotate and mma_no_l1 0 or 1; mma 0, 1 or -1 for the backend's
+        default); fields left out keep their defaults."""
         fields = [int(x) for x in text.split(",")]
-        if len(fields) not in (5, 6, 8, 10, 11, 12):
+        if len(fields) not in (5, 6, 8, 10, 11, 12, 14):
             raise ValueError(
-                f"expected 5, 6, 8, 10, 11 or 12 comma-separated integers, got {text!r}"
+                f"expected 5, 6, 8, 10, 11, 12 or 14 comma-separated integers, got {text!r}"
             )
         tuning = cls(
             warps=fields[0], rows=fields[1], unroll=fields[2], pipeline=bool(fields[3]),
@@ -109,13 +114,17 @@ class KernelTuning:
             tuning = attrs.evolve(tuning, batch_waves=fields[10])
         if len(fields) > 11:
             tuning = attrs.evolve(tuning, mma_chunk=fields[11])
+        if len(fields) > 12:
+            tuning = attrs.evolve(tuning, mma_rotate=bool(fields[12]),
+                                  mma_no_l1=bool(fields[13]))
         return tuning
 
     def text(self) -> str:
         """The ``--tuning`` argument that parses back to this shape."""
         fields = [self.warps, self.rows, self.unroll, int(self.pipeline), self.target_blocks,
                   -1 if self.mma is None else int(self.mma), self.mma_warps, self.mma_blocks,
-                  self.mma_tiles, int(self.mma_wide_l2), self.batch_waves, self.mma_chunk]
+                  self.mma_tiles, int(self.mma_wide_l2), self.batch_waves, self.mma_chunk,
+                  int(self.mma_rotate), int(self.mma_no_l1)]
         return ",".join(str(x) for x in fields)
 
 
@@ -431,6 +440,7 @@ class BatchPagedAttentionView:
                 ("BS", self.block_size), ("WARPS", warps), ("TILES", tuning.mma_tiles),
                 ("WIDE_L2", tuning.mma_wide_l2), ("CAUSAL", causal),
                 ("SCALE_BITS", scale_bits), ("CHUNK", tuning.mma_chunk),
+                ("ROT", tuning.mma_rotate), ("NO_L1", tuning.mma_no_l1),
             ]
             # The chunk counters, one per (sequence, grid row), zero for this launch (a fresh
             # array, so launches never share one); unread without chunks (the table stands in).

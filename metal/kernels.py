@@ -343,7 +343,12 @@ PARTIAL_MMA = (
       hi = kvt_min(length, lo + CK);
       stride = 16 * TILES;
     }
-    for (int step = lo; step < hi; step += stride) {
+    // With ROT, kv head hk starts its steps hk / HK of the way round: the heads of one item
+    // then read different pool blocks at any moment instead of the same block together.
+    const int count = lo < hi ? (hi - lo + stride - 1) / stride : 0;
+    const int shift = ROT ? hk * count / HK : 0;
+    for (int k = 0; k < count; ++k) {
+      const int step = lo + (k + shift < count ? k + shift : k + shift - count) * stride;
       uint4 ka[TILES][DJ];
       uint4 kb[TILES][DJ];
       uint4 va[TILES][DJ];
@@ -356,13 +361,13 @@ PARTIAL_MMA = (
         const int rowb = (table[blocks_at + tb / BS] * HK + hk) * BS + tb % BS;
 #pragma unroll
         for (int j = 0; j < DJ; ++j) {
-          ka[tile][j] = kvt_load16<WIDE_L2>(keys + rowa * D + 32 * j + 8 * c);
-          kb[tile][j] = kvt_load16<WIDE_L2>(keys + rowb * D + 32 * j + 8 * c);
+          ka[tile][j] = kvt_load16<WIDE_L2, NO_L1>(keys + rowa * D + 32 * j + 8 * c);
+          kb[tile][j] = kvt_load16<WIDE_L2, NO_L1>(keys + rowb * D + 32 * j + 8 * c);
         }
 #pragma unroll
         for (int j = 0; j < DJ; ++j) {
-          va[tile][j] = kvt_load16<WIDE_L2>(values + rowa * D + 32 * j + 8 * c);
-          vb[tile][j] = kvt_load16<WIDE_L2>(values + rowb * D + 32 * j + 8 * c);
+          va[tile][j] = kvt_load16<WIDE_L2, NO_L1>(values + rowa * D + 32 * j + 8 * c);
+          vb[tile][j] = kvt_load16<WIDE_L2, NO_L1>(values + rowb * D + 32 * j + 8 * c);
         }
       }
 #pragma unroll

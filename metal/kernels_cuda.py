@@ -182,10 +182,16 @@ __device__ __forceinline__ int kvt_claim(const int* ctr, int at, int lane) {
 // Lane 0's value, to the whole warp.
 __device__ __forceinline__ int kvt_bcast(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 // 16 bytes of a key or value row, through the read-only data path (WIDE: asking L2 to
-// fetch the 256-byte line around them).
-template <bool WIDE>
+// fetch the 256-byte line around them; NO_L1: that too, and not to keep them in L1).
+template <bool WIDE, bool NO_L1>
 __device__ __forceinline__ uint4 kvt_load16(const void* p) {
-  if constexpr (WIDE) {
+  if constexpr (NO_L1) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+  } else if constexpr (WIDE) {
     uint4 r;
     asm("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)

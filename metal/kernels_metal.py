@@ -177,8 +177,9 @@ inline int kvt_claim(const device int* ctr, int at, int lane) {
 }
 // Lane 0's value, to the whole SIMD group.
 inline int kvt_bcast(int x) { return simd_broadcast(x, ushort(0)); }
-// 16 bytes of a key or value row (WIDE, a CUDA cache hint, has no Metal counterpart).
-template <bool WIDE, typename P>
+// 16 bytes of a key or value row (WIDE and NO_L1, CUDA cache hints, have no Metal
+// counterpart).
+template <bool WIDE, bool NO_L1, typename P>
 inline uint4 kvt_load16(const device P* p) {
   return *((const device uint4*)(p));
 }

@@ -150,8 +150,9 @@ def _single_views(length: int, shape: dict[str, Any]) -> tuple[Any, Any, Any, An
 def explore(budget: float) -> None:
     """Launch-shape variants of the tensor-core kernel against contiguous sdpa, alternating
     (two rounds), single sequences and batches, ceilings in the same process. Variants are
-    named ``b<blocks>`` (static items aiming for that many thread blocks) and
-    ``c<chunk>[_b<blocks>]`` (warps claiming chunks of that many tokens)."""
+    made of ``_``-joined parts: ``b<blocks>`` (items aiming for that many thread blocks),
+    ``c<chunk>`` (warps claiming chunks of that many tokens), ``w<waves>`` (batch_waves),
+    ``rot`` (mma_rotate) and ``nol1`` (mma_no_l1); ``default`` is the default shape."""
     import random
 
     import attrs
@@ -182,6 +183,10 @@ def explore(budget: float) -> None:
                 t = attrs.evolve(t, mma_chunk=int(part[1:]))
             elif part.startswith("w"):
                 t = attrs.evolve(t, batch_waves=int(part[1:]))
+            elif part == "rot":
+                t = attrs.evolve(t, mma_rotate=True)
+            elif part == "nol1":
+                t = attrs.evolve(t, mma_no_l1=True)
         return t
 
     lengths = [int(x) for x in os.environ.get("KVTRIO_LENGTHS", "131072,32768,4096").split(",")]
