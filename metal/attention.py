@@ -77,14 +77,6 @@ class KernelTuning:
     mma_blocks: int = 264  # 2 per multiprocessor of an H200 (from the sweep)
     mma_tiles: int = 1  # 16-token tiles a warp loads before using any (bytes in flight)
     mma_wide_l2: bool = True  # loads ask L2 for 256-byte lines (CUDA's L2::256B hint)
-    # Tokens a warp claims at a time from its sequence's counter (0: each warp reads a fixed
-    # share of its work item). Claimed chunks balance the warps' progress, so the launch does
-    # not wait on the slowest item; the order of the sums then varies from run to run.
-    mma_chunk: int = 0
-    # Kv head h starts its steps through an item h / kv_heads of the way round, so the heads
-    # of one item read different pool blocks at any moment (the order of the sums changes).
-    mma_rotate: bool = False
-    mma_no_l1: bool = False  # loads ask not to be kept in L1 (CUDA's L1::no_allocate)
     # A batch of several sequences aims for this many times the blocks above: its items end
     # at different times, and more, smaller items keep the GPU full to the end.
     batch_waves: int = 4
@@ -92,13 +84,12 @@ class KernelTuning:
     @classmethod
     def parse(cls, text: str) -> KernelTuning:
         """``warps,rows,unroll,pipeline,blocks[,mma[,mma_warps,mma_blocks[,mma_tiles,
-        mma_wide_l2[,batch_waves[,mma_chunk[,mma_rotate,mma_no_l1]]]]]]`` (pipeline,
-        mma_wide_l2, mma_rotate and mma_no_l1 0 or 1; mma 0, 1 or -1 for the backend's
-        default); fields left out keep their defaults."""
+        mma_wide_l2[,batch_waves]]]]`` (pipeline and mma_wide_l2 0 or 1; mma 0, 1 or -1 for
+        the backend's default); fields left out keep their defaults."""
         fields = [int(x) for x in text.split(",")]
-        if len(fields) not in (5, 6, 8, 10, 11, 12, 14):
+        if len(fields) not in (5, 6, 8, 10, 11):
             raise ValueError(
-                f"expected 5, 6, 8, 10, 11, 12 or 14 comma-separated integers, got {text!r}"
+                f"expected 5, 6, 8, 10 or 11 comma-separated integers, got {text!r}"
             )
         tuning = cls(
             warps=fields[0], rows=fields[1], unroll=fields[2], pipeline=bool(fields[3]),
@@ -112,19 +103,13 @@ class KernelTuning:
             tuning = attrs.evolve(tuning, mma_tiles=fields[8], mma_wide_l2=bool(fields[9]))
         if len(fields) > 10:
             tuning = attrs.evolve(tuning, batch_waves=fields[10])
-        if len(fields) > 11:
-            tuning = attrs.evolve(tuning, mma_chunk=fields[11])
-        if len(fields) > 12:
-            tuning = attrs.evolve(tuning, mma_rotate=bool(fields[12]),
-                                  mma_no_l1=bool(fields[13]))
         return tuning
 
     def text(self) -> str:
         """The ``--tuning`` argument that parses back to this shape."""
         fields = [self.warps, self.rows, self.unroll, int(self.pipeline), self.target_blocks,
                   -1 if self.mma is None else int(self.mma), self.mma_warps, self.mma_blocks,
-                  self.mma_tiles, int(self.mma_wide_l2), self.batch_waves, self.mma_chunk,
-                  int(self.mma_rotate), int(self.mma_no_l1)]
+                  self.mma_tiles, int(self.mma_wide_l2), self.batch_waves]
         return ",".join(str(x) for x in fields)
 
 
@@ -439,14 +424,8 @@ class BatchPagedAttentionView:
                 ("HK", kv_heads), ("G", q_heads // kv_heads), ("N", n), ("D", dim),
                 ("BS", self.block_size), ("WARPS", warps), ("TILES", tuning.mma_tiles),
                 ("WIDE_L2", tuning.mma_wide_l2), ("CAUSAL", causal),
-                ("SCALE_BITS", scale_bits), ("CHUNK", tuning.mma_chunk),
-                ("ROT", tuning.mma_rotate), ("NO_L1", tuning.mma_no_l1),
+                ("SCALE_BITS", scale_bits),
             ]
-            # The chunk counters, one per (sequence, grid row), zero for this launch (a fresh
-            # array, so launches never share one); unread without chunks (the table stands in).
-            counters = (mx.zeros((self.batch * kv_heads * chunks,), dtype=mx.int32)
-                        if tuning.mma_chunk > 0 else None)
-            mma = True
         else:
             warps = tuning.warps
             rows_per_block = min(rows, tuning.rows)
@@ -456,7 +435,6 @@ class BatchPagedAttentionView:
             part = self.part_tokens(kv_heads * chunks, per_step, tuning.target_blocks * waves,
                                     tuning)
             kernel = backend.partial(self.bits is not None)
-            counters, mma = None, False
             template = [
                 ("HK", kv_heads), ("G", q_heads // kv_heads), ("N", n),
                 ("D", dim), ("BS", self.block_size), ("RC", rows_per_block),
@@ -470,11 +448,10 @@ class BatchPagedAttentionView:
                     ("BITS", self.bits), ("GS", self.group_size), ("T", self.arrays[2].dtype)
                 ]
         table = self.kernel_table(part)
-        extra = ([table if counters is None else counters] if mma else list(self.arrays[2:]))
         items = sum(-(-length // part) for length in self.lengths)
         hqn = q_heads * n
         partial_out, normal = kernel(
-            inputs=[queries, self.arrays[0], self.arrays[1], table, *extra],
+            inputs=[queries, self.arrays[0], self.arrays[1], table, *self.arrays[2:]],
             template=template,
             grid=(32 * warps * items, kv_heads * chunks, 1),
             threadgroup=(32 * warps, 1, 1),

@@ -262,11 +262,11 @@ PARTIAL = (
 
 # The float16/bfloat16 partition kernel on tensor cores. Grid as in PARTIAL, with blocks of
 # 8 query rows (one mma column tile; rows past the last are zero). Warp w takes the item's
-# token steps w, w + WARPS, ... (or, with CHUNK > 0, chunks of its sequence it claims from a
-# counter, see the loop); a step is TILES 16-token tiles, all loaded before any is used;
-# with WIDE_L2 each load asks L2 for the whole 256-byte line around it (a token row of 128
-# float16 dims is one such line). Lane 4 g + c loads tokens g and g + 8 of a tile, dims
-# 32 j + 8 c .. + 8 of each (16 bytes per j), keys and values alike.
+# token steps w, w + WARPS, ...; a step is TILES 16-token tiles, all loaded before any is
+# used (more bytes in flight per warp); with WIDE_L2 each load asks L2 for the whole
+# 256-byte line around it (a token row of 128 float16 dims is one such line). Lane 4 g + c
+# loads tokens g and g + 8 of a tile, dims 32 j + 8 c .. + 8 of each (16 bytes per j), keys
+# and values alike.
 # - Scores S (16 tokens x 8 rows) = K (16 x D) Q^T, D / 16 mma steps. The mma's reduction
 #   index k stands for a permutation of the dims; the query words use the same one, so the
 #   dot products are exact sums over all dims. Lane 4 g + c gets the scores of tokens g and
@@ -322,103 +322,74 @@ PARTIAL_MMA = (
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
   }
-  // The token ranges this warp reads: its share of the item (from start + 16 TILES warp, by
-  // STEP), or, with CHUNK > 0, chunks of CHUNK tokens of its sequence claimed one at a time
-  // from the counter of (sequence, grid row) (ctr, zero at launch), which every warp of the
-  // sequence's items draws from: warps that run ahead take more, so no item's end waits on
-  // one slow warp. A claim is made one chunk ahead, so its answer is in flight meanwhile.
-  constexpr int CK = CHUNK > 0 ? CHUNK : 1;
-  const int chunks = (length + CK - 1) / CK;
-  const int counter = seq * HK * CH + KVT_BLOCK_Y;
-  int claim = CHUNK > 0 ? kvt_claim(ctr, counter, lane) : 0;
-  int lo = start + warp * 16 * TILES;
-  int hi = stop;
-  int stride = STEP;
-  for (;;) {
-    if (CHUNK > 0) {
-      const int chunk = kvt_bcast(claim);
-      if (chunk >= chunks) break;
-      claim = kvt_claim(ctr, counter, lane);
-      lo = chunk * CK;
-      hi = kvt_min(length, lo + CK);
-      stride = 16 * TILES;
-    }
-    // With ROT, kv head hk starts its steps hk / HK of the way round: the heads of one item
-    // then read different pool blocks at any moment instead of the same block together.
-    const int count = lo < hi ? (hi - lo + stride - 1) / stride : 0;
-    const int shift = ROT ? hk * count / HK : 0;
-    for (int k = 0; k < count; ++k) {
-      const int step = lo + (k + shift < count ? k + shift : k + shift - count) * stride;
-      uint4 ka[TILES][DJ];
-      uint4 kb[TILES][DJ];
-      uint4 va[TILES][DJ];
-      uint4 vb[TILES][DJ];
+  for (int step = start + warp * 16 * TILES; step < stop; step += STEP) {
+    uint4 ka[TILES][DJ];
+    uint4 kb[TILES][DJ];
+    uint4 va[TILES][DJ];
+    uint4 vb[TILES][DJ];
 #pragma unroll
-      for (int tile = 0; tile < TILES; ++tile) {
-        const int ta = kvt_min(step + 16 * tile + g, hi - 1);
-        const int tb = kvt_min(step + 16 * tile + g + 8, hi - 1);
-        const int rowa = (table[blocks_at + ta / BS] * HK + hk) * BS + ta % BS;
-        const int rowb = (table[blocks_at + tb / BS] * HK + hk) * BS + tb % BS;
+    for (int tile = 0; tile < TILES; ++tile) {
+      const int ta = kvt_min(step + 16 * tile + g, stop - 1);
+      const int tb = kvt_min(step + 16 * tile + g + 8, stop - 1);
+      const int rowa = (table[blocks_at + ta / BS] * HK + hk) * BS + ta % BS;
+      const int rowb = (table[blocks_at + tb / BS] * HK + hk) * BS + tb % BS;
 #pragma unroll
-        for (int j = 0; j < DJ; ++j) {
-          ka[tile][j] = kvt_load16<WIDE_L2, NO_L1>(keys + rowa * D + 32 * j + 8 * c);
-          kb[tile][j] = kvt_load16<WIDE_L2, NO_L1>(keys + rowb * D + 32 * j + 8 * c);
-        }
-#pragma unroll
-        for (int j = 0; j < DJ; ++j) {
-          va[tile][j] = kvt_load16<WIDE_L2, NO_L1>(values + rowa * D + 32 * j + 8 * c);
-          vb[tile][j] = kvt_load16<WIDE_L2, NO_L1>(values + rowb * D + 32 * j + 8 * c);
-        }
+      for (int j = 0; j < DJ; ++j) {
+        ka[tile][j] = kvt_load16<WIDE_L2>(keys + rowa * D + 32 * j + 8 * c);
+        kb[tile][j] = kvt_load16<WIDE_L2>(keys + rowb * D + 32 * j + 8 * c);
       }
 #pragma unroll
-      for (int tile = 0; tile < TILES; ++tile) {
-        const int base = step + 16 * tile;
-        // s: tokens base + g (rows 2c, 2c+1), then base + g + 8 (same rows).
-        float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < DJ; ++j) {
-          kvt_mma(keys, s, ka[tile][j].x, kb[tile][j].x, ka[tile][j].y, kb[tile][j].y,
-                  qw[j][0], qw[j][1], lane);
-          kvt_mma(keys, s, ka[tile][j].z, kb[tile][j].z, ka[tile][j].w, kb[tile][j].w,
-                  qw[j][2], qw[j][3], lane);
-        }
-        // Branch-free online softmax: while a row's maximum is -inf its weights are all 0.
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const bool use0 = base + g < hi && base + g < visible[e];
-          const bool use1 = base + g + 8 < hi && base + g + 8 < visible[e];
-          const float s0 = use0 ? s[e] * scale : KVT_NEG_INF;
-          const float s1 = use1 ? s[2 + e] * scale : KVT_NEG_INF;
-          float top = kvt_max(s0, s1);
-#pragma unroll
-          for (int o = 4; o < 32; o *= 2) top = kvt_max(top, kvt_shfl_xor(top, o));
-          top = kvt_max(top, m[e]);
-          const float corr = kvt_weight(m[e], top);
-          s[e] = kvt_weight(s0, top);
-          s[2 + e] = kvt_weight(s1, top);
-          l[e] = l[e] * corr + s[e] + s[2 + e];
-          m[e] = top;
-#pragma unroll
-          for (int t = 0; t < 2 * DJ; ++t) {
-            acc[t][e] *= corr;
-            acc[t][2 + e] *= corr;
-          }
-        }
-        // P^T as the B operand: tokens 2c..2c+1 (then + 8) of the tile, row g.
-        const uint32_t p0 = kvt_trans(kvt_pack(keys, s[0], s[1]), lane);
-        const uint32_t p1 = kvt_trans(kvt_pack(keys, s[2], s[3]), lane);
-#pragma unroll
-        for (int j = 0; j < DJ; ++j) {
-          kvt_mma(keys, acc[2 * j], kvt_trans(va[tile][j].x, lane),
-                  kvt_trans(va[tile][j].y, lane), kvt_trans(vb[tile][j].x, lane),
-                  kvt_trans(vb[tile][j].y, lane), p0, p1, lane);
-          kvt_mma(keys, acc[2 * j + 1], kvt_trans(va[tile][j].z, lane),
-                  kvt_trans(va[tile][j].w, lane), kvt_trans(vb[tile][j].z, lane),
-                  kvt_trans(vb[tile][j].w, lane), p0, p1, lane);
-        }
+      for (int j = 0; j < DJ; ++j) {
+        va[tile][j] = kvt_load16<WIDE_L2>(values + rowa * D + 32 * j + 8 * c);
+        vb[tile][j] = kvt_load16<WIDE_L2>(values + rowb * D + 32 * j + 8 * c);
       }
     }
-    if (CHUNK == 0) break;
+#pragma unroll
+    for (int tile = 0; tile < TILES; ++tile) {
+      const int base = step + 16 * tile;
+      // s: tokens base + g (rows 2c, 2c+1), then base + g + 8 (same rows).
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < DJ; ++j) {
+        kvt_mma(keys, s, ka[tile][j].x, kb[tile][j].x, ka[tile][j].y, kb[tile][j].y,
+                qw[j][0], qw[j][1], lane);
+        kvt_mma(keys, s, ka[tile][j].z, kb[tile][j].z, ka[tile][j].w, kb[tile][j].w,
+                qw[j][2], qw[j][3], lane);
+      }
+      // Branch-free online softmax: while a row's maximum is -inf its weights are all 0.
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool use0 = base + g < stop && base + g < visible[e];
+        const bool use1 = base + g + 8 < stop && base + g + 8 < visible[e];
+        const float s0 = use0 ? s[e] * scale : KVT_NEG_INF;
+        const float s1 = use1 ? s[2 + e] * scale : KVT_NEG_INF;
+        float top = kvt_max(s0, s1);
+#pragma unroll
+        for (int o = 4; o < 32; o *= 2) top = kvt_max(top, kvt_shfl_xor(top, o));
+        top = kvt_max(top, m[e]);
+        const float corr = kvt_weight(m[e], top);
+        s[e] = kvt_weight(s0, top);
+        s[2 + e] = kvt_weight(s1, top);
+        l[e] = l[e] * corr + s[e] + s[2 + e];
+        m[e] = top;
+#pragma unroll
+        for (int t = 0; t < 2 * DJ; ++t) {
+          acc[t][e] *= corr;
+          acc[t][2 + e] *= corr;
+        }
+      }
+      // P^T as the B operand: tokens 2c..2c+1 (then + 8) of the tile, row g.
+      const uint32_t p0 = kvt_trans(kvt_pack(keys, s[0], s[1]), lane);
+      const uint32_t p1 = kvt_trans(kvt_pack(keys, s[2], s[3]), lane);
+#pragma unroll
+      for (int j = 0; j < DJ; ++j) {
+        kvt_mma(keys, acc[2 * j], kvt_trans(va[tile][j].x, lane), kvt_trans(va[tile][j].y, lane),
+                kvt_trans(vb[tile][j].x, lane), kvt_trans(vb[tile][j].y, lane), p0, p1, lane);
+        kvt_mma(keys, acc[2 * j + 1], kvt_trans(va[tile][j].z, lane),
+                kvt_trans(va[tile][j].w, lane), kvt_trans(vb[tile][j].z, lane),
+                kvt_trans(vb[tile][j].w, lane), p0, p1, lane);
+      }
+    }
   }
   // Each lane's l covers its own tokens: sum over the 8 lanes of its rows.
 #pragma unroll

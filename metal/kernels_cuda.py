@@ -172,26 +172,11 @@ __device__ __forceinline__ uint32_t kvt_trans(uint32_t x, int lane) {
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
   return y;
 }
-// A claim on the next chunk from counter ``at`` (lane 0 asks; the answer is lane 0's, see
-// kvt_bcast). The counters are an input the host zeroes for each launch.
-__device__ __forceinline__ int kvt_claim(const int* ctr, int at, int lane) {
-  int t = 0;
-  if (lane == 0) t = atomicAdd(const_cast<int*>(ctr) + at, 1);
-  return t;
-}
-// Lane 0's value, to the whole warp.
-__device__ __forceinline__ int kvt_bcast(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 // 16 bytes of a key or value row, through the read-only data path (WIDE: asking L2 to
-// fetch the 256-byte line around them; NO_L1: that too, and not to keep them in L1).
-template <bool WIDE, bool NO_L1>
+// fetch the 256-byte line around them).
+template <bool WIDE>
 __device__ __forceinline__ uint4 kvt_load16(const void* p) {
-  if constexpr (NO_L1) {
-    uint4 r;
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p));
-    return r;
-  } else if constexpr (WIDE) {
+  if constexpr (WIDE) {
     uint4 r;
     asm("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
@@ -233,11 +218,10 @@ def partial(quantized: bool) -> Any:
 
 @functools.cache
 def partial_mma() -> Any:
-    """The float16/bfloat16 partition kernel on tensor cores (mma.sync); its last input is
-    the chunk counters (read only when CHUNK > 0)."""
+    """The float16/bfloat16 partition kernel on tensor cores (mma.sync)."""
     return mx.fast.cuda_kernel(
         name="kvtrio_paged_partial_mma",
-        input_names=[*_INPUTS, "ctr"],
+        input_names=_INPUTS,
         output_names=["out", "normal"],
         source=PARTIAL_MMA_SOURCE,
         header=HEADER_MMA,

@@ -166,20 +166,8 @@ inline uint kvt_trans(uint x, int lane) {
   const uint shift = 16 * (g % 2);
   return ((lo >> shift) & 0xffffu) | (((hi >> shift) & 0xffffu) << 16);
 }
-// A claim on the next chunk from counter ``at`` (lane 0 asks; the answer is lane 0's, see
-// kvt_bcast). The counters are an input the host zeroes for each launch.
-inline int kvt_claim(const device int* ctr, int at, int lane) {
-  int t = 0;
-  if (lane == 0) {
-    t = atomic_fetch_add_explicit((device atomic_int*)(ctr + at), 1, memory_order_relaxed);
-  }
-  return t;
-}
-// Lane 0's value, to the whole SIMD group.
-inline int kvt_bcast(int x) { return simd_broadcast(x, ushort(0)); }
-// 16 bytes of a key or value row (WIDE and NO_L1, CUDA cache hints, have no Metal
-// counterpart).
-template <bool WIDE, bool NO_L1, typename P>
+// 16 bytes of a key or value row (WIDE, a CUDA cache hint, has no Metal counterpart).
+template <bool WIDE, typename P>
 inline uint4 kvt_load16(const device P* p) {
   return *((const device uint4*)(p));
 }
@@ -215,11 +203,10 @@ def partial(quantized: bool) -> Any:
 
 @functools.cache
 def partial_mma() -> Any:
-    """The float16/bfloat16 partition kernel (tensor-core operations emulated with shuffles);
-    its last input is the chunk counters (read only when CHUNK > 0)."""
+    """The float16/bfloat16 partition kernel (tensor-core operations emulated with shuffles)."""
     return mx.fast.metal_kernel(
         name="kvtrio_paged_partial_mma",
-        input_names=[*_INPUTS, "ctr"],
+        input_names=_INPUTS,
         output_names=["out", "normal"],
         source=PARTIAL_MMA_SOURCE,
         header=HEADER_MMA,

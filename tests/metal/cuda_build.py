@@ -70,22 +70,16 @@ def instantiations() -> list[tuple[str, str]]:
     units = []
     f, b, q = "float16", "bfloat16", "float32"
     for dtype in (f, b):
-        for tiles, wide, chunk, rot, no_l1 in ((1, False, 0, False, False),
-                                               (2, False, 0, False, False),
-                                               (1, True, 0, False, False),
-                                               (1, True, 128, False, False),
-                                               (1, True, 0, True, True)):
+        for tiles, wide in ((1, False), (2, False), (1, True)):
             tpl: list[tuple[str, int | bool | str]] = [
                 ("HK", 8), ("G", 4), ("N", 1), ("D", 128), ("BS", 16), ("WARPS", 8),
                 ("TILES", tiles), ("WIDE_L2", wide), ("CAUSAL", False),
-                ("SCALE_BITS", 1040187392), ("CHUNK", chunk), ("ROT", rot), ("NO_L1", no_l1),
+                ("SCALE_BITS", 1040187392),
             ]
-            units.append((f"mma {dtype} tiles={tiles} wide_l2={wide} chunk={chunk} rot={rot} "
-                          f"no_l1={no_l1}", wrap(
-                f"mma_{dtype}_{tiles}_{int(wide)}_{chunk}_{int(rot)}_{int(no_l1)}",
+            units.append((f"mma {dtype} tiles={tiles} wide_l2={wide}", wrap(
+                f"mma_{dtype}_{tiles}_{int(wide)}",
                 kernels_cuda.HEADER_MMA, kernels_cuda.PARTIAL_MMA_SOURCE,
-                [("q", dtype), ("keys", dtype), ("values", dtype), ("table", "int32"),
-                 ("ctr", "int32")],
+                [("q", dtype), ("keys", dtype), ("values", dtype), ("table", "int32")],
                 [("out", q), ("normal", q)], tpl)))
     for dtype in (f, q):
         tpl = [("HQ", 32), ("HK", 8), ("G", 4), ("N", 1), ("D", 128), ("BS", 16), ("RC", 4),

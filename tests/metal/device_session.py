@@ -150,9 +150,10 @@ def _single_views(length: int, shape: dict[str, Any]) -> tuple[Any, Any, Any, An
 def explore(budget: float) -> None:
     """Launch-shape variants of the tensor-core kernel against contiguous sdpa, alternating
     (two rounds), single sequences and batches, ceilings in the same process. Variants are
-    made of ``_``-joined parts: ``b<blocks>`` (items aiming for that many thread blocks),
-    ``c<chunk>`` (warps claiming chunks of that many tokens), ``w<waves>`` (batch_waves),
-    ``rot`` (mma_rotate) and ``nol1`` (mma_no_l1); ``default`` is the default shape."""
+    made of ``_``-joined parts: ``b<blocks>`` (items aiming for that many thread blocks)
+    and ``w<waves>`` (batch_waves); ``default`` is the default shape. (Chunks claimed from a
+    counter, a per-head rotation of the steps and loads that skip L1 were measured with this
+    too, and dropped: docs/benchmarks.md.)"""
     import random
 
     import attrs
@@ -172,21 +173,16 @@ def explore(budget: float) -> None:
     results["ceilings"] = b.ceilings(int(os.environ.get("KVTRIO_CEILING_BYTES", 4 << 30)), 10)
     print("ceilings", json.dumps(results["ceilings"]), flush=True)
     names = os.environ.get("KVTRIO_VARIANTS",
-                           "default,b528,b1056,c64,c128,c256,c128_b528").split(",")
+                           "default,b528,b1056").split(",")
 
     def tuning_of(name: str) -> Any:
         t = DEFAULT_TUNING
         for part in name.split("_"):
             if part.startswith("b"):
                 t = attrs.evolve(t, mma_blocks=int(part[1:]))
-            elif part.startswith("c"):
-                t = attrs.evolve(t, mma_chunk=int(part[1:]))
             elif part.startswith("w"):
                 t = attrs.evolve(t, batch_waves=int(part[1:]))
-            elif part == "rot":
-                t = attrs.evolve(t, mma_rotate=True)
-            elif part == "nol1":
-                t = attrs.evolve(t, mma_no_l1=True)
+
         return t
 
     lengths = [int(x) for x in os.environ.get("KVTRIO_LENGTHS", "131072,32768,4096").split(",")]
@@ -194,7 +190,7 @@ def explore(budget: float) -> None:
         results["single"].append(_explore_length(length, shape, names, tuning_of, backend,
                                                  results["ceilings"]["copy_gbs"]))
         mx.clear_cache()
-    batch_names = os.environ.get("KVTRIO_BATCH_VARIANTS", "default,c128,c128_w1,c256").split(",")
+    batch_names = os.environ.get("KVTRIO_BATCH_VARIANTS", "default,w1,w8").split(",")
     mixes = os.environ.get("KVTRIO_MIXES", "32:1024:32768,32:1024:4096").split(",")
     for batch, lo, hi in ([int(x) for x in mix.split(":")] for mix in mixes if mix):
         if time.time() - began > budget * 0.8:
@@ -238,12 +234,12 @@ def _explore_length(length: int, shape: dict[str, Any], names: list[str],
                 lambda q, t=tuning: view.attend_direct(q, scale, None, backend, t),
                 queries, 10))
     # The same tokens in a pool of a few more blocks than they need (so its key and value
-    # arrays are not a power of two bytes long), default and rotated.
+    # arrays are not a power of two bytes long).
     spare = int(os.environ.get("KVTRIO_SPARE_BLOCKS", "61"))
     if spare and length >= 131072:
         padded = _padded_view(keys, values, shape["block_size"], spare)
         for _ in range(2):
-            for name in ("default", "rot"):
+            for name in ("default",):
                 tuning = tuning_of(name)
                 row.setdefault(f"spare_{name}", []).append(b._median_us(
                     lambda q, t=tuning: padded.attend_direct(q, scale, None, backend, t),
@@ -261,7 +257,7 @@ def _explore_length(length: int, shape: dict[str, Any], names: list[str],
         print(f"        {name:<12} {row[name][0]:7.1f} {row[name][1]:7.1f} us  "
               f"{best / sdpa:5.3f}x sdpa  {kv_bytes / best / 1e3 / copy:.0%} of copy",
               flush=True)
-    for name in ("spare_default", "spare_rot"):
+    for name in ("spare_default",):
         if name in row:
             best = min(row[name])
             print(f"        {name:<12} {row[name][0]:7.1f} {row[name][1]:7.1f} us  "
