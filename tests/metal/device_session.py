@@ -3,8 +3,11 @@
 ``python tests/metal/device_session.py tests`` runs the GPU tests (tests/metal, the parity
 test) and ``kvtrio demo``; ``... bench`` runs the attention benches (single sequence, with
 launch-shape variants; batched mixes) with the copy and read ceilings measured in the same
-process. Everything lands as JSON and logs under ``$OUT`` (the device tool's output folder),
-with a short table printed last.
+process; ``... explore`` times launch-shape variants of the tensor-core kernel against sdpa in
+alternating rounds (``KVTRIO_VARIANTS``, ``KVTRIO_LENGTHS``, ``KVTRIO_MIXES``; on a machine
+without a GPU it runs the numpy stand-in, as a smoke test of the script). Everything lands
+as JSON and logs under ``$OUT`` (the device tool's output folder), with a short table
+printed last.
 """
 
 from __future__ import annotations
