@@ -12,6 +12,7 @@ printed last.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -170,7 +171,7 @@ def explore(budget: float) -> None:
         from emulated_backend import EmulatedBackend  # type: ignore[import-not-found]
 
         backend = EmulatedBackend()
-        b.direct_backend = lambda: backend  # type: ignore[assignment]
+        b.direct_backend = lambda: backend  # type: ignore[attr-defined]
     shape = {"q_heads": 32, "kv_heads": 8, "dim": 128, "dtype": mx.float16, "block_size": 16}
     results: dict[str, Any] = {"device": str(mx.default_device()), "single": [], "batch": []}
     results["ceilings"] = b.ceilings(int(os.environ.get("KVTRIO_CEILING_BYTES", 4 << 30)), 10)
@@ -234,8 +235,8 @@ def _explore_length(length: int, shape: dict[str, Any], names: list[str],
         for name in names:
             tuning = tuning_of(name)
             row.setdefault(name, []).append(b._median_us(
-                lambda q, t=tuning: view.attend_direct(q, scale, None, backend, t),
-                queries, 10))
+                functools.partial(view.attend_direct, scale=scale, mask=None, backend=backend,
+                                  tuning=tuning), queries, 10))
     # The same tokens in a pool of a few more blocks than they need (so its key and value
     # arrays are not a power of two bytes long).
     spare = int(os.environ.get("KVTRIO_SPARE_BLOCKS", "61"))
@@ -245,8 +246,8 @@ def _explore_length(length: int, shape: dict[str, Any], names: list[str],
             for name in ("default",):
                 tuning = tuning_of(name)
                 row.setdefault(f"spare_{name}", []).append(b._median_us(
-                    lambda q, t=tuning: padded.attend_direct(q, scale, None, backend, t),
-                    queries, 10))
+                    functools.partial(padded.attend_direct, scale=scale, mask=None,
+                                      backend=backend, tuning=tuning), queries, 10))
         del padded
     # The partition kernel alone (the merge replaced by a slice), default and most items.
     for name in ("default", "b1056"):
