@@ -39,6 +39,13 @@ Theory of operation
    the holder's pid. A shared (Redis) tier has no directory and no lock.
 6. Under the lock, ``open`` removes crash debris (tmp files of writes that never
    finished) from the cache and block directories: no other process can be writing them.
+7. Nothing under the root is reached by a path the kernel resolves again: once the lock
+   is held, the root is opened as a directory descriptor and every open, listing,
+   rename, unlink and mkdir of the tier (its stores, writer, reader and sweeps) walks
+   from it without following a link (:class:`~kvtrio.storage.rootfd.RootedFileOps`). A
+   ``caches/`` or ``blocks/`` swapped for a link while the tier runs stops the operation
+   that meets it (an OSError, contained by the caller); it never leads outside
+   (docs/design.md invariant 18).
 
 Costs: ``open`` is O(files in the two directories) for the debris sweep, on a worker
 thread; ``list`` reads every header (the tiered cache reads its catalogue instead).
@@ -99,6 +106,7 @@ from kvtrio.storage.manifeststore import PINS_NAME, LocalManifestStore, Manifest
 from kvtrio.storage.openstore import is_redis_url, open_store
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, TIER_LOAD_STREAMS, IoOptions
 from kvtrio.storage.reader import CacheFile
+from kvtrio.storage.rootfd import RootedFileOps
 from kvtrio.storage.writable import check_meta, check_str_arg, check_token_ids
 from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, IndexKeysOf, WriteResult
 
@@ -129,6 +137,11 @@ def _open_shared(
 ) -> tuple[BlockStore, ManifestStore]:
     token.check()
     return open_store(url, file_ops=file_ops, options=options)
+
+
+def _open_rooted(token: CancelToken, root: Path, file_ops: FileOps) -> RootedFileOps:
+    token.check()
+    return RootedFileOps.at(root, file_ops)
 
 
 async def take_directory_lock(directory: str, *, timeout: float) -> DirectoryLock:
@@ -315,6 +328,11 @@ class ColdTier:
                 root = Path(target).absolute()
                 lock = await take_directory_lock(str(root), timeout=lock_timeout)
                 stack.callback(lock.release)
+                # Everything under the root from here on goes through its descriptor
+                # (rule 7, kvtrio.storage.rootfd).
+                rooted = await offload.run(_open_rooted, root, file_ops)
+                stack.callback(rooted.close_root)
+                file_ops = rooted
             tier = cls(
                 root,
                 owner=owner,
