@@ -73,7 +73,9 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from kvtrio.actors.callerchecks import check_tier_arguments
 from kvtrio.actors.owner import MlxOwner, steps
+from kvtrio.actors.plainerrors import plain_errors
 from kvtrio.actors.reader import Reader
 from kvtrio.actors.sched import BACKGROUND_SLICE
 from kvtrio.actors.snapshot import Snapshot, SnapshotLedger
@@ -269,6 +271,7 @@ class ColdTier:
     # -- opening and closing ---------------------------------------------------------------
 
     @classmethod
+    @plain_errors
     @asynccontextmanager
     async def open(
         cls,
@@ -305,6 +308,14 @@ class ColdTier:
         """
         if layout not in ("single", "blocks"):
             raise ValueError(f"layout must be 'single' or 'blocks', not {layout!r}")
+        check_tier_arguments(
+            block_tokens=block_tokens,
+            cap_bytes=cap_bytes,
+            io_threads=io_threads,
+            shutdown_grace=shutdown_grace,
+            lock_timeout=lock_timeout,
+            background=background,
+        )
         async with AsyncExitStack() as stack:
             if owner is None:
                 factory = MlxOwner.inline() if inline else MlxOwner.dedicated(background=background)
