@@ -42,9 +42,10 @@ Theory of operation
 7. Nothing under the root is reached by a path the kernel resolves again: once the lock
    is held, the root is opened as a directory descriptor and every open, listing,
    rename, unlink and mkdir of the tier (its stores, writer, reader and sweeps) walks
-   from it without following a link (:class:`~kvtrio.storage.rootfd.RootedFileOps`). A
-   ``caches/`` or ``blocks/`` swapped for a link while the tier runs stops the operation
-   that meets it (an OSError, contained by the caller); it never leads outside
+   from it without following a link (:class:`~kvtrio.storage.rootfd.RootedFileOps`),
+   each directory once. A ``caches/`` or ``blocks/`` swapped for a link while the tier
+   runs is refused where it is met by name (an OSError, contained by the caller), and
+   kept descriptors stay in the tier's own directory: nothing leads outside
    (docs/design.md invariant 18).
 
 Costs: ``open`` is O(files in the two directories) for the debris sweep, on a worker

@@ -17,8 +17,11 @@ is a :class:`~kvtrio.storage.fileops.FileOps` over an inner one that closes the 
    out), else :class:`OutsideRootError` before anything is touched. Its directories are
    walked from the root's descriptor one name at a time, each opened relative to its
    parent with ``O_DIRECTORY | O_NOFOLLOW`` (:meth:`FileOps.open_dir`): a link is ELOOP
-   and a file where a directory should be ENOTDIR, never followed. Each operation walks
-   again, so a directory swapped for a link between two operations stops the second.
+   and a file where a directory should be ENOTDIR, never followed. Each directory's
+   descriptor is kept from its first walk until :meth:`RootedFileOps.close_root`, so no
+   name is looked up twice: a directory swapped for a link before its first use stops
+   that use, and one swapped after it is never reached through the link (operations go
+   on in the tier's own directory, wherever it was moved).
 3. The last name is acted on relative to its directory's descriptor (``dir_fd``):
    ``stat`` and ``utime`` never follow a link, ``rename`` and ``unlink`` act on the name
    itself (a link is unlinked, never its target), listings list the descriptor, and
@@ -27,8 +30,8 @@ is a :class:`~kvtrio.storage.fileops.FileOps` over an inner one that closes the 
    (:class:`NotRegularFileError`).
 4. A directory is made durable by ``fsync`` of its own descriptor (``fsync_dir``).
 
-Costs: one ``openat`` and one ``close`` per directory between the root and the name
-(one for ``<root>/blocks/<sha256>``), per operation.
+Costs: one ``openat`` per directory, once; then each operation is the one call on its
+name relative to a kept descriptor (plus an ``fstat`` for an open), and a dict lookup.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ import contextlib
 import errno
 import os
 import stat
+import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from typing import Any
 
 import attrs
 from kvtrio.storage.fileops import O_NOFOLLOW, O_NONBLOCK, FileOps
@@ -57,9 +61,13 @@ class NotRegularFileError(OSError):
     device): it is never read or written as one."""
 
 
-def _close_quietly(ops: FileOps, fd: int) -> None:
-    with contextlib.suppress(OSError):
-        ops.close(fd)
+def _close_all(ops: FileOps, root_fd: int, dirs: dict[tuple[str, ...], int], lock: Any) -> None:
+    with lock:
+        fds = [*dirs.values(), root_fd]
+        dirs.clear()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            ops.close(fd)
 
 
 @attrs.define(eq=False)
@@ -75,6 +83,9 @@ class RootedFileOps:
     path: str
     inner: FileOps
     root_fd: int
+    # The kept descriptors of the directories walked so far (rule 2), by their names.
+    _dirs: dict[tuple[str, ...], int] = attrs.field(factory=dict, init=False)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
     _finalizer: weakref.finalize | None = attrs.field(default=None, init=False)  # type: ignore[type-arg]
 
     @classmethod
@@ -83,7 +94,7 @@ class RootedFileOps:
         given = os.path.abspath(os.fspath(path))
         fd = inner.open_dir(os.path.realpath(given))
         self = cls(given, inner, fd)
-        self._finalizer = weakref.finalize(self, _close_quietly, inner, fd)
+        self._finalizer = weakref.finalize(self, _close_all, inner, fd, self._dirs, self._lock)
         return self
 
     def close_root(self) -> None:
@@ -127,21 +138,20 @@ class RootedFileOps:
                 raise OSError(errno.ELOOP, "a symbolic link, not followed", name) from None
             raise
 
-    @contextlib.contextmanager
-    def _directory(self, names: Sequence[str]) -> Iterator[int]:
-        """The descriptor of the directory ``names`` below the root, walked without
-        following a link (rule 2); closed on exit."""
-        fd = self.root_fd
-        try:
-            for name in names:
-                child = self._open_child(name, fd)
-                if fd != self.root_fd:
-                    self.inner.close(fd)
-                fd = child
-            yield fd
-        finally:
-            if fd != self.root_fd:
-                self.inner.close(fd)
+    def _directory(self, names: tuple[str, ...]) -> int:
+        """The kept descriptor of the directory ``names`` below the root, walked on its
+        first use without following a link (rule 2). Callers never close it."""
+        if not names:
+            return self.root_fd
+        kept = self._dirs.get(names)
+        if kept is not None:
+            return kept
+        child = self._open_child(names[-1], self._directory(names[:-1]))
+        with self._lock:
+            kept = self._dirs.setdefault(names, child)
+        if kept != child:  # another thread walked it meanwhile
+            self.inner.close(child)
+        return kept
 
     # -- FileOps -----------------------------------------------------------------------
 
@@ -150,8 +160,7 @@ class RootedFileOps:
             return self.inner.open(path, flags, mode, dir_fd=dir_fd)
         names, name = self._split(path)
         flags |= O_NOFOLLOW | (0 if flags & _WRITES else O_NONBLOCK)
-        with self._directory(names) as parent:
-            fd = self.inner.open(name, flags, mode, dir_fd=parent)
+        fd = self.inner.open(name, flags, mode, dir_fd=self._directory(names))
         try:
             if not stat.S_ISREG(self.inner.fstat(fd).st_mode):
                 raise NotRegularFileError(errno.EINVAL, "not a regular file", path)
@@ -166,8 +175,7 @@ class RootedFileOps:
         parts = self.relative(path)
         if not parts:
             return self.inner.open_dir(".", dir_fd=self.root_fd)
-        with self._directory(parts[:-1]) as parent:
-            return self._open_child(parts[-1], parent)
+        return self._open_child(parts[-1], self._directory(parts[:-1]))
 
     def close(self, fd: int) -> None:
         self.inner.close(fd)
@@ -185,8 +193,7 @@ class RootedFileOps:
         if isinstance(directory, int):
             self.inner.fsync_dir(directory)
             return
-        with self._directory(self.relative(directory)) as fd:
-            self.inner.fsync_dir(fd)
+        self.inner.fsync_dir(self._directory(self.relative(directory)))
 
     def rename(
         self, src: str, dst: str, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None
@@ -195,16 +202,19 @@ class RootedFileOps:
             self.inner.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
             return
         (src_names, src_name), (dst_names, dst_name) = self._split(src), self._split(dst)
-        with self._directory(src_names) as src_fd, self._directory(dst_names) as dst_fd:
-            self.inner.rename(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+        self.inner.rename(
+            src_name,
+            dst_name,
+            src_dir_fd=self._directory(src_names),
+            dst_dir_fd=self._directory(dst_names),
+        )
 
     def unlink(self, path: str, *, dir_fd: int | None = None) -> None:
         if dir_fd is not None:
             self.inner.unlink(path, dir_fd=dir_fd)
             return
         names, name = self._split(path)
-        with self._directory(names) as parent:
-            self.inner.unlink(name, dir_fd=parent)
+        self.inner.unlink(name, dir_fd=self._directory(names))
 
     def mkdir(self, path: str, *, dir_fd: int | None = None) -> None:
         """Make each missing directory from the root down to ``path``, one name at a
@@ -214,14 +224,12 @@ class RootedFileOps:
             return
         parts = self.relative(path)
         for depth, name in enumerate(parts):
-            with self._directory(parts[:depth]) as parent:
-                self.inner.mkdir(name, dir_fd=parent)
+            self.inner.mkdir(name, dir_fd=self._directory(parts[:depth]))
 
     def listdir(self, directory: str | int) -> list[str]:
         if isinstance(directory, int):
             return self.inner.listdir(directory)
-        with self._directory(self.relative(directory)) as fd:
-            return self.inner.listdir(fd)
+        return self.inner.listdir(self._directory(self.relative(directory)))
 
     def fstat(self, fd: int) -> os.stat_result:
         return self.inner.fstat(fd)
@@ -232,8 +240,7 @@ class RootedFileOps:
         parts = self.relative(path)
         if not parts:
             return self.inner.fstat(self.root_fd)
-        with self._directory(parts[:-1]) as parent:
-            return self.inner.stat(parts[-1], dir_fd=parent)
+        return self.inner.stat(parts[-1], dir_fd=self._directory(parts[:-1]))
 
     def utime(
         self, path: str, times: tuple[float, float] | None = None, *, dir_fd: int | None = None
@@ -242,8 +249,7 @@ class RootedFileOps:
             self.inner.utime(path, times, dir_fd=dir_fd)
             return
         names, name = self._split(path)
-        with self._directory(names) as parent:
-            self.inner.utime(name, times, dir_fd=parent)
+        self.inner.utime(name, times, dir_fd=self._directory(names))
 
     def write_behind(self, fd: int, offset: int, length: int) -> None:
         self.inner.write_behind(fd, offset, length)
