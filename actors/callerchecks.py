@@ -4,18 +4,28 @@ The tier can only write what it can read back, so caller input is refused before
 anything is kept: token ids and ``meta`` by the reader's own rules
 (:func:`kvtrio.storage.writable.check_token_ids`, :func:`~kvtrio.storage.writable.check_meta`),
 a conversation id that is not a ``str``, caches whose layers do not hold ``len(tokens)``
-tokens (:func:`check_held_tokens`), and budgets that are not non-negative ints
-(:func:`check_open_arguments`).
+tokens (:func:`check_held_tokens`), and budgets, sizes, counts and times an opener
+cannot use (:func:`check_open_arguments`, :func:`check_tier_arguments`): each is refused
+once, at the API, with InvalidInputError naming the argument. A bool is never a number
+here, NaN never a time, and zero is refused where it means nothing (a block of zero
+tokens, no I/O threads).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
 from kvtrio.errors import CacheMismatchError, InvalidInputError
 
-__all__ = ["DEFAULT_MIN_REUSE_TOKENS", "check_held_tokens", "check_open_arguments"]
+__all__ = [
+    "DEFAULT_MIN_REUSE_TOKENS",
+    "check_held_tokens",
+    "check_open_arguments",
+    "check_seconds",
+    "check_tier_arguments",
+]
 
 #: Cold matches reusing fewer tokens are not loaded: recomputing them is faster. Measured
 #: on the demo's model (``kvtrio bench reuse``, two runs, 2-core VM): reusing 16 tokens, a
@@ -55,6 +65,47 @@ def _non_negative_int(name: str, value: object, low: int = 0) -> None:
         raise InvalidInputError(f"{name}: expected an int >= {low}, got {value!r}")
 
 
+def check_seconds(
+    name: str, value: object, *, positive: bool = False, finite: bool = False
+) -> None:
+    """A time in seconds: an int or float (not bool), not NaN, >= 0 (> 0 with
+    ``positive``; not infinite with ``finite``); else InvalidInputError."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidInputError(f"{name}: expected a number of seconds, got {value!r}")
+    if math.isnan(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise InvalidInputError(f"{name}: expected seconds {bound}, got {value!r}")
+    if finite and math.isinf(value):
+        raise InvalidInputError(f"{name}: expected a finite number of seconds, got {value!r}")
+
+
+def _byte_cap(name: str, value: object) -> None:
+    """A byte cap: an int >= 0, or a float >= 0 (``math.inf``: no cap); not NaN or bool."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidInputError(f"{name}: expected a number of bytes, got {value!r}")
+    if math.isnan(value) or value < 0:
+        raise InvalidInputError(f"{name}: expected bytes >= 0, got {value!r}")
+
+
+def check_tier_arguments(
+    *,
+    block_tokens: object,
+    cap_bytes: object,
+    io_threads: object,
+    shutdown_grace: object,
+    lock_timeout: object,
+    background: object,
+) -> None:
+    """:meth:`~kvtrio.actors.tier.ColdTier.open`'s sizes, caps and times (InvalidInputError)."""
+    _non_negative_int("block_tokens", block_tokens, low=1)
+    _byte_cap("cap_bytes", cap_bytes)
+    _non_negative_int("io_threads", io_threads, low=1)
+    check_seconds("shutdown_grace", shutdown_grace)
+    check_seconds("lock_timeout", lock_timeout)
+    if background is not None:
+        check_seconds("background", background, positive=True, finite=True)
+
+
 def check_open_arguments(
     *,
     hot_budget: object,
@@ -62,8 +113,15 @@ def check_open_arguments(
     min_free_bytes: object,
     block_size: object,
     min_reuse_tokens: object,
+    pending_budget: object = 0,
+    pin_limit: object = 0,
+    shared_refresh: object = None,
 ) -> None:
     """The tiered cache's budgets and sizes, checked at open (InvalidInputError)."""
+    _non_negative_int("pending_budget", pending_budget)
+    _non_negative_int("pin_limit", pin_limit)
+    if shared_refresh is not None:
+        check_seconds("shared_refresh", shared_refresh)
     _non_negative_int("hot_budget", hot_budget)
     _non_negative_int("cold_budget", cold_budget)
     if min_free_bytes is not None:

@@ -288,7 +288,7 @@ class ColdTierStore:
         :class:`TieredPromptCache`'s ``block_size``), and answer :meth:`find`.
         """
         local = tier.root is not None
-        self = cls(tier, LocalBlockStore(str(tier.block_dir)) if local else None)
+        self = cls(tier, LocalBlockStore(str(tier.block_dir), tier.file_ops) if local else None)
         manifests = tier.manifests
         if index_block_size is not None and manifests.supports_index:
             self._shared = manifests

@@ -7,15 +7,19 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from kvtrio.actors.callerchecks import DEFAULT_MIN_REUSE_TOKENS
+from kvtrio.actors.callerchecks import (
+    DEFAULT_MIN_REUSE_TOKENS,
+    check_open_arguments,
+    check_seconds,
+)
 from kvtrio.actors.coldside import DEFAULT_PENDING_BYTES
 from kvtrio.actors.coldstore import ColdTierStore
 from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.plainerrors import plain_errors
 from kvtrio.actors.policy import AdmissionPolicy, PolicyKind, PrefillCost
 from kvtrio.actors.prefix import DEFAULT_BLOCK_SIZE, ModelKey
 from kvtrio.actors.tier import DEFAULT_LOCK_TIMEOUT, ColdTier
 from kvtrio.actors.tiered import TieredPromptCache, WritePolicy
-from kvtrio.errors import KvtrioError
 from kvtrio.storage.format import Layout
 from kvtrio.storage.openstore import is_redis_url
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
@@ -35,6 +39,7 @@ async def _closing(store: ColdTierStore) -> AsyncIterator[None]:
     await store.close()
 
 
+@plain_errors
 @asynccontextmanager
 async def open_tiered_cache(
     directory: str | os.PathLike[str],
@@ -75,55 +80,45 @@ async def open_tiered_cache(
     docs/tuning.md). ``min_reuse_tokens``, ``eviction``, ``admission``, ``prefill``,
     ``pin_limit``: see :meth:`TieredPromptCache.open`.
 
-    An error of the open itself reaches the caller as the one typed kvtrio error it is,
-    not wrapped in the nurseries' ExceptionGroups.
+    An error of the open, or of the block, reaches the caller as the one error it is, not
+    wrapped in the nurseries' ExceptionGroups (:mod:`kvtrio.actors.plainerrors`).
     """
-    opened = False
-    try:
-        async with _open(
-            directory,
-            model,
-            owner=owner,
-            hot_budget=hot_budget,
-            cold_budget=cold_budget,
-            policy=policy,
-            layout=layout,
-            block_size=block_size,
-            min_free_bytes=min_free_bytes,
-            shutdown_grace=shutdown_grace,
-            lock_timeout=lock_timeout,
-            options=options,
-            shared_index=shared_index,
-            shared_refresh=shared_refresh,
-            pending_budget=pending_budget,
-            min_reuse_tokens=min_reuse_tokens,
-            eviction=eviction,
-            admission=admission,
-            prefill=prefill,
-            pin_limit=pin_limit,
-        ) as cache:
-            opened = True
-            yield cache
-    except BaseExceptionGroup as group:
-        cause = None if opened else _sole_kvtrio_error(group)
-        if cause is None:
-            raise
-        raise cause from cause.__cause__
-
-
-def _sole_kvtrio_error(group: BaseExceptionGroup[BaseException]) -> KvtrioError | None:
-    """The group's only leaf exception, when there is one and it is a KvtrioError."""
-    leaves: list[BaseException] = []
-    pending: list[BaseException] = [group]
-    while pending:
-        exc = pending.pop()
-        if isinstance(exc, BaseExceptionGroup):
-            pending.extend(exc.exceptions)
-        else:
-            leaves.append(exc)
-    if len(leaves) == 1 and isinstance(leaves[0], KvtrioError):
-        return leaves[0]
-    return None
+    # Everything the two openers check, before the directory is locked or touched.
+    check_open_arguments(
+        hot_budget=hot_budget,
+        cold_budget=cold_budget,
+        min_free_bytes=min_free_bytes,
+        block_size=block_size,
+        min_reuse_tokens=min_reuse_tokens,
+        pending_budget=pending_budget,
+        pin_limit=pin_limit,
+        shared_refresh=shared_refresh,
+    )
+    check_seconds("shutdown_grace", shutdown_grace)
+    check_seconds("lock_timeout", lock_timeout)
+    async with _open(
+        directory,
+        model,
+        owner=owner,
+        hot_budget=hot_budget,
+        cold_budget=cold_budget,
+        policy=policy,
+        layout=layout,
+        block_size=block_size,
+        min_free_bytes=min_free_bytes,
+        shutdown_grace=shutdown_grace,
+        lock_timeout=lock_timeout,
+        options=options,
+        shared_index=shared_index,
+        shared_refresh=shared_refresh,
+        pending_budget=pending_budget,
+        min_reuse_tokens=min_reuse_tokens,
+        eviction=eviction,
+        admission=admission,
+        prefill=prefill,
+        pin_limit=pin_limit,
+    ) as cache:
+        yield cache
 
 
 @asynccontextmanager

@@ -39,6 +39,14 @@ Theory of operation
    the holder's pid. A shared (Redis) tier has no directory and no lock.
 6. Under the lock, ``open`` removes crash debris (tmp files of writes that never
    finished) from the cache and block directories: no other process can be writing them.
+7. Nothing under the root is reached by a path the kernel resolves again: once the lock
+   is held, the root is opened as a directory descriptor and every open, listing,
+   rename, unlink and mkdir of the tier (its stores, writer, reader and sweeps) walks
+   from it without following a link (:class:`~kvtrio.storage.rootfd.RootedFileOps`),
+   each directory once. A ``caches/`` or ``blocks/`` swapped for a link while the tier
+   runs is refused where it is met by name (an OSError, contained by the caller), and
+   kept descriptors stay in the tier's own directory: nothing leads outside
+   (docs/design.md invariant 18).
 
 Costs: ``open`` is O(files in the two directories) for the debris sweep, on a worker
 thread; ``list`` reads every header (the tiered cache reads its catalogue instead).
@@ -66,7 +74,9 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from kvtrio.actors.callerchecks import check_tier_arguments
 from kvtrio.actors.owner import MlxOwner, steps
+from kvtrio.actors.plainerrors import plain_errors
 from kvtrio.actors.reader import Reader
 from kvtrio.actors.sched import BACKGROUND_SLICE
 from kvtrio.actors.snapshot import Snapshot, SnapshotLedger
@@ -99,6 +109,7 @@ from kvtrio.storage.manifeststore import PINS_NAME, LocalManifestStore, Manifest
 from kvtrio.storage.openstore import is_redis_url, open_store
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, TIER_LOAD_STREAMS, IoOptions
 from kvtrio.storage.reader import CacheFile
+from kvtrio.storage.rootfd import RootedFileOps
 from kvtrio.storage.writable import check_meta, check_str_arg, check_token_ids
 from kvtrio.storage.writer import DEFAULT_BLOCK_TOKENS, IndexKeysOf, WriteResult
 
@@ -129,6 +140,11 @@ def _open_shared(
 ) -> tuple[BlockStore, ManifestStore]:
     token.check()
     return open_store(url, file_ops=file_ops, options=options)
+
+
+def _open_rooted(token: CancelToken, root: Path, file_ops: FileOps) -> RootedFileOps:
+    token.check()
+    return RootedFileOps.at(root, file_ops)
 
 
 async def take_directory_lock(directory: str, *, timeout: float) -> DirectoryLock:
@@ -256,6 +272,7 @@ class ColdTier:
     # -- opening and closing ---------------------------------------------------------------
 
     @classmethod
+    @plain_errors
     @asynccontextmanager
     async def open(
         cls,
@@ -292,6 +309,14 @@ class ColdTier:
         """
         if layout not in ("single", "blocks"):
             raise ValueError(f"layout must be 'single' or 'blocks', not {layout!r}")
+        check_tier_arguments(
+            block_tokens=block_tokens,
+            cap_bytes=cap_bytes,
+            io_threads=io_threads,
+            shutdown_grace=shutdown_grace,
+            lock_timeout=lock_timeout,
+            background=background,
+        )
         async with AsyncExitStack() as stack:
             if owner is None:
                 factory = MlxOwner.inline() if inline else MlxOwner.dedicated(background=background)
@@ -315,6 +340,11 @@ class ColdTier:
                 root = Path(target).absolute()
                 lock = await take_directory_lock(str(root), timeout=lock_timeout)
                 stack.callback(lock.release)
+                # Everything under the root from here on goes through its descriptor
+                # (rule 7, kvtrio.storage.rootfd).
+                rooted = await offload.run(_open_rooted, root, file_ops)
+                stack.callback(rooted.close_root)
+                file_ops = rooted
             tier = cls(
                 root,
                 owner=owner,

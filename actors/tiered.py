@@ -129,6 +129,7 @@ from kvtrio.actors.misses import (
     MissCounter,
     MissReason,
 )
+from kvtrio.actors.plainerrors import plain_errors
 from kvtrio.actors.policy import (
     AdmissionPolicy,
     EvictionPolicy,
@@ -279,6 +280,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
         self._idle.set()
 
     @classmethod
+    @plain_errors
     @asynccontextmanager
     async def open(
         cls,
@@ -332,6 +334,9 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
             min_free_bytes=min_free_bytes,
             block_size=block_size,
             min_reuse_tokens=min_reuse_tokens,
+            pending_budget=pending_budget,
+            pin_limit=pin_limit,
+            shared_refresh=shared_refresh,
         )
         self = cls(
             owner=owner,

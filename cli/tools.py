@@ -30,7 +30,7 @@ import attrs
 from kvtrio.errors import CacheMissError, CorruptCacheError, DirectoryLockedError
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.dirlock import LOCK_NAME, DirectoryLock, holder_pid, try_lock
-from kvtrio.storage.fileops import OS_FILE_OPS, OsFileOps
+from kvtrio.storage.fileops import OS_FILE_OPS
 from kvtrio.storage.format import CacheEntry, Header, TensorSlot
 from kvtrio.storage.maintenance import (
     collect_garbage,
@@ -39,6 +39,7 @@ from kvtrio.storage.maintenance import (
     verify_tree,
 )
 from kvtrio.storage.reader import read_header
+from kvtrio.storage.rootfd import RootedFileOps
 
 __all__ = [
     "TreeLayout",
@@ -329,11 +330,12 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"kvtrio verify: {args.directory}: not a directory", file=sys.stderr)
         return 2
     tree = find_tree(args.directory)
-    store = LocalBlockStore(str(tree.block_dir)) if tree.block_dir else None
-    with _progress_bar(f"verifying {tree.manifest_dir}", args.json) as progress:
-        report, elapsed = _timed(
-            lambda: verify_tree(str(tree.manifest_dir), store, progress=progress)
-        )
+    with RootedFileOps.at(_tree_root(tree), OS_FILE_OPS) as ops:
+        store = LocalBlockStore(str(tree.block_dir), ops) if tree.block_dir else None
+        with _progress_bar(f"verifying {tree.manifest_dir}", args.json) as progress:
+            report, elapsed = _timed(
+                lambda: verify_tree(str(tree.manifest_dir), store, progress=progress, file_ops=ops)
+            )
     if not _holds_kvtrio(tree, args.directory):
         print(f"kvtrio verify: {_no_tier_here(args.directory)}", file=sys.stderr)
         return 2
@@ -371,38 +373,50 @@ def run_verify(args: argparse.Namespace) -> int:
 # -- gc ----------------------------------------------------------------------------------
 
 
-class _DryRunFileOps(OsFileOps):
+def _tree_root(tree: Any) -> str:
+    """The directory whose descriptor gc and verify reach the tree's files through
+    (:mod:`kvtrio.storage.rootfd`): the one holding its manifests and blocks."""
+    dirs = [str(tree.manifest_dir)] + ([str(tree.block_dir)] if tree.block_dir else [])
+    return os.path.commonpath([os.path.abspath(d) for d in dirs])
+
+
+@attrs.define(eq=False)
+class _DryRunFileOps(RootedFileOps):
     """Reads as usual; simulates renames and unlinks, recording what would be deleted.
 
     GC may move a block aside before deleting it (to re-check its mtime there); here the
     move is only remembered, so later calls on the new name reach the real file.
     """
 
-    def __init__(self) -> None:
-        self.would_delete: list[str] = []
-        self._moved: dict[str, str] = {}  # simulated name -> the real path
+    would_delete: list[str] = attrs.field(factory=list)
+    _moved: dict[str, str] = attrs.field(factory=dict)  # simulated name -> the real path
 
     def _real(self, path: str) -> str:
         real = self._moved.get(path, path)
-        if not os.path.lexists(real) or real in self.would_delete:
+        if real in self.would_delete:
             raise FileNotFoundError(path)
+        super().stat(real)  # FileNotFoundError when absent
         return real
 
-    def rename(self, src: str, dst: str) -> None:
+    def rename(
+        self, src: str, dst: str, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None
+    ) -> None:
         real = self._real(src)
         self._moved.pop(src, None)
         if dst != real:
             self._moved[dst] = real
 
-    def stat(self, path: str) -> os.stat_result:
+    def stat(self, path: str, *, dir_fd: int | None = None) -> os.stat_result:
+        if dir_fd is not None:  # a listing's own stat: nothing simulated there yet
+            return super().stat(path, dir_fd=dir_fd)
         return super().stat(self._real(path))
 
-    def unlink(self, path: str) -> None:
+    def unlink(self, path: str, *, dir_fd: int | None = None) -> None:
         real = self._real(path)
         self._moved.pop(path, None)
         self.would_delete.append(real)
 
-    def fsync_dir(self, path: str) -> None:
+    def fsync_dir(self, directory: str | int) -> None:
         return None
 
 
@@ -454,7 +468,8 @@ def run_gc(args: argparse.Namespace) -> int:
         print("kvtrio gc: --grace must be >= 0", file=sys.stderr)
         return 2
     tree = find_tree(args.directory)
-    ops = _DryRunFileOps() if args.dry_run else OS_FILE_OPS
+    root = _tree_root(tree)
+    ops = (_DryRunFileOps if args.dry_run else RootedFileOps).at(root, OS_FILE_OPS)
     block_dir = tree.block_dir or (tree.manifest_dir / "blocks")
     store = LocalBlockStore(str(block_dir), ops)
     try:
@@ -470,6 +485,7 @@ def run_gc(args: argparse.Namespace) -> int:
                 )
             )
     finally:
+        ops.close_root()
         if lock is not None:
             lock.release()
     if not _holds_kvtrio(tree, args.directory):

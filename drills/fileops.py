@@ -42,7 +42,7 @@ class NoSyncFileOps(OsFileOps):
     def fsync(self, fd: int) -> None:
         return None
 
-    def fsync_dir(self, path: str) -> None:
+    def fsync_dir(self, directory: str | int) -> None:
         return None
 
 
@@ -95,6 +95,7 @@ class LossyFileOps:
     _inode_path: dict[int, str] = attrs.field(factory=dict)
     _files: dict[int, _FileState] = attrs.field(factory=dict)
     _dirs: dict[str, list[_DirOp]] = attrs.field(factory=dict)
+    _dir_path: dict[int, str] = attrs.field(factory=dict)  # open_dir descriptors
 
     def _log(self, path: str, op: _DirOp) -> None:
         self._dirs.setdefault(os.path.dirname(os.path.abspath(path)), []).append(op)
@@ -106,20 +107,35 @@ class LossyFileOps:
         os.link(path, backup)
         return backup
 
-    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
-        existed = os.path.lexists(path)
-        fd = self.inner.open(path, flags, mode)
+    def _abs(self, path: str, dir_fd: int | None) -> str:
+        """The absolute path of ``path`` (relative to ``dir_fd``, a directory opened
+        through :meth:`open_dir`, when given)."""
+        if dir_fd is None:
+            return os.path.abspath(path)
+        return os.path.normpath(os.path.join(self._dir_path[dir_fd], path))
+
+    def open(self, path: str, flags: int, mode: int = 0o600, *, dir_fd: int | None = None) -> int:
+        full = self._abs(path, dir_fd)
+        existed = os.path.lexists(full)
+        fd = self.inner.open(path, flags, mode, dir_fd=dir_fd)
         inode = os.fstat(fd).st_ino
         self._fd_inode[fd] = inode
-        self._inode_path[inode] = os.path.abspath(path)
+        self._inode_path[inode] = full
         if inode not in self._files:
             self._files[inode] = _FileState(synced_len=0 if not existed else os.fstat(fd).st_size)
         if not existed and flags & os.O_CREAT:
-            self._log(path, _DirOp("create", os.path.abspath(path)))
+            self._log(full, _DirOp("create", full))
+        return fd
+
+    def open_dir(self, path: str, *, dir_fd: int | None = None) -> int:
+        full = self._abs(path, dir_fd)
+        fd = self.inner.open_dir(path, dir_fd=dir_fd)
+        self._dir_path[fd] = full
         return fd
 
     def close(self, fd: int) -> None:
         self._fd_inode.pop(fd, None)
+        self._dir_path.pop(fd, None)
         self.inner.close(fd)
 
     def write(self, fd: int, data: memoryview, offset: int) -> int:
@@ -143,34 +159,50 @@ class LossyFileOps:
         state.dirty.clear()
         state.undo.clear()
 
-    def fsync_dir(self, path: str) -> None:
-        self.inner.fsync_dir(path)
+    def fsync_dir(self, directory: str | int) -> None:
+        self.inner.fsync_dir(directory)
+        path = self._dir_path[directory] if isinstance(directory, int) else directory
         self._dirs.pop(os.path.abspath(path), None)
 
-    def rename(self, src: str, dst: str) -> None:
-        backup = self._backup(dst)
-        self.inner.rename(src, dst)
-        self._log(dst, _DirOp("rename", os.path.abspath(src), os.path.abspath(dst), backup))
-        inode = os.lstat(dst).st_ino
+    def rename(
+        self, src: str, dst: str, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None
+    ) -> None:
+        full_src, full_dst = self._abs(src, src_dir_fd), self._abs(dst, dst_dir_fd)
+        backup = self._backup(full_dst)
+        self.inner.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+        self._log(full_dst, _DirOp("rename", full_src, full_dst, backup))
+        inode = os.lstat(full_dst).st_ino
         if inode in self._inode_path:
-            self._inode_path[inode] = os.path.abspath(dst)
+            self._inode_path[inode] = full_dst
 
-    def unlink(self, path: str) -> None:
-        backup = self._backup(path)
-        self.inner.unlink(path)
-        self._log(path, _DirOp("unlink", os.path.abspath(path), backup=backup))
+    def unlink(self, path: str, *, dir_fd: int | None = None) -> None:
+        full = self._abs(path, dir_fd)
+        backup = self._backup(full)
+        self.inner.unlink(path, dir_fd=dir_fd)
+        self._log(full, _DirOp("unlink", full, backup=backup))
 
-    def mkdir(self, path: str) -> None:
-        self.inner.mkdir(path)
+    def mkdir(self, path: str, *, dir_fd: int | None = None) -> None:
+        self.inner.mkdir(path, dir_fd=dir_fd)
 
-    def listdir(self, path: str) -> list[str]:
-        return self.inner.listdir(path)
+    def listdir(self, directory: str | int) -> list[str]:
+        return self.inner.listdir(directory)
 
     def fstat(self, fd: int) -> os.stat_result:
         return self.inner.fstat(fd)
 
-    def stat(self, path: str) -> os.stat_result:
-        return self.inner.stat(path)
+    def stat(self, path: str, *, dir_fd: int | None = None) -> os.stat_result:
+        return self.inner.stat(path, dir_fd=dir_fd)
+
+    def utime(
+        self, path: str, times: tuple[float, float] | None = None, *, dir_fd: int | None = None
+    ) -> None:
+        self.inner.utime(path, times, dir_fd=dir_fd)
+
+    def write_behind(self, fd: int, offset: int, length: int) -> None:
+        self.inner.write_behind(fd, offset, length)
+
+    def drop_behind(self, fd: int, offset: int, length: int) -> None:
+        self.inner.drop_behind(fd, offset, length)
 
     def lose_unsynced(self) -> int:
         """Undo, on disk, what a power cut could lose; return how many changes were undone."""

@@ -95,8 +95,16 @@ class _Audit:
         if text.endswith(_CODE_SUFFIXES):
             return  # a lazy import of library code, not a path taken from the file
         self.opened += 1
+        if not os.path.isabs(text):
+            # Relative to a directory descriptor (a tier's rooted file operations,
+            # kvtrio.storage.rootfd; the audit event does not carry the descriptor): one
+            # name, never a link.
+            nofollow = isinstance(flags, int) and bool(flags & os.O_NOFOLLOW)
+            if os.sep in text or text == ".." or not nofollow:
+                self.bad.append(f"opened a relative path that may leave the root: {text}")
+            return
         real = os.path.abspath(text)
-        if not real.startswith(self.root + os.sep):
+        if real != self.root and not real.startswith(self.root + os.sep):
             self.bad.append(f"opened outside the cache directory: {text}")
         elif os.path.islink(real) and not (isinstance(flags, int) and flags & os.O_NOFOLLOW):
             self.bad.append(f"opened a link without O_NOFOLLOW: {text}")

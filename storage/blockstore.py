@@ -24,6 +24,7 @@ import attrs
 from kvtrio.errors import CorruptCacheError
 from kvtrio.storage.fileops import (
     O_NOFOLLOW,
+    O_NONBLOCK,
     OS_FILE_OPS,
     TMP_SUFFIX,
     FileOps,
@@ -31,6 +32,7 @@ from kvtrio.storage.fileops import (
     pread_full,
     pwrite_full,
 )
+from kvtrio.storage.rootfd import NotRegularFileError
 
 __all__ = [
     "BLOCK_NAME_RE",
@@ -214,15 +216,15 @@ class LocalBlockStore(BlockStore):
                 f"block directory {self.directory}: a symbolic link or not a directory"
             )
         if not self._made:
-            existed = os.path.isdir(self.directory)
+            existed = self._exists(self.directory)
             self.file_ops.mkdir(self.directory)
             if not existed:  # the new directory's own entry must be durable too
                 self.file_ops.fsync_dir(os.path.dirname(os.path.abspath(self.directory)))
             self._made = True
 
-    def _exists(self, path: str) -> bool:
+    def _exists(self, path: str, *, dir_fd: int | None = None) -> bool:
         try:
-            self.file_ops.stat(path)
+            self.file_ops.stat(path, dir_fd=dir_fd)
         except FileNotFoundError:
             return False
         return True
@@ -318,7 +320,7 @@ class LocalBlockStore(BlockStore):
     def _freshen(self, path: str) -> bool:
         """Restart GC's grace period of an existing block; False if there is none."""
         try:
-            os.utime(path, follow_symlinks=False)
+            self.file_ops.utime(path)
         except FileNotFoundError:
             return False
         return True
@@ -326,16 +328,25 @@ class LocalBlockStore(BlockStore):
     def has_many(self, names: Sequence[str]) -> list[bool]:
         if self._linked():
             return [False for _ in names]
-        return [self._exists(self.path_of(name)) for name in names]
+        try:
+            fd = self.file_ops.open_dir(self.directory)
+        except FileNotFoundError:
+            return [False for _ in names]
+        try:
+            return [self._exists(check_block_name(name), dir_fd=fd) for name in names]
+        finally:
+            self.file_ops.close(fd)
 
     def read_into(self, name: str, buffer: memoryview) -> bool:
         path = self.path_of(name)
         if self._linked():
             return False
         try:
-            fd = self.file_ops.open(path, os.O_RDONLY | O_NOFOLLOW)
+            fd = self.file_ops.open(path, os.O_RDONLY | O_NOFOLLOW | O_NONBLOCK)
         except FileNotFoundError:
             return False
+        except NotRegularFileError:
+            raise CorruptCacheError(f"block {name}: not a regular file") from None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise CorruptCacheError(f"block {name}: is a symbolic link") from None
@@ -372,19 +383,25 @@ class LocalBlockStore(BlockStore):
     def iter_blocks(self) -> Iterator[BlockInfo]:
         if self._linked():
             return
+        # One descriptor of the directory for the listing and every stat: under a tier's
+        # rooted file operations, one walk from the root instead of one per block.
         try:
-            names = self.file_ops.listdir(self.directory)
+            fd = self.file_ops.open_dir(self.directory)
         except FileNotFoundError:
             return
-        for name in sorted(names):
-            if BLOCK_NAME_RE.fullmatch(name) is None:
-                continue
-            try:
-                info = self.file_ops.stat(os.path.join(self.directory, name))
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(info.st_mode):
-                yield BlockInfo(name=name, size=info.st_size, mtime=info.st_mtime)
+        try:
+            names = self.file_ops.listdir(fd)
+            for name in sorted(names):
+                if BLOCK_NAME_RE.fullmatch(name) is None:
+                    continue
+                try:
+                    info = self.file_ops.stat(name, dir_fd=fd)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(info.st_mode):
+                    yield BlockInfo(name=name, size=info.st_size, mtime=info.st_mtime)
+        finally:
+            self.file_ops.close(fd)
 
     def close(self) -> None:
         return None

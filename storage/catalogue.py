@@ -39,6 +39,7 @@ import array
 import json
 import os
 import sqlite3
+import stat
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
@@ -125,6 +126,7 @@ class Catalogue:
         rebuilds.
         """
         path = os.path.join(directory, CATALOGUE_NAME)
+        _refuse_links(path)
         try:
             db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as exc:
@@ -337,3 +339,19 @@ def _row(row: tuple[object, ...]) -> CatalogueRow:
         )
     except (ValueError, TypeError) as exc:
         raise CorruptCacheError(f"catalogue: entry {key!r:.80}: {exc}") from exc
+
+
+def _refuse_links(path: str) -> None:
+    """The catalogue's files are opened by sqlite, by path (it takes no directory
+    descriptor): anything but a regular file under their names (a link a neighbour put
+    there, which sqlite would follow and write through) is CorruptCacheError before the
+    open, so the caller removes the names (:meth:`Catalogue.remove` unlinks a link, never
+    its target) and rebuilds. A swap between this check and sqlite's open is the one
+    window docs/design.md invariant 18 leaves."""
+    for name in (path, path + "-wal", path + "-shm"):
+        try:
+            info = os.lstat(name)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCacheError(f"catalogue {name}: not a regular file")

@@ -15,7 +15,10 @@ Rules:
    process waits while the old one flushes) polls it on its own clock.
 3. The lock file is opened without following links (a link planted in the root is not
    followed) and is never deleted: unlinking a locked file would let a second process
-   lock a new file of the same name.
+   lock a new file of the same name. It sits in the root itself, so its own name is the
+   only one below the root on its path, and O_NOFOLLOW covers it (docs/design.md
+   invariant 18 needs no descriptor walk here; the lock is taken before the tier opens
+   its root's descriptor).
 
 Advisory only: a process that does not use it (``rm -rf``) is not stopped. NFS and
 other network filesystems may not honour ``flock``; a cold tier belongs on local disk.
@@ -30,7 +33,7 @@ import fcntl
 import os
 
 import attrs
-from kvtrio.storage.fileops import O_NOFOLLOW
+from kvtrio.storage.fileops import O_NOFOLLOW, O_NONBLOCK
 
 __all__ = ["LOCK_NAME", "DirectoryLock", "holder_pid", "try_lock"]
 
@@ -89,11 +92,14 @@ def try_lock(directory: str) -> DirectoryLock | None:
 def holder_pid(directory: str) -> int | None:
     """The pid the lock file names (None: none, or not a pid). A report, not a proof."""
     try:
-        fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY | O_NOFOLLOW)
+        # O_NONBLOCK: a FIFO a neighbour put there cannot block the report.
+        fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY | O_NOFOLLOW | O_NONBLOCK)
     except OSError:
         return None
     try:
         text = os.pread(fd, _PID_BYTES, 0).decode("ascii", "replace").strip()
+    except OSError:  # not a file (a FIFO): no pid to report
+        return None
     finally:
         os.close(fd)
     return int(text) if text.isdigit() else None

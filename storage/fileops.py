@@ -4,17 +4,24 @@
 one (``os.pwrite``/``os.preadv``, which release the GIL). :class:`FaultyFileOps` wraps any
 ``FileOps`` and calls ``hook(op_name)`` before each operation, so tests inject faults
 (raise) or delays (sleep) at an exact step; ``kvtrio.runtime.testing.FaultPlan`` is such
-a hook. Hooked op names: ``"open"``, ``"write"``, ``"fsync"``, ``"rename"``,
-``"fsync_dir"``, ``"read"``, ``"unlink"``, ``"mkdir"``, ``"listdir"``. ``close`` and
-``stat``/``fstat`` are not hooked (cleanup paths must be able to run).
+a hook. Hooked op names: ``"open"``, ``"open_dir"``, ``"write"``, ``"fsync"``,
+``"rename"``, ``"fsync_dir"``, ``"read"``, ``"unlink"``, ``"mkdir"``, ``"listdir"``.
+``close``, ``stat``/``fstat``, ``utime`` and the write-behind hints are not hooked
+(cleanup paths must be able to run).
 
-Optional write-behind hints (not part of the protocol, so other ``FileOps`` keep working
-without them; see :func:`write_behind_ops`): :meth:`OsFileOps.write_behind` starts the
-writeback of a range just written (``sync_file_range(SYNC_FILE_RANGE_WRITE)``) and
-:meth:`OsFileOps.drop_behind` waits for it and drops the clean pages
-(``posix_fadvise(DONTNEED)``), so a streaming buffered write keeps the device busy and
-reuses a few MiB of page cache instead of filling it. They are not durability: the
-writers still fsync the file, rename, and fsync the directory.
+Write-behind hints, declared by every ``FileOps`` (one that has nothing to do makes them
+no-ops): :meth:`OsFileOps.write_behind` starts the writeback of a range just written
+(``sync_file_range(SYNC_FILE_RANGE_WRITE)``) and :meth:`OsFileOps.drop_behind` waits for
+it and drops the clean pages (``posix_fadvise(DONTNEED)``), so a streaming buffered write
+keeps the device busy and reuses a few MiB of page cache instead of filling it. They are
+not durability: the writers still fsync the file, rename, and fsync the directory.
+
+Descriptor-relative operations mirror ``os``: ``open``, ``stat``, ``utime``, ``unlink``
+and ``mkdir`` take ``dir_fd``, ``rename`` takes ``src_dir_fd`` / ``dst_dir_fd``,
+``listdir`` and ``fsync_dir`` take a directory descriptor in place of a path, and
+:meth:`FileOps.open_dir` opens a directory without following a link (hooked as
+``"open_dir"``). :class:`kvtrio.storage.rootfd.RootedFileOps` uses them so that nothing
+under a cold-tier root is reached by a path the kernel resolves again.
 
 Durability helpers (docs/design.md invariant 5): :meth:`FileOps.fsync` is ``F_FULLFSYNC`` on
 macOS (a plain fsync there does not flush the drive's cache) and ``fsync`` elsewhere;
@@ -45,7 +52,6 @@ __all__ = [
     "OsFileOps",
     "pread_full",
     "pwrite_full",
-    "write_behind_ops",
 ]
 
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -60,10 +66,19 @@ _MAX_IO = 1 << 30
 
 
 class FileOps(Protocol):
-    """Blocking file operations on descriptors; callers run them on worker threads."""
+    """Blocking file operations on descriptors; callers run them on worker threads.
 
-    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+    ``dir_fd`` (``src_dir_fd``, ``dst_dir_fd``): ``path`` is relative to that open
+    directory, as in ``os``; None: ``path`` is resolved as usual.
+    """
+
+    def open(self, path: str, flags: int, mode: int = 0o600, *, dir_fd: int | None = None) -> int:
         """``os.open``; the library adds O_CLOEXEC and, for blocks, O_NOFOLLOW."""
+        ...
+
+    def open_dir(self, path: str, *, dir_fd: int | None = None) -> int:
+        """Open a directory for descriptor-relative operations, never through a link
+        (``O_RDONLY | O_DIRECTORY | O_NOFOLLOW``: a link is ELOOP, a file ENOTDIR)."""
         ...
 
     def close(self, fd: int) -> None: ...
@@ -80,32 +95,58 @@ class FileOps(Protocol):
         """Make the file's data durable (F_FULLFSYNC on macOS)."""
         ...
 
-    def fsync_dir(self, path: str) -> None:
-        """Make the directory's entries (a rename, a create) durable."""
+    def fsync_dir(self, directory: str | int) -> None:
+        """Make the directory's entries (a rename, a create) durable; ``directory`` is a
+        path or an open directory descriptor."""
         ...
 
-    def rename(self, src: str, dst: str) -> None: ...
+    def rename(
+        self, src: str, dst: str, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None
+    ) -> None: ...
 
-    def unlink(self, path: str) -> None: ...
+    def unlink(self, path: str, *, dir_fd: int | None = None) -> None: ...
 
-    def mkdir(self, path: str) -> None:
-        """Create a directory and its parents (mode 0700); no error if it exists."""
+    def mkdir(self, path: str, *, dir_fd: int | None = None) -> None:
+        """Create a directory (mode 0700); no error if it exists. With a path, its parents
+        too; with ``dir_fd``, only ``path`` itself (one name)."""
         ...
 
-    def listdir(self, path: str) -> list[str]: ...
+    def listdir(self, directory: str | int) -> list[str]:
+        """The names in a directory, given as a path or an open directory descriptor."""
+        ...
 
     def fstat(self, fd: int) -> os.stat_result: ...
 
-    def stat(self, path: str) -> os.stat_result:
+    def stat(self, path: str, *, dir_fd: int | None = None) -> os.stat_result:
         """lstat: a symlink is reported as the link, not followed."""
         ...
+
+    def utime(
+        self, path: str, times: tuple[float, float] | None = None, *, dir_fd: int | None = None
+    ) -> None:
+        """Set a file's (atime, mtime), now when None; a link's own, never its target's."""
+        ...
+
+    def write_behind(self, fd: int, offset: int, length: int) -> None:
+        """Start the writeback of a range just written (a hint; may do nothing)."""
+        ...
+
+    def drop_behind(self, fd: int, offset: int, length: int) -> None:
+        """Wait for a range's writeback and drop its clean pages (a hint; may do nothing)."""
+        ...
+
+
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
 class OsFileOps:
     """The real file operations."""
 
-    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
-        return os.open(path, flags | O_CLOEXEC, mode)
+    def open(self, path: str, flags: int, mode: int = 0o600, *, dir_fd: int | None = None) -> int:
+        return os.open(path, flags | O_CLOEXEC, mode, dir_fd=dir_fd)
+
+    def open_dir(self, path: str, *, dir_fd: int | None = None) -> int:
+        return os.open(path, os.O_RDONLY | _O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=dir_fd)
 
     def close(self, fd: int) -> None:
         os.close(fd)
@@ -129,30 +170,46 @@ class OsFileOps:
         else:
             os.fsync(fd)
 
-    def fsync_dir(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | O_CLOEXEC)
+    def fsync_dir(self, directory: str | int) -> None:
+        if isinstance(directory, int):
+            self.fsync(directory)
+            return
+        fd = os.open(directory, os.O_RDONLY | _O_DIRECTORY | O_CLOEXEC)
         try:
             self.fsync(fd)
         finally:
             os.close(fd)
 
-    def rename(self, src: str, dst: str) -> None:
-        os.rename(src, dst)
+    def rename(
+        self, src: str, dst: str, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None
+    ) -> None:
+        os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 
-    def unlink(self, path: str) -> None:
-        os.unlink(path)
+    def unlink(self, path: str, *, dir_fd: int | None = None) -> None:
+        os.unlink(path, dir_fd=dir_fd)
 
-    def mkdir(self, path: str) -> None:
-        os.makedirs(path, mode=0o700, exist_ok=True)
+    def mkdir(self, path: str, *, dir_fd: int | None = None) -> None:
+        if dir_fd is None:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            return
+        try:
+            os.mkdir(path, 0o700, dir_fd=dir_fd)
+        except FileExistsError:
+            pass  # a link or file in its place is refused by the open_dir that follows
 
-    def listdir(self, path: str) -> list[str]:
-        return os.listdir(path)
+    def listdir(self, directory: str | int) -> list[str]:
+        return os.listdir(directory)
 
     def fstat(self, fd: int) -> os.stat_result:
         return os.fstat(fd)
 
-    def stat(self, path: str) -> os.stat_result:
-        return os.lstat(path)
+    def stat(self, path: str, *, dir_fd: int | None = None) -> os.stat_result:
+        return os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+
+    def utime(
+        self, path: str, times: tuple[float, float] | None = None, *, dir_fd: int | None = None
+    ) -> None:
+        os.utime(path, times, dir_fd=dir_fd, follow_symlinks=False)
 
     def write_behind(self, fd: int, offset: int, length: int) -> None:
         """Start writeback of a written range now (a hint; durability is still fsync's)."""
@@ -192,18 +249,6 @@ def _sync_file_range(fd: int, offset: int, length: int, flags: int) -> bool:
     return bool(_SYNC_FILE_RANGE(fd, offset, length, flags) == 0)
 
 
-def write_behind_ops(
-    ops: FileOps,
-) -> tuple[Callable[[int, int, int], None], Callable[[int, int, int], None]] | None:
-    """``(write_behind, drop_behind)`` of ``ops`` when it has both (optional methods: a
-    FileOps without them, such as one whose descriptors are not the kernel's, gets none)."""
-    start = getattr(ops, "write_behind", None)
-    drop = getattr(ops, "drop_behind", None)
-    if start is None or drop is None:
-        return None
-    return start, drop
-
-
 @attrs.define
 class FaultyFileOps:
     """Wraps ``inner`` and calls ``hook(op_name)`` before each hooked operation.
@@ -220,9 +265,13 @@ class FaultyFileOps:
         self.calls[op] = self.calls.get(op, 0) + 1
         self.hook(op)
 
-    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+    def open(self, path: str, flags: int, mode: int = 0o600, *, dir_fd: int | None = None) -> int:
         self._before("open")
-        return self.inner.open(path, flags, mode)
+        return self.inner.open(path, flags, mode, dir_fd=dir_fd)
+
+    def open_dir(self, path: str, *, dir_fd: int | None = None) -> int:
+        self._before("open_dir")
+        return self.inner.open_dir(path, dir_fd=dir_fd)
 
     def close(self, fd: int) -> None:
         self.inner.close(fd)
@@ -239,43 +288,46 @@ class FaultyFileOps:
         self._before("fsync")
         self.inner.fsync(fd)
 
-    def fsync_dir(self, path: str) -> None:
+    def fsync_dir(self, directory: str | int) -> None:
         self._before("fsync_dir")
-        self.inner.fsync_dir(path)
+        self.inner.fsync_dir(directory)
 
-    def rename(self, src: str, dst: str) -> None:
+    def rename(
+        self, src: str, dst: str, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None
+    ) -> None:
         self._before("rename")
-        self.inner.rename(src, dst)
+        self.inner.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 
-    def unlink(self, path: str) -> None:
+    def unlink(self, path: str, *, dir_fd: int | None = None) -> None:
         self._before("unlink")
-        self.inner.unlink(path)
+        self.inner.unlink(path, dir_fd=dir_fd)
 
-    def mkdir(self, path: str) -> None:
+    def mkdir(self, path: str, *, dir_fd: int | None = None) -> None:
         self._before("mkdir")
-        self.inner.mkdir(path)
+        self.inner.mkdir(path, dir_fd=dir_fd)
 
-    def listdir(self, path: str) -> list[str]:
+    def listdir(self, directory: str | int) -> list[str]:
         self._before("listdir")
-        return self.inner.listdir(path)
+        return self.inner.listdir(directory)
 
     def fstat(self, fd: int) -> os.stat_result:
         return self.inner.fstat(fd)
 
-    def stat(self, path: str) -> os.stat_result:
-        return self.inner.stat(path)
+    def stat(self, path: str, *, dir_fd: int | None = None) -> os.stat_result:
+        return self.inner.stat(path, dir_fd=dir_fd)
+
+    def utime(
+        self, path: str, times: tuple[float, float] | None = None, *, dir_fd: int | None = None
+    ) -> None:
+        self.inner.utime(path, times, dir_fd=dir_fd)
 
     # Write-behind hints are forwarded unhooked (like close and fstat): they are not file
     # operations a fault can be injected into, only advice on when the kernel writes back.
     def write_behind(self, fd: int, offset: int, length: int) -> None:
-        hints = write_behind_ops(self.inner)
-        if hints is not None:
-            hints[0](fd, offset, length)
+        self.inner.write_behind(fd, offset, length)
 
     def drop_behind(self, fd: int, offset: int, length: int) -> None:
-        hints = write_behind_ops(self.inner)
-        if hints is not None:
-            hints[1](fd, offset, length)
+        self.inner.drop_behind(fd, offset, length)
 
 
 def not_a_real_directory(ops: FileOps, path: str) -> bool:

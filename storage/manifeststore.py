@@ -39,13 +39,14 @@ import hashlib
 import json
 import os
 import re
+import stat
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 from kvtrio.errors import CorruptCacheError
-from kvtrio.storage.fileops import O_NOFOLLOW, OS_FILE_OPS, FileOps, pread_full
+from kvtrio.storage.fileops import O_NOFOLLOW, O_NONBLOCK, OS_FILE_OPS, FileOps, pread_full
 from kvtrio.storage.redisstore import (
     RedisTarget,
     connect,
@@ -53,6 +54,7 @@ from kvtrio.storage.redisstore import (
     parse_redis_url,
     translate_redis_errors,
 )
+from kvtrio.storage.rootfd import NotRegularFileError
 from kvtrio.storage.writer import TMP_SUFFIX, publish_bytes
 
 if TYPE_CHECKING:
@@ -243,15 +245,20 @@ class LocalManifestStore(ManifestStore):
         :data:`MAX_MANIFEST_BYTES`; CorruptCacheError naming ``what`` for a link or a
         file over the cap."""
         try:
-            fd = self.file_ops.open(path, os.O_RDONLY | O_NOFOLLOW)
+            fd = self.file_ops.open(path, os.O_RDONLY | O_NOFOLLOW | O_NONBLOCK)
         except FileNotFoundError:
             return None
+        except NotRegularFileError:
+            raise CorruptCacheError(f"{what}: not a regular file") from None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise CorruptCacheError(f"{what}: is a symbolic link") from exc
             raise
         try:
-            size = self.file_ops.fstat(fd).st_size
+            info = self.file_ops.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):  # a FIFO or a directory: never read
+                raise CorruptCacheError(f"{what}: not a regular file")
+            size = info.st_size
             if size > MAX_MANIFEST_BYTES:
                 raise CorruptCacheError(f"{what}: {size} bytes > {MAX_MANIFEST_BYTES}")
             buffer = bytearray(size)
@@ -291,7 +298,7 @@ class LocalManifestStore(ManifestStore):
         # A local manifest's mtime is its last use.
         for name, when in last_use.items():
             try:
-                os.utime(self.path_of(name), (when, when), follow_symlinks=False)
+                self.file_ops.utime(self.path_of(name), (when, when))
             except FileNotFoundError:
                 continue
 

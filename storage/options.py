@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+from kvtrio.errors import InvalidInputError
 
 __all__ = [
     "DEFAULT_IO_OPTIONS",
@@ -49,6 +50,18 @@ SCRIPT_LOAD_STREAMS = 4
 TIER_LOAD_STREAMS = 1
 
 
+def _int_at_least(minimum: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    """An attrs validator: an int (not bool) >= ``minimum``, else InvalidInputError."""
+
+    def check(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise InvalidInputError(
+                f"{attribute.name}: expected an int >= {minimum}, got {value!r}"
+            )
+
+    return check
+
+
 def default_redis_hash_threads() -> int:
     """One helper per four usable CPUs, at most four: none on a two-core machine, where
     Redis, the receiver and the hashing already share every core (docs/benchmarks.md)."""
@@ -73,7 +86,7 @@ class IoOptions:
     #: :data:`SCRIPT_LOAD_STREAMS` (4) for ``load_cache``, :data:`TIER_LOAD_STREAMS` (1)
     #: for a tier, which shares the CPU with a server's event loop and model steps.
     load_streams: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
+        default=None, validator=attrs.validators.optional(_int_at_least(1))
     )
     #: Cold loads read with O_DIRECT into 4 KiB-aligned destinations (off: buffered reads
     #: with readahead, measured faster).
@@ -96,7 +109,7 @@ class IoOptions:
     #: Helper threads re-hashing (sha256) a verified Redis read's blocks; 0 hashes each
     #: block on the receiving thread as it arrives.
     redis_hash_threads: int = attrs.field(
-        factory=default_redis_hash_threads, validator=attrs.validators.ge(0)
+        factory=default_redis_hash_threads, validator=_int_at_least(0)
     )
 
     def streams(self, default: int) -> int:

@@ -43,7 +43,6 @@ from kvtrio.storage.fileops import (
     FileOps,
     byte_view,
     pread_full,
-    write_behind_ops,
 )
 from kvtrio.storage.format import PREAMBLE, Header, TensorSlot, piece_nbytes, piece_ranges
 from kvtrio.storage.hashpool import HashBatch, HashPool
@@ -51,6 +50,7 @@ from kvtrio.storage.headerparse import parse_header, parse_preamble, slot_names
 from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.memadvise import PrefaultAhead, prefault
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
+from kvtrio.storage.rootfd import NotRegularFileError
 
 __all__ = [
     "BLOCK_BATCH_BYTES",
@@ -117,8 +117,11 @@ def read_header(
     flags = os.O_RDONLY | O_NONBLOCK | (0 if follow_links else O_NOFOLLOW)
     try:
         fd = file_ops.open(path, flags)
+    except NotRegularFileError:  # refused by a tier's rooted file operations
+        raise CacheMissError(f"{path}: not a regular file") from None
     except OSError as exc:
-        if exc.errno == errno.ELOOP and not follow_links:
+        # Also a link on the way under a tier's root (its file operations follow none).
+        if exc.errno == errno.ELOOP:
             raise CacheMissError(f"{path}: a symbolic link, not followed") from None
         raise
     try:
@@ -345,7 +348,7 @@ def _read_single(
             # Buffered reads drop what they have read a few chunks back from the page
             # cache, as the streaming writer does (a cold load does not leave the file
             # cached).
-            hints = write_behind_ops(file_ops) if options.drop_behind and dfd is None else None
+            behind = options.drop_behind and dfd is None
             read = _SingleRead(
                 cache_file,
                 fd,
@@ -355,7 +358,7 @@ def _read_single(
                 cancel,
                 hashes,
                 prefault_ahead=bool(ahead_views),
-                drop_behind=None if hints is None else hints[1],
+                drop_behind=file_ops.drop_behind if behind else None,
             )
             for slot, name, (view,) in zip(slots, names, views, strict=True):
                 _check_cancel(cancel)

@@ -61,7 +61,6 @@ from kvtrio.storage.fileops import (
     FileOps,
     byte_view,
     pwrite_full,
-    write_behind_ops,
 )
 from kvtrio.storage.format import (
     BlockRef,
@@ -246,15 +245,14 @@ class _BufferedWrites:
     (``write_behind``), and a chunk :data:`_BEHIND` chunks back is waited for and dropped
     from the page cache (``drop_behind``): the device stays busy, and the page cache
     pages are recycled instead of a whole cache's worth of fresh ones being faulted in.
-    Without the hints (a ``FileOps`` that lacks them) the same writes are plain buffered
-    writes. Each tensor's tail is zero-padded to 4 KiB, as the O_DIRECT path does, so
+    A ``FileOps`` whose hints do nothing makes the same writes plain buffered writes. Each
+    tensor's tail is zero-padded to 4 KiB, as the O_DIRECT path does, so
     both paths make the same file.
     """
 
     def __init__(self, ops: FileOps, fd: int, *, hash_thread: bool = True) -> None:
         self.ops = ops
         self.fd = fd
-        self.hints = write_behind_ops(ops)
         self.behind: deque[tuple[int, int]] = deque()
         # xxh3 runs on this helper thread (xxhash releases the GIL above 64 KiB) while
         # the caller's thread writes: the hash and the kernel's copy overlap. One thread:
@@ -262,13 +260,12 @@ class _BufferedWrites:
         self.hash_pool = HashPool(1 if hash_thread else 0)
 
     def _written(self, offset: int, length: int) -> None:
-        if self.hints is None or not length:
+        if not length:
             return
-        start, drop = self.hints
-        start(self.fd, offset, length)
+        self.ops.write_behind(self.fd, offset, length)
         self.behind.append((offset, length))
         while len(self.behind) > _BEHIND:
-            drop(self.fd, *self.behind.popleft())
+            self.ops.drop_behind(self.fd, *self.behind.popleft())
 
     def write(self, data: memoryview, offset: int) -> None:
         pwrite_full(self.ops, self.fd, data, offset)

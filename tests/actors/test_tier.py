@@ -229,7 +229,7 @@ async def test_a_load_reads_with_load_streams_reads_at_once(
 
 
 async def test_load_streams_must_be_positive() -> None:
-    with pytest.raises(ValueError, match=r"^'load_streams' must be >= 1: 0$"):
+    with pytest.raises(ValueError, match=r"^load_streams: expected an int >= 1, got 0$"):
         IoOptions(load_streams=0)
 
 

@@ -64,7 +64,14 @@ def test_the_audit_hook_sees_an_open_outside_the_cache_dir_and_a_followed_link(
     audit("open", ("/etc/hostname", None, os.O_RDONLY))
     audit("open", (str(root / "link"), None, os.O_RDONLY))
     audit("open", (str(root / "link"), None, os.O_RDONLY | os.O_NOFOLLOW))
+    # Relative to a directory descriptor (the tier's rooted file operations): one name,
+    # with O_NOFOLLOW; anything else may leave the root.
+    audit("open", ("x.kvc", None, os.O_RDONLY | os.O_NOFOLLOW))
+    audit("open", ("x.kvc", None, os.O_RDONLY))
+    audit("open", ("../x.kvc", None, os.O_RDONLY | os.O_NOFOLLOW))
     assert audit.bad == [
         "opened outside the cache directory: /etc/hostname",
         f"opened a link without O_NOFOLLOW: {root / 'link'}",
+        "opened a relative path that may leave the root: x.kvc",
+        "opened a relative path that may leave the root: ../x.kvc",
     ]

@@ -200,8 +200,15 @@ def test_gc_and_a_writer_racing_on_a_moved_aside_block(tmp_path: Path) -> None:
         return None
 
     class WriterAfterRename(FaultyFileOps):
-        def rename(self, src: str, dst: str) -> None:
-            super().rename(src, dst)
+        def rename(
+            self,
+            src: str,
+            dst: str,
+            *,
+            src_dir_fd: int | None = None,
+            dst_dir_fd: int | None = None,
+        ) -> None:
+            super().rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
             if dst.endswith(".kvtrio-tmp"):  # GC just moved the block aside
                 assert writer.put_many([(name, data)]) == len(data)
 

@@ -108,15 +108,21 @@ def test_meta_the_reader_would_refuse_is_refused(
     _nothing_written(tmp_path)
 
 
-def test_header_the_reader_refuses_is_never_written(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["single", "blocks"])
+def test_header_the_reader_refuses_is_never_written(tmp_path: Path, layout: Any) -> None:
     # An attachment's metadata value of the wrong type passes through the snapshot into
     # the header; the writer's own run of the reader's rules refuses it, naming the field.
+    # "blocks" is write_blocks, the writer of the tier and of the Redis store too.
     attachment = AttachmentData(schema="s", metadata={"k": 7}, arrays=())  # type: ignore[dict-item]
     with pytest.raises(
         InvalidInputError, match=r"^attachments\[0\]\.metadata\.k: expected a string$"
     ):
         kvtrio.save_cache(
-            tmp_path / "c.kvt", [1], [make_kv([1])], meta={"attachments": [attachment]}
+            tmp_path / "c.kvt",
+            [1],
+            [make_kv([1])],
+            meta={"attachments": [attachment]},
+            layout=layout,
         )
     _nothing_written(tmp_path)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import attrs
 import kvtrio
 import pytest
+from kvtrio.errors import InvalidInputError
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, ENVIRONMENT, IoOptions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,11 +83,21 @@ def test_prefault_off_wins_over_prefault_ahead() -> None:
     assert IoOptions(prefault_ahead=True).prefaults_ahead
 
 
-def test_counts_are_validated() -> None:
-    with pytest.raises(ValueError, match=r"^'load_streams' must be >= 1: 0$"):
-        IoOptions(load_streams=0)
-    with pytest.raises(ValueError, match=r"^'redis_hash_threads' must be >= 0: -1$"):
-        IoOptions(redis_hash_threads=-1)
+@pytest.mark.parametrize(
+    ("field", "bad", "minimum"),
+    [
+        ("load_streams", 0, 1),
+        ("load_streams", True, 1),
+        ("load_streams", 2.0, 1),
+        ("redis_hash_threads", -1, 0),
+        ("redis_hash_threads", False, 0),
+        ("redis_hash_threads", float("nan"), 0),
+    ],
+)
+def test_counts_are_validated_with_the_typed_error(field: str, bad: object, minimum: int) -> None:
+    """Issue 15, item 10: a bool is no count, nor a float; the error is kvtrio's own."""
+    with pytest.raises(InvalidInputError, match=rf"^{field}: expected an int >= {minimum}, got "):
+        IoOptions(**{field: bad})  # type: ignore[arg-type]
 
 
 def test_docs_tuning_lists_every_variable_and_each_one_is_read() -> None:

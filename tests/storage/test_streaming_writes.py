@@ -18,7 +18,7 @@ import pytest
 from kvtrio.errors import OperationCancelled
 from kvtrio.storage import writer
 from kvtrio.storage.cacheio import materialize, snapshot
-from kvtrio.storage.fileops import OS_FILE_OPS, FaultyFileOps, OsFileOps, write_behind_ops
+from kvtrio.storage.fileops import OS_FILE_OPS, FaultyFileOps, FileOps, OsFileOps
 from kvtrio.storage.reader import allocate_buffers, read_header, read_tensors
 from kvtrio.storage.writer import write_single
 
@@ -70,13 +70,13 @@ class RecordingOps(OsFileOps):
         self.log.append(("fsync", 0, 0))
         super().fsync(fd)
 
-    def rename(self, src: str, dst: str) -> None:
+    def rename(self, src: str, dst: str, **dir_fds: int | None) -> None:
         self.log.append(("rename", 0, 0))
-        super().rename(src, dst)
+        super().rename(src, dst, **dir_fds)
 
-    def fsync_dir(self, path: str) -> None:
+    def fsync_dir(self, directory: str | int) -> None:
         self.log.append(("fsync_dir", 0, 0))
-        OS_FILE_OPS.fsync_dir(path)  # not super(): it calls self.fsync
+        OS_FILE_OPS.fsync_dir(directory)  # not super(): it calls self.fsync
 
 
 @pytest.mark.usefixtures("small_chunks")
@@ -216,20 +216,25 @@ def test_faulty_file_ops_forward_the_hints_unhooked(tmp_path: Path) -> None:
     assert any(name == "write_behind" for name, _, _ in inner.log)
 
 
-class NoHintOps:
-    """A FileOps without the optional hints (as a wrapper with its own descriptors)."""
+class NoHintOps(OsFileOps):
+    """A FileOps whose hints do nothing (as a wrapper with its own descriptors would)."""
 
-    def __getattr__(self, name: str) -> Any:
-        if name in ("write_behind", "drop_behind"):
-            raise AttributeError(name)
-        return getattr(OS_FILE_OPS, name)
+    def write_behind(self, fd: int, offset: int, length: int) -> None:
+        return None
+
+    def drop_behind(self, fd: int, offset: int, length: int) -> None:
+        return None
+
+
+def test_the_hints_are_declared_by_the_file_ops_protocol() -> None:
+    # One mechanism: every FileOps declares the hints (no getattr probing).
+    assert {"write_behind", "drop_behind"} <= set(vars(FileOps))
 
 
 @pytest.mark.usefixtures("small_chunks")
-def test_file_ops_without_hints_write_plain_buffered(tmp_path: Path) -> None:
-    ops: Any = NoHintOps()
-    assert write_behind_ops(ops) is None
+def test_file_ops_whose_hints_do_nothing_write_plain_buffered(tmp_path: Path) -> None:
     snap, host = _plan()
+    ops = NoHintOps()
     write_single(str(tmp_path / "a.kvt"), snap.header, [h.segments[0] for h in host], file_ops=ops)
     write_single(str(tmp_path / "b.kvt"), snap.header, [h.segments[0] for h in host])
     assert (tmp_path / "a.kvt").read_bytes() == (tmp_path / "b.kvt").read_bytes()
