@@ -66,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--spill-rounds", type=int, default=3, help="streams measured per server (3)"
     )
+    parser.add_argument(
+        "--spill-tokens",
+        type=int,
+        default=512,
+        help="tokens of each stream of the spill phase (512: it outlives the saves)",
+    )
 
 
 def _free_port() -> int:
@@ -110,7 +116,9 @@ class _Server:
             self.process.wait()
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-        """Stream a temperature-0 chat turn; arrival times of its tokens and its usage."""
+        """Stream a temperature-0 chat turn: when it was sent, when its headers came (the
+        server has taken the request and looked it up), its tokens' arrival times, its
+        text and usage."""
         body = {
             "messages": messages,
             "max_tokens": max_tokens,
@@ -124,6 +132,7 @@ class _Server:
             "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
         )
         response = connection.getresponse()
+        headers = time.perf_counter()
         arrivals: list[float] = []
         text, usage = "", {}
         for raw in response:
@@ -139,7 +148,15 @@ class _Server:
                     arrivals.append(time.perf_counter())
                     text += content
         connection.close()
-        return {"sent": sent, "arrivals": arrivals, "text": text, "usage": usage}
+        done = time.perf_counter()
+        return {
+            "sent": sent,
+            "headers": headers,
+            "arrivals": arrivals,
+            "done": done,
+            "text": text,
+            "usage": usage,
+        }
 
     def chat_watching(
         self, messages: list[dict[str, str]], max_tokens: int, after: int, started: threading.Event
@@ -248,24 +265,73 @@ def _decode(
     }
 
 
-def _spill(
-    kind: str, model: Path, work: Path, length: int, tokens: int, rounds: int, log: Path
-) -> dict[str, Any]:
-    """Inter-token latency of one stream, quiet and while large entries are saved.
+#: The spill phase's servers: (label, server kind, --prompt-cache-size). With two
+#: entries in RAM the continuation is a RAM hit on every server and the next request's
+#: insert evicts a large entry (kvtrio saves it then); "kvtrio_nosave" is kvtrio serve
+#: with room for every entry of the phase: the same requests, no save.
+SPILL_SERVERS = (
+    ("mlx_lm", "mlx_lm", 2),
+    ("naive", "naive", 2),
+    ("kvtrio", "kvtrio", 2),
+    ("kvtrio_nosave", "kvtrio", 64),
+)
 
-    With ``--prompt-cache-size 1``, each round: a quiet stream (``tokens`` tokens, nothing
-    else running); a ``length``-token prompt answered with one token (entry B in RAM);
-    then a stream S and, once S has decoded 8 tokens, B's conversation continued (a RAM
-    hit: a few tokens to prefill, and its insert is a ``length``-token entry: the naive
-    baseline saves it then, on the generation thread) followed by a short unrelated
-    request (its insert evicts that entry: kvtrio saves it then). S's latencies from the
-    continuation's send to its end are the "during" sample. Plain mlx_lm.server runs the
-    same requests and saves nothing: the same load without a save.
+#: Seconds of the stream measured after the saving requests end (kvtrio's save goes on
+#: in owner jobs and worker threads after the eviction).
+SPILL_TAIL_S = 0.5
+
+
+def _spilled(server: _Server) -> int | None:
+    """kvtrio serve's count of RAM entries handed to disk so far (None for the others)."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+    finally:
+        connection.close()
+    for line in text.splitlines():
+        if line.startswith("kvtrio_serve_spilled_total"):
+            return int(float(line.split()[-1]))
+    return None
+
+
+def _cached(result: dict[str, Any]) -> int:
+    return int((result["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+
+def _spill(
+    kind: str,
+    model: Path,
+    work: Path,
+    length: int,
+    tokens: int,
+    rounds: int,
+    log: Path,
+    cache_size: int = 2,
+) -> dict[str, Any]:
+    """Inter-token latency of a stream S while other requests make the server save large
+    entries, and of a stream alone.
+
+    Each round: a quiet stream (``tokens`` tokens, nothing else running); a
+    ``length``-token prompt answered with one token (entry B in RAM); then S and, once S
+    has decoded 8 tokens, B's conversation continued (C: a RAM hit, a few tokens to
+    prefill; its inserts are ``length``-token entries, which the naive baseline saves at
+    once, on the generation thread) and then a short unrelated request E (with two
+    entries in RAM its insert evicts B: kvtrio saves it then). The "during" sample is
+    S's latencies from the moment the server took C (C's headers arrived: mlx-lm decodes
+    a batch for up to 0.5 s before it looks at new requests) to :data:`SPILL_TAIL_S`
+    after E ended; S is long enough to outlive that window. Plain mlx_lm.server runs
+    the same requests and saves nothing, and so does kvtrio with ``cache_size`` large
+    enough for every entry: the same load without a save. Per round it records the tokens
+    C reused (a hit on every server, or the round would measure a recompute), for kvtrio
+    the entries spilled while S ran, and whether S outlived the window.
     """
-    server = _Server(kind, model, work, log, extra=("--prompt-cache-size", "1"))
+    extra = ("--prompt-cache-size", str(cache_size))
+    server = _Server(kind, model, work, log, extra=extra)
     document = _prompt_words(model, length)
     quiet: list[float] = []
     during: list[float] = []
+    checks: list[dict[str, Any]] = []
     try:
         server.chat([{"role": "user", "content": "warm up"}], 4)
         for r in range(rounds):
@@ -283,15 +349,32 @@ def _spill(
                     server.chat_watching(ask, tokens, 8, go)
                 )
             )
+            spilled_before = _spilled(server) if kind == "kvtrio" else None
             thread.start()
             if not started.wait(600):
                 raise RuntimeError(f"{kind}: the stream did not start")
-            sent = time.perf_counter()
-            server.chat(more, 1)
-            server.chat([{"role": "user", "content": f"Evict {r}."}], 1)
+            continued = server.chat(more, 1)
+            evicting = server.chat([{"role": "user", "content": f"Evict {r}."}], 1)
             thread.join()
-            arrivals = [t for t in stream["arrivals"] if t >= sent]
+            spilled_after = _spilled(server) if kind == "kvtrio" else None
+            begin, end = continued["headers"], evicting["done"] + SPILL_TAIL_S
+            arrivals = [t for t in stream["arrivals"] if begin <= t <= end]
             during += _itl(arrivals)
+            checks.append(
+                {
+                    "continued_cached_tokens": _cached(continued),
+                    "continued_prompt_tokens": int(continued["usage"].get("prompt_tokens", 0)),
+                    "spilled_while_streaming": (
+                        None
+                        if spilled_before is None or spilled_after is None
+                        else spilled_after - spilled_before
+                    ),
+                    "window_s": end - begin,
+                    "stream_outlived_window": bool(stream["arrivals"])
+                    and stream["arrivals"][-1] > end,
+                    "samples": max(0, len(arrivals) - 1),
+                }
+            )
     finally:
         server.stop()
     return {
@@ -301,6 +384,7 @@ def _spill(
         "itl_p99_ms_during": 1e3 * _pct(during, 0.99),
         "itl_max_ms_during": 1e3 * max(during, default=float("nan")),
         "samples_during": len(during),
+        "rounds": checks,
     }
 
 
@@ -403,18 +487,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 for kind in KINDS
             }
         if "spill" in phases:
-            tokens = max(64, args.decode_tokens)
+            tokens = args.spill_tokens
             figures["spill"] = {
-                kind: _spill(
+                label: _spill(
                     kind,
                     model,
-                    root / f"{kind}-spill",
+                    root / f"{label}-spill",
                     args.spill_length,
                     tokens,
                     args.spill_rounds,
                     log,
+                    cache_size=size,
                 )
-                for kind in KINDS
+                for label, kind, size in SPILL_SERVERS
             }
         if "disk" in phases:
             figures["shared_system_prompt_disk_bytes"] = {
@@ -463,7 +548,11 @@ def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
     if "spill" in figures:
         spill = figures["spill"]
         kv, naive, plain = spill["kvtrio"], spill["naive"], spill["mlx_lm"]
+        nosave = spill["kvtrio_nosave"]
         ratios["spill"] = {
+            # The check: the same streams and requests, with a save and without one.
+            "itl_p99_kvtrio_during_vs_nosave": kv["itl_p99_ms_during"]
+            / nosave["itl_p99_ms_during"],
             "itl_p99_kvtrio_during_vs_quiet": kv["itl_p99_ms_during"] / kv["itl_p99_ms_quiet"],
             "itl_p99_kvtrio_vs_mlx_lm_during": kv["itl_p99_ms_during"] / plain["itl_p99_ms_during"],
             "itl_p99_naive_vs_kvtrio_during": naive["itl_p99_ms_during"] / kv["itl_p99_ms_during"],
@@ -505,7 +594,7 @@ def render(figures: dict[str, Any]) -> None:
         if phase not in figures:
             continue
         by_kind = figures[phase]
-        keys = list(next(iter(by_kind.values())))
+        keys = [k for k, v in next(iter(by_kind.values())).items() if isinstance(v, float | int)]
         out = Table(title=phase)
         out.add_column("server")
         for key in keys:

@@ -44,16 +44,26 @@ def test_bench_policy_prints_json_figures_and_headline_ratios() -> None:
 def test_bench_serve_spill_phase_prints_latencies_and_ratios_of_the_same_run() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvtrio", "bench", "serve", "--json", "--phases", "spill",
-         "--spill-rounds", "1", "--spill-length", "256", "--decode-tokens", "16"],
+         "--spill-rounds", "1", "--spill-length", "256", "--spill-tokens", "256"],
         capture_output=True, text=True, check=True, timeout=300,
     )  # fmt: skip
     figures = json.loads(out.stdout)
     assert "restart" not in figures and "decode" not in figures  # only the phase asked for
     spill, ratios = figures["spill"], figures["ratios"]["spill"]
-    for kind in ("mlx_lm", "naive", "kvtrio"):
+    for kind in ("mlx_lm", "naive", "kvtrio", "kvtrio_nosave"):
         assert spill[kind]["samples_during"] > 0, kind
         assert 0 < spill[kind]["itl_p50_ms_during"] <= spill[kind]["itl_max_ms_during"], kind
-    kv, naive = spill["kvtrio"], spill["naive"]
+        # The continuation is a RAM hit on every server: a round measures a save, not a
+        # recompute.
+        for checked in spill[kind]["rounds"]:
+            assert checked["continued_cached_tokens"] >= 256, (kind, checked)
+    kv, naive, nosave = spill["kvtrio"], spill["naive"], spill["kvtrio_nosave"]
+    # kvtrio saved while the stream ran; with room for every entry it saved nothing.
+    assert [r["spilled_while_streaming"] for r in kv["rounds"]] != [0]
+    assert [r["spilled_while_streaming"] for r in nosave["rounds"]] == [0]
+    assert ratios["itl_p99_kvtrio_during_vs_nosave"] == (
+        kv["itl_p99_ms_during"] / nosave["itl_p99_ms_during"]
+    )
     assert ratios["itl_p99_kvtrio_during_vs_quiet"] == (
         kv["itl_p99_ms_during"] / kv["itl_p99_ms_quiet"]
     )
