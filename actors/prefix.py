@@ -26,6 +26,10 @@ Rules the index keeps:
    kept length is not below the entry's minimum reusable offset, and only when it
    keeps more than the best shorter entry; else the longest entry that is a prefix
    of the query.
+4. One lock guards the index: ``add``, ``remove`` and ``lookup`` take it, so a thread
+   other than the one that changes the index (kvtrio serve's generation thread, while
+   the tier's trio thread adds and removes entries) reads it without a round trip to that
+   thread. Each holds it for one operation's Python work (a few hashes and list moves).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import bisect
 import enum
 import hashlib
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import attrs
@@ -269,6 +274,7 @@ class PrefixIndex:
     _windows: dict[int, Callable[[PrefixEntry], tuple[int, ...]]] = attrs.field(
         init=False, factory=dict
     )
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)  # rule 4
 
     def __attrs_post_init__(self) -> None:
         if self.block_size < 1:
@@ -316,7 +322,11 @@ class PrefixIndex:
 
     def add(self, entry: PrefixEntry) -> PrefixEntry | None:
         """Register ``entry``; return the entry it replaced (same key), if any."""
-        previous = self.remove(entry.key)
+        with self._lock:
+            return self._add(entry)
+
+    def _add(self, entry: PrefixEntry) -> PrefixEntry | None:
+        previous = self._remove(entry.key)
         path = self._path(entry)
         for depth, node_hash in enumerate(path):
             node = self._nodes.get(node_hash)
@@ -331,6 +341,10 @@ class PrefixIndex:
 
     def remove(self, key: str) -> PrefixEntry | None:
         """Forget the entry named ``key``; return it, or None when absent."""
+        with self._lock:
+            return self._remove(key)
+
+    def _remove(self, key: str) -> PrefixEntry | None:
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
@@ -352,10 +366,15 @@ class PrefixIndex:
         return entry
 
     def lookup(self, model: ModelKey, tokens: Sequence[int]) -> PrefixMatch | None:
-        """The best entry to reuse for ``tokens`` (see rule 3), or None on a miss."""
+        """The best entry to reuse for ``tokens`` (see rule 3), or None on a miss. Any
+        thread (rule 4)."""
         query = tuple(int(t) for t in tokens)
         if not query:
             return None
+        with self._lock:
+            return self._lookup(model, query)
+
+    def _lookup(self, model: ModelKey, query: tuple[int, ...]) -> PrefixMatch | None:
         path, hashes = self._walk(model, query)
         exact = self._entries.get(entry_key(model, query, self.block_size))
         if exact is not None and exact.tokens == query:

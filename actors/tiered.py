@@ -522,7 +522,8 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
 
     def peek(self, tokens: Sequence[int]) -> PrefixMatch | None:
         """What :meth:`fetch_nearest` would reuse for ``tokens`` now (either tier), loading
-        nothing (the index alone; a shared store is not asked)."""
+        nothing (the index alone; a shared store is not asked). Any thread: the index
+        takes its own lock (:class:`~kvtrio.actors.prefix.PrefixIndex` rule 4)."""
         return self._index.lookup(self.model, tuple(int(t) for t in tokens))
 
     async def spill(

@@ -28,10 +28,20 @@ Theory of operation:
    materialization and the release run later as owner jobs on this thread
    (:meth:`pump`), the write on worker threads. Entries dropped as prefixes of a longer
    trimmable entry are not written: the longer one covers them.
-3. A lookup asks RAM first, then the cold index (one round trip to the tier's loop, no
-   I/O). Only when disk reuses more tokens than RAM does it load, on this thread's
-   behalf: the caller waits at most ``load_timeout`` seconds (running owner jobs for the
-   load meanwhile), then the lookup is RAM's answer (a miss at worst).
+3. A lookup asks RAM first, then the cold index (read on this thread: no round trip to
+   the tier's loop, no I/O; :meth:`TierThread.lookup`). Only when disk reuses at least
+   ``min_reuse_tokens`` more tokens than RAM does it load, on this thread's behalf: the
+   caller waits at most ``load_timeout`` seconds (running owner jobs for the load
+   meanwhile), then the lookup is RAM's answer (a miss at worst). With
+   ``load_in_lookup=False`` (a server that sets such a request aside first, rule 7:
+   kvtrio serve) the lookup never loads: it is RAM's answer, counted in
+   ``cold_not_loaded``.
+8. ``min_reuse_tokens`` (the tier's own by default: ``kvtrio serve --min-reuse-tokens``)
+   also bounds what RAM copies for a few tokens: mlx-lm serves a prompt from a longer
+   entry by deep-copying the whole entry and trimming it back, so a long entry that
+   shares only a chat template's first tokens with the prompt costs a copy of all its
+   bytes; such a match keeping fewer than ``min_reuse_tokens`` tokens is a miss instead.
+   0 (no tier) is mlx-lm's behaviour exactly.
 4. Only entries of ``tier_model`` (mlx-lm's model key of the model the tier was opened
    for) go to disk; other models stay RAM-only, exactly as in mlx-lm.
 5. Caches kvtrio cannot save stay in RAM: a batch cache of one sequence is extracted to
@@ -57,6 +67,7 @@ from typing import Any
 import attrs
 from kvtrio.actors.metrics import MetricFamily, render
 from kvtrio.actors.policy import WearStatistics
+from kvtrio.actors.prefix import PrefixMatch
 from kvtrio.actors.tiered import Fetched
 from kvtrio.errors import ShuttingDown, UnsupportedCacheError
 from kvtrio.serve.bridge import TierThread
@@ -110,6 +121,8 @@ class TieredLRUStatistics:
     load_timeouts: int
     load_failures: int
     prefetches: int
+    cold_not_loaded: int  # disk would have served better; the lookup did not load (rule 3)
+    short_reuses_skipped: int  # RAM or disk matches below min_reuse_tokens (rule 8)
 
 
 def _batch_size(cache: Any) -> int:
@@ -188,12 +201,18 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         tier_model: Hashable | None = None,
         load_timeout: float = 30.0,
         pump_budget: float = 0.005,
+        load_in_lookup: bool = True,
+        min_reuse_tokens: int | None = None,
     ) -> None:
         super().__init__(max_size, max_bytes)
         self._trie = _RecordingTrie()
         self.tier = tier
         self.tier_model = tier_model
         self.load_timeout = load_timeout
+        self.load_in_lookup = load_in_lookup
+        if min_reuse_tokens is None:
+            min_reuse_tokens = tier.options.min_reuse_tokens if tier is not None else 0
+        self.min_reuse_tokens = min_reuse_tokens
         self.pump_budget = pump_budget
         self.last_fetch: FetchInfo | None = None
         self.fetch_count = 0  # lookups made so far (kvtrio serve tags requests with them)
@@ -204,7 +223,11 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
         self.pump()
-        cache, rest = super().fetch_nearest_cache(model, tokens)
+        if self._short_longer_match(model, tokens):  # rule 8: no copy for a few tokens
+            self._count("short_reuses_skipped")
+            cache, rest = None, list(tokens)
+        else:
+            cache, rest = super().fetch_nearest_cache(model, tokens)
         reused = len(tokens) - len(rest)
         tier = CacheTier.HOT if cache is not None else CacheTier.MISS
         fetched = self._fetch_cold(model, tokens, reused)
@@ -250,11 +273,12 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         cold = tier.cache
         assert cold is not None
         try:
-            match = tier.peek(cold.peek, tokens)
+            match = tier.lookup(tokens)
         except Exception:  # a tier out of reach: no prefetch, the lookup decides
             return False
-        if match is None or match.reuse <= self._ram_reuse(model, tokens):
+        if not self._worth_loading(match, self._ram_reuse(model, tokens)):
             return False
+        assert match is not None
 
         def admit(caches: list[Any] | None) -> None:
             if caches is not None:
@@ -268,18 +292,48 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         self._count("prefetches")
         return True
 
-    def _ram_reuse(self, model: Any, tokens: list[int]) -> int:
-        """How many tokens :meth:`fetch_nearest_cache` would reuse from RAM (LRUPromptCache's
-        rules, without copying the entry)."""
+    def _ram_match(self, model: Any, tokens: list[int]) -> tuple[int, bool]:
+        """How many tokens LRUPromptCache's ``fetch_nearest_cache`` would reuse from RAM,
+        and whether it would copy a longer entry to do so (its rules, without copying)."""
         result = self._trie.search(model, tokens)
         if result.exact is not None:
-            return len(tokens)
+            return len(tokens), False
         short = len(result.shorter) if result.shorter is not None else 0
         if result.longer is not None and result.common_prefix > short:
             entry = self._trie.get(result.model, result.longer)
             if mlx_cache.can_trim_prompt_cache(entry.prompt_cache):
-                return min(len(tokens) - 1, int(result.common_prefix))
-        return short
+                return min(len(tokens) - 1, int(result.common_prefix)), True
+        return short, False
+
+    def _short_longer_match(self, model: Any, tokens: list[int]) -> bool:
+        """Rule 8: RAM's answer would copy a longer entry to keep fewer than
+        ``min_reuse_tokens`` tokens."""
+        if self.min_reuse_tokens <= 0:
+            return False
+        reuse, copies_longer = self._ram_match(model, tokens)
+        return copies_longer and reuse < self.min_reuse_tokens
+
+    def _ram_reuse(self, model: Any, tokens: list[int]) -> int:
+        """How many tokens :meth:`fetch_nearest_cache` reuses from RAM (rule 8 applied)."""
+        if self._short_longer_match(model, tokens):
+            return 0
+        return self._ram_match(model, tokens)[0]
+
+    def _worth_loading(
+        self, match: PrefixMatch | None, ram_reuse: int, *, count: bool = False
+    ) -> bool:
+        """Rule 3: a disk load only for a match that reuses at least ``min_reuse_tokens``
+        tokens, and that many more than RAM does (at least one)."""
+        if match is None:
+            return False
+        gain = match.reuse - ram_reuse
+        if gain <= 0:
+            return False
+        if gain < self.min_reuse_tokens or match.reuse < self.min_reuse_tokens:
+            if count:
+                self._count("short_reuses_skipped")
+            return False
+        return True
 
     def pump(self, budget: float | None = None) -> int:
         """Run the tier's queued MLX jobs (owner thread) for up to ``budget`` seconds
@@ -312,6 +366,8 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
             load_timeouts=c("load_timeouts", 0),
             load_failures=c("load_failures", 0),
             prefetches=c("prefetches", 0),
+            cold_not_loaded=c("cold_not_loaded", 0),
+            short_reuses_skipped=c("short_reuses_skipped", 0),
         )
 
     def metrics_text(self) -> str:
@@ -400,8 +456,11 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         cold = tier.cache
         assert cold is not None
         try:
-            match = tier.peek(cold.peek, tokens)
-            if match is None or match.reuse <= reused:
+            match = tier.lookup(tokens)
+            if not self._worth_loading(match, reused, count=True):
+                return None
+            if not self.load_in_lookup:
+                self._count("cold_not_loaded")
                 return None
             fetched = tier.call(_fetch_unadmitted, cold, tokens, timeout=self.load_timeout)
         except TimeoutError:

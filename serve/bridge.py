@@ -20,6 +20,11 @@ Theory of operation:
    meanwhile (a cold load needs them). Given ``timeout``, it cancels the coroutine when it
    runs out and raises :class:`TimeoutError`; the caller then treats the lookup as a miss.
    :meth:`peek` runs a plain function on the loop the same way.
+5. :meth:`lookup` answers what the cold index holds for a prompt on the calling thread,
+   with no round trip to the loop: the index takes a lock of its own
+   (:class:`~kvtrio.actors.prefix.PrefixIndex`, rule 4), held for one lookup's hashes
+   or one entry's add or remove, so the generation thread never waits for the loop's
+   other work (a save's Python steps, the writer) to answer a lookup.
 4. :meth:`close` (generation thread) stops the loop: the tier writes what it holds within
    its shutdown grace (owner jobs pumped here meanwhile) and the thread ends. A close that
    outlives ``timeout`` gives up: the thread is a daemon, and a write in flight leaves at
@@ -30,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar, TypeVarTuple
 
 import attrs
@@ -38,7 +43,7 @@ import trio
 from kvtrio.actors.callerchecks import DEFAULT_MIN_REUSE_TOKENS
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.policy import AdmissionPolicy, PolicyKind
-from kvtrio.actors.prefix import DEFAULT_BLOCK_SIZE, ModelKey
+from kvtrio.actors.prefix import DEFAULT_BLOCK_SIZE, ModelKey, PrefixMatch
 from kvtrio.actors.tiered import TieredPromptCache, WritePolicy, open_tiered_cache
 from kvtrio.errors import ShuttingDown
 from kvtrio.runtime.external import ExternalThreadExecutor, Reply
@@ -212,6 +217,15 @@ class TierThread:
             reply.abandoned = True
             raise TimeoutError(f"the cold tier did not answer within {timeout:g}s")
         return reply.unwrap()
+
+    def lookup(self, tokens: Sequence[int]) -> PrefixMatch | None:
+        """What the cold tier would reuse for ``tokens`` (its index alone, loading
+        nothing), read on the calling thread without waiting for the loop (rule 5).
+        ShuttingDown once the loop is closed or gone."""
+        cache = self.cache
+        if not self.alive or cache is None:
+            raise ShuttingDown("the cold tier is closed")
+        return cache.peek(tokens)
 
     def read(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
         """Run the plain function ``fn(*args)`` on the loop's thread and return its result,

@@ -613,6 +613,7 @@ def serve(args: argparse.Namespace) -> int:
         tier=tier,
         tier_model=(args.model, args.adapter_path, args.draft_model),
         load_timeout=options.cold_load_timeout,
+        load_in_lookup=False,  # rule 3: a request disk serves better is set aside instead
     )
     provider = server.ModelProvider(args)
     generator = _generator_class()(provider, adapter)

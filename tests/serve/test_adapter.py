@@ -279,3 +279,106 @@ def test_prefetch_loads_without_waiting_and_the_lookup_is_then_a_ram_hit(
         assert _bytes(got) == expected
         # RAM now serves it as well as disk: nothing more to prefetch.
         assert not cache.prefetch(MODEL, [*tokens, 5], settled.append)
+
+
+def _on_disk(tiny: TinyModel, directory: Path, tokens: list[int]) -> None:
+    """Write ``tokens``'s entry to the cold tier (a close writes RAM to disk)."""
+    with _adapter(tiny, directory) as (cache, _):
+        cache.insert_cache(MODEL, tokens, _prefilled(tiny, tokens))
+
+
+def test_a_lookup_reads_the_cold_index_without_waiting_for_the_tiers_loop(
+    tiny: TinyModel, tmp_path: Path
+) -> None:
+    """While the tier's trio thread is busy (here: stuck for 1.5 s in one step), a lookup
+    still answers at once from the cold index (TierThread.lookup, the index's own lock),
+    where a round trip to the loop (TierThread.peek) would wait for it."""
+    tokens = list(range(1, 50))
+    _on_disk(tiny, tmp_path, tokens)
+    with _adapter(tiny, tmp_path, load_in_lookup=False) as (cache, tier):
+        stuck = threading.Event()
+
+        async def hog_the_loop() -> None:
+            stuck.set()
+            time.sleep(1.5)  # a step of the loop that never yields
+
+        assert tier.submit(hog_the_loop)
+        assert stuck.wait(5)
+        start = time.monotonic()
+        match = tier.lookup([*tokens, 7])
+        assert cache.prefetch(MODEL, [*tokens, 7], lambda _: None) is True
+        got, rest = cache.fetch_nearest_cache(MODEL, [*tokens, 7])
+        answered = time.monotonic() - start
+        assert match is not None and match.reuse == len(tokens)
+        assert got is None and rest == [*tokens, 7]  # not loaded here (load_in_lookup off)
+        assert answered < 0.5, answered
+        with pytest.raises(TimeoutError):  # the round trip the lookup no longer makes
+            tier.peek(lambda: None, timeout=0.2)
+
+
+def test_with_load_in_lookup_off_a_lookup_never_loads_from_disk(
+    tiny: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvtrio serve's adapter (``load_in_lookup=False``): a prompt that disk serves better
+    than RAM is RAM's answer, counted, and no load runs on the calling thread: nothing
+    waits for the tier (TierThread.call) and no owner job runs during the lookup."""
+    tokens = list(range(1, 50))
+    _on_disk(tiny, tmp_path, tokens)
+    with _adapter(tiny, tmp_path, load_in_lookup=False) as (cache, tier):
+
+        def no_wait(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("the lookup waited for the tier")
+
+        monkeypatch.setattr(tier, "call", no_wait)
+        cache.pump(0.05)
+        jobs = tier.executor.statistics().started
+        got, rest = cache.fetch_nearest_cache(MODEL, [*tokens, 7])
+        assert tier.executor.statistics().started == jobs
+        assert got is None and rest == [*tokens, 7]
+        assert cache.last_fetch == FetchInfo(CacheTier.MISS, 0)
+        assert cache.statistics().cold_not_loaded == 1
+        # The way such a request is served: set aside while it loads, then a RAM hit.
+        monkeypatch.undo()
+        settled: list[bool] = []
+        assert cache.prefetch(MODEL, [*tokens, 7], settled.append)
+        _pump_until(cache, lambda: bool(settled))
+        got, rest = cache.fetch_nearest_cache(MODEL, [*tokens, 7])
+        assert rest == [7] and cache.last_fetch == FetchInfo(CacheTier.HOT, len(tokens))
+
+
+def test_a_disk_match_gaining_fewer_than_min_reuse_tokens_is_not_loaded(
+    tiny: TinyModel, tmp_path: Path
+) -> None:
+    """RAM reuses 30 tokens, disk 40: a gain of 10 is not loaded at min_reuse_tokens=16
+    (neither by the lookup nor by a prefetch); at 8 it is."""
+    full = list(range(1, 41))
+    _on_disk(tiny, tmp_path, full)
+    for threshold, expected in (
+        (16, FetchInfo(CacheTier.HOT, 30)),
+        (8, FetchInfo(CacheTier.COLD, 40)),
+    ):
+        with _adapter(tiny, tmp_path, min_reuse_tokens=threshold) as (cache, _):
+            cache.insert_cache(MODEL, full[:30], _prefilled(tiny, full[:30]))
+            assert cache.prefetch(MODEL, [*full, 3], lambda _: None) is (threshold == 8)
+            cache.fetch_nearest_cache(MODEL, [*full, 3])
+            assert cache.last_fetch == expected, threshold
+            assert cache.statistics().short_reuses_skipped == (threshold == 16)
+            cache.trim_to(n_sequences=0)  # keep the disk as it was for the next pass
+
+
+def test_a_longer_ram_entry_is_not_copied_to_keep_a_few_tokens(tiny: TinyModel) -> None:
+    """mlx-lm serves a prompt from a longer entry by deep-copying all of it and trimming
+    it back; below ``min_reuse_tokens`` tokens kept, the adapter does not copy (a miss);
+    at 0, mlx-lm's answer."""
+    long = list(range(1, 200))
+    query = [*long[:5], 999, 998]
+    for threshold, expected in (
+        (16, FetchInfo(CacheTier.MISS, 0)),
+        (0, FetchInfo(CacheTier.HOT, 5)),
+    ):
+        cache = TieredLRUPromptCache(max_size=2, min_reuse_tokens=threshold)
+        cache.insert_cache(MODEL, long, _prefilled(tiny, long))
+        got, rest = cache.fetch_nearest_cache(MODEL, query)
+        assert cache.last_fetch == expected, threshold
+        assert rest == query[expected.reused :] and (got is None) is (expected.reused == 0)
+        assert cache.statistics().short_reuses_skipped == (threshold == 16)
