@@ -9,9 +9,12 @@ Theory of operation (docs/design.md "Threads, and who may touch what"):
    serialized with decoding instead of racing it.
 2. Work is cut into short jobs so the owner interleaves with the server's steps and the
    event loop never waits long: ``snapshot`` is one job (lazy views only, O(1) memory);
-   ``materialize`` runs tensors in one job until :data:`JOB_BUDGET` seconds have passed
-   (a zero-copy tensor takes microseconds, a copied one its copy; a job round trip costs
-   more than most of them, so one job per tensor cost a save of 64 tensors about 20 ms);
+   ``materialize`` runs tensor pieces (a tensor, or one token block of it in the block
+   layout) in jobs of at most :data:`SAVE_STEP_BYTES` (at least one piece), planned by
+   bytes from the header as a load's steps are, and ends a job early once
+   :data:`JOB_BUDGET` seconds have passed (a zero-copy piece takes microseconds, a copied
+   one its copy; a job round trip costs more than most of them, so one job per tensor
+   cost a save of 64 tensors about 20 ms); one ``mx.eval`` per tensor of a job;
    ``release`` frees a save's host tensors the same way; ``allocate_slots`` allocates a
    step of tensors up to :data:`STEP_BYTES` (the pages are touched there).
 3. Loads never copy tensor bytes: ``allocate`` makes each destination array on the owner
@@ -48,10 +51,23 @@ from kvtrio.storage.format import Header
 from kvtrio.storage.hostbuffers import LoadBuffers
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 
-__all__ = ["JOB_BUDGET", "STEP_BYTES", "MlxOwner", "release_thread_streams", "steps"]
+__all__ = [
+    "JOB_BUDGET",
+    "SAVE_STEP_BYTES",
+    "STEP_BYTES",
+    "MlxOwner",
+    "release_thread_streams",
+    "save_steps",
+    "steps",
+]
 
 #: Work per owner job when materializing: one tensor, or a run of small ones up to this.
 STEP_BYTES = 32 * 1024 * 1024
+
+#: Bytes of tensor pieces one owner job of a save materializes (at least one piece): what
+#: a job costs the generation thread when a piece must be copied (about 1 ms per 4 MiB
+#: here), and a bound whatever the machine's clock does.
+SAVE_STEP_BYTES = 4 * 1024 * 1024
 
 #: How long (seconds) one owner job of kvtrio's runs tensors before handing the thread
 #: back (a job finishes the tensor it is on). Python work in such a job holds the GIL, so
@@ -156,13 +172,28 @@ class MlxOwner:
         zero-copy tensors share a job and a copied one gets its own.
         """
         views = snapshot.views
-        count = views.tensor_count
+        sizes = cacheio.piece_sizes(views, block_tokens=block_tokens)
+        units = [(t, p) for t, pieces in enumerate(sizes) for p in range(len(pieces))]
+        done: list[tuple[tuple[memoryview, ...], Any]] = []
+        for step in save_steps([n for pieces in sizes for n in pieces]):
+            start = step.start
+            while start < step.stop:  # a job cut short by JOB_BUDGET: the rest next
+                job = functools.partial(
+                    _materialize_units, views, units[start : step.stop], block_tokens, options
+                )
+                got = await self.run(job)
+                done.extend(got)
+                start += len(got)
         out: list[HostTensor] = []
-        while len(out) < count:
-            job = functools.partial(
-                _materialize_some, views, len(out), count, block_tokens, options
+        at = 0
+        for pieces in sizes:
+            mine = done[at : at + len(pieces)]
+            at += len(pieces)
+            out.append(
+                HostTensor(
+                    segments=tuple(s for s, _ in mine), keepalive=tuple(k for _, k in mine)
+                )
             )
-            out.extend(await self.run(job))
         return out
 
     async def release(self, host: list[HostTensor], snapshot: Snapshot) -> None:
@@ -226,13 +257,16 @@ def _assemble(header: Header, arrays: list[Any]) -> Restored:
     return cacheio.assemble(header, arrays)
 
 
-def steps(sizes: Sequence[int]) -> list[range]:
-    """Consecutive index ranges, each one tensor or several adding up to <= STEP_BYTES."""
+def steps(sizes: Sequence[int], *, limit: int | None = None) -> list[range]:
+    """Consecutive index ranges, each one tensor or several adding up to <= ``limit``
+    (default :data:`STEP_BYTES`: a load's steps)."""
+    if limit is None:
+        limit = STEP_BYTES
     steps: list[range] = []
     start = 0
     total = 0
     for index, size in enumerate(sizes):
-        if index > start and total + size > STEP_BYTES:
+        if index > start and total + size > limit:
             steps.append(range(start, index))
             start, total = index, 0
         total += size
@@ -247,16 +281,37 @@ def _allocate_group(
     return [hostbuffers.allocate_slot(header, i, options=options) for i in indices]
 
 
-def _materialize_some(
-    views: CacheSnapshot, start: int, count: int, block_tokens: int | None, options: IoOptions
-) -> list[HostTensor]:
+def save_steps(sizes: Sequence[int]) -> list[range]:
+    """:func:`steps` for a save's pieces, at :data:`SAVE_STEP_BYTES`: consecutive index
+    ranges, each one piece or several adding up to <= SAVE_STEP_BYTES."""
+    return steps(sizes, limit=SAVE_STEP_BYTES)
+
+
+def _materialize_units(
+    views: CacheSnapshot,
+    units: Sequence[tuple[int, int]],
+    block_tokens: int | None,
+    options: IoOptions,
+) -> list[tuple[tuple[memoryview, ...], Any]]:
+    """Materialize ``units`` ((tensor, piece) pairs, in order) until JOB_BUDGET has
+    passed (at least one tensor's run of them); the pieces done, in order."""
     deadline = time.perf_counter() + JOB_BUDGET
-    out: list[HostTensor] = []
-    for index in range(start, count):
-        tensor = cacheio.materialize_tensor(
-            views, index, block_tokens=block_tokens, options=options
+    out: list[tuple[tuple[memoryview, ...], Any]] = []
+    at = 0
+    while at < len(units):
+        tensor = units[at][0]
+        end = at
+        while end < len(units) and units[end][0] == tensor:
+            end += 1
+        segments, keepalive = cacheio.materialize_pieces(
+            views,
+            tensor,
+            [p for _, p in units[at:end]],
+            block_tokens=block_tokens,
+            options=options,
         )
-        out.append(tensor)
+        out.extend(zip(segments, keepalive, strict=True))
+        at = end
         if time.perf_counter() >= deadline:
             break
     return out

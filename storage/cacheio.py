@@ -75,6 +75,7 @@ from kvtrio.storage.format import (
     CacheEntry,
     Header,
     TensorSlot,
+    piece_nbytes,
     piece_ranges,
 )
 from kvtrio.storage.headerparse import nth_slot, slot_names
@@ -89,7 +90,9 @@ __all__ = [
     "adopt",
     "assemble",
     "materialize",
+    "materialize_pieces",
     "materialize_tensor",
+    "piece_sizes",
     "restore",
     "restore_tensor",
     "snapshot",
@@ -252,17 +255,53 @@ def materialize_tensor(
     """
     view = snap.views[index]
     slot = nth_slot(snap.header, index)
-    if block_tokens is None or view.token_axis is None:
-        arrays = [view.array]
-    else:
-        arrays = [
-            view_tokens(view.array, view.token_axis, stop, start)
-            for start, stop in piece_ranges(slot, block_tokens)
-        ]
-    parts = [materialize_part(a, options=options) for a in arrays]
-    return HostTensor(
-        segments=tuple(segs for segs, _ in parts), keepalive=tuple(owner for _, owner in parts)
+    pieces = range(len(_piece_views(view, slot, block_tokens)))
+    segments, keepalive = materialize_pieces(
+        snap, index, pieces, block_tokens=block_tokens, options=options, slot=slot
     )
+    return HostTensor(segments=segments, keepalive=keepalive)
+
+
+def _piece_views(view: TensorView, slot: TensorSlot, block_tokens: int | None) -> list[Any]:
+    if block_tokens is None or view.token_axis is None:
+        return [view.array]
+    return [
+        view_tokens(view.array, view.token_axis, stop, start)
+        for start, stop in piece_ranges(slot, block_tokens)
+    ]
+
+
+def piece_sizes(snap: CacheSnapshot, *, block_tokens: int | None = None) -> list[list[int]]:
+    """Bytes of each piece of each tensor of ``snap``, as :func:`materialize_tensor` cuts
+    them (header arithmetic only: any thread)."""
+    out: list[list[int]] = []
+    for view, slot in zip(snap.views, snap.header.slots(), strict=True):
+        if block_tokens is None or view.token_axis is None:
+            out.append([slot.nbytes])
+        else:
+            out.append([piece_nbytes(slot, a, b) for a, b in piece_ranges(slot, block_tokens)])
+    return out
+
+
+def materialize_pieces(
+    snap: CacheSnapshot,
+    index: int,
+    pieces: Sequence[int],
+    *,
+    block_tokens: int | None = None,
+    options: IoOptions = DEFAULT_IO_OPTIONS,
+    slot: TensorSlot | None = None,
+) -> tuple[tuple[tuple[memoryview, ...], ...], tuple[Any, ...]]:
+    """Pieces ``pieces`` of tensor ``index`` (owner thread), as :func:`materialize_tensor`
+    makes them: their segments and the arrays that own them. One ``mx.eval`` evaluates
+    them all (one wait for MLX's stream instead of one per piece)."""
+    view = snap.views[index]
+    slot = nth_slot(snap.header, index) if slot is None else slot
+    every = _piece_views(view, slot, block_tokens)
+    arrays = [every[i] for i in pieces]
+    mx.eval(arrays)
+    parts = [materialize_part(a, options=options) for a in arrays]
+    return tuple(segs for segs, _ in parts), tuple(owner for _, owner in parts)
 
 
 def materialize(

@@ -238,3 +238,48 @@ async def test_a_tier_reads_one_stream_by_default(tmp_path: Path) -> None:
         assert tier.load_streams == 1
     async with ColdTier.open(tmp_path, inline=True, options=IoOptions(load_streams=3)) as tier:
         assert tier.load_streams == 3
+
+
+async def test_each_owner_job_of_a_save_materializes_at_most_save_step_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/serve.md, what a save costs the generation thread: its owner jobs are planned
+    by bytes (SAVE_STEP_BYTES of tensor pieces, or one piece: a token block in the block
+    layout kvtrio serve's tier writes), so a large entry is many short jobs, never one
+    job per whole tensor; the entry still reads back bit-exact."""
+    from kvtrio.actors import owner as owner_module
+    from kvtrio.actors.owner import SAVE_STEP_BYTES
+
+    job_bytes: list[int] = []
+    real = owner_module._materialize_units
+
+    def counted(*args: Any) -> Any:
+        done = real(*args)
+        job_bytes.append(sum(len(seg) for segments, _ in done for seg in segments))
+        return done
+
+    async with MlxOwner.dedicated(name="mlx-owner") as owner:
+        async with ColdTier.open(
+            tmp_path, owner=owner, layout="blocks", block_tokens=256
+        ) as tier:
+            # 4 tensors of [1, 8, 2048, 128] float32: 8 MiB each (pieces of 1 MiB).
+            caches = await owner.run(big_caches, 2, 2048)
+            expected = await owner.run(_kv_bytes, caches)
+            monkeypatch.setattr(owner_module, "_materialize_units", counted)
+            assert (await (await tier.save("k", list(range(2048)), caches)).wait()).written
+            monkeypatch.undo()
+            restored = await tier.load("k")
+            got = await owner.run(_kv_bytes, restored.caches)
+    assert got == expected
+    assert sum(job_bytes) == 32 << 20
+    assert len(job_bytes) >= (32 << 20) // SAVE_STEP_BYTES
+    assert max(job_bytes) <= SAVE_STEP_BYTES, job_bytes
+
+
+def _kv_bytes(caches: Sequence[Any]) -> list[bytes]:
+    """The live keys' and values' bytes of KV caches (owner thread)."""
+    import numpy as np
+
+    return [
+        np.array(a[..., : c.offset, :]).tobytes() for c in caches for a in (c.keys, c.values)
+    ]
