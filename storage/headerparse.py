@@ -353,6 +353,8 @@ def _parse_entry(obj: Any, path: str, layout: Layout, depth: int, budget: _Budge
     if budget.entries > MAX_ENTRIES:
         raise CorruptCacheError(f"{path}: more than {MAX_ENTRIES} cache entries")
     kind = f.f_str("kind")
+    if not kind:
+        raise CorruptCacheError(f"{f.name('kind')}: empty (every writer names its kind)")
     offset = f.f_int("offset", 0, MAX_TOKENS)
     min_offset = f.f_int("min_reusable_offset", 0, MAX_TOKENS)
     if min_offset > offset:

@@ -17,7 +17,12 @@ import kvtrio
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvtrio.errors import CacheMismatchError, CacheMissError, CorruptCacheError
+from kvtrio.errors import (
+    CacheMismatchError,
+    CacheMissError,
+    CorruptCacheError,
+    UnknownCacheKindError,
+)
 from kvtrio.storage.format import PREAMBLE, align_up, encode_preamble
 from kvtrio.storage.reader import read_header
 
@@ -62,8 +67,8 @@ def _load_is_safe(path: Path, raw: bytes) -> None:
         assert cache_file.header.nbytes <= len(raw)
     try:
         kvtrio.load_cache(path)
-    except (CorruptCacheError, CacheMissError, CacheMismatchError):
-        pass
+    except (CorruptCacheError, CacheMissError, CacheMismatchError, UnknownCacheKindError):
+        pass  # a well-formed header may name a kind no codec knows: typed, never data
 
 
 def _reseal(raw: bytes, doc: Any) -> bytes:
@@ -127,6 +132,31 @@ def test_fuzz_resealed_header_mutations(
     doc = json.loads(raw[PREAMBLE.size : PREAMBLE.size + header_len])
     path = data.draw(st.sampled_from(_paths(doc)))
     _load_is_safe(tmp_path / "h.kvt", _reseal(raw, _set(doc, path, value)))
+
+
+def _with_kind(raw: bytes, kind: str) -> bytes:
+    _, _, header_len, _ = PREAMBLE.unpack_from(raw)
+    doc = json.loads(raw[PREAMBLE.size : PREAMBLE.size + header_len])
+    for path in _paths(doc):
+        if path and path[-1] == "kind":
+            _set(doc, path, kind)
+    return _reseal(raw, doc)
+
+
+def test_an_empty_kind_is_corrupt_and_an_unnamed_one_unknown(
+    tmp_path: Path, valid_files: dict[str, bytes]
+) -> None:
+    """Found by the resealed-header fuzz: kind "" passed the header check and reached the
+    codec lookup. No writer writes an empty kind, so it is corruption; a kind no codec
+    knows is the typed UnknownCacheKindError (the tier keeps such a file)."""
+    path = tmp_path / "k.kvt"
+    path.write_bytes(_with_kind(valid_files["single"], ""))
+    with pytest.raises(CorruptCacheError, match="kind"):
+        read_header(str(path))
+    path.write_bytes(_with_kind(valid_files["single"], "NoSuchCache"))
+    read_header(str(path))
+    with pytest.raises(UnknownCacheKindError):
+        kvtrio.load_cache(path)
 
 
 @SETTINGS
