@@ -45,23 +45,29 @@ Theory of operation:
    aside (kvtrio serve does): it starts the disk load and returns; the loaded entry is
    inserted into RAM by an owner job, and the server's callback then releases the
    request, whose lookup is a RAM hit. Meanwhile the generation thread serves the others.
+8. :meth:`prefetch_on_arrival` is the same load started earlier, from any thread (an
+   HTTP handler, before its request reaches the generation thread's queue): it reads
+   RAM's trie under the trie's lock and asks the tier's loop to start
+   ``TieredPromptCache.prefetch``; no MLX call is made there, the load's MLX jobs run on
+   the owner thread when it pumps, and the later :meth:`prefetch` (or lookup) adopts it.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import threading
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-from kvtrio.actors.metrics import MetricFamily, render
-from kvtrio.actors.policy import WearStatistics
-from kvtrio.actors.tiered import Fetched
 from kvtrio.errors import ShuttingDown, UnsupportedCacheError
-from kvtrio.serve.bridge import TierThread
-from kvtrio.storage import codecs
 from mlx_lm.models import cache as _mlx_cache
+
+if TYPE_CHECKING:  # the tier's modules load with the tier: ``kvtrio serve`` starts without
+    from kvtrio.actors.policy import WearStatistics
+    from kvtrio.actors.tiered import Fetched
+    from kvtrio.serve.bridge import TierThread
 
 __all__ = [
     "CacheTier",
@@ -154,6 +160,8 @@ def saveable(caches: Sequence[Any]) -> None:
 
 
 def _has_codec(cache: Any) -> bool:
+    from kvtrio.storage import codecs
+
     try:
         codecs.codec_for_cache(cache)
     except TypeError:
@@ -164,14 +172,33 @@ def _has_codec(cache: Any) -> bool:
 class _RecordingTrie(mlx_cache.PromptTrie):  # type: ignore[misc]
     """mlx-lm's PromptTrie, noting the entries LRUPromptCache evicts (its only ``pop``
     callers are the eviction loops; prefixes dropped for a longer entry use
-    ``pop_prefixes``)."""
+    ``pop_prefixes``). Its operations hold a lock: :meth:`TieredLRUPromptCache.
+    prefetch_on_arrival` reads it from other threads (rule 8)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.evicted: list[tuple[Any, list[int], Any]] = []
+        self.lock = threading.RLock()
+
+    def add(self, model: Any, tokens: list[int], value: Any) -> Any:
+        with self.lock:
+            return super().add(model, tokens, value)
+
+    def get(self, model: Any, tokens: list[int]) -> Any:
+        with self.lock:
+            return super().get(model, tokens)
+
+    def search(self, model: Any, tokens: list[int]) -> Any:
+        with self.lock:
+            return super().search(model, tokens)
+
+    def pop_prefixes(self, model: Any, tokens: list[int]) -> Any:
+        with self.lock:
+            return super().pop_prefixes(model, tokens)
 
     def pop(self, model: Any, tokens: list[int]) -> Any:
-        value = super().pop(model, tokens)
+        with self.lock:
+            value = super().pop(model, tokens)
         self.evicted.append((model, list(tokens), value))
         return value
 
@@ -268,6 +295,20 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         self._count("prefetches")
         return True
 
+    def prefetch_on_arrival(self, model: Any, tokens: list[int]) -> bool:
+        """Any thread (an HTTP handler, as its request arrives): start the tier's prefetch
+        (``TieredPromptCache.prefetch``: the load, adopted by the later lookup) of the disk
+        entry that serves ``tokens`` better than RAM does now (rule 8). Returns at once;
+        False when nothing was asked."""
+        tier = self._cold_for(model)
+        if tier is None or not tokens:
+            return False
+        try:
+            ram = self._ram_reuse(model, tokens)
+        except KeyError:  # an entry left RAM during the walk
+            ram = 0
+        return tier.submit(_prefetch_on_arrival, tier.cache, list(tokens), ram)
+
     def _ram_reuse(self, model: Any, tokens: list[int]) -> int:
         """How many tokens :meth:`fetch_nearest_cache` would reuse from RAM (LRUPromptCache's
         rules, without copying the entry)."""
@@ -318,6 +359,8 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         """Prometheus text (format 0.0.4): this RAM tier's lookups by where they were
         served, then the cold tier's own families (TieredPromptCache.metrics_text, read on
         its loop) while it is open. Any thread but the owner's may call it."""
+        from kvtrio.actors.metrics import MetricFamily, render
+
         stats = self.statistics()
         families = [
             MetricFamily(
@@ -437,6 +480,12 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
 async def _fetch_unadmitted(cold: Any, tokens: list[int]) -> Fetched:
     fetched: Fetched = await cold.fetch_nearest(tokens, admit=False)
     return fetched
+
+
+async def _prefetch_on_arrival(cold: Any, tokens: list[int], ram_reuse: int) -> None:
+    match = cold.peek(tokens)
+    if match is not None and match.reuse > max(ram_reuse, cold.min_reuse_tokens - 1):
+        cold.prefetch(tokens)
 
 
 async def _prefetch(
