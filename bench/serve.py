@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens of the cold conversation in the prefetch phase (2048)",
     )
     parser.add_argument(
-        "--prefetch-rounds", type=int, default=3, help="queued cold hits per setting (3)"
+        "--prefetch-rounds", type=int, default=5, help="queued cold hits per setting (5)"
     )
 
 
@@ -414,10 +414,12 @@ def _fill(kind: str, model: Path, work: Path, entries: int) -> float:
     return time.perf_counter() - started
 
 
-def _first_answer(server: _Server) -> float:
-    """Seconds from the spawn until the server has answered a one-token chat request."""
+def _first_answer(server: _Server, text: str) -> float:
+    """Seconds from the spawn until the server has answered a one-token chat request
+    (``text``: a new one per start, or the naive baseline finds an exact hit on disk,
+    which leaves mlx-lm nothing to prefill)."""
     body = json.dumps(
-        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0.0}
+        {"messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0.0}
     )
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
     connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -439,11 +441,11 @@ def _starts(
     listens). Medians, and every run."""
     fills = {kind: _fill(kind, model, root / f"{kind}-entries", entries) for kind in KINDS}
     runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
-    for _ in range(rounds):
+    for r in range(rounds):
         for kind in KINDS:
             server = _Server(kind, model, root / f"{kind}-entries", log)
             try:
-                answer = _first_answer(server)
+                answer = _first_answer(server, f"hi {r}")
                 ready = server.wait_cold_ready() if kind == "kvtrio" else server.start_s
             finally:
                 server.stop()
@@ -470,17 +472,18 @@ def _prefetch(
     thread looks the request up, and that thread waits for it).
 
     Each setting: ``rounds`` conversations of ``length`` tokens (turn 1), a restart, then
-    per round a long stream A (``--decode-concurrency 1``: A holds the only decode slot)
-    and, once A has decoded 8 tokens, turn 2 of one conversation (B: its prefix is on
-    disk only). B's time to first token is the figure: without prefetch it is the load,
-    A's rest and B's prefill; with it the load is hidden behind A. The load time is
-    measured on the same server, idle: a cold hit's time to first token less a RAM hit's
-    of the same request.
+    per round a long stream A and, once A has decoded 8 tokens, turn 2 of one
+    conversation (B: its prefix is on disk only). B waits in the queue until the
+    generation thread takes it (mlx-lm's decode time slice of A: up to 0.5 s). Without
+    prefetch B's time to first token is that wait, the load (A's decode stalled) and B's
+    prefill; with it the load starts on arrival and its first MLX job ends A's time slice.
+    The load time is measured on the same server, idle: a cold hit's time to first token
+    less a RAM hit's of the same request.
     """
     document = _prompt_words(model, length)
     out: dict[str, Any] = {}
     for setting, extra in (("prefetch", ()), ("no_prefetch", ("--no-prefetch",))):
-        flags = ("--decode-concurrency", "1", *extra)
+        flags = tuple(extra)
         work = root / f"prefetch-{setting}"
         turn1 = [
             [{"role": "user", "content": f"Conversation {r}. {document}"}]

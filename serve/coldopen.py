@@ -4,9 +4,10 @@ Theory of operation:
 
 1. :class:`ColdOpening` opens the tier (:class:`~kvtrio.serve.bridge.TierThread`: its
    modules imported, the directory locked, the index rebuilt from the catalogue) on a
-   thread of its own, started by the generation thread once the model has loaded (the
-   listener is open by then): the first request waits for the model, as in mlx-lm, not
-   for the index, and the open does not compete with the model's load for the GIL.
+   thread of its own, started by the generation thread once the model has loaded and no
+   request waits for it (the listener is open by then): the first request waits for the
+   model, as in mlx-lm, not for the index, and the open does not compete for the GIL
+   with the model's load or the requests already waiting.
 2. :class:`ServeCache` is the adapter (:class:`~kvtrio.serve.adapter.TieredLRUPromptCache`)
    with no tier until the open ends. The generation thread takes the tier (binds it as
    the MLX owner) at its next pump or lookup after that. Until then a lookup of the
@@ -44,6 +45,10 @@ class ColdOpening:
         self.seconds: float | None = None  # how long the open took, once done
         self.done = threading.Event()
         self._thread = threading.Thread(target=self._open, name="kvtrio-open", daemon=True)
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
 
     def start(self) -> None:
         self._thread.start()
@@ -121,7 +126,7 @@ class ServeCache(TieredLRUPromptCache):
         super()._spill_evicted()
 
     def close(self, *, timeout: float | None = None) -> bool:
-        if self.tier is None:
+        if self.tier is None and self.opening.started:
             self.opening.done.wait(timeout)  # rule 3
             self.attach()
         return super().close(timeout=timeout)

@@ -22,11 +22,15 @@ Theory of operation:
    ``usage.prompt_tokens_details.cached_tokens`` is mlx-lm's count of reused tokens, from
    either tier.
 3. A cold load blocks only the request that needs it: when the generation thread takes a
-   request whose prompt disk serves better than RAM, it sets the request aside, starts
+   request whose prompt disk serves better than RAM while other requests are in flight,
+   it sets the request aside, starts
    the load (the adapter's ``prefetch``) and goes on with the others; the load's MLX jobs
    run between their steps, and once the entry is in RAM the request is taken again
-   (its lookup a RAM hit, reported as ``cold``). A load outliving
-   ``--cold-load-timeout`` releases the request anyway (a recompute).
+   (its lookup a RAM hit, reported as ``cold``; a decode time slice ends after its
+   current step when such a request is ready). A load outliving
+   ``--cold-load-timeout`` releases the request anyway (a recompute). With no other
+   request in flight there is nobody to serve meanwhile: the lookup waits for the load
+   (adopting the prefetch, rule 7), fewer hand-offs than setting the request aside.
 4. Shutdown (first SIGTERM or SIGINT): stop accepting (the listener closes), let requests
    in flight finish for ``--grace`` seconds, then cut the rest (each stops at its next
    step) and give them ``--grace`` more; stop the generation thread, which writes every
@@ -37,10 +41,12 @@ Theory of operation:
 5. ``GET /metrics``: Prometheus text (format 0.0.4) of the RAM tier's lookups and the
    cold tier's families (``TieredPromptCache.metrics_text``, read on the tier's loop
    thread; docs/metrics.md names them).
-6. Start: the listener opens and the model loads as in mlx-lm; then the cold tier opens
-   on a thread of its own (:mod:`kvtrio.serve.coldopen`; the tier's modules are imported
-   there too, and serve/flags.py imports none), so the server answers before the index
-   is built. A request looked up before that is
+6. Start: the listener opens and the model loads as in mlx-lm; then, as soon as no
+   request waits for the generation thread (at most ``OPEN_DEFER`` seconds after the
+   load), the cold tier opens on a thread of its own (:mod:`kvtrio.serve.coldopen`; the
+   tier's modules are imported there too, and serve/flags.py imports none), so the
+   server answers before the index is built, and requests already waiting do not share
+   the GIL with the open. A request looked up before that is
    RAM's answer, counted (``kvtrio_serve_cold_unavailable_total{reason="opening"}``);
    ``kvtrio_serve_cold_ready`` says when the tier is there, and the server prints
    ``cold tier ready``. A tier that cannot open stops the server (exit status 2).
@@ -55,7 +61,6 @@ Theory of operation:
 from __future__ import annotations
 
 import argparse
-import copy
 import logging
 import os
 import signal
@@ -64,7 +69,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from queue import Queue
@@ -102,6 +107,10 @@ CACHED_TOKENS_HEADER = "X-Kvtrio-Cached-Tokens"
 METRICS_PATH = "/metrics"
 # Tokens per model call when --warm-prompts prefills a prompt.
 WARM_STEP = 512
+
+#: Seconds after the model has loaded by which the cold tier's open starts even if
+#: requests keep the generation thread busy (it starts as soon as none waits; rule 6).
+OPEN_DEFER = 2.0
 
 #: Requests tokenized by their handler and not yet taken, kept for the generation thread.
 TOKENIZED_KEPT = 256
@@ -160,12 +169,18 @@ class _TaggingQueue:
         return self.inner.get(*args, **kwargs)
 
 
-def _pumping_budget(adapter: TieredLRUPromptCache) -> Any:
+def _copied(tokenized: Any) -> Any:
+    """A copy of mlx-lm's ``_tokenize`` result whose lists its loop may edit."""
+    prompt, segments, segment_types, initial_state, vision = tokenized
+    return list(prompt), [list(x) for x in segments], list(segment_types), initial_state, vision
+
+
+def _pumping_budget(adapter: TieredLRUPromptCache, released: Callable[[], bool]) -> Any:
     base = _mlx_server().TimeBudget
 
     class PumpingBudget(base):  # type: ignore[misc,valid-type]
         """mlx-lm's decode time slice, ended early (after one step at least) when the tier
-        has MLX jobs queued (rule 1)."""
+        has MLX jobs queued (rule 1) or a request set aside is ready (rule 3)."""
 
         def __iter__(self) -> Any:
             self._kvtrio_steps = 0
@@ -173,7 +188,9 @@ def _pumping_budget(adapter: TieredLRUPromptCache) -> Any:
 
         def __next__(self) -> Any:
             self._kvtrio_steps += 1
-            if self._kvtrio_steps > 1 and adapter.tier is not None and adapter.tier.pending():
+            if self._kvtrio_steps > 1 and (
+                released() or (adapter.tier is not None and adapter.tier.pending())
+            ):
                 raise StopIteration
             return super().__next__()
 
@@ -239,6 +256,7 @@ def _generator_class() -> type:
             self._wake_pending = threading.Event()
             self.closed_in_time: bool | None = None
             self.prefetching = bool(getattr(model_provider.cli_args, "prefetch", True))
+            self._open_by: float | None = None  # when the tier's open starts at the latest
             # Requests tokenized by their handler (rule 7), for the generation thread.
             self._tokenized: OrderedDict[int, tuple[Any, Any, Any]] = OrderedDict()
             self._tokenized_lock = threading.Lock()
@@ -260,6 +278,12 @@ def _generator_class() -> type:
                 self._wake_pending.set()
                 self.requests.put(_WAKE)
 
+        def _start_open(self) -> None:
+            """Start the cold tier's open, once (rule 6)."""
+            if self._open_by is not None and isinstance(self.adapter, ServeCache):
+                self._open_by = None
+                self.adapter.opening.start()
+
         def _on_attach(self, tier: TierThread) -> None:
             tier.executor.on_queued = self._wake
             if tier.pending():
@@ -269,18 +293,18 @@ def _generator_class() -> type:
             adapter = self.adapter
             if adapter.tier is not None:
                 adapter.tier.bind()
-            self._time_budget = _pumping_budget(adapter)
+            self._time_budget = _pumping_budget(adapter, lambda: bool(self._ready))
             if isinstance(adapter, ServeCache):  # rule 6: the model first, then the tier
                 try:
                     self.model_provider.load_default()  # mlx-lm's loop then finds it loaded
                 except Exception:
                     logger.exception("kvtrio serve: the model did not load")
-                finally:
-                    adapter.opening.start()
+                self._open_by = time.monotonic() + OPEN_DEFER
             try:
                 warm = getattr(self.cli_args, "warm_prompts", None)
                 if warm is not None:
                     if isinstance(adapter, ServeCache):  # warm prompts need the tier
+                        self._start_open()
                         adapter.opening.done.wait()
                         adapter.attach()
                     stored, skipped = warm_prompts(self.model_provider, adapter, Path(warm))
@@ -308,6 +332,8 @@ def _generator_class() -> type:
             if timeout is not None and tier is not None and tier.pending():
                 timeout = None  # jobs left after the pump's budget: do not sleep on them
             request = super()._next_request(timeout)
+            if self._open_by is not None and (request is None or time.monotonic() > self._open_by):
+                self._start_open()  # rule 6: no request waits (or OPEN_DEFER passed)
             if request is _WAKE:
                 self._wake_pending.clear()
                 self.adapter.pump()
@@ -332,7 +358,7 @@ def _generator_class() -> type:
                     return None
                 if forget:
                     del self._tokenized[id(request)]
-            return copy.deepcopy(known[2])
+            return _copied(known[2])
 
         def _tier_prompt(
             self, body: Any, args: Any, *, remember: bool = False
@@ -361,7 +387,7 @@ def _generator_class() -> type:
                     return None
                 if remember and result[4] is None:
                     with self._tokenized_lock:
-                        self._tokenized[id(body)] = (body, tokenizer, copy.deepcopy(result))
+                        self._tokenized[id(body)] = (body, tokenizer, _copied(result))
                         while len(self._tokenized) > TOKENIZED_KEPT:
                             self._tokenized.popitem(last=False)
             return key, list(result[0])
@@ -369,6 +395,10 @@ def _generator_class() -> type:
         def _defer(self, request: Any) -> bool:
             """Rule 3: set a request aside while its disk entry loads; True if it was."""
             if not self.prefetching:
+                return False
+            with self._active_lock:
+                busy = bool(self.active) or bool(self._deferred)
+            if not busy:  # nobody else to serve: the lookup waits for the load (faster)
                 return False
             _, body, args = request
             self.adapter.pump(0)  # takes a tier that has just opened (rule 6)
