@@ -35,7 +35,7 @@ __all__ = ["add_arguments", "measure", "render"]
 
 KINDS = ("mlx_lm", "naive", "kvtrio")
 QUESTION = "Please summarise the document above in one sentence."
-PHASES = ("restart", "decode", "spill", "disk", "start")
+PHASES = ("restart", "decode", "spill", "disk", "start", "prefetch")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +72,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=512,
         help="tokens of each stream of the spill phase (512: it outlives the saves)",
     )
+    parser.add_argument(
+        "--start-rounds", type=int, default=3, help="starts per server, alternating (3; median)"
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=3.0,
+        help="seconds after a restarted server listens (and kvtrio's cold tier is open) "
+        "before turn 2 is sent: the model has loaded (3)",
+    )
+    parser.add_argument(
+        "--prefetch-length",
+        type=int,
+        default=2048,
+        help="tokens of the cold conversation in the prefetch phase (2048)",
+    )
+    parser.add_argument(
+        "--prefetch-rounds", type=int, default=5, help="queued cold hits per setting (5)"
+    )
 
 
 def _free_port() -> int:
@@ -84,6 +103,7 @@ class _Server:
     def __init__(
         self, kind: str, model: Path, work: Path, log: Path, extra: Sequence[str] = ()
     ) -> None:
+        self.kind = kind
         self.port = _free_port()
         common = ["--model", str(model), "--port", str(self.port), "--log-level", "WARNING"]
         common += extra
@@ -105,7 +125,33 @@ class _Server:
                 break
             except OSError:
                 time.sleep(0.05)
+        self.started = started
         self.start_s = time.perf_counter() - started
+
+    def metrics(self) -> str:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+        connection.close()
+        return text
+
+    def wait_cold_ready(self, timeout: float = 300.0) -> float:
+        """kvtrio serve: seconds from the spawn until its cold tier is open (it opens in
+        the background while the server answers); 0 for the others."""
+        if self.kind != "kvtrio":
+            return 0.0
+        deadline = time.perf_counter() + timeout
+        while "kvtrio_serve_cold_ready 1" not in self.metrics():
+            if time.perf_counter() > deadline:
+                raise RuntimeError("kvtrio serve: the cold tier did not open")
+            time.sleep(0.02)
+        return time.perf_counter() - self.started
+
+    def settle(self, seconds: float) -> None:
+        """Wait until the cold tier is open and ``seconds`` have passed since the server
+        listened (its model has loaded): turn 2 then measures the lookup, not the start."""
+        self.wait_cold_ready()
+        time.sleep(max(0.0, self.started + self.start_s + seconds - time.perf_counter()))
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
@@ -199,7 +245,9 @@ def _prompt_words(model: Path, tokens: int) -> str:
     return " ".join(words[:lo])
 
 
-def _restart_turn(kind: str, model: Path, work: Path, length: int, log: Path) -> dict[str, Any]:
+def _restart_turn(
+    kind: str, model: Path, work: Path, length: int, log: Path, settle: float
+) -> dict[str, Any]:
     document = _prompt_words(model, length)
     turn1 = [{"role": "user", "content": document}]
     server = _Server(kind, model, work, log)
@@ -208,6 +256,7 @@ def _restart_turn(kind: str, model: Path, work: Path, length: int, log: Path) ->
     turn2 = [*turn1, {"role": "assistant", "content": one["text"]}]
     turn2.append({"role": "user", "content": QUESTION})
     server = _Server(kind, model, work, log)
+    server.settle(settle)
     two = server.chat(turn2, 8)
     server.stop()
     first = two["arrivals"][0] if two["arrivals"] else time.perf_counter()
@@ -431,7 +480,7 @@ def _fill(kind: str, model: Path, work: Path, entries: int) -> float:
     elif kind == "kvtrio":
         from kvtrio.serve.adapter import TieredLRUPromptCache
         from kvtrio.serve.bridge import TierOptions, TierThread
-        from kvtrio.serve.server import model_identity
+        from kvtrio.serve.flags import model_identity
 
         flags = argparse.Namespace(
             model=str(model), adapter_path=None, draft_model=None, kv_bits=None
@@ -447,6 +496,123 @@ def _fill(kind: str, model: Path, work: Path, entries: int) -> float:
             cache.pump(0.01)
         cache.close()  # the rest is written here
     return time.perf_counter() - started
+
+
+def _first_answer(server: _Server, text: str) -> float:
+    """Seconds from the spawn until the server has answered a one-token chat request
+    (``text``: a new one per start, or the naive baseline finds an exact hit on disk,
+    which leaves mlx-lm nothing to prefill)."""
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0.0}
+    )
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
+    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    response.read()
+    connection.close()
+    if response.status != 200:
+        raise RuntimeError(f"{server.kind}: the first request failed ({response.status})")
+    return time.perf_counter() - server.started
+
+
+def _starts(
+    model: Path, root: Path, entries: int, rounds: int, log: Path
+) -> dict[str, dict[str, Any]]:
+    """Each server started ``rounds`` times, alternating, on ``entries`` entries of its own
+    on disk (none for mlx_lm.server): seconds from the spawn until it listens, until it
+    has answered its first request (a one-token chat, sent as soon as it listens), and,
+    for kvtrio serve, until its cold tier is open (naive's index is read before it
+    listens). Medians, and every run."""
+    fills = {kind: _fill(kind, model, root / f"{kind}-entries", entries) for kind in KINDS}
+    runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
+    for r in range(rounds):
+        for kind in KINDS:
+            server = _Server(kind, model, root / f"{kind}-entries", log)
+            try:
+                answer = _first_answer(server, f"hi {r}")
+                ready = server.wait_cold_ready() if kind == "kvtrio" else server.start_s
+                time.sleep(1.0)  # the naive baseline saves after answering: not torn by a stop
+            finally:
+                server.stop()
+            runs[kind].append({"listen_s": server.start_s, "answer_s": answer, "cold_s": ready})
+    out: dict[str, dict[str, Any]] = {}
+    for kind in KINDS:
+        out[kind] = {"fill_s": fills[kind], "runs": runs[kind]}
+        for key in ("listen_s", "answer_s", "cold_s"):
+            out[kind][key] = _median([r[key] for r in runs[kind]])
+    return out
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return (ordered[n // 2] + ordered[(n - 1) // 2]) / 2 if n else float("nan")
+
+
+def _prefetch(
+    model: Path, root: Path, length: int, rounds: int, settle: float, log: Path
+) -> dict[str, Any]:
+    """A queued request's cold hit, with the disk load started as it arrives (kvtrio
+    serve's default) and with ``--no-prefetch`` (the load starts when the generation
+    thread looks the request up, and that thread waits for it).
+
+    Each setting: ``rounds`` conversations of ``length`` tokens (turn 1), a restart, then
+    per round a long stream A and, once A has decoded 8 tokens, turn 2 of one
+    conversation (B: its prefix is on disk only). B waits in the queue until the
+    generation thread takes it (mlx-lm's decode time slice of A: up to 0.5 s). Without
+    prefetch B's time to first token is that wait, the load (A's decode stalled) and B's
+    prefill; with it the load starts on arrival and its first MLX job ends A's time slice.
+    The load time is measured on the same server, idle: a cold hit's time to first token
+    less a RAM hit's of the same request.
+    """
+    document = _prompt_words(model, length)
+    out: dict[str, Any] = {}
+    for setting, extra in (("prefetch", ()), ("no_prefetch", ("--no-prefetch",))):
+        flags = tuple(extra)
+        work = root / f"prefetch-{setting}"
+        turn1 = [
+            [{"role": "user", "content": f"Conversation {r}. {document}"}]
+            for r in range(rounds + 1)
+        ]
+        server = _Server("kvtrio", model, work, log, extra=flags)
+        turn2 = []
+        for messages in turn1:
+            answer = server.chat(messages, 4)["text"]
+            more = [*messages, {"role": "assistant", "content": answer}]
+            turn2.append([*more, {"role": "user", "content": QUESTION}])
+        server.stop()
+        server = _Server("kvtrio", model, work, log, extra=flags)
+        ttft: list[float] = []
+        try:
+            server.settle(settle)
+            for r in range(rounds):
+                started = threading.Event()
+                stream: dict[str, Any] = {}
+                long = [{"role": "user", "content": f"Long stream {r}."}]
+                thread = threading.Thread(
+                    target=lambda out=stream, go=started, ask=long, to=server: out.update(
+                        to.chat_watching(ask, 160, 8, go)
+                    )
+                )
+                thread.start()
+                if not started.wait(600):
+                    raise RuntimeError("the long stream did not start")
+                two = server.chat(turn2[r], 4)
+                thread.join()
+                ttft.append(two["arrivals"][0] - two["sent"])
+            cold = server.chat(turn2[rounds], 4)  # idle: the load time
+            hot = server.chat(turn2[rounds], 4)
+        finally:
+            server.stop()
+        out[setting] = {
+            "ttft_s": _median(ttft),
+            "ttft_runs_s": ttft,
+            "idle_cold_ttft_s": cold["arrivals"][0] - cold["sent"],
+            "idle_hot_ttft_s": hot["arrivals"][0] - hot["sent"],
+        }
+    load = [out[s]["idle_cold_ttft_s"] - out[s]["idle_hot_ttft_s"] for s in out]
+    out["load_s"] = _median(load)
+    return out
 
 
 def _phases(text: str) -> set[str]:
@@ -476,7 +642,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 for kind in KINDS:
                     work = root / f"{kind}-{length}"
                     restart.setdefault(str(length), {})[kind] = _restart_turn(
-                        kind, model, work, length, log
+                        kind, model, work, length, log, args.settle
                     )
             figures["restart"] = restart
         if "decode" in phases:
@@ -507,14 +673,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 for kind in ("naive", "kvtrio")
             }
         if "start" in phases:
-            starts: dict[str, dict[str, float]] = {}
-            for kind in KINDS:
-                work = root / f"{kind}-entries"
-                fill_s = _fill(kind, model, work, args.entries)
-                server = _Server(kind, model, work, log)
-                server.stop()
-                starts[kind] = {"fill_s": fill_s, "start_s": server.start_s}
-            figures[f"start_with_{args.entries}_entries"] = starts
+            figures[f"start_with_{args.entries}_entries"] = _starts(
+                model, root, args.entries, args.start_rounds, log
+            )
+        if "prefetch" in phases:
+            figures["prefetch"] = _prefetch(
+                model, root, args.prefetch_length, args.prefetch_rounds, args.settle, log
+            )
     return {
         "model": str(args.model or "tiny random llama (kvtrio.serve.modeldir)"),
         **figures,
@@ -563,9 +728,22 @@ def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         ratios["disk_bytes_naive_vs_kvtrio"] = disk["naive"] / max(1, disk["kvtrio"])
     starts = figures.get(f"start_with_{args.entries}_entries")
     if starts is not None:
-        ratios[f"start_with_{args.entries}_entries_kvtrio_vs_naive"] = (
-            starts["kvtrio"]["start_s"] / starts["naive"]["start_s"]
-        )
+        kv, naive = starts["kvtrio"], starts["naive"]
+        ratios[f"start_with_{args.entries}_entries"] = {
+            "first_answer_kvtrio_vs_naive": kv["answer_s"] / naive["answer_s"],
+            "first_answer_kvtrio_vs_mlx_lm": kv["answer_s"] / starts["mlx_lm"]["answer_s"],
+            "listen_kvtrio_vs_naive": kv["listen_s"] / naive["listen_s"],
+            "cold_ready_kvtrio_vs_naive": kv["cold_s"] / naive["cold_s"],
+        }
+    if "prefetch" in figures:
+        pre = figures["prefetch"]
+        drop = pre["no_prefetch"]["ttft_s"] - pre["prefetch"]["ttft_s"]
+        ratios["prefetch"] = {
+            "queued_cold_ttft_prefetch_vs_off": pre["prefetch"]["ttft_s"]
+            / pre["no_prefetch"]["ttft_s"],
+            "ttft_drop_s": drop,
+            "ttft_drop_vs_load": drop / pre["load_s"] if pre["load_s"] > 0 else float("nan"),
+        }
     return ratios
 
 
@@ -602,6 +780,8 @@ def render(figures: dict[str, Any]) -> None:
         for kind, f in by_kind.items():
             out.add_row(kind, *(f"{f[k]:.2f}" for k in keys))
         console.print(out)
-    extra = {k: v for k, v in figures.items() if k.startswith(("shared_", "start_with_"))}
+    extra = {
+        k: v for k, v in figures.items() if k.startswith(("shared_", "start_with_", "prefetch"))
+    }
     console.print_json(json.dumps(extra))
     console.print_json(json.dumps(figures["ratios"]))

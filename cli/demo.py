@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import random
 import shutil
 import sys
@@ -55,6 +54,7 @@ from kvtrio.cli.demo_state import (
     save_probe,
     save_state,
 )
+from kvtrio.cli.paths import default_data_dir
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 from kvtrio.tinymodel import TinyModel, build_tiny_model, make_caches, prefill
 
@@ -66,20 +66,6 @@ TOLERANCE = 1e-3
 TOLERANCE_MARGIN = 4.0
 PROBE_TOKEN = 1
 BLOCK_TOKENS = 256
-
-
-def default_data_dir() -> Path:
-    """``$KVTRIO_DATA_DIR``, else the platform's user cache directory + ``kvtrio``."""
-    env = os.environ.get("KVTRIO_DATA_DIR")
-    if env:
-        return Path(env).expanduser()
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Caches" / "kvtrio"
-    if sys.platform == "win32":
-        base = os.environ.get("LOCALAPPDATA") or str(Path.home() / "AppData" / "Local")
-        return Path(base) / "kvtrio" / "Cache"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvtrio"
 
 
 @attrs.frozen

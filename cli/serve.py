@@ -9,7 +9,7 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvtrio.cli.demo import default_data_dir
+    from kvtrio.cli.paths import default_data_dir
     from kvtrio.serve.server import add_kvtrio_arguments, add_mlx_server_arguments
 
     add_mlx_server_arguments(parser)

@@ -36,12 +36,6 @@ Theory of operation:
    ``load_in_lookup=False`` (a server that sets such a request aside first, rule 7:
    kvtrio serve) the lookup never loads: it is RAM's answer, counted in
    ``cold_not_loaded``.
-8. ``min_reuse_tokens`` (the tier's own by default: ``kvtrio serve --min-reuse-tokens``)
-   also bounds what RAM copies for a few tokens: mlx-lm serves a prompt from a longer
-   entry by deep-copying the whole entry and trimming it back, so a long entry that
-   shares only a chat template's first tokens with the prompt costs a copy of all its
-   bytes; such a match keeping fewer than ``min_reuse_tokens`` tokens is a miss instead.
-   0 (no tier) is mlx-lm's behaviour exactly.
 4. Only entries of ``tier_model`` (mlx-lm's model key of the model the tier was opened
    for) go to disk; other models stay RAM-only, exactly as in mlx-lm.
 5. Caches kvtrio cannot save stay in RAM: a batch cache of one sequence is extracted to
@@ -55,24 +49,36 @@ Theory of operation:
    aside (kvtrio serve does): it starts the disk load and returns; the loaded entry is
    inserted into RAM by an owner job, and the server's callback then releases the
    request, whose lookup is a RAM hit. Meanwhile the generation thread serves the others.
+8. :meth:`prefetch_on_arrival` is the same load started earlier, from any thread (an
+   HTTP handler, before its request reaches the generation thread's queue): it reads
+   RAM's trie under the trie's lock and asks the tier's loop to start
+   ``TieredPromptCache.prefetch``; no MLX call is made there, the load's MLX jobs run on
+   the owner thread when it pumps, and the later :meth:`prefetch` (or lookup) adopts it.
+9. ``min_reuse_tokens`` (the tier's own by default: ``kvtrio serve --min-reuse-tokens``)
+   also bounds what RAM copies for a few tokens: mlx-lm serves a prompt from a longer
+   entry by deep-copying the whole entry and trimming it back, so a long entry that
+   shares only a chat template's first tokens with the prompt costs a copy of all its
+   bytes; such a match keeping fewer than ``min_reuse_tokens`` tokens is a miss instead.
+   0 (no tier) is mlx-lm's behaviour exactly.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import threading
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-from kvtrio.actors.metrics import MetricFamily, render
-from kvtrio.actors.policy import WearStatistics
-from kvtrio.actors.prefix import PrefixMatch
-from kvtrio.actors.tiered import Fetched
 from kvtrio.errors import ShuttingDown, UnsupportedCacheError
-from kvtrio.serve.bridge import TierThread
-from kvtrio.storage import codecs
 from mlx_lm.models import cache as _mlx_cache
+
+if TYPE_CHECKING:  # the tier's modules load with the tier: ``kvtrio serve`` starts without
+    from kvtrio.actors.policy import WearStatistics
+    from kvtrio.actors.prefix import PrefixMatch
+    from kvtrio.actors.tiered import Fetched
+    from kvtrio.serve.bridge import TierThread
 
 __all__ = [
     "CacheTier",
@@ -122,7 +128,7 @@ class TieredLRUStatistics:
     load_failures: int
     prefetches: int
     cold_not_loaded: int  # disk would have served better; the lookup did not load (rule 3)
-    short_reuses_skipped: int  # RAM or disk matches below min_reuse_tokens (rule 8)
+    short_reuses_skipped: int  # RAM or disk matches below min_reuse_tokens (rule 9)
 
 
 def _batch_size(cache: Any) -> int:
@@ -167,6 +173,8 @@ def saveable(caches: Sequence[Any]) -> None:
 
 
 def _has_codec(cache: Any) -> bool:
+    from kvtrio.storage import codecs
+
     try:
         codecs.codec_for_cache(cache)
     except TypeError:
@@ -177,14 +185,33 @@ def _has_codec(cache: Any) -> bool:
 class _RecordingTrie(mlx_cache.PromptTrie):  # type: ignore[misc]
     """mlx-lm's PromptTrie, noting the entries LRUPromptCache evicts (its only ``pop``
     callers are the eviction loops; prefixes dropped for a longer entry use
-    ``pop_prefixes``)."""
+    ``pop_prefixes``). Its operations hold a lock: :meth:`TieredLRUPromptCache.
+    prefetch_on_arrival` reads it from other threads (rule 8)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.evicted: list[tuple[Any, list[int], Any]] = []
+        self.lock = threading.RLock()
+
+    def add(self, model: Any, tokens: list[int], value: Any) -> Any:
+        with self.lock:
+            return super().add(model, tokens, value)
+
+    def get(self, model: Any, tokens: list[int]) -> Any:
+        with self.lock:
+            return super().get(model, tokens)
+
+    def search(self, model: Any, tokens: list[int]) -> Any:
+        with self.lock:
+            return super().search(model, tokens)
+
+    def pop_prefixes(self, model: Any, tokens: list[int]) -> Any:
+        with self.lock:
+            return super().pop_prefixes(model, tokens)
 
     def pop(self, model: Any, tokens: list[int]) -> Any:
-        value = super().pop(model, tokens)
+        with self.lock:
+            value = super().pop(model, tokens)
         self.evicted.append((model, list(tokens), value))
         return value
 
@@ -223,7 +250,7 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
         self.pump()
-        if self._short_longer_match(model, tokens):  # rule 8: no copy for a few tokens
+        if self._short_longer_match(model, tokens):  # rule 9: no copy for a few tokens
             self._count("short_reuses_skipped")
             cache, rest = None, list(tokens)
         else:
@@ -292,6 +319,20 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         self._count("prefetches")
         return True
 
+    def prefetch_on_arrival(self, model: Any, tokens: list[int]) -> bool:
+        """Any thread (an HTTP handler, as its request arrives): start the tier's prefetch
+        (``TieredPromptCache.prefetch``: the load, adopted by the later lookup) of the disk
+        entry that serves ``tokens`` better than RAM does now (rule 8). Returns at once;
+        False when nothing was asked."""
+        tier = self._cold_for(model)
+        if tier is None or not tokens:
+            return False
+        try:
+            ram = self._ram_reuse(model, tokens)
+        except KeyError:  # an entry left RAM during the walk
+            ram = 0
+        return tier.submit(_prefetch_on_arrival, tier.cache, list(tokens), ram)
+
     def _ram_match(self, model: Any, tokens: list[int]) -> tuple[int, bool]:
         """How many tokens LRUPromptCache's ``fetch_nearest_cache`` would reuse from RAM,
         and whether it would copy a longer entry to do so (its rules, without copying)."""
@@ -306,7 +347,7 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         return short, False
 
     def _short_longer_match(self, model: Any, tokens: list[int]) -> bool:
-        """Rule 8: RAM's answer would copy a longer entry to keep fewer than
+        """Rule 9: RAM's answer would copy a longer entry to keep fewer than
         ``min_reuse_tokens`` tokens."""
         if self.min_reuse_tokens <= 0:
             return False
@@ -314,7 +355,7 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         return copies_longer and reuse < self.min_reuse_tokens
 
     def _ram_reuse(self, model: Any, tokens: list[int]) -> int:
-        """How many tokens :meth:`fetch_nearest_cache` reuses from RAM (rule 8 applied)."""
+        """How many tokens :meth:`fetch_nearest_cache` reuses from RAM (rule 9 applied)."""
         if self._short_longer_match(model, tokens):
             return 0
         return self._ram_match(model, tokens)[0]
@@ -374,6 +415,8 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         """Prometheus text (format 0.0.4): this RAM tier's lookups by where they were
         served, then the cold tier's own families (TieredPromptCache.metrics_text, read on
         its loop) while it is open. Any thread but the owner's may call it."""
+        from kvtrio.actors.metrics import MetricFamily, render
+
         stats = self.statistics()
         families = [
             MetricFamily(
@@ -496,6 +539,12 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
 async def _fetch_unadmitted(cold: Any, tokens: list[int]) -> Fetched:
     fetched: Fetched = await cold.fetch_nearest(tokens, admit=False)
     return fetched
+
+
+async def _prefetch_on_arrival(cold: Any, tokens: list[int], ram_reuse: int) -> None:
+    match = cold.peek(tokens)
+    if match is not None and match.reuse > max(ram_reuse, cold.min_reuse_tokens - 1):
+        cold.prefetch(tokens)
 
 
 async def _prefetch(

@@ -22,11 +22,15 @@ Theory of operation:
    ``usage.prompt_tokens_details.cached_tokens`` is mlx-lm's count of reused tokens, from
    either tier.
 3. A cold load blocks only the request that needs it: when the generation thread takes a
-   request whose prompt disk serves better than RAM, it sets the request aside, starts
+   request whose prompt disk serves better than RAM while other requests are in flight,
+   it sets the request aside, starts
    the load (the adapter's ``prefetch``) and goes on with the others; the load's MLX jobs
    run between their steps, and once the entry is in RAM the request is taken again
-   (its lookup a RAM hit, reported as ``cold``). A load outliving
-   ``--cold-load-timeout`` releases the request anyway (a recompute).
+   (its lookup a RAM hit, reported as ``cold``; a decode time slice ends after its
+   current step when such a request is ready). A load outliving
+   ``--cold-load-timeout`` releases the request anyway (a recompute). With no other
+   request in flight there is nobody to serve meanwhile: the lookup waits for the load
+   (adopting the prefetch, rule 7), fewer hand-offs than setting the request aside.
 4. Shutdown (first SIGTERM or SIGINT): stop accepting (the listener closes), let requests
    in flight finish for ``--grace`` seconds, then cut the rest (each stops at its next
    step) and give them ``--grace`` more; stop the generation thread, which writes every
@@ -37,34 +41,53 @@ Theory of operation:
 5. ``GET /metrics``: Prometheus text (format 0.0.4) of the RAM tier's lookups and the
    cold tier's families (``TieredPromptCache.metrics_text``, read on the tier's loop
    thread; docs/metrics.md names them).
+6. Start: the listener opens and the model loads as in mlx-lm; then, as soon as no
+   request waits for the generation thread (at most ``OPEN_DEFER`` seconds after the
+   load), the cold tier opens on a thread of its own (:mod:`kvtrio.serve.coldopen`; the
+   tier's modules are imported there too, and serve/flags.py imports none), so the
+   server answers before the index is built, and requests already waiting do not share
+   the GIL with the open. A request looked up before that is
+   RAM's answer, counted (``kvtrio_serve_cold_unavailable_total{reason="opening"}``);
+   ``kvtrio_serve_cold_ready`` says when the tier is there, and the server prints
+   ``cold tier ready``. A tier that cannot open stops the server (exit status 2).
+7. Prefetch on arrival: the HTTP handler thread tokenizes its request (mlx-lm's
+   tokenization) and asks the adapter to start the disk load
+   (``TieredLRUPromptCache.prefetch_on_arrival``) before it queues the request for the
+   generation thread, so the load overlaps the queue wait; rule 3 then adopts it.
+   ``--no-prefetch`` turns rules 3 and 7 off: a disk load starts when the generation
+   thread looks the request up, and that thread waits for it.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
-import types
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from queue import Queue
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-from kvtrio.actors.callerchecks import DEFAULT_MIN_REUSE_TOKENS
-from kvtrio.actors.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from kvtrio.actors.owner import release_thread_streams
-from kvtrio.actors.prefix import ModelKey
 from kvtrio.serve.adapter import CacheTier, FetchInfo, TieredLRUPromptCache
-from kvtrio.serve.bridge import TierOptions, TierThread
-from kvtrio.storage.fingerprint import config_fingerprint
+from kvtrio.serve.coldopen import ColdOpening, ServeCache
+from kvtrio.serve.flags import (
+    ServeOptions,
+    add_kvtrio_arguments,
+    add_mlx_server_arguments,
+    mlx_server_parser,
+    model_identity,
+)
+
+if TYPE_CHECKING:  # the tier's modules are imported by the thread that opens it (rule 6)
+    from kvtrio.serve.bridge import TierThread
 
 __all__ = [
     "CACHE_HEADER",
@@ -85,154 +108,15 @@ METRICS_PATH = "/metrics"
 # Tokens per model call when --warm-prompts prefills a prompt.
 WARM_STEP = 512
 
+#: Seconds after the model has loaded by which the cold tier's open starts even if
+#: requests keep the generation thread busy (it starts as soon as none waits; rule 6).
+OPEN_DEFER = 2.0
+
+#: Requests tokenized by their handler and not yet taken, kept for the generation thread.
+TOKENIZED_KEPT = 256
+
 #: Seconds a handler waits for its request's lookup before sending headers without it.
 TAG_WAIT = 120.0
-
-
-# -- flags -----------------------------------------------------------------------------
-
-
-class _Captured(Exception):
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        super().__init__("parser captured")
-        self.parser = parser
-
-
-class _CapturingParser(argparse.ArgumentParser):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs["add_help"] = False
-        super().__init__(*args, **kwargs)
-
-    def parse_args(self, *args: Any, **kwargs: Any) -> Any:
-        raise _Captured(self)
-
-
-def mlx_server_parser() -> argparse.ArgumentParser:
-    """mlx_lm.server's own argument parser (without -h), taken from its ``main`` as
-    installed: its ``parse_args`` call hands the parser back instead of parsing."""
-    mlx_server = _mlx_server()
-    shim = types.SimpleNamespace(**vars(argparse))
-    shim.ArgumentParser = _CapturingParser
-    saved = mlx_server.argparse
-    mlx_server.argparse = shim
-    try:
-        mlx_server.main()
-    except _Captured as captured:
-        return captured.parser
-    finally:
-        mlx_server.argparse = saved
-    raise RuntimeError("mlx_lm.server.main() built no argument parser")
-
-
-def add_mlx_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add every flag of mlx_lm.server to ``parser``, unchanged."""
-    parser._add_container_actions(mlx_server_parser())
-
-
-def _size(text: str) -> int:
-    from mlx_lm import utils
-
-    parse: Any = utils._parse_size
-    return int(parse(text))
-
-
-def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: Path) -> None:
-    """kvtrio's own flags (see docs/serve.md)."""
-    group = parser.add_argument_group("kvtrio")
-    group.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=default_cache_dir,
-        help="the cold tier's directory (default: the user cache directory)",
-    )
-    group.add_argument(
-        "--redis",
-        metavar="URL",
-        default=None,
-        help="a redis:// URL: keep the cold tier in Redis, shared by several hosts",
-    )
-    group.add_argument(
-        "--hot-bytes",
-        type=_size,
-        default=None,
-        help="RAM budget of the prompt cache (default: mlx-lm's, --prompt-cache-size only)",
-    )
-    group.add_argument(
-        "--cold-bytes", type=_size, default=8 << 30, help="disk budget (default: 8 GiB)"
-    )
-    group.add_argument(
-        "--grace",
-        type=float,
-        default=10.0,
-        help="seconds for requests in flight at shutdown, and again for the disk writes",
-    )
-    group.add_argument(
-        "--cold-load-timeout",
-        type=float,
-        default=30.0,
-        help="a disk load taking longer is a miss for its request (seconds)",
-    )
-    group.add_argument(
-        "--min-reuse-tokens",
-        type=int,
-        default=DEFAULT_MIN_REUSE_TOKENS,
-        help="a disk entry reusing fewer tokens is not loaded: recomputing them is faster "
-        f"(default {DEFAULT_MIN_REUSE_TOKENS}, measured: docs/tiered.md)",
-    )
-    group.add_argument(
-        "--warm-prompts",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="prefill each line of FILE (a text prompt) at start and store it on disk, "
-        "skipping prompts already there",
-    )
-
-
-@attrs.frozen
-class ServeOptions:
-    """kvtrio's part of ``kvtrio serve``'s options."""
-
-    cache_dir: str
-    hot_bytes: int | None = None
-    cold_bytes: int = 8 << 30
-    grace: float = 10.0
-    cold_load_timeout: float = 30.0
-    min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ServeOptions:
-        return cls(
-            cache_dir=args.redis or os.fspath(args.cache_dir),
-            hot_bytes=args.hot_bytes,
-            cold_bytes=args.cold_bytes,
-            grace=args.grace,
-            cold_load_timeout=args.cold_load_timeout,
-            min_reuse_tokens=args.min_reuse_tokens,
-        )
-
-
-def model_identity(args: argparse.Namespace) -> ModelKey:
-    """The tier's model key: the model argument, and a fingerprint of its config, its
-    weight files (names and sizes), adapter, draft model and KV quantization."""
-    from mlx_lm.utils import _download
-
-    path = Path(args.model)
-    if not path.exists():
-        path = Path(_download(args.model))
-    config = json.loads((path / "config.json").read_text())
-    weights = hashlib.sha256()
-    for item in sorted(path.glob("*.safetensors")):
-        weights.update(f"{item.name}:{item.stat().st_size};".encode())
-    weights.update(f"adapter={args.adapter_path};draft={args.draft_model}".encode())
-    fingerprint = config_fingerprint(
-        config,
-        kv_bits=args.kv_bits,
-        kv_group_size=args.kv_group_size if args.kv_bits else None,
-        quantized_kv_start=args.quantized_kv_start if args.kv_bits else None,
-        weights_id=weights.hexdigest(),
-    )
-    return ModelKey(str(args.model), fingerprint)
 
 
 # -- the generation thread -------------------------------------------------------------
@@ -285,12 +169,18 @@ class _TaggingQueue:
         return self.inner.get(*args, **kwargs)
 
 
-def _pumping_budget(adapter: TieredLRUPromptCache) -> Any:
+def _copied(tokenized: Any) -> Any:
+    """A copy of mlx-lm's ``_tokenize`` result whose lists its loop may edit."""
+    prompt, segments, segment_types, initial_state, vision = tokenized
+    return list(prompt), [list(x) for x in segments], list(segment_types), initial_state, vision
+
+
+def _pumping_budget(adapter: TieredLRUPromptCache, released: Callable[[], bool]) -> Any:
     base = _mlx_server().TimeBudget
 
     class PumpingBudget(base):  # type: ignore[misc,valid-type]
         """mlx-lm's decode time slice, ended early (after one step at least) when the tier
-        has MLX jobs queued (rule 1)."""
+        has MLX jobs queued (rule 1) or a request set aside is ready (rule 3)."""
 
         def __iter__(self) -> Any:
             self._kvtrio_steps = 0
@@ -298,7 +188,9 @@ def _pumping_budget(adapter: TieredLRUPromptCache) -> Any:
 
         def __next__(self) -> Any:
             self._kvtrio_steps += 1
-            if self._kvtrio_steps > 1 and adapter.tier is not None and adapter.tier.pending():
+            if self._kvtrio_steps > 1 and (
+                released() or (adapter.tier is not None and adapter.tier.pending())
+            ):
                 raise StopIteration
             return super().__next__()
 
@@ -363,6 +255,11 @@ def _generator_class() -> type:
             self._active_lock = threading.Lock()
             self._wake_pending = threading.Event()
             self.closed_in_time: bool | None = None
+            self.prefetching = bool(getattr(model_provider.cli_args, "prefetch", True))
+            self._open_by: float | None = None  # when the tier's open starts at the latest
+            # Requests tokenized by their handler (rule 7), for the generation thread.
+            self._tokenized: OrderedDict[int, tuple[Any, Any, Any]] = OrderedDict()
+            self._tokenized_lock = threading.Lock()
             self._local = threading.local()
             # Requests set aside while their disk entry loads (rule 3), and those released.
             self._deferred: dict[object, Any] = {}
@@ -370,6 +267,8 @@ def _generator_class() -> type:
             self._ready: list[tuple[Any, bool]] = []
             if prompt_cache.tier is not None:
                 prompt_cache.tier.executor.on_queued = self._wake
+            if isinstance(prompt_cache, ServeCache):  # the tier comes later (rule 6)
+                prompt_cache.on_attach = self._on_attach
             super().__init__(model_provider, prompt_cache)
 
         # generation thread
@@ -379,14 +278,35 @@ def _generator_class() -> type:
                 self._wake_pending.set()
                 self.requests.put(_WAKE)
 
+        def _start_open(self) -> None:
+            """Start the cold tier's open, once (rule 6)."""
+            if self._open_by is not None and isinstance(self.adapter, ServeCache):
+                self._open_by = None
+                self.adapter.opening.start()
+
+        def _on_attach(self, tier: TierThread) -> None:
+            tier.executor.on_queued = self._wake
+            if tier.pending():
+                self._wake()
+
         def _generate(self) -> None:
             adapter = self.adapter
             if adapter.tier is not None:
                 adapter.tier.bind()
-            self._time_budget = _pumping_budget(adapter)
+            self._time_budget = _pumping_budget(adapter, lambda: bool(self._ready))
+            if isinstance(adapter, ServeCache):  # rule 6: the model first, then the tier
+                try:
+                    self.model_provider.load_default()  # mlx-lm's loop then finds it loaded
+                except Exception:
+                    logger.exception("kvtrio serve: the model did not load")
+                self._open_by = time.monotonic() + OPEN_DEFER
             try:
                 warm = getattr(self.cli_args, "warm_prompts", None)
                 if warm is not None:
+                    if isinstance(adapter, ServeCache):  # warm prompts need the tier
+                        self._start_open()
+                        adapter.opening.done.wait()
+                        adapter.attach()
                     stored, skipped = warm_prompts(self.model_provider, adapter, Path(warm))
                     print(
                         f"kvtrio serve: warm prompts stored {stored}, already on disk {skipped}",
@@ -398,6 +318,8 @@ def _generator_class() -> type:
                 try:
                     self.closed_in_time = adapter.close(timeout=grace * 2 + 5)
                 finally:
+                    from kvtrio.actors.owner import release_thread_streams
+
                     # MLX's per-thread streams must end with their thread, not at exit.
                     release_thread_streams()
 
@@ -405,20 +327,50 @@ def _generator_class() -> type:
             self.adapter.pump()
             ready = self._take_ready()
             if ready is not None:
+                self._set_lookup_mode(self._busy())  # in RAM by now; if not, load only when alone
                 return ready
+            tier = self.adapter.tier
+            if timeout is not None and tier is not None and tier.pending():
+                timeout = None  # jobs left after the pump's budget: do not sleep on them
             request = super()._next_request(timeout)
+            if self._open_by is not None and (request is None or time.monotonic() > self._open_by):
+                self._start_open()  # rule 6: no request waits (or OPEN_DEFER passed)
             if request is _WAKE:
                 self._wake_pending.clear()
                 self.adapter.pump()
-                return self._take_ready()
+                ready = self._take_ready()
+                if ready is not None:
+                    self._set_lookup_mode(self._busy())
+                return ready
             if request is None or self._defer(request):
                 return None
             rqueue, body, args = request
             return _TaggingQueue(rqueue, self.adapter), body, args
 
-        def _defer(self, request: Any) -> bool:
-            """Rule 3: set a request aside while its disk entry loads; True if it was."""
-            _, body, args = request
+        def _tokenize(self, tokenizer: Any, request: Any, args: Any) -> Any:
+            """mlx-lm's tokenization, run once per request: what the request's handler
+            computed (rule 7) is used, and forgotten, here."""
+            known = self._known_tokens(tokenizer, request, forget=True)
+            return known if known is not None else super()._tokenize(tokenizer, request, args)
+
+        def _known_tokens(self, tokenizer: Any, request: Any, *, forget: bool) -> Any:
+            """A copy (mlx-lm's loop edits the segments) of the handler's tokenization of
+            ``request`` by ``tokenizer``, or None."""
+            with self._tokenized_lock:
+                known = self._tokenized.get(id(request))
+                if known is None or known[0] is not request or known[1] is not tokenizer:
+                    return None
+                if forget:
+                    del self._tokenized[id(request)]
+            return _copied(known[2])
+
+        def _tier_prompt(
+            self, body: Any, args: Any, *, remember: bool = False
+        ) -> tuple[Hashable, list[int]] | None:
+            """The model key and prompt tokens of a request of the tier's model (mlx-lm's
+            tokenization, kept for the generation thread if ``remember``), or None
+            (another model, images, no tokenizer yet, an error: mlx-lm's loop reports
+            it). Any thread."""
             provider = self.model_provider
             model = args.model
             key = (
@@ -426,14 +378,49 @@ def _generator_class() -> type:
                 provider._adapter_map.get(model.model, model.adapter),
                 provider._draft_model_map.get(model.draft, model.draft),
             )
-            if key != self.adapter.tier_model or provider.tokenizer is None:
-                return False
+            tokenizer = provider.tokenizer
+            if key != self.adapter.tier_model or tokenizer is None:
+                return None
             if any(server._image_parts(body.messages)):
+                return None
+            result = self._known_tokens(tokenizer, body, forget=False)
+            if result is None:
+                try:
+                    result = super()._tokenize(tokenizer, body, args)
+                except Exception:
+                    return None
+                if remember and result[4] is None:
+                    with self._tokenized_lock:
+                        self._tokenized[id(body)] = (body, tokenizer, _copied(result))
+                        while len(self._tokenized) > TOKENIZED_KEPT:
+                            self._tokenized.popitem(last=False)
+            return key, list(result[0])
+
+        def _busy(self) -> bool:
+            """Other requests are in flight (or set aside): a lookup must not make them
+            wait on a disk load (rule 3)."""
+            with self._active_lock:
+                return bool(self.active) or bool(self._deferred)
+
+        def _set_lookup_mode(self, busy: bool) -> None:
+            """Rule 3, per lookup: the adapter's lookup loads from disk only when nobody
+            else waits on this thread (or ``--no-prefetch``: there is no setting aside)."""
+            self.adapter.load_in_lookup = not (self.prefetching and busy)
+
+        def _defer(self, request: Any) -> bool:
+            """Rule 3: set a request aside while its disk entry loads; True if it was."""
+            busy = self._busy()
+            self._set_lookup_mode(busy)
+            if not self.prefetching:
                 return False
-            try:
-                prompt = self._tokenize(provider.tokenizer, body, args)[0]
-            except Exception:
-                return False  # mlx-lm's loop reports it
+            if not busy:  # nobody else to serve: the lookup waits for the load (faster)
+                return False
+            _, body, args = request
+            self.adapter.pump(0)  # takes a tier that has just opened (rule 6)
+            found = self._tier_prompt(body, args)
+            if found is None:
+                return False
+            key, prompt = found
             token = object()
 
             def done(loaded: bool) -> None:
@@ -467,6 +454,10 @@ def _generator_class() -> type:
         def generate(
             self, request: Any, generation_args: Any, progress_callback: Any = None
         ) -> Any:
+            if self.prefetching:  # rule 7: the disk load starts as the request arrives
+                found = self._tier_prompt(request, generation_args, remember=True)
+                if found is not None:
+                    self.adapter.prefetch_on_arrival(*found)
             ctx, response = super().generate(request, generation_args, progress_callback)
             self._local.ctx = ctx
             with self._active_lock:
@@ -531,10 +522,12 @@ def _handler_class() -> type:
             if self.path.split("?", 1)[0] != METRICS_PATH:
                 super().do_GET()
                 return
+            from kvtrio.actors.metrics import CONTENT_TYPE
+
             adapter: TieredLRUPromptCache = self.server.kvtrio_adapter
             body = adapter.metrics_text().encode()
             self.send_response(200)
-            self.send_header("Content-Type", METRICS_CONTENT_TYPE)
+            self.send_header("Content-Type", CONTENT_TYPE)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -597,23 +590,14 @@ def serve(args: argparse.Namespace) -> int:
 
         args.model = str(gguf_model_dir(args.model, Path(args.cache_dir) / "gguf"))
     options = ServeOptions.from_args(args)
-    tier = TierThread(
-        TierOptions(
-            options.cache_dir,
-            model_identity(args),
-            cold_budget=options.cold_bytes,
-            shutdown_grace=options.grace,
-            min_reuse_tokens=options.min_reuse_tokens,
-        )
-    )
-    tier.start()
-    adapter = TieredLRUPromptCache(
+    opening = ColdOpening(lambda: options.tier_options(model_identity(args)))
+    adapter = ServeCache(
         args.prompt_cache_size,
         options.hot_bytes if options.hot_bytes is not None else 1 << 63,
-        tier=tier,
+        opening=opening,
         tier_model=(args.model, args.adapter_path, args.draft_model),
         load_timeout=options.cold_load_timeout,
-        load_in_lookup=False,  # rule 3: a request disk serves better is set aside instead
+        load_in_lookup=False,  # rule 3: set per lookup (_set_lookup_mode); never while busy
     )
     provider = server.ModelProvider(args)
     generator = _generator_class()(provider, adapter)
@@ -629,6 +613,24 @@ def serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+
+    def when_open() -> None:  # rule 6
+        opening.done.wait()
+        if opening.failure is not None:
+            failure = opening.failure
+            print(
+                f"kvtrio serve: the cold tier did not open ({type(failure).__name__}: "
+                f"{failure}); stopping",
+                file=sys.stderr,
+                flush=True,
+            )
+            stopping.set()
+            httpd.shutdown()
+            return
+        generator._wake()  # the generation thread takes the tier now
+        print(f"kvtrio serve: cold tier ready (opened in {opening.seconds:.2f}s)", flush=True)
+
+    threading.Thread(target=when_open, name="kvtrio-opened", daemon=True).start()
     host, port = str(httpd.server_address[0]), httpd.server_address[1]
     logger.info("kvtrio serve: cold tier at %s", options.cache_dir)
     print(f"kvtrio serve: listening on {host}:{port}", flush=True)
@@ -645,7 +647,8 @@ def serve(args: argparse.Namespace) -> int:
     print(
         f"kvtrio serve: stopped (RAM entries written: {stats.spilled}, "
         f"hot hits {stats.hits_hot}, cold hits {stats.hits_cold}, misses {stats.misses}, "
-        f"disk loads set aside {stats.prefetches})",
+        f"disk loads set aside {stats.prefetches}, lookups before the cold tier was open "
+        f"{adapter.lookups_before_open})",
         flush=True,
     )
     wear = adapter.wear()
@@ -657,4 +660,6 @@ def serve(args: argparse.Namespace) -> int:
             f"refused {wear.refused}, bytes refused {wear.bytes_refused})",
             flush=True,
         )
+    if opening.failure is not None:
+        return 2
     return 0 if generator.closed_in_time else 1

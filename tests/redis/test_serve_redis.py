@@ -53,6 +53,6 @@ def test_a_second_server_on_another_cache_dir_gets_a_cold_hit_from_redis(
     assert second.stop() == 0, second.output()
     assert raw.headers["X-Kvtrio-Cache"] == "cold"
     cached = two.usage.prompt_tokens_details.cached_tokens
-    assert cached >= one.usage.prompt_tokens and exit_summary(second)["prefetches"] == 1
+    assert cached >= one.usage.prompt_tokens and exit_summary(second)["hits_cold"] == 1
     for directory in (tmp_path / "cache-a", tmp_path / "cache-b"):  # nothing went to disk
         assert not directory.exists() or not any(p.is_file() for p in directory.rglob("*"))

@@ -67,22 +67,45 @@ def _wait_listening(process: subprocess.Popen[str], port: int, log: Path) -> Non
     raise AssertionError(f"server did not listen within {START_TIMEOUT}s:\n{log.read_text()}")
 
 
-def _start(argv: Sequence[str], port: int, log: Path) -> Server:
+def _wait_line(process: subprocess.Popen[str], line: str, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while line not in log.read_text():
+        if process.poll() is not None:
+            raise AssertionError(f"server exited {process.returncode}:\n{log.read_text()}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"no {line!r} within {START_TIMEOUT}s:\n{log.read_text()}")
+        time.sleep(0.05)
+
+
+def _start(argv: Sequence[str], port: int, log: Path, ready: str | None = None) -> Server:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     out: IO[str] = log.open("w")
     process = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
     out.close()
     _wait_listening(process, port, log)
+    if ready is not None:
+        _wait_line(process, ready, log)
     return Server(process, port, log)
 
 
+#: What ``kvtrio serve`` prints once its cold tier is open (it opens in the background).
+COLD_READY = "kvtrio serve: cold tier ready"
+
+
 def start_kvtrio(
-    model: Path, cache_dir: Path, log: Path, *extra: str, port: int | None = None
+    model: Path,
+    cache_dir: Path,
+    log: Path,
+    *extra: str,
+    port: int | None = None,
+    wait_cold: bool = True,
 ) -> Server:
+    """``kvtrio serve`` listening, and (``wait_cold``) its cold tier open."""
     port = port or free_port()
     argv = [sys.executable, "-m", "kvtrio", "serve", "--model", str(model)]
     argv += ["--port", str(port), "--cache-dir", str(cache_dir), "--log-level", "WARNING"]
-    return _start([*argv, *extra], port, log)
+    return _start([*argv, *extra], port, log, COLD_READY if wait_cold else None)
 
 
 def start_mlx_lm(model: Path, log: Path, *extra: str) -> Server:
@@ -96,11 +119,11 @@ def exit_summary(server: Server) -> dict[str, int]:
     """The counters ``kvtrio serve`` prints when it stops."""
     match = re.search(
         r"RAM entries written: (\d+), hot hits (\d+), cold hits (\d+), misses (\d+), "
-        r"disk loads set aside (\d+)",
+        r"disk loads set aside (\d+), lookups before the cold tier was open (\d+)",
         server.output(),
     )
     assert match is not None, server.output()
-    names = ("spilled", "hits_hot", "hits_cold", "misses", "prefetches")
+    names = ("spilled", "hits_hot", "hits_cold", "misses", "prefetches", "before_open")
     return dict(zip(names, map(int, match.groups()), strict=True))
 
 

@@ -382,3 +382,86 @@ def test_a_longer_ram_entry_is_not_copied_to_keep_a_few_tokens(tiny: TinyModel) 
         assert cache.last_fetch == expected, threshold
         assert rest == query[expected.reused :] and (got is None) is (expected.reused == 0)
         assert cache.statistics().short_reuses_skipped == (threshold == 16)
+
+
+def test_prefetch_on_arrival_from_another_thread_is_adopted_by_the_lookup(
+    tiny: TinyModel, tmp_path: Path
+) -> None:
+    """docs/serve.md, "Prefetch": an HTTP handler thread starts the load (no MLX call
+    there: the guard), the generation thread's lookup adopts it; RAM serving as well as
+    disk starts nothing."""
+    tokens = list(range(1, 50))
+    with _adapter(tiny, tmp_path) as (cache, _):
+        original = _prefilled(tiny, tokens)
+        expected = _bytes(original)
+        cache.insert_cache(MODEL, tokens, original)
+    with mlx_thread_guard(lambda: tier_ref[0].executor.is_owner_thread()):
+        tier_ref: list[TierThread] = []
+        with _adapter(tiny, tmp_path) as (cache, tier):
+            tier_ref.append(tier)
+            started: list[bool] = []
+            handler = threading.Thread(
+                target=lambda: started.append(cache.prefetch_on_arrival(MODEL, [*tokens, 5]))
+            )
+            handler.start()
+            handler.join()
+            assert started == [True] and len(cache) == 0
+
+            def loaded() -> bool:
+                stats = tier.peek(lambda: tier.cache.statistics())  # type: ignore[union-attr]
+                return bool(stats.prefetches == 1)
+
+            _pump_until(cache, loaded)
+            got, rest = cache.fetch_nearest_cache(MODEL, [*tokens, 5])
+            assert rest == [5] and cache.last_fetch == FetchInfo(CacheTier.COLD, len(tokens))
+            assert _bytes(got) == expected
+            cold = tier.peek(lambda: tier.cache.statistics())  # type: ignore[union-attr]
+            assert cold.prefetches == 1 and cold.prefetch_used_bytes > 0
+            cache.insert_cache(MODEL, [*tokens, 5], got)
+            cache.prefetch_on_arrival(MODEL, [*tokens, 5])  # RAM serves it as well now
+            time.sleep(0.3)  # the loop has run the request
+            cold = tier.peek(lambda: tier.cache.statistics())  # type: ignore[union-attr]
+            assert cold.prefetches == 1
+
+
+def test_a_tier_still_opening_leaves_lookups_to_ram_and_holds_evictions(
+    tiny: TinyModel, tmp_path: Path
+) -> None:
+    """docs/serve.md, "Start": while the cold tier opens in the background a lookup is
+    RAM's answer (counted, reason opening), RAM's evictions wait in RAM, and once the
+    tier is open the generation thread takes it and writes them."""
+    from kvtrio.serve.coldopen import ColdOpening, ServeCache
+
+    a, b = list(range(1, 41)), list(range(100, 150))
+    with _adapter(tiny, tmp_path) as (cache, _):
+        cache.insert_cache(MODEL, a, _prefilled(tiny, a))  # on disk for the next start
+    release = threading.Event()
+    options = TierOptions(
+        str(tmp_path),
+        ModelKey(tiny.model_id, tiny.fingerprint),
+        block_size=BLOCK,
+        min_reuse_tokens=0,
+    )
+
+    def slow_options() -> TierOptions:
+        release.wait(30)
+        return options
+
+    opening = ColdOpening(slow_options)
+    opening.start()
+    serving = ServeCache(1, 1 << 63, opening=opening, tier_model=MODEL, load_timeout=30)
+    got, rest = serving.fetch_nearest_cache(MODEL, a)
+    assert got is None and rest == a  # on disk, but the tier is not open yet
+    assert serving.lookups_before_open == 1 and not serving.cold_ready
+    serving.insert_cache(MODEL, b, _prefilled(tiny, b))
+    serving.insert_cache(MODEL, [7, *b], _prefilled(tiny, [7, *b]))  # evicts b (max 1)
+    assert serving.statistics().spilled == 0  # held: no tier to hand it to
+    release.set()
+    assert opening.done.wait(30) and opening.failure is None
+    _pump_until(serving, lambda: serving.cold_ready)
+    assert serving.statistics().spilled == 1  # b, once the tier was there
+    got, rest = serving.fetch_nearest_cache(MODEL, [*a, 3])
+    assert rest == [3] and serving.last_fetch == FetchInfo(CacheTier.COLD, len(a))
+    assert "kvtrio_serve_cold_ready 1" in serving.metrics_text()
+    assert 'kvtrio_serve_cold_unavailable_total{reason="opening"} 1' in serving.metrics_text()
+    assert serving.close(timeout=30)

@@ -1,0 +1,161 @@
+"""The cold tier of ``kvtrio serve``, opened while the server already serves.
+
+Theory of operation:
+
+1. :class:`ColdOpening` opens the tier (:class:`~kvtrio.serve.bridge.TierThread`: its
+   modules imported, the directory locked, the index rebuilt from the catalogue) on a
+   thread of its own, started by the generation thread once the model has loaded and no
+   request waits for it (the listener is open by then): the first request waits for the
+   model, as in mlx-lm, not for the index, and the open does not compete for the GIL
+   with the model's load or the requests already waiting.
+2. :class:`ServeCache` is the adapter (:class:`~kvtrio.serve.adapter.TieredLRUPromptCache`)
+   with no tier until the open ends. The generation thread takes the tier (binds it as
+   the MLX owner) at its next pump or lookup after that. Until then a lookup of the
+   tier's model is RAM's answer, counted by reason (``opening``; ``failed`` when the open
+   failed), and what RAM evicts is held in RAM, then written once the tier is there.
+3. :meth:`ServeCache.close` waits for an open still in progress (at most its timeout), so
+   RAM entries still reach the disk at shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kvtrio.serve.adapter import TieredLRUPromptCache
+
+if TYPE_CHECKING:
+    from kvtrio.serve.bridge import TierOptions, TierThread
+
+__all__ = ["ColdOpening", "ServeCache"]
+
+logger = logging.getLogger(__name__)
+
+
+class ColdOpening:
+    """The tier, opening on its own thread (rule 1). ``make_options`` runs there too."""
+
+    def __init__(self, make_options: Callable[[], TierOptions]) -> None:
+        self.make_options = make_options
+        self.tier: TierThread | None = None
+        self.failure: BaseException | None = None
+        self.seconds: float | None = None  # how long the open took, once done
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._open, name="kvtrio-open", daemon=True)
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _open(self) -> None:
+        started = time.perf_counter()
+        try:
+            from kvtrio.serve.bridge import TierThread
+
+            tier = TierThread(self.make_options())
+            tier.start()
+            self.tier = tier
+        except BaseException as exc:  # reported by whoever waits (kvtrio serve stops)
+            self.failure = exc
+        finally:
+            self.seconds = time.perf_counter() - started
+            self.done.set()
+
+
+class ServeCache(TieredLRUPromptCache):
+    """The adapter over a tier that is still opening (rules 2 and 3)."""
+
+    def __init__(
+        self,
+        max_size: int,
+        max_bytes: int,
+        *,
+        opening: ColdOpening,
+        tier_model: Any,
+        load_timeout: float,
+        load_in_lookup: bool = True,
+    ) -> None:
+        super().__init__(
+            max_size,
+            max_bytes,
+            tier=None,
+            tier_model=tier_model,
+            load_timeout=load_timeout,
+            load_in_lookup=load_in_lookup,
+        )
+        self.opening = opening
+        # Runs on the generation thread when it takes the tier (kvtrio serve wires wakes).
+        self.on_attach: Callable[[TierThread], object] | None = None
+
+    @property
+    def lookups_before_open(self) -> int:
+        """Lookups of the tier's model answered by RAM alone: the tier was not open."""
+        return self._counts.get("cold_opening", 0) + self._counts.get("cold_failed", 0)
+
+    @property
+    def cold_ready(self) -> bool:
+        return self.tier is not None
+
+    def attach(self) -> bool:
+        """Generation thread: take the tier if its open has ended (rule 2); whether it is
+        taken now."""
+        if self.tier is not None:
+            return True
+        if not self.opening.done.is_set() or self.opening.tier is None:
+            return False
+        tier = self.opening.tier
+        tier.bind()
+        self.tier = tier
+        if self.on_attach is not None:
+            self.on_attach(tier)
+        self._spill_evicted()  # what RAM evicted while the tier opened
+        return True
+
+    def pump(self, budget: float | None = None) -> int:
+        self.attach()
+        return super().pump(budget)
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+        if not self.attach() and model == self.tier_model:
+            self._count("cold_failed" if self.opening.done.is_set() else "cold_opening")
+        return super().fetch_nearest_cache(model, tokens)
+
+    def _spill_evicted(self) -> None:
+        if self.tier is None and not self.opening.done.is_set():
+            return  # held in the trie's list until the tier is there (rule 2)
+        super()._spill_evicted()
+
+    def close(self, *, timeout: float | None = None) -> bool:
+        if self.tier is None and self.opening.started:
+            self.opening.done.wait(timeout)  # rule 3
+            self.attach()
+        return super().close(timeout=timeout)
+
+    def metrics_text(self) -> str:
+        from kvtrio.actors.metrics import MetricFamily, render
+
+        count = self._counts.get
+        families = [
+            MetricFamily(
+                "kvtrio_serve_cold_ready",
+                "gauge",
+                "1 once kvtrio serve's cold tier is open (its index built), else 0.",
+                (("", (), int(self.cold_ready)),),
+            ),
+            MetricFamily(
+                "kvtrio_serve_cold_unavailable_total",
+                "counter",
+                "Lookups answered by RAM alone because the cold tier was not open, by reason.",
+                tuple(
+                    ("", (("reason", reason),), count(f"cold_{reason}", 0))
+                    for reason in ("opening", "failed")
+                ),
+            ),
+        ]
+        return render(families) + super().metrics_text()

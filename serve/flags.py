@@ -1,0 +1,266 @@
+"""``kvtrio serve``'s flags: mlx_lm.server's own, read from the installed mlx_lm.server, and
+kvtrio's (docs/serve.md, "Flags"); the options they make, and the tier's model key."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import types
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from kvtrio.actors.callerchecks import DEFAULT_MIN_REUSE_TOKENS
+
+if TYPE_CHECKING:  # imported where used: ``kvtrio serve`` starts without the tier's modules
+    from kvtrio.actors.policy import AdmissionPolicy
+    from kvtrio.actors.prefix import ModelKey
+    from kvtrio.serve.bridge import TierOptions
+
+__all__ = [
+    "EVICTIONS",
+    "ServeOptions",
+    "add_kvtrio_arguments",
+    "add_mlx_server_arguments",
+    "admission_policy",
+    "mlx_server_parser",
+    "model_identity",
+]
+
+
+def _mlx_server() -> Any:
+    from mlx_lm import server
+
+    return server
+
+
+class _Captured(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__("parser captured")
+        self.parser = parser
+
+
+class _CapturingParser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["add_help"] = False
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, *args: Any, **kwargs: Any) -> Any:
+        raise _Captured(self)
+
+
+def mlx_server_parser() -> argparse.ArgumentParser:
+    """mlx_lm.server's own argument parser (without -h), taken from its ``main`` as
+    installed: its ``parse_args`` call hands the parser back instead of parsing."""
+    mlx_server = _mlx_server()
+    shim = types.SimpleNamespace(**vars(argparse))
+    shim.ArgumentParser = _CapturingParser
+    saved = mlx_server.argparse
+    mlx_server.argparse = shim
+    try:
+        mlx_server.main()
+    except _Captured as captured:
+        return captured.parser
+    finally:
+        mlx_server.argparse = saved
+    raise RuntimeError("mlx_lm.server.main() built no argument parser")
+
+
+def add_mlx_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every flag of mlx_lm.server to ``parser``, unchanged."""
+    parser._add_container_actions(mlx_server_parser())
+
+
+def _size(text: str) -> int:
+    from mlx_lm import utils
+
+    parse: Any = utils._parse_size
+    return int(parse(text))
+
+
+def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: Path) -> None:
+    """kvtrio's own flags (see docs/serve.md)."""
+    group = parser.add_argument_group("kvtrio")
+    group.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=default_cache_dir,
+        help="the cold tier's directory (default: the user cache directory)",
+    )
+    group.add_argument(
+        "--redis",
+        metavar="URL",
+        default=None,
+        help="a redis:// URL: keep the cold tier in Redis, shared by several hosts",
+    )
+    group.add_argument(
+        "--hot-bytes",
+        type=_size,
+        default=None,
+        help="RAM budget of the prompt cache (default: mlx-lm's, --prompt-cache-size only)",
+    )
+    group.add_argument(
+        "--cold-bytes", type=_size, default=8 << 30, help="disk budget (default: 8 GiB)"
+    )
+    group.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        help="seconds for requests in flight at shutdown, and again for the disk writes",
+    )
+    group.add_argument(
+        "--cold-load-timeout",
+        type=float,
+        default=30.0,
+        help="a disk load taking longer is a miss for its request (seconds)",
+    )
+    group.add_argument(
+        "--min-reuse-tokens",
+        type=int,
+        default=DEFAULT_MIN_REUSE_TOKENS,
+        help="a disk entry reusing fewer tokens is not loaded: recomputing them is faster "
+        f"(default {DEFAULT_MIN_REUSE_TOKENS}, measured: docs/tiered.md)",
+    )
+    group.add_argument(
+        "--warm-prompts",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="prefill each line of FILE (a text prompt) at start and store it on disk, "
+        "skipping prompts already there",
+    )
+    group.add_argument(
+        "--eviction",
+        choices=EVICTIONS,
+        default="cost",
+        help="the disk's eviction order: cost (recompute time per byte, aged: the default), "
+        "cost-frequency, or lru",
+    )
+    group.add_argument(
+        "--admission",
+        type=_admission_spec,
+        default="default",
+        metavar="SPEC",
+        help="which entries RAM evicts are written to disk: default (at least "
+        "12 s of prefill saved per GiB), all, second-use, min-tokens:N, per-gib:SECONDS, "
+        "or several joined by + (all of them must admit)",
+    )
+    group.add_argument(
+        "--no-prefetch",
+        dest="prefetch",
+        action="store_false",
+        help="do not start a request's disk load when it arrives (only when the generation "
+        "thread takes it)",
+    )
+
+
+#: ``--eviction``'s choices: kvtrio.actors.policy.PolicyKind's values.
+EVICTIONS = ("cost", "cost-frequency", "lru")
+
+
+def admission_policy(spec: str) -> AdmissionPolicy | None:
+    """``--admission``'s policy (None: the tier's default); ValueError for a bad spec."""
+    from kvtrio.actors import policy
+
+    parts: list[policy.AdmissionPolicy] = []
+    for part in spec.split("+"):
+        name, _, value = part.strip().partition(":")
+        try:
+            if name == "default" and not value:
+                parts.append(policy.default_admission())
+            elif name == "all" and not value:
+                parts.append(policy.AdmitAll())
+            elif name == "second-use" and not value:
+                parts.append(policy.SecondUse())
+            elif name == "min-tokens" and int(value) >= 0:
+                parts.append(policy.MinimumTokens(int(value)))
+            elif name == "per-gib" and float(value) >= 0:
+                parts.append(policy.RecomputePerByte(float(value)))
+            else:
+                raise ValueError(part)
+        except ValueError:
+            raise ValueError(f"bad admission {part.strip()!r}") from None
+    if spec.strip() == "default":
+        return None
+    return parts[0] if len(parts) == 1 else policy.AllOf(tuple(parts))
+
+
+def _admission_spec(text: str) -> str:
+    try:
+        admission_policy(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{exc}: use default, all, second-use, min-tokens:N, per-gib:SECONDS, or A+B"
+        ) from None
+    return text
+
+
+@attrs.frozen
+class ServeOptions:
+    """kvtrio's part of ``kvtrio serve``'s options."""
+
+    cache_dir: str
+    hot_bytes: int | None = None
+    cold_bytes: int = 8 << 30
+    grace: float = 10.0
+    cold_load_timeout: float = 30.0
+    min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS
+    eviction: str = "cost"
+    admission: str = "default"
+    prefetch: bool = True
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeOptions:
+        return cls(
+            cache_dir=args.redis or os.fspath(args.cache_dir),
+            hot_bytes=args.hot_bytes,
+            cold_bytes=args.cold_bytes,
+            grace=args.grace,
+            cold_load_timeout=args.cold_load_timeout,
+            min_reuse_tokens=args.min_reuse_tokens,
+            eviction=getattr(args, "eviction", "cost"),
+            admission=getattr(args, "admission", "default"),
+            prefetch=getattr(args, "prefetch", True),
+        )
+
+    def tier_options(self, model: ModelKey) -> TierOptions:
+        """The cold tier's options (TierThread's) for ``model``."""
+        from kvtrio.actors.policy import PolicyKind
+        from kvtrio.serve.bridge import TierOptions
+
+        return TierOptions(
+            self.cache_dir,
+            model,
+            cold_budget=self.cold_bytes,
+            shutdown_grace=self.grace,
+            min_reuse_tokens=self.min_reuse_tokens,
+            eviction=PolicyKind(self.eviction),
+            admission=admission_policy(self.admission),
+        )
+
+
+def model_identity(args: argparse.Namespace) -> ModelKey:
+    """The tier's model key: the model argument, and a fingerprint of its config, its
+    weight files (names and sizes), adapter, draft model and KV quantization."""
+    from kvtrio.actors.prefix import ModelKey
+    from kvtrio.storage.fingerprint import config_fingerprint
+    from mlx_lm.utils import _download
+
+    path = Path(args.model)
+    if not path.exists():
+        path = Path(_download(args.model))
+    config = json.loads((path / "config.json").read_text())
+    weights = hashlib.sha256()
+    for item in sorted(path.glob("*.safetensors")):
+        weights.update(f"{item.name}:{item.stat().st_size};".encode())
+    weights.update(f"adapter={args.adapter_path};draft={args.draft_model}".encode())
+    fingerprint = config_fingerprint(
+        config,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size if args.kv_bits else None,
+        quantized_kv_start=args.quantized_kv_start if args.kv_bits else None,
+        weights_id=weights.hexdigest(),
+    )
+    return ModelKey(str(args.model), fingerprint)
