@@ -128,6 +128,108 @@ def test_a_restart_between_turns_serves_turn_two_from_disk_as_mlx_lm_would(
     assert plain_two.choices[0].message.content == two.choices[0].message.content
 
 
+@pytest.fixture(scope="module")
+def plain_turns(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Turn 1 and turn 2 from plain mlx_lm.server (no restart, nothing else in flight):
+    the answers the busy restart tests must match."""
+    root = tmp_path_factory.mktemp("plain")
+    plain = start_mlx_lm(model_dir, root / "plain.txt")
+    try:
+        _, one = _chat(plain.client(), TURN1)
+        turn2 = _turn2(one.choices[0].message.content or "")
+        _, two = _chat(plain.client(), turn2)
+    finally:
+        plain.stop()
+    return {"one": one.choices[0].message.content, "turn2": turn2, "two": two}
+
+
+def _turn2(answer: str) -> list[dict[str, str]]:
+    return [
+        *TURN1,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+
+
+def _still_decoding(response: http.client.HTTPResponse) -> None:
+    """Read the stream's next token event; it must not be the last."""
+    line = b""
+    while not line.startswith(b"data: "):  # blank lines and keepalives between events
+        line = response.readline()
+        assert line, "the long stream ended early"
+    assert line != b"data: [DONE]\n", line
+    choices = json.loads(line[len(b"data: ") :])["choices"]
+    assert choices and choices[0]["finish_reason"] is None, line
+
+
+def _busy_restart(
+    model_dir: Path, tmp_path: Path, plain_turns: dict[str, Any], *extra: str
+) -> tuple[Server, Any, Any]:
+    """Turn 1 written to disk by a first server; a second server (``extra`` flags) serves
+    turn 2 while a long stream of another prompt is still decoding. The second server
+    (stopped), turn 2's raw response and its parsed reply."""
+    first = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "a.txt")
+    _, one = _chat(first.client(), TURN1)
+    assert first.stop() == 0, first.output()
+    assert exit_summary(first)["spilled"] >= 1
+    assert one.choices[0].message.content == plain_turns["one"]
+
+    second = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "b.txt", *extra)
+    eos = json.loads((model_dir / "config.json").read_text())["eos_token_id"]
+    long_body = {
+        "messages": [{"role": "user", "content": "Tell me a long story about caches."}],
+        "stream": True,
+        "max_tokens": 16000,  # far more than turn 2 takes: the stream is cut below
+        "temperature": 0,
+        "logit_bias": {str(eos): -1000.0},  # no early end of the story
+    }
+    connection = _post(second.port, long_body)
+    response = connection.getresponse()
+    try:
+        assert response.status == 200
+        _still_decoding(response)  # its first token: in flight on the server
+        raw, two = _chat(second.client(), plain_turns["turn2"])
+        _still_decoding(response)  # far from its max_tokens: in flight all along
+    finally:
+        response.close()  # mid-stream (the socket closes with both): the server stops it
+        connection.close()
+    assert second.stop() == 0, second.output()
+    return second, raw, two
+
+
+def test_a_restart_between_turns_serves_turn_two_from_disk_while_busy_by_setting_it_aside(
+    model_dir: Path, tmp_path: Path, plain_turns: dict[str, Any]
+) -> None:
+    """Rule 3 of serve/server.py end to end: another request decoding, turn 2 (its prefix
+    on disk) is set aside while its entry loads, then served cold, the same tokens at
+    temperature 0 as plain mlx_lm.server's."""
+    second, raw, two = _busy_restart(model_dir, tmp_path, plain_turns)
+    cached = two.usage.prompt_tokens_details.cached_tokens
+    assert raw.headers["X-Kvtrio-Cache"] == "cold"
+    assert cached > 0 and int(raw.headers["X-Kvtrio-Cached-Tokens"]) == cached
+    assert cached == plain_turns["two"].usage.prompt_tokens_details.cached_tokens
+    summary = exit_summary(second)
+    assert summary["prefetches"] >= 1, second.output()  # disk loads set aside
+    # Released once its entry was in RAM: its lookup was a RAM hit, not a disk load.
+    assert summary["hits_cold"] == 0, second.output()
+    assert two.choices[0].message.content == plain_turns["two"].choices[0].message.content
+
+
+def test_no_prefetch_sets_nothing_aside_while_busy_and_still_serves_turn_two_cold(
+    model_dir: Path, tmp_path: Path, plain_turns: dict[str, Any]
+) -> None:
+    """``--no-prefetch``: with another request decoding, turn 2's lookup itself loads its
+    disk entry (nothing set aside)."""
+    second, raw, two = _busy_restart(model_dir, tmp_path, plain_turns, "--no-prefetch")
+    cached = two.usage.prompt_tokens_details.cached_tokens
+    assert raw.headers["X-Kvtrio-Cache"] == "cold"
+    assert cached > 0 and int(raw.headers["X-Kvtrio-Cached-Tokens"]) == cached
+    summary = exit_summary(second)
+    assert summary["prefetches"] == 0, second.output()
+    assert summary["hits_cold"] == 1, second.output()
+    assert two.choices[0].message.content == plain_turns["two"].choices[0].message.content
+
+
 def test_eight_concurrent_clients_with_batching(shared: Server) -> None:
     client = shared.client()
     results: dict[int, Any] = {}
