@@ -272,7 +272,10 @@ def test_a_client_that_disconnects_mid_stream_leaves_the_server_serving(shared: 
         line = response.readline()
         assert line, "stream ended early"
         seen += line.startswith(b"data: ")
-    connection.close()  # mid-stream
+    # Mid-stream: the response holds the socket, so closing the connection alone would
+    # leave it open (the server would never see the client leave).
+    response.close()
+    connection.close()
     _, reply = _chat(shared.client(), TURN1)
     assert reply.choices[0].finish_reason == "length"
 
