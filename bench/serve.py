@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--spill-tokens",
         type=int,
         default=512,
-        help="tokens of each stream of the spill phase (512: it outlives the saves)",
+        help="tokens of the spill phase's quiet streams (512; the stream measured during "
+        "the saves runs until its window ends)",
     )
     parser.add_argument(
         "--start-rounds", type=int, default=3, help="starts per server, alternating (3; median)"
@@ -205,17 +206,33 @@ class _Server:
         }
 
     def chat_watching(
-        self, messages: list[dict[str, str]], max_tokens: int, after: int, started: threading.Event
+        self,
+        messages: list[dict[str, str]],
+        max_tokens: int,
+        after: int,
+        started: threading.Event,
+        *,
+        stop: threading.Event | None = None,
+        logit_bias: dict[str, float] | None = None,
     ) -> dict[str, Any]:
-        """:meth:`chat`, setting ``started`` once ``after`` tokens have arrived."""
-        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+        """:meth:`chat`, setting ``started`` once ``after`` tokens have arrived; with
+        ``stop``, the client leaves (closes the stream) at the first token after it is set."""
+        body: dict[str, Any] = {
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+        }
+        if logit_bias:
+            body["logit_bias"] = logit_bias
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         connection.request(
             "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
         )
         arrivals: list[float] = []
+        response = connection.getresponse()
         try:
-            for raw in connection.getresponse():
+            for raw in response:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -224,8 +241,11 @@ class _Server:
                         arrivals.append(time.perf_counter())
                         if len(arrivals) == after:
                             started.set()
+                if stop is not None and stop.is_set():
+                    break
         finally:
             started.set()
+            response.close()  # the response holds the socket: close both to leave
             connection.close()
         return {"arrivals": arrivals}
 
@@ -329,6 +349,9 @@ SPILL_SERVERS = (
 #: in owner jobs and worker threads after the eviction).
 SPILL_TAIL_S = 0.5
 
+#: max_tokens of the spill phase's stream S, which the client ends once the window is over.
+SPILL_STREAM_CAP = 100_000
+
 
 def _spilled(server: _Server) -> int | None:
     """kvtrio serve's count of RAM entries handed to disk so far (None for the others)."""
@@ -369,13 +392,16 @@ def _spill(
     entries in RAM its insert evicts B: kvtrio saves it then). The "during" sample is
     S's latencies from the moment the server took C (C's headers arrived: mlx-lm decodes
     a batch for up to 0.5 s before it looks at new requests) to :data:`SPILL_TAIL_S`
-    after E ended; S is long enough to outlive that window. Plain mlx_lm.server runs
+    after E ended; S runs until then (its client leaves after the window). Plain mlx_lm.server runs
     the same requests and saves nothing, and so does kvtrio with ``cache_size`` large
     enough for every entry: the same load without a save. Per round it records the tokens
     C reused (a hit on every server, or the round would measure a recompute), for kvtrio
     the entries spilled while S ran, and whether S outlived the window.
     """
     extra = ("--prompt-cache-size", str(cache_size))
+    eos = json.loads((model / "config.json").read_text()).get("eos_token_id")
+    eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    no_eos = {str(i): -1000.0 for i in eos_ids}  # S must not end on its own
     server = _Server(kind, model, work, log, extra=extra)
     document = _prompt_words(model, length)
     quiet: list[float] = []
@@ -391,11 +417,13 @@ def _spill(
             more = [*big, {"role": "assistant", "content": answer}]
             more.append({"role": "user", "content": QUESTION})
             stream: dict[str, Any] = {}
-            started = threading.Event()
+            started, leave = threading.Event(), threading.Event()
             busy = [{"role": "user", "content": f"Busy stream {r}."}]
+            # S runs until the window has ended (the client then leaves): with a fixed
+            # length a fast server finished it before the window began (no samples).
             thread = threading.Thread(
-                target=lambda out=stream, go=started, ask=busy: out.update(
-                    server.chat_watching(ask, tokens, 8, go)
+                target=lambda out=stream, go=started, ask=busy, quit=leave: out.update(
+                    server.chat_watching(ask, SPILL_STREAM_CAP, 8, go, stop=quit, logit_bias=no_eos)
                 )
             )
             spilled_before = _spilled(server) if kind == "kvtrio" else None
@@ -404,9 +432,11 @@ def _spill(
                 raise RuntimeError(f"{kind}: the stream did not start")
             continued = server.chat(more, 1)
             evicting = server.chat([{"role": "user", "content": f"Evict {r}."}], 1)
+            begin, end = continued["headers"], evicting["done"] + SPILL_TAIL_S
+            time.sleep(max(0.0, end - time.perf_counter()) + SPILL_TAIL_S / 5)
+            leave.set()
             thread.join()
             spilled_after = _spilled(server) if kind == "kvtrio" else None
-            begin, end = continued["headers"], evicting["done"] + SPILL_TAIL_S
             arrivals = [t for t in stream["arrivals"] if begin <= t <= end]
             during += _itl(arrivals)
             checks.append(
