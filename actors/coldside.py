@@ -149,7 +149,10 @@ class ColdSideMixin:
                 if self._conversations.get(conversation) == key:
                     del self._conversations[conversation]
 
-    def _apply(self, record: CacheRecord, event: ColdEvent) -> ColdState:
+    def _apply(self, record: CacheRecord, event: ColdEvent, *, index: bool = True) -> ColdState:
+        """Move ``record``'s cold side by ``event``, and the cold policy and (with
+        ``index``; open indexes its entries afterwards, in token order) the prefix index
+        with it."""
         old = record.cold.state
         state = self._ledger.apply(record.cold, event)
         if state is not old and self._owns(record):
@@ -158,7 +161,8 @@ class ColdSideMixin:
                 self._enter_policy(self.cold_policy, record, self._cold_cost(record))
             elif old is ColdState.DURABLE:
                 self.cold_policy.on_remove(record.entry.key)
-        self._sync(record)
+        if index:
+            self._sync(record)
         return state
 
     def _owns(self, record: CacheRecord) -> bool:

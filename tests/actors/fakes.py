@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import random
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -162,8 +162,8 @@ class FakeColdStore:
                 info, caches = self.disk[key]
                 self.disk[key] = (attrs.evolve(info, pinned=pinned), caches)
 
-    async def entries(self) -> list[ColdEntryInfo]:
-        return [info for info, _ in self.disk.values()]
+    async def entries(self) -> AsyncGenerator[list[ColdEntryInfo], None]:
+        yield [info for info, _ in self.disk.values()]
 
     @property
     def disk_bytes(self) -> int:
