@@ -47,9 +47,11 @@ from kvtrio.errors import (
     StoreUnavailableError,
 )
 from kvtrio.storage.blockstore import LocalBlockStore
+from kvtrio.storage.cacheio import snapshot
 from kvtrio.storage.catalogue import Catalogue, CatalogueRow, CompactRow
 from kvtrio.storage.format import Header
 from kvtrio.storage.manifeststore import ManifestStore
+from kvtrio.storage.writable import encoded_size
 
 __all__ = [
     "CONVERSATIONS_META",
@@ -165,6 +167,14 @@ class ColdStore(Protocol):
         meta: Mapping[str, str],
     ) -> StoreResult:
         """Write ``caches`` under ``key``; return once it is durable or settled otherwise."""
+        ...
+
+    def encoded_size(
+        self, model: ModelKey, tokens: Sequence[int], caches: list[Any], meta: Mapping[str, str]
+    ) -> int:
+        """Owner thread: the bytes :meth:`store` of these arguments would put on disk, none
+        shared with what is there (the write's reservation: rule 2 of the tiered cache's
+        cold side)."""
         ...
 
     async def fetch(
@@ -505,6 +515,20 @@ class ColdTierStore:
                 bytes_written=write.file_bytes + write.new_block_bytes,
                 bytes_deduplicated=dedup,
             )
+
+    def encoded_size(
+        self, model: ModelKey, tokens: Sequence[int], caches: list[Any], meta: Mapping[str, str]
+    ) -> int:
+        extra = {k: v for k, v in meta.items() if k not in ("model_id", "config_fingerprint")}
+        plan = snapshot(
+            caches,
+            tokens,
+            model_id=model.model_id,
+            config_fingerprint=model.fingerprint,
+            meta=extra,
+        ).header
+        single = self.tier.layout == "single"
+        return encoded_size(plan, block_tokens=None if single else self.tier.block_tokens)
 
     async def _take_back_locked(self) -> None:
         """Rule 2: a failed write's blocks that no manifest names go now (local tier)."""

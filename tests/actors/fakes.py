@@ -128,6 +128,11 @@ class FakeColdStore:
         self.peak = max(self.peak, self.disk_bytes)
         return StoreResult(written=True, disk_bytes=nbytes - freed, bytes_written=nbytes)
 
+    def encoded_size(
+        self, model: ModelKey, tokens: Sequence[int], caches: list[Any], meta: Mapping[str, str]
+    ) -> int:
+        return sum(c.nbytes for c in caches)  # what store() counts on this "disk"
+
     async def fetch(
         self, key: str, *, model: ModelKey, tokens: Sequence[int] | None = None
     ) -> tuple[list[Any], int]:
