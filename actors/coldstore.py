@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import errno
 import functools
-import gc
 import json
 import logging
 import sys
 import time
 from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
 import trio
+from kvtrio.actors.collector import YoungCollections, collector_paused
 from kvtrio.actors.prefix import (
     DEFAULT_BLOCK_SIZE,
     ModelKey,
@@ -48,7 +47,7 @@ from kvtrio.errors import (
 )
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.cacheio import snapshot
-from kvtrio.storage.catalogue import Catalogue, CatalogueRow, CompactRow
+from kvtrio.storage.catalogue import SCAN_BATCH, Catalogue, CatalogueRow, CompactRow
 from kvtrio.storage.format import Header
 from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.writable import encoded_size
@@ -62,48 +61,10 @@ __all__ = [
     "OpenReport",
     "SharedColdStore",
     "StoreResult",
-    "YoungCollections",
-    "collector_paused",
 ]
 
 _log = logging.getLogger("kvtrio.coldstore")
 _DIGEST = 32  # bytes of a block name (sha256)
-
-
-@contextmanager
-def collector_paused() -> Iterator[None]:
-    """Pause Python's automatic cyclic collections while open builds its tables (restored
-    after, whatever the state was); call :func:`collect_young` between batches.
-
-    Why: a full collection traverses every tracked object while holding the GIL, and one
-    starts each time the tracked objects have grown by a quarter, so an open of 100,000
-    entries (four or five tracked objects each: docs/tiered.md) would run several, each
-    holding the loop for 0.3-0.5 s on a loaded 2-core machine. Paused, the young
-    generations are still collected, between batches, at a bounded cost each; only the
-    full pass waits for the collector's own thresholds after open. Nothing stays changed:
-    no ``gc.freeze``, no thresholds; the embedding process's collector is as it was.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-@attrs.define
-class YoungCollections:
-    """Between open's batches, with automatic collections paused: a collection of the
-    youngest generation after each batch, of the two young ones after every tenth (the
-    collector's own default ratio), so what a batch allocated is traversed a bounded
-    number of times and nothing piles up for one long pass after open."""
-
-    batches: int = 0
-
-    def after_batch(self) -> None:
-        self.batches += 1
-        gc.collect(1 if self.batches % 10 == 0 else 0)
 
 
 # At most this many names are fetched per index key (the chain hashes of a prefix that
@@ -328,7 +289,6 @@ class ColdTierStore:
             # touches this new store yet), so the open never holds the loop for it.
             with collector_paused():
                 opened = await trio.to_thread.run_sync(self._open_catalogue)
-                gc.collect(1)  # what the tables took: young, collected once (bounded)
             self._catalogue, self._block_sizes, self.opening = opened
         else:
             declared: dict[str, int] = {}
@@ -365,11 +325,14 @@ class ColdTierStore:
         keys = self.tier.list_keys()
         catalogued: set[str] = set()
         blocks: dict[str, int] = {}
+        young = YoungCollections()  # the collector is paused by create (bounded passes)
         try:
-            for key, file_bytes, names in catalogue.block_lists():
+            for n, (key, file_bytes, names) in enumerate(catalogue.block_lists(), 1):
                 catalogued.add(key)
                 if key in keys:
                     self._note_names(key, file_bytes, names)
+                if n % SCAN_BATCH == 0:
+                    young.after_batch()
             blocks = catalogue.block_sizes()
         except CorruptCacheError as exc:
             _log.warning("cold tier %s: catalogue rows unreadable, rebuilt (%s)", root, exc)

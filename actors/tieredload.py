@@ -18,9 +18,8 @@ from kvtrio.actors.coldside import (
 from kvtrio.actors.coldstore import (
     ColdEntryInfo,
     ColdStore,
-    YoungCollections,
-    collector_paused,
 )
+from kvtrio.actors.collector import YoungCollections, collector_paused
 from kvtrio.actors.lifecycle import ColdEvent, ColdLedger, ColdState
 from kvtrio.actors.metrics import Histogram
 from kvtrio.actors.misses import (
