@@ -195,6 +195,7 @@ class Catalogue:
         """Open ``directory``'s catalogue to read it, changing nothing (not even its clean
         mark): None when there is none; CorruptCacheError when it is unusable."""
         path = os.path.join(directory, CATALOGUE_NAME)
+        _refuse_links(path)
         if not os.path.isfile(path):
             return None
         try:
