@@ -479,8 +479,8 @@ def run_gc(args: argparse.Namespace) -> int:
         print(f"kvtrio gc: {exc}", file=sys.stderr)
         return 3
     try:
-        root = _lock_root(args.directory)
-        catalogue_dir = str(root) if (root / CATALOGUE_NAME).is_file() else None
+        tier_root = _lock_root(args.directory)
+        catalogue_dir = str(tier_root) if (tier_root / CATALOGUE_NAME).is_file() else None
         with _status(f"collecting garbage in {args.directory}", args.json):
             report, elapsed = _timed(
                 lambda: collect_garbage(
