@@ -10,13 +10,16 @@ Theory of operation
 1. A write is queued (NONE -> QUEUED) with the caches it will store; the queue is capped
    by bytes (``pending_budget``): when it is exceeded the oldest droppable pending write
    is shed (counted in ``pending_dropped`` and ``drops``), never the newest.
-2. One writer task takes pending writes oldest first. Before each store attempt it
-   reserves the entry's bytes (QUEUED -> WRITING) and runs the eviction loop: least
+2. One writer task takes pending writes oldest first. It plans each write's encoded size
+   on the owner (header and tensor payload, from the caches' shapes and dtypes: the
+   bytes it puts on disk if no block is there yet), then, before each store attempt,
+   reserves that (QUEUED -> WRITING) and runs the eviction loop: least
    recently used DURABLE entries are removed, one at a time and each completely, while
    used + reserved exceeds the effective budget. No other task evicts, so no two loops
    can both count the same bytes as still to free.
 3. The write settles: WRITTEN (DURABLE, or straight to removal when it was removed
-   meanwhile) or FAILED; either way the reservation is released at once. A write the
+   meanwhile) or FAILED; either way the reservation is released at once, and what the
+   store reports it added (blocks already on disk count nothing) goes into ``used``. A write the
    store reports as out of space (ENOSPC) evicts at least one entry and is retried once.
 4. Removals (supersession, a bad file) run in the background, ordered per key with the
    writes (rule 7); their freed bytes leave ``used`` when the store reports them.
@@ -44,6 +47,9 @@ from kvtrio.actors.misses import Departures, MissReason
 from kvtrio.actors.policy import EntryCost, EvictionPolicy, WearAccount
 from kvtrio.actors.prefix import PrefixEntry, PrefixIndex
 from kvtrio.errors import KvtrioError
+
+if TYPE_CHECKING:
+    from kvtrio.actors.tieredtypes import OwnerLike
 
 __all__ = [
     "DEFAULT_MIN_FREE_SHARE",
@@ -112,6 +118,7 @@ class ColdSideMixin:
         _touched: dict[str, float]
         _pins_to_record: dict[str, bool]
         save_seconds: Histogram
+        owner: OwnerLike
         cold_policy: EvictionPolicy
         wear: WearAccount
         departures: Departures
@@ -149,7 +156,10 @@ class ColdSideMixin:
                 if self._conversations.get(conversation) == key:
                     del self._conversations[conversation]
 
-    def _apply(self, record: CacheRecord, event: ColdEvent) -> ColdState:
+    def _apply(self, record: CacheRecord, event: ColdEvent, *, index: bool = True) -> ColdState:
+        """Move ``record``'s cold side by ``event``, and the cold policy and (with
+        ``index``; open indexes its entries afterwards, in token order) the prefix index
+        with it."""
         old = record.cold.state
         state = self._ledger.apply(record.cold, event)
         if state is not old and self._owns(record):
@@ -158,7 +168,8 @@ class ColdSideMixin:
                 self._enter_policy(self.cold_policy, record, self._cold_cost(record))
             elif old is ColdState.DURABLE:
                 self.cold_policy.on_remove(record.entry.key)
-        self._sync(record)
+        if index:
+            self._sync(record)
         return state
 
     def _owns(self, record: CacheRecord) -> bool:
@@ -261,9 +272,10 @@ class ColdSideMixin:
         exceed ``pending_budget`` (rule 3: soft by the newest one alone). ``nbytes``: the
         caches' bytes (default: the entry's hot bytes, its RAM copy being written)."""
         record.pending, record.pending_meta = caches, dict(meta)
-        # The caches' bytes in RAM: an upper bound of what the write stores (a KVCache's
-        # buffer is rounded up to its step), corrected to the real figure once written.
+        # The caches' bytes in RAM (a KVCache's buffer is rounded up to its step): what
+        # the byte cap counts; the reservation is the write's encoded size (rule 2).
         record.cold.nbytes = record.hot_bytes if nbytes is None else nbytes
+        record.cold.write_bytes = None  # planned by the writer (rule 2)
         record.cold.droppable = droppable
         self._apply(record, ColdEvent.QUEUE)
         self._busy_up()
@@ -330,10 +342,39 @@ class ColdSideMixin:
                 self._wake = trio.Event()
                 continue
             record = self._records[side.key]
+            if side.write_bytes is None:
+                side.write_bytes = await self._encoded_size(record)
+                if side.state is not ColdState.QUEUED or self._records.get(side.key) is not record:
+                    continue  # dropped or cancelled meanwhile: settled (and counted) there
             try:
                 await self._write(record)
             finally:
                 self._busy_down()
+
+    async def _encoded_size(self, record: CacheRecord) -> int:
+        """Rule 2: the bytes a QUEUED write will put on disk at most, planned on the owner
+        from its caches' shapes and dtypes (its RAM bytes when that plan fails: the write
+        will fail the same way, counted)."""
+        caches = record.pending
+        assert caches is not None
+        meta = self._write_meta(record, record.pending_meta or {})
+        entry = record.entry
+        try:
+            planned: int = await self.owner.run(
+                self.cold.encoded_size, entry.model, entry.tokens, caches, meta
+            )
+        except (KvtrioError, ValueError, TypeError):
+            return record.cold.nbytes
+        return planned
+
+    @staticmethod
+    def _write_meta(record: CacheRecord, meta: Mapping[str, str]) -> dict[str, str]:
+        """The header meta of ``record``'s write: ``meta`` and the conversations it is
+        the checkpoint of."""
+        out = dict(meta)
+        if record.conversations:
+            out[CONVERSATIONS_META] = json.dumps(sorted(record.conversations))
+        return out
 
     async def _write(self, record: CacheRecord) -> None:
         key = record.entry.key
@@ -375,12 +416,14 @@ class ColdSideMixin:
     ) -> StoreResult:
         """One attempt at the write, after the eviction loop made room for it."""
         await self._make_room()
-        if record.conversations:
-            meta[CONVERSATIONS_META] = json.dumps(sorted(record.conversations))
         started = time.perf_counter()
         try:
             result = await self.cold.store(
-                record.entry.key, record.entry.model, record.entry.tokens, caches, meta=meta
+                record.entry.key,
+                record.entry.model,
+                record.entry.tokens,
+                caches,
+                meta=self._write_meta(record, meta),
             )
             if result.written:
                 self.save_seconds.observe(time.perf_counter() - started)

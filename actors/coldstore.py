@@ -6,28 +6,30 @@ The tiered cache keeps the ledger (reservations, the one eviction loop: see
 :mod:`kvtrio.actors.tiered`); the store keeps what only it can know: which blocks exist
 on disk, how many manifests name each, and so how many bytes a removal really frees.
 
-Costs (N entries, B blocks, k blocks of one entry): ``create`` reads the catalogue
-(O(N + B) rows) or, when it must be rebuilt, every manifest once (O(N) reads) and lists
-the block directory once (O(B)); ``store`` and ``remove`` are O(k) plus the I/O; a
-failed write lists the block directory once (O(B)) to take back the blocks it stored.
+Costs (N entries, B blocks, k blocks of one entry): ``create`` reads the catalogue's
+block lists (O(N + references)) or, when it must be rebuilt, every manifest once (O(N)
+reads), and lists the block directory once (O(B)) when the catalogue was not closed
+cleanly; :meth:`ColdTierStore.entries` then streams the entries in batches of
+:data:`~kvtrio.storage.catalogue.SCAN_BATCH` compact rows, each fetched on a worker
+thread; ``store`` and ``remove`` are O(k) plus the I/O; a failed write lists the block
+directory once (O(B)) to take back the blocks it stored.
 """
 
 from __future__ import annotations
 
 import errno
 import functools
-import gc
 import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
 import trio
+from kvtrio.actors.collector import YoungCollections, collector_paused
 from kvtrio.actors.prefix import (
     DEFAULT_BLOCK_SIZE,
     ModelKey,
@@ -44,13 +46,14 @@ from kvtrio.errors import (
     StoreUnavailableError,
 )
 from kvtrio.storage.blockstore import LocalBlockStore
-from kvtrio.storage.catalogue import Catalogue, CatalogueRow
+from kvtrio.storage.cacheio import snapshot
+from kvtrio.storage.catalogue import SCAN_BATCH, Catalogue, CatalogueRow, CompactRow
 from kvtrio.storage.format import Header
 from kvtrio.storage.manifeststore import ManifestStore
+from kvtrio.storage.writable import encoded_size
 
 __all__ = [
     "CONVERSATIONS_META",
-    "FREEZE_AT",
     "SHARED_CANDIDATES",
     "ColdEntryInfo",
     "ColdStore",
@@ -58,35 +61,10 @@ __all__ = [
     "OpenReport",
     "SharedColdStore",
     "StoreResult",
-    "collector_paused",
 ]
 
 _log = logging.getLogger("kvtrio.coldstore")
-
-# An index of at least this many entries is frozen out of the cyclic collector once built.
-FREEZE_AT = 10_000
-
-
-@contextmanager
-def collector_paused(size: Callable[[], int]) -> Iterator[None]:
-    """Pause Python's cyclic collector while an index is built, then, if ``size()`` is at
-    least :data:`FREEZE_AT` entries, move what exists to the permanent generation
-    (``gc.freeze``).
-
-    Why: a full collection traverses every tracked object while holding the GIL, so one
-    that starts while 100,000 entries are being indexed (or any time later) held the
-    event loop for about 0.3 s here; the index holds no reference cycles, so freezing it
-    loses nothing. The collector is process-wide: it is paused only for the build.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if size() >= FREEZE_AT:
-            gc.freeze()
-        if enabled:
-            gc.enable()
+_DIGEST = 32  # bytes of a block name (sha256)
 
 
 # At most this many names are fetched per index key (the chain hashes of a prefix that
@@ -110,6 +88,9 @@ class ColdEntryInfo:
     mtime: float
     conversations: tuple[str, ...] = ()  # whose checkpoint it is (see CONVERSATIONS_META)
     pinned: bool = False  # recorded by ColdStore.pin (survives a restart)
+    # Its rank in token order among the entries listed with it (None: not known), so the
+    # index can be filled in that order without sorting (kvtrio.actors.prefix).
+    order: int | None = None
 
 
 @attrs.frozen
@@ -149,6 +130,14 @@ class ColdStore(Protocol):
         """Write ``caches`` under ``key``; return once it is durable or settled otherwise."""
         ...
 
+    def encoded_size(
+        self, model: ModelKey, tokens: Sequence[int], caches: list[Any], meta: Mapping[str, str]
+    ) -> int:
+        """Owner thread: the bytes :meth:`store` of these arguments would put on disk, none
+        shared with what is there (the write's reservation: rule 2 of the tiered cache's
+        cold side)."""
+        ...
+
     async def fetch(
         self, key: str, *, model: ModelKey, tokens: Sequence[int] | None = None
     ) -> tuple[list[Any], int]:
@@ -165,8 +154,9 @@ class ColdStore(Protocol):
         """Bytes the cold tier occupies on disk now."""
         ...
 
-    async def entries(self) -> list[ColdEntryInfo]:
-        """Every valid entry on disk; ``mtime`` is its last use (the cold LRU's order)."""
+    def entries(self) -> AsyncGenerator[Sequence[ColdEntryInfo], None]:
+        """Every valid entry on disk, in batches, least recently used first; ``mtime`` is
+        its last use (the cold LRU's order)."""
         ...
 
     async def touch(self, last_use: Mapping[str, float]) -> None:
@@ -297,9 +287,9 @@ class ColdTierStore:
         if local:
             # Everything proportional to N runs on the worker thread (nothing else
             # touches this new store yet), so the open never holds the loop for it.
-            with collector_paused(lambda: len(self._entry_bytes)):
+            with collector_paused():
                 opened = await trio.to_thread.run_sync(self._open_catalogue)
-            self._catalogue, self._infos, self._block_sizes, self.opening = opened
+            self._catalogue, self._block_sizes, self.opening = opened
         else:
             declared: dict[str, int] = {}
             entries = await tier.list()
@@ -318,11 +308,11 @@ class ColdTierStore:
             self._usage = sum(self._entry_bytes.values()) + sum(self._block_sizes.values())
         return self
 
-    def _open_catalogue(
-        self,
-    ) -> tuple[Catalogue, list[ColdEntryInfo], dict[str, int], OpenReport]:
-        """Worker thread: the catalogue's rows, reconciled with the manifests on disk
-        (module docstring of kvtrio.storage.catalogue, rule 2), and the blocks that exist."""
+    def _open_catalogue(self) -> tuple[Catalogue, dict[str, int], OpenReport]:
+        """Worker thread: the store's tables from the catalogue's block lists, reconciled
+        with the manifests on disk (module docstring of kvtrio.storage.catalogue, rule 2),
+        and the blocks that exist. The entries themselves are read later, in batches
+        (:meth:`entries`)."""
         root = str(self.tier.root)
         report = OpenReport()
         try:
@@ -332,44 +322,47 @@ class ColdTierStore:
             report.rebuilt = True
             Catalogue.remove(root)
             catalogue = Catalogue.open(root)
-        rows: dict[str, CatalogueRow] = {}
+        keys = self.tier.list_keys()
+        catalogued: set[str] = set()
+        blocks: dict[str, int] = {}
+        young = YoungCollections()  # the collector is paused by create (bounded passes)
         try:
-            rows = {row.key: row for row in catalogue.rows()}
+            for n, (key, file_bytes, names) in enumerate(catalogue.block_lists(), 1):
+                catalogued.add(key)
+                if key in keys:
+                    self._note_names(key, file_bytes, names)
+                if n % SCAN_BATCH == 0:
+                    young.after_batch()
             blocks = catalogue.block_sizes()
         except CorruptCacheError as exc:
             _log.warning("cold tier %s: catalogue rows unreadable, rebuilt (%s)", root, exc)
-            report.rebuilt, rows, blocks = True, {}, {}
-        keys = self.tier.list_keys()
-        for key in [k for k in rows if k not in keys]:  # its manifest is gone
-            del rows[key]
-            report.dropped += 1
+            report.rebuilt, catalogued = True, set()
+            self._refs.clear()
+            self._entry_blocks.clear()
+            self._entry_bytes.clear()
+        gone = catalogued - keys  # rows whose manifest is gone
+        report.dropped = len(gone)
         fresh: list[CatalogueRow] = []
-        for key in sorted(keys - rows.keys()):  # a manifest the catalogue lacks
+        for key in sorted(keys - catalogued):  # a manifest the catalogue lacks
             row = self._manifest_row(key)
             if row is not None:
                 fresh.append(row)
+                self._note_row(row)
         report.parsed = len(fresh)
-        rows.update((row.key, row) for row in fresh)
-        if not catalogue.was_clean or report.rebuilt:
-            # After a crash (or without rows to trust), what exists is what the block
-            # directory holds now; debris of unfinished writes goes.
-            blocks = self._present_blocks(rows.values(), report)
-        report.clean = catalogue.was_clean and not (report.rebuilt or report.dropped or fresh)
+        report.clean = catalogue.was_clean and not (report.rebuilt or gone or fresh)
         if not report.clean:
+            # After a crash, a rebuild or a change behind its back, what exists is what the
+            # block directory holds now; blocks no manifest names (debris) go.
+            blocks = self._present_blocks(report)
+            if report.rebuilt:
+                catalogue.replace_all(fresh, blocks)
+            else:
+                catalogue.reconcile(gone, fresh, blocks)
             # The rows' pins may be stale or lost with the catalogue: the manifest store's
             # record is the truth.
-            pinned = self._pinned_keys(rows.keys())
-            for key, row in rows.items():
-                if row.pinned != (key in pinned):
-                    rows[key] = attrs.evolve(row, pinned=key in pinned)
-            catalogue.replace_all(rows.values(), blocks)
-        models: dict[tuple[str, str], ModelKey] = {}
-        infos = []
-        for row in sorted(rows.values(), key=lambda row: row.last_use):
-            self._note_row(row)
-            infos.append(_row_info(row, models))
+            catalogue.replace_pins(self._pinned_keys(keys))
         self._usage = sum(self._entry_bytes.values()) + sum(blocks.values())
-        return catalogue, infos, blocks, report
+        return catalogue, blocks, report
 
     def _manifest_row(self, key: str) -> CatalogueRow | None:
         try:
@@ -381,9 +374,9 @@ class ColdTierStore:
             return None
         return _header_row(key, entry.header, entry.disk_bytes, entry.mtime)
 
-    def _present_blocks(self, rows: Iterable[CatalogueRow], report: OpenReport) -> dict[str, int]:
+    def _present_blocks(self, report: OpenReport) -> dict[str, int]:
         assert self._blocks is not None
-        named = {name for row in rows for name, _ in row.blocks}
+        named = self._refs
         stored = list(self._blocks.iter_blocks())
         orphans = [b.name for b in stored if b.name not in named]
         if orphans:
@@ -414,6 +407,17 @@ class ColdTierStore:
             self._refs[name] = self._refs.get(name, 0) + 1
         self._entry_blocks[row.key] = names
         self._entry_bytes[row.key] = row.file_bytes
+
+    def _note_names(self, key: str, file_bytes: int, digests: bytes) -> None:
+        """:meth:`_note_row` from a catalogue block list (concatenated 32-byte digests)."""
+        hexed = digests.hex()
+        step = 2 * _DIGEST
+        names = tuple(sys.intern(hexed[i : i + step]) for i in range(0, len(hexed), step))
+        refs = self._refs
+        for name in names:
+            refs[name] = refs.get(name, 0) + 1
+        self._entry_blocks[key] = names
+        self._entry_bytes[key] = file_bytes
 
     async def _sweep_locked(self) -> None:
         """Local tier: delete stored blocks no manifest names (rule 2)."""
@@ -474,6 +478,20 @@ class ColdTierStore:
                 bytes_written=write.file_bytes + write.new_block_bytes,
                 bytes_deduplicated=dedup,
             )
+
+    def encoded_size(
+        self, model: ModelKey, tokens: Sequence[int], caches: list[Any], meta: Mapping[str, str]
+    ) -> int:
+        extra = {k: v for k, v in meta.items() if k not in ("model_id", "config_fingerprint")}
+        plan = snapshot(
+            caches,
+            tokens,
+            model_id=model.model_id,
+            config_fingerprint=model.fingerprint,
+            meta=extra,
+        ).header
+        single = self.tier.layout == "single"
+        return encoded_size(plan, block_tokens=None if single else self.tier.block_tokens)
 
     async def _take_back_locked(self) -> None:
         """Rule 2: a failed write's blocks that no manifest names go now (local tier)."""
@@ -574,20 +592,26 @@ class ColdTierStore:
         expected = sum(self._entry_bytes.values()) + sum(self._block_sizes.values())
         assert self._usage == expected, f"usage drifted: {self._usage} != {expected}"
 
-    async def entries(self) -> list[ColdEntryInfo]:
+    async def entries(self) -> AsyncGenerator[Sequence[ColdEntryInfo], None]:
         if self._infos is not None:  # what create read: handed over once, not kept
             infos, self._infos = self._infos, None
-            return infos
-        if self._catalogue is not None:
-            models: dict[tuple[str, str], ModelKey] = {}
-            return await trio.to_thread.run_sync(
-                lambda: [_row_info(row, models) for row in self._catalogue_rows()]
-            )
-        return [_entry_info(entry) for entry in await self.tier.list()]
-
-    def _catalogue_rows(self) -> Iterable[CatalogueRow]:
-        assert self._catalogue is not None
-        return self._catalogue.rows()
+            yield infos
+            return
+        if self._catalogue is None:
+            yield [_entry_info(entry) for entry in await self.tier.list()]
+            return
+        # One batch per worker-thread call; the loop indexes each before the next is read.
+        scan = self._catalogue.scan()
+        models: dict[tuple[str, str], ModelKey] = {}
+        step = functools.partial(_next_infos, scan, models)
+        try:
+            while True:
+                batch = await trio.to_thread.run_sync(step)
+                if batch is None:
+                    return
+                yield batch
+        finally:
+            scan.close()
 
     async def find(self, model: ModelKey, tokens: Sequence[int]) -> list[tuple[str, int]]:
         """:meth:`SharedColdStore.find`: one pipelined round trip to the prefix index."""
@@ -650,21 +674,25 @@ def _header_row(key: str, header: Header, file_bytes: int, last_use: float) -> C
     )
 
 
-def _row_info(row: CatalogueRow, models: dict[tuple[str, str], ModelKey]) -> ColdEntryInfo:
-    """``models`` shares one ModelKey per (model id, fingerprint) among the entries."""
-    model = models.setdefault(
-        (row.model_id, row.fingerprint), ModelKey(row.model_id, row.fingerprint)
-    )
-    return ColdEntryInfo(
-        key=row.key,
-        model=model,
-        tokens=intern_tokens(row.tokens),
-        trimmable=row.trimmable,
-        min_reusable_offset=row.min_offset,
-        mtime=row.last_use,
-        conversations=row.conversations,
-        pinned=row.pinned,
-    )
+def _next_infos(
+    scan: Iterator[list[CompactRow]], models: dict[tuple[str, str], ModelKey]
+) -> list[ColdEntryInfo] | None:
+    """Worker thread: the scan's next batch as entry infos (None at its end). ``models``
+    shares one ModelKey per (model id, fingerprint) among the entries."""
+    rows = next(scan, None)
+    if rows is None:
+        return None
+    out = []
+    for key, model_id, fp, tokens, trimmable, min_offset, conv, used, pinned, rank in rows:
+        model = models.get((model_id, fp))
+        if model is None:
+            model = models[model_id, fp] = ModelKey(model_id, fp)
+        out.append(
+            ColdEntryInfo(
+                key, model, intern_tokens(tokens), trimmable, min_offset, used, conv, pinned, rank
+            )
+        )
+    return out
 
 
 def _entry_info(entry: TierEntry) -> ColdEntryInfo:

@@ -108,10 +108,13 @@ class ColdSide:
     """One entry's cold side: its state, and what the ledger counts for it."""
 
     key: str
-    nbytes: int  # tensor bytes: the size of its pending write and of its reservation
+    nbytes: int  # its caches' bytes in RAM: what its pending write holds
     state: ColdState = ColdState.NONE
     reserved: int = 0
     droppable: bool = True  # a pending write the byte cap may shed (not a flush's)
+    # The bytes its write puts on disk at most (its encoded size, planned by the writer
+    # before the write starts): its reservation; None: ``nbytes`` stands in.
+    write_bytes: int | None = None
 
 
 @attrs.define(eq=False)
@@ -121,7 +124,9 @@ class ColdLedger:
     - ``used``: bytes that exist in the store, as the store reports each change (a
       write's net bytes, a removal's freed bytes; absent blocks count nothing);
     - ``reserved``: the sum of the reservations of entries being written (a write
-      reserves its tensor bytes when it starts, and releases them when it settles);
+      reserves its encoded size, ``write_bytes``, when it starts, and releases it when it
+      settles, when the store's report of what it really added takes its place in
+      ``used``: blocks already on disk add nothing);
     - the cold LRU: exactly the DURABLE entries, least recently used first;
     - the pending write-backs: exactly the QUEUED entries, oldest first, and their bytes.
 
@@ -168,7 +173,7 @@ class ColdLedger:
             side.reserved = 0
             del self._writing[id(side)]
         elif new in _RESERVING and old not in _RESERVING:
-            side.reserved = side.nbytes
+            side.reserved = side.nbytes if side.write_bytes is None else side.write_bytes
             self._reserved += side.reserved
             self._writing[id(side)] = side
         if new is ColdState.DURABLE:

@@ -34,9 +34,11 @@ Rules the index keeps:
 
 from __future__ import annotations
 
+import array
 import bisect
 import enum
 import hashlib
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -60,6 +62,7 @@ __all__ = [
 DEFAULT_BLOCK_SIZE = 256
 _DOMAIN = b"kvtrio-prefix-v1"
 _MAX_TOKEN = 2**32 - 1
+assert array.array("I").itemsize == 4
 
 
 # ModelKey -> its root chain hash (a handful of models per process; saves a sha256 per
@@ -91,10 +94,18 @@ class ModelKey:
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
-    arr = np.asarray(tokens, dtype=np.int64)
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN):
-        raise ValueError("token ids must be in [0, 2**32)")
-    return arr.astype("<u4").tobytes()
+    try:
+        packed = array.array("I", tokens)  # unsigned: refuses ids outside [0, 2**32)
+    except OverflowError:
+        raise ValueError("token ids must be in [0, 2**32)") from None
+    except TypeError:  # not plain ints (numpy integers, say): numpy converts them
+        arr = np.asarray(tokens, dtype=np.int64)
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN):
+            raise ValueError("token ids must be in [0, 2**32)") from None
+        return arr.astype("<u4").tobytes()
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def _link(parent: bytes, model: ModelKey, tokens: Sequence[int]) -> bytes:
@@ -229,7 +240,7 @@ _TOKEN_INTERN: dict[int, int] = {}
 def intern_tokens(tokens: Iterable[int]) -> tuple[int, ...]:
     """``tokens`` as a tuple whose ints are shared with every other interned tuple (a
     token id is one object however many entries hold it: 8 bytes per token, not 36)."""
-    values = tokens if isinstance(tokens, (tuple, list)) else list(tokens)
+    values = tokens if isinstance(tokens, (tuple, list, array.array)) else list(tokens)
     table = _TOKEN_INTERN
     return tuple(map(table.setdefault, values, values))
 
@@ -263,9 +274,11 @@ class PrefixIndex:
     Costs (N entries, P blocks of a query, C candidates examined, b the block size):
     ``add`` and ``remove`` are O(blocks of the entry) hashes plus an O(log N) search and
     an insertion into each of its nodes' sorted runs (a list insert: a memmove of at most
-    N pointers); ``lookup`` is O(P) hashes to walk the chain, O(P * distinct tail lengths)
-    hashes for the shorter entries, and O(log N + C * b) for the longer ones, with
-    C <= :data:`MAX_TIES` per reuse length; never O(N).
+    N pointers), and ``add`` of an entry sorting after every entry of its nodes (entries
+    added in token order, as open does) is O(blocks) appends; ``lookup`` is O(P) hashes
+    to walk the chain, O(P * distinct tail lengths) hashes for the shorter entries, and
+    O(log N + C * b) for the longer ones, with C <= :data:`MAX_TIES` per reuse length;
+    never O(N).
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -318,7 +331,13 @@ class PrefixIndex:
         return window
 
     def _path(self, entry: PrefixEntry) -> list[bytes]:
-        return [entry.model.root(), *chain_hashes(entry.model, entry.tokens, self.block_size)]
+        model, tokens, b = entry.model, entry.tokens, self.block_size
+        parent = model.root()
+        path = [parent]
+        for start in range(0, len(tokens) - b + 1, b):
+            parent = _link(parent, model, tokens[start : start + b])
+            path.append(parent)
+        return path
 
     def add(self, entry: PrefixEntry) -> PrefixEntry | None:
         """Register ``entry``; return the entry it replaced (same key), if any."""
@@ -332,7 +351,11 @@ class PrefixIndex:
             node = self._nodes.get(node_hash)
             if node is None:
                 node = self._nodes[node_hash] = _Node(depth)
-            bisect.insort(node.runs, entry, key=self._window(depth))
+            window, runs = self._window(depth), node.runs
+            if not runs or window(runs[-1]) <= window(entry):
+                runs.append(entry)  # in token order (open adds them so): no search
+            else:
+                bisect.insort(runs, entry, key=window)
         tail = len(entry.tokens) - (len(path) - 1) * self.block_size
         last = self._nodes[path[-1]]
         last.tails[tail] = last.tails.get(tail, 0) + 1

@@ -9,6 +9,7 @@ A lookup costs one index round trip (all of the query's chain hashes at once) an
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
+from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -58,7 +59,8 @@ class SharedLookupMixin:
         self._refreshing, self._refreshed_at = True, now
         self._count("shared_refreshes")
         try:
-            infos = await self.cold.entries()
+            async with aclosing(self.cold.entries()) as batches:
+                infos = [info async for batch in batches for info in batch]
         except (KvtrioError, OSError):
             return
         finally:

@@ -46,6 +46,9 @@ from kvtrio.errors import (
     PinLimitError,
 )
 
+# (tokens, bytes per token, model) -> the cost of an entry found at open (see _cold_cost).
+_FOUND_COSTS: dict[tuple[int, int, ModelKey], EntryCost] = {}
+
 __all__ = ["PolicyFeaturesMixin"]
 
 
@@ -265,10 +268,21 @@ class PolicyFeaturesMixin:
 
     def _cold_cost(self, record: CacheRecord) -> EntryCost:
         """What losing a DURABLE entry costs: its recompute. An entry found at open has no
-        byte count: this model's last bytes per token stand in."""
+        byte count: this model's last bytes per token stand in, and entries of one length
+        share one (immutable) cost, one object fewer per entry for the collector to
+        traverse (docs/tiered.md, memory per entry)."""
         tokens = len(record.entry.tokens)
-        nbytes = record.cold.nbytes or tokens * self._bytes_per_token
-        return EntryCost(nbytes, tokens, record.entry.model)
+        if record.cold.nbytes:
+            return EntryCost(record.cold.nbytes, tokens, record.entry.model)
+        shared = (tokens, self._bytes_per_token, record.entry.model)
+        cost = _FOUND_COSTS.get(shared)
+        if cost is None:
+            if len(_FOUND_COSTS) >= 4096:  # bounded, whatever the lengths
+                _FOUND_COSTS.clear()
+            cost = _FOUND_COSTS[shared] = EntryCost(
+                tokens * self._bytes_per_token, tokens, record.entry.model
+            )
+        return cost
 
     def _candidate(self, record: CacheRecord, nbytes: int) -> AdmissionCandidate:
         tokens = len(record.entry.tokens)

@@ -8,6 +8,7 @@ import functools
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
+from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -17,8 +18,8 @@ from kvtrio.actors.coldside import (
 from kvtrio.actors.coldstore import (
     ColdEntryInfo,
     ColdStore,
-    collector_paused,
 )
+from kvtrio.actors.collector import YoungCollections, collector_paused
 from kvtrio.actors.lifecycle import ColdEvent, ColdLedger, ColdState
 from kvtrio.actors.metrics import Histogram
 from kvtrio.actors.misses import (
@@ -52,7 +53,9 @@ class IndexAndLoadMixin:
 
     if TYPE_CHECKING:  # what the cache provides (its attrs fields and other parts)
         def _admit(self, record: CacheRecord, nbytes: int) -> bool: ...
-        def _apply(self, record: CacheRecord, event: ColdEvent) -> ColdState: ...
+        def _apply(
+            self, record: CacheRecord, event: ColdEvent, *, index: bool = True
+        ) -> ColdState: ...
         def _cancel_pending(self, record: CacheRecord) -> None: ...
         _conversations: dict[str, str]
         load_seconds: Histogram
@@ -77,6 +80,7 @@ class IndexAndLoadMixin:
             self, record: CacheRecord, caches: list[Any] | None, nbytes: int = 0
         ) -> None: ...
         def _spawn_removal(self, record: CacheRecord) -> None: ...
+        def _sync(self, record: CacheRecord) -> None: ...
         def _touch_cold(self, record: CacheRecord) -> None: ...
         cold: ColdStore
         hot_budget: int
@@ -87,42 +91,77 @@ class IndexAndLoadMixin:
         wear: WearAccount
 
     async def _load_index(self) -> None:
+        """Index every stored entry (open). The store's batches come least recently used
+        first; each entry enters the ledger and the cold policy in that order, then the
+        prefix index in token order (the entries' ``order``, when the store knows it), so
+        the index's sorted runs are filled by appends, never a sort or an insertion search.
+        :data:`OPEN_BATCH` entries per loop step, a checkpoint between steps."""
         self._ledger.used = await self.cold.usage()
-        entries = await self.cold.entries()
-        with collector_paused(lambda: len(self._records)):
-            await self._add_cold_entries(entries)
+        by_order: list[CacheRecord | None] = []
+        young = YoungCollections()
+        with collector_paused():
+            async with aclosing(self.cold.entries()) as batches:
+                async for batch in batches:
+                    await self._add_cold_entries(batch, by_order, young)
+            for start in range(0, len(by_order), OPEN_BATCH):
+                for record in by_order[start : start + OPEN_BATCH]:
+                    if record is not None:
+                        self._sync(record)
+                young.after_batch()
+                await trio.lowlevel.checkpoint()
 
-    async def _add_cold_entries(self, infos: Iterable[ColdEntryInfo]) -> None:
-        """Index stored entries, least recently used first, :data:`OPEN_BATCH` at a time
-        with a checkpoint between batches (the loop never stalls for all N at once)."""
-        listed = list(infos)
+    async def _add_cold_entries(
+        self,
+        infos: Iterable[ColdEntryInfo],
+        by_order: list[CacheRecord | None] | None = None,
+        young: YoungCollections | None = None,
+    ) -> None:
+        """Enter stored entries, least recently used first, :data:`OPEN_BATCH` at a time
+        with a checkpoint between batches (the loop never stalls for all N at once). With
+        ``by_order``, an entry whose ``order`` is known is put there instead of into the
+        prefix index (the caller indexes them in that order). ``young``: open's young
+        collections, run after each batch (:mod:`kvtrio.actors.collector`)."""
+        listed = infos if isinstance(infos, list) else list(infos)
         if len(listed) > OPEN_BATCH:  # a sort of N on the loop would be one long step
             by_mtime = functools.partial(sorted, listed, key=_by_mtime)
             ordered = await trio.to_thread.run_sync(by_mtime)
         else:
             ordered = sorted(listed, key=_by_mtime)
-        for n, info in enumerate(ordered):
-            if n and n % OPEN_BATCH == 0:
-                await trio.lowlevel.checkpoint()
-            if info.key in self._records:
-                continue
-            entry = PrefixEntry(
-                key=info.key,
-                model=info.model,
-                tokens=info.tokens,
-                trimmable=info.trimmable,
-                min_reusable_offset=info.min_reusable_offset,
-            )
-            if info.model != self.model:
-                self._other_models.add(info.model)
-            record = self._records[info.key] = CacheRecord.of(entry)
-            record.conversations = frozenset(info.conversations)
-            record.pinned = info.pinned  # rule 12: pins survive a restart
+        for start in range(0, len(ordered), OPEN_BATCH):
+            for info in ordered[start : start + OPEN_BATCH]:
+                self._add_cold_entry(info, by_order)
+            if young is not None:
+                young.after_batch()
+            await trio.lowlevel.checkpoint()
+
+    def _add_cold_entry(
+        self, info: ColdEntryInfo, by_order: list[CacheRecord | None] | None
+    ) -> None:
+        key = info.key
+        if key in self._records:
+            return
+        model = info.model
+        entry = PrefixEntry(key, model, info.tokens, info.trimmable, info.min_reusable_offset)
+        if model is not self.model and model != self.model:
+            self._other_models.add(model)
+        record = self._records[key] = CacheRecord.of(entry)
+        if info.pinned:
+            record.pinned = True  # rule 12: pins survive a restart
+        order = info.order
+        if by_order is None or order is None:
             self._apply(record, ColdEvent.FOUND)
-            for conversation in info.conversations:  # the latest checkpoint is the longest
-                latest = self._records.get(self._conversations.get(conversation, ""))
-                if latest is None or len(latest.entry.tokens) < len(entry.tokens):
-                    self._conversations[conversation] = info.key
+        else:
+            self._apply(record, ColdEvent.FOUND, index=False)
+            if order >= len(by_order):
+                by_order.extend([None] * (order + 1 - len(by_order)))
+            by_order[order] = record
+        if not info.conversations:
+            return
+        record.conversations = frozenset(info.conversations)
+        for conversation in info.conversations:  # the latest checkpoint is the longest
+            latest = self._records.get(self._conversations.get(conversation, ""))
+            if latest is None or len(latest.entry.tokens) < len(entry.tokens):
+                self._conversations[conversation] = key
 
     async def _load_cold(self, record: CacheRecord) -> list[Any] | None:
         """Read a DURABLE entry's caches (None: gone or bad, counted and forgotten)."""

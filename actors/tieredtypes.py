@@ -63,7 +63,7 @@ DEFAULT_LAG_INTERVAL = 0.05
 
 
 # Entries indexed per step of open, between checkpoints (rule: no long loop stall).
-OPEN_BATCH = 256
+OPEN_BATCH = 128
 
 
 class WritePolicy(enum.Enum):

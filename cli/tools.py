@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import attrs
 from kvtrio.errors import CacheMissError, CorruptCacheError, DirectoryLockedError
 from kvtrio.storage.blockstore import LocalBlockStore
+from kvtrio.storage.catalogue import CATALOGUE_NAME
 from kvtrio.storage.dirlock import LOCK_NAME, DirectoryLock, holder_pid, try_lock
 from kvtrio.storage.fileops import OS_FILE_OPS
 from kvtrio.storage.format import CacheEntry, Header, TensorSlot
@@ -478,10 +479,17 @@ def run_gc(args: argparse.Namespace) -> int:
         print(f"kvtrio gc: {exc}", file=sys.stderr)
         return 3
     try:
+        tier_root = _lock_root(args.directory)
+        catalogue_dir = str(tier_root) if (tier_root / CATALOGUE_NAME).is_file() else None
         with _status(f"collecting garbage in {args.directory}", args.json):
             report, elapsed = _timed(
                 lambda: collect_garbage(
-                    str(tree.manifest_dir), store, grace_s=args.grace, file_ops=ops
+                    str(tree.manifest_dir),
+                    store,
+                    grace_s=args.grace,
+                    file_ops=ops,
+                    catalogue_dir=catalogue_dir,
+                    update_catalogue=lock is not None,
                 )
             )
     finally:
@@ -505,7 +513,8 @@ def run_gc(args: argparse.Namespace) -> int:
     table = Table(title=f"kvtrio gc {args.directory} (grace {args.grace:g} s)", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
-    table.add_row("manifests read", str(report.manifests))
+    table.add_row("manifests", str(report.manifests))
+    table.add_row("  of which the catalogue gave", str(report.catalogued))
     table.add_row("live blocks", str(report.live_blocks))
     table.add_row(f"blocks {verb}", str(report.deleted_blocks))
     table.add_row(f"bytes {verb}", _fmt_bytes(report.deleted_bytes))

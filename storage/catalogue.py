@@ -17,9 +17,12 @@ Rules:
    finds it clean, with the same manifest names as the directory listing, trusts the
    rows; otherwise (a crash, a manifest added or removed behind its back, a missing,
    truncated or corrupt file, another schema version) the caller rebuilds it from the
-   manifests (:meth:`Catalogue.replace_all`) and counts that. A version-2 catalogue (no
-   pinned column) is migrated in place: the column is added, every entry unpinned.
-3. Per entry: key, model id and fingerprint, tokens (u32 little-endian), trimmability,
+   manifests (:meth:`Catalogue.replace_all`) and counts that; so is a catalogue of an
+   older schema (before 4 tokens were little-endian, not sortable: the pins come back
+   from the manifest store's record).
+3. Per entry: key, model id and fingerprint, tokens (u32 big-endian, so that sqlite's
+   BLOB order, memcmp, is the order of the token lists: the index's sorted runs are
+   filled in that order without a sort on the event loop), trimmability,
    minimum reusable offset, conversations, manifest bytes, last use (seconds since the
    epoch: the cold LRU's order survives a restart), whether it is pinned (a copy of the
    manifest store's pins, :meth:`ManifestStore.pinned_names`, read instead of them when
@@ -27,8 +30,10 @@ Rules:
    Per block that exists: its size. Reference counts are derived from the entries'
    block lists when loaded (so they cannot drift from them).
 
-Costs: :meth:`Catalogue.rows` is one query, O(N + references); an upsert or delete is
-O(blocks of the entry); :meth:`touch` is O(keys touched).
+Costs: :meth:`Catalogue.rows`, :meth:`Catalogue.block_lists` and :meth:`Catalogue.scan`
+are one query each, O(N + references), the sorting done inside sqlite (which releases
+the GIL), the rows fetched :data:`SCAN_BATCH` at a time as compact tuples; an upsert or
+delete is O(blocks of the entry); :meth:`touch` is O(keys touched).
 
 Keeps docs/design.md invariant 15.
 """
@@ -41,17 +46,29 @@ import os
 import sqlite3
 import stat
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import attrs
 from kvtrio.errors import CorruptCacheError
 
-__all__ = ["CATALOGUE_NAME", "Catalogue", "CatalogueRow", "pack_tokens", "unpack_tokens"]
+__all__ = [
+    "CATALOGUE_NAME",
+    "SCAN_BATCH",
+    "Catalogue",
+    "CatalogueRow",
+    "CompactRow",
+    "pack_tokens",
+    "unpack_tokens",
+]
 
 CATALOGUE_NAME = ".kvtrio-catalogue.sqlite3"
-SCHEMA_VERSION = 3
-_MIGRATABLE = {"2": "ALTER TABLE entries ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0"}
+SCHEMA_VERSION = 4  # 3: a pinned column; 4: tokens big-endian (sortable)
+# Versions opened by a migration in place (none: 2 and 3 store tokens little-endian).
+_MIGRATABLE: dict[str, str] = {}
 _DIGEST = 32
+# Rows fetched per step of a scan (bounded work per worker-thread call).
+SCAN_BATCH = 1024
 assert array.array("I").itemsize == 4
 
 _SCHEMA = """
@@ -75,20 +92,32 @@ CREATE TABLE IF NOT EXISTS blocks (name BLOB PRIMARY KEY, size INTEGER NOT NULL)
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Tokens as u32 big-endian: memcmp order is the order of the token tuples."""
     packed = array.array("I", tokens)
-    if sys.byteorder != "little":
+    if sys.byteorder != "big":
         packed.byteswap()
     return packed.tobytes()
 
 
-def unpack_tokens(data: bytes) -> tuple[int, ...]:
+def unpack_tokens(data: bytes) -> array.array[int]:
+    """The tokens :func:`pack_tokens` packed (an array: the caller makes its tuple)."""
     if len(data) % 4:
         raise CorruptCacheError("catalogue: tokens are not whole u32 values")
     packed = array.array("I")
     packed.frombytes(data)
-    if sys.byteorder != "little":
+    if sys.byteorder != "big":
         packed.byteswap()
-    return tuple(packed)
+    return packed
+
+
+CompactRow = tuple[
+    str, str, str, "array.array[int]", bool, int, tuple[str, ...], float, bool, int
+]
+"""One entry as a scan yields it: key, model id, fingerprint, tokens, trimmable, minimum
+reusable offset, conversations, last use, pinned, and its rank in token order (0 for the
+entry whose tokens sort first). A plain tuple: no object per row beyond what the index keeps."""
+
+_NO_CONVERSATIONS: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -116,6 +145,7 @@ class Catalogue:
     path: str
     _db: sqlite3.Connection
     was_clean: bool
+    read_only: bool = False
 
     @classmethod
     def open(cls, directory: str) -> Catalogue:
@@ -160,6 +190,30 @@ class Catalogue:
             raise
         return cls(path, db, was_clean)
 
+    @classmethod
+    def open_read_only(cls, directory: str) -> Catalogue | None:
+        """Open ``directory``'s catalogue to read it, changing nothing (not even its clean
+        mark): None when there is none; CorruptCacheError when it is unusable."""
+        path = os.path.join(directory, CATALOGUE_NAME)
+        _refuse_links(path)
+        if not os.path.isfile(path):
+            return None
+        try:
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise CorruptCacheError(f"catalogue {path}: {exc}") from exc
+        try:
+            meta = dict(db.execute("SELECT name, value FROM meta").fetchall())
+            if meta.get("version") != str(SCHEMA_VERSION):
+                raise CorruptCacheError(f"catalogue {path}: schema {meta.get('version')}")
+        except sqlite3.Error as exc:
+            db.close()
+            raise CorruptCacheError(f"catalogue {path}: {exc}") from exc
+        except BaseException:
+            db.close()
+            raise
+        return cls(path, db, meta.get("clean") == "1", read_only=True)
+
     @staticmethod
     def remove(directory: str) -> None:
         """Delete a catalogue's files (before a rebuild)."""
@@ -171,9 +225,10 @@ class Catalogue:
                 continue
 
     def close(self, *, clean: bool = True) -> None:
-        """Mark it clean (rule 2: every row matches a manifest) and close it."""
+        """Mark it clean (rule 2: every row matches a manifest) and close it (one opened
+        read-only is closed as it is)."""
         try:
-            if clean:
+            if clean and not self.read_only:
                 self._db.execute("INSERT OR REPLACE INTO meta VALUES ('clean', '1')")
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         finally:
@@ -194,6 +249,41 @@ class Catalogue:
         try:
             for row in self._db.execute(query):
                 yield _row(row)
+        except sqlite3.Error as exc:
+            raise CorruptCacheError(f"catalogue {self.path}: {exc}") from exc
+
+    def block_lists(self) -> Iterator[tuple[str, int, bytes]]:
+        """Per entry: its key, manifest bytes and block names (the concatenated 32-byte
+        digests, in the manifest's order), in no particular order. CorruptCacheError on a
+        bad row."""
+        query = "SELECT key, file_bytes, block_names FROM entries"
+        try:
+            for batch in _batches(self._db.execute(query)):
+                for key, file_bytes, names in batch:
+                    if not (
+                        isinstance(key, str)
+                        and isinstance(file_bytes, int)
+                        and isinstance(names, bytes)
+                        and len(names) % _DIGEST == 0
+                    ):
+                        raise CorruptCacheError(f"catalogue: entry {key!r:.80}: bad block list")
+                    yield key, file_bytes, names
+        except sqlite3.Error as exc:
+            raise CorruptCacheError(f"catalogue {self.path}: {exc}") from exc
+
+    def scan(self) -> Generator[list[CompactRow], None, None]:
+        """Every entry as a :data:`CompactRow`, least recently used first, in lists of at
+        most :data:`SCAN_BATCH` (one list per step: a worker thread fetches one, the event
+        loop indexes it). The ranks come from sqlite's own sort of the token blobs.
+        CorruptCacheError on a bad row."""
+        query = (
+            "SELECT key, model_id, fingerprint, tokens, trimmable, min_offset, conversations,"
+            " last_use, pinned, row_number() OVER (ORDER BY tokens, key) - 1 FROM entries"
+            " ORDER BY last_use, key"
+        )
+        try:
+            for batch in _batches(self._db.execute(query)):
+                yield [_compact(row) for row in batch]
         except sqlite3.Error as exc:
             raise CorruptCacheError(f"catalogue {self.path}: {exc}") from exc
 
@@ -223,6 +313,25 @@ class Catalogue:
                 "INSERT INTO blocks VALUES (?, ?)",
                 ((bytes.fromhex(name), size) for name, size in blocks.items()),
             )
+
+    def reconcile(
+        self, gone: Iterable[str], fresh: Iterable[CatalogueRow], blocks: dict[str, int] | None
+    ) -> None:
+        """In one transaction: drop the rows of ``gone`` keys, upsert ``fresh`` rows, and
+        (given) replace the table of existing blocks with ``blocks``."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.executemany("DELETE FROM entries WHERE key = ?", ((k,) for k in gone))
+            self._db.executemany(
+                "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (_values(row) for row in fresh),
+            )
+            if blocks is not None:
+                self._db.execute("DELETE FROM blocks")
+                self._db.executemany(
+                    "INSERT INTO blocks VALUES (?, ?)",
+                    ((bytes.fromhex(name), size) for name, size in blocks.items()),
+                )
 
     def put(self, row: CatalogueRow, new_blocks: dict[str, int]) -> None:
         """An entry was published (its blocks in ``new_blocks`` are new on disk)."""
@@ -262,6 +371,15 @@ class Catalogue:
                 ((when, key) for key, when in last_use.items()),
             )
 
+    def replace_pins(self, pinned: Iterable[str]) -> None:
+        """Exactly the entries of ``pinned`` are pinned (a rebuild's copy of the record)."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("UPDATE entries SET pinned = 0 WHERE pinned")
+            self._db.executemany(
+                "UPDATE entries SET pinned = 1 WHERE key = ?", ((key,) for key in pinned)
+            )
+
     def set_pinned(self, pins: Mapping[str, bool]) -> None:
         """Record which entries are pinned (True) or not (rule 3; absent keys: nothing)."""
         with self._db:
@@ -270,6 +388,48 @@ class Catalogue:
                 "UPDATE entries SET pinned = ? WHERE key = ?",
                 ((int(pinned), key) for key, pinned in pins.items()),
             )
+
+
+def _batches(cursor: sqlite3.Cursor) -> Iterator[list[Any]]:
+    while batch := cursor.fetchmany(SCAN_BATCH):
+        yield batch
+
+
+def _compact(row: Any) -> CompactRow:
+    (key, model_id, fingerprint, tokens, trimmable, min_offset, conversations, last_use,
+     pinned, rank) = row  # fmt: skip
+    if not (
+        isinstance(key, str)
+        and isinstance(model_id, str)
+        and isinstance(fingerprint, str)
+        and isinstance(tokens, bytes)
+        and isinstance(min_offset, int)
+        and isinstance(conversations, str)
+        and isinstance(last_use, float)
+    ):
+        raise CorruptCacheError(f"catalogue: entry {key!r:.80}: a field of the wrong type")
+    if conversations == "[]":
+        names: tuple[str, ...] = _NO_CONVERSATIONS
+    else:
+        try:
+            loaded = json.loads(conversations)
+        except ValueError as exc:
+            raise CorruptCacheError(f"catalogue: entry {key!r:.80}: {exc}") from exc
+        if not isinstance(loaded, list) or not all(isinstance(c, str) for c in loaded):
+            raise CorruptCacheError(f"catalogue: entry {key!r:.80}: bad conversations")
+        names = tuple(loaded)
+    return (
+        key,
+        model_id,
+        fingerprint,
+        unpack_tokens(tokens),
+        bool(trimmable),
+        min_offset,
+        names,
+        last_use,
+        bool(pinned),
+        rank,
+    )
 
 
 def _values(row: CatalogueRow) -> tuple[object, ...]:
@@ -328,7 +488,7 @@ def _row(row: tuple[object, ...]) -> CatalogueRow:
             key=str(key),
             model_id=str(model_id),
             fingerprint=str(fingerprint),
-            tokens=unpack_tokens(tokens),
+            tokens=tuple(unpack_tokens(tokens)),
             trimmable=bool(trimmable),
             min_offset=int(str(min_offset)),
             conversations=tuple(str(c) for c in conv),

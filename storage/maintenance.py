@@ -15,6 +15,14 @@ GC theory of operation (git's prune expiry, rustic's two-phase prune):
 4. Tmp files (``*.kvtrio-tmp``: a crash between create and rename) older than
    ``grace_s`` are removed from ``manifest_dir`` and from a local store's directory.
 
+With ``catalogue_dir`` (the tier's root), step 2 takes the blocks of a manifest from the
+tier's catalogue (:mod:`kvtrio.storage.catalogue`) instead of reading the manifest, when
+the catalogue is there, readable and was closed cleanly (its rows then match the
+manifests, rule 2 there) and its row for that manifest has the manifest's size; any
+other manifest is read, as all are without a usable catalogue (missing, unclean after a
+crash or beside a live owner, corrupt, another schema). The grace period applies either
+way. A row whose manifest is gone marks nothing.
+
 A manifest that fails validation marks nothing (its blocks were unusable anyway) and is
 reported; a manifest that cannot be *read* (an I/O error) aborts the pass before anything
 is deleted. A missing block is never an error here: a load that needs it is a clean miss.
@@ -30,6 +38,7 @@ from collections.abc import Callable
 import attrs
 from kvtrio.errors import CacheMissError, CorruptCacheError
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore, read_block_verified
+from kvtrio.storage.catalogue import CATALOGUE_NAME, Catalogue
 from kvtrio.storage.fileops import (
     O_NONBLOCK,
     OS_FILE_OPS,
@@ -50,6 +59,8 @@ __all__ = [
     "verify_tree",
 ]
 
+_SUFFIX = ".kvc"  # a tier's manifest names: <key>.kvc, as its catalogue keys them
+
 
 @attrs.frozen
 class GcReport:
@@ -63,6 +74,7 @@ class GcReport:
     tmp_removed: int
     unreadable: tuple[str, ...]  # manifests or cache files that failed validation
     foreign: tuple[str, ...] = ()  # files that are not kvtrio's (no kvtrio magic): left alone
+    catalogued: int = 0  # manifests whose blocks the catalogue gave (not read)
 
 
 @attrs.frozen
@@ -103,6 +115,11 @@ def is_kvtrio_file(path: str, file_ops: FileOps = OS_FILE_OPS) -> bool:
 
 def list_cache_files(directory: str, *, file_ops: FileOps = OS_FILE_OPS) -> list[str]:
     """Regular, non-hidden files directly in ``directory`` (cache files and manifests)."""
+    return [path for path, _ in _listed_files(directory, file_ops)]
+
+
+def _listed_files(directory: str, file_ops: FileOps) -> list[tuple[str, int]]:
+    """:func:`list_cache_files` with each file's size."""
     try:
         names = file_ops.listdir(directory)
     except FileNotFoundError:
@@ -117,7 +134,7 @@ def list_cache_files(directory: str, *, file_ops: FileOps = OS_FILE_OPS) -> list
         except FileNotFoundError:
             continue
         if stat.S_ISREG(info.st_mode):
-            out.append(path)
+            out.append((path, info.st_size))
     return out
 
 
@@ -147,52 +164,115 @@ def collect_garbage(
     grace_s: float = 3600.0,
     now: float | None = None,
     file_ops: FileOps = OS_FILE_OPS,
+    catalogue_dir: str | None = None,
+    update_catalogue: bool = True,
 ) -> GcReport:
-    """One mark-and-sweep pass over ``store`` using the manifests in ``manifest_dir``."""
+    """One mark-and-sweep pass over ``store`` using the manifests in ``manifest_dir``.
+
+    ``catalogue_dir``: the tier root holding its catalogue, used as the module docstring
+    says. ``update_catalogue``: the caller holds the tier's lock (docs/design.md invariant
+    10), so the swept blocks are also taken out of the catalogue's table of existing
+    blocks; without it (a dry run beside a possible owner) the catalogue is only read.
+    """
     cutoff = (time.time() if now is None else now) - grace_s
     blocks = list(store.iter_blocks())
-    live: set[str] = set()
-    unreadable: list[str] = []
-    foreign: list[str] = []
-    manifests = 0
-    for path in list_cache_files(manifest_dir, file_ops=file_ops):
-        try:
-            header = read_header(path, file_ops=file_ops).header
-        except FileNotFoundError:  # deleted since the listing: it references nothing now
-            continue
-        except CorruptCacheError:
-            (unreadable if is_kvtrio_file(path, file_ops) else foreign).append(path)
-            continue
-        # Any other OSError (EIO, EMFILE, ...) propagates: a manifest that could not be
-        # read may still reference blocks, so this pass must delete nothing.
-        if header.layout != "blocks":
-            continue
-        manifests += 1
-        for slot in header.slots():
-            live.update(ref.sha256 for ref in slot.blocks or ())
-    doomed = [b for b in blocks if b.name not in live and b.mtime < cutoff]
-    young = sum(1 for b in blocks if b.name not in live and b.mtime >= cutoff)
-    if isinstance(store, LocalBlockStore):
-        # Re-checks each block's mtime after moving it aside (see delete_stale): a writer
-        # that freshened a block after the listing above keeps it.
-        deleted, deleted_bytes = store.delete_stale([b.name for b in doomed], cutoff)
-    else:
-        deleted = store.delete_many([b.name for b in doomed]) if doomed else 0
-        deleted_bytes = sum(b.size for b in doomed)
+    catalogue, rows = _clean_catalogue(catalogue_dir, writable=update_catalogue)
+    try:
+        marked = _mark(manifest_dir, rows, file_ops)
+        doomed = [b for b in blocks if b.name not in marked.live and b.mtime < cutoff]
+        young = sum(1 for b in blocks if b.name not in marked.live and b.mtime >= cutoff)
+        if isinstance(store, LocalBlockStore):
+            # Re-checks each block's mtime after moving it aside (see delete_stale): a
+            # writer that freshened a block after the listing above keeps it.
+            deleted, deleted_bytes = store.delete_stale([b.name for b in doomed], cutoff)
+        else:
+            deleted = store.delete_many([b.name for b in doomed]) if doomed else 0
+            deleted_bytes = sum(b.size for b in doomed)
+        if catalogue is not None and not catalogue.read_only and doomed:
+            catalogue.delete_blocks(b.name for b in doomed)
+    finally:
+        if catalogue is not None:
+            catalogue.close(clean=catalogue.was_clean)
     tmp_removed = _remove_old_tmp(manifest_dir, cutoff, file_ops)
     if isinstance(store, LocalBlockStore) and not not_a_real_directory(file_ops, store.directory):
         # A linked block directory is never traversed: its tmp-named files are not ours.
         tmp_removed += _remove_old_tmp(store.directory, cutoff, file_ops)
     return GcReport(
-        manifests=manifests,
-        live_blocks=len(live),
+        manifests=marked.manifests,
+        live_blocks=len(marked.live),
         deleted_blocks=deleted,
         deleted_bytes=deleted_bytes,
         young_unreferenced=young,
         tmp_removed=tmp_removed,
-        unreadable=tuple(unreadable),
-        foreign=tuple(foreign),
+        unreadable=tuple(marked.unreadable),
+        foreign=tuple(marked.foreign),
+        catalogued=marked.catalogued,
     )
+
+
+@attrs.define
+class _Marked:
+    live: set[str] = attrs.field(factory=set)
+    manifests: int = 0
+    catalogued: int = 0
+    unreadable: list[str] = attrs.field(factory=list)
+    foreign: list[str] = attrs.field(factory=list)
+
+
+def _clean_catalogue(
+    directory: str | None, *, writable: bool
+) -> tuple[Catalogue | None, dict[str, tuple[int, bytes]]]:
+    """The catalogue of ``directory`` and its block lists by key, when it was closed
+    cleanly; (None, {}) when there is none or it is unusable (the manifests are read)."""
+    if directory is None:
+        return None, {}
+    try:
+        if writable:
+            if not os.path.isfile(os.path.join(directory, CATALOGUE_NAME)):
+                return None, {}
+            catalogue: Catalogue | None = Catalogue.open(directory)
+        else:
+            catalogue = Catalogue.open_read_only(directory)
+    except CorruptCacheError:
+        return None, {}
+    if catalogue is None:
+        return None, {}
+    try:
+        if not catalogue.was_clean:
+            return catalogue, {}
+        return catalogue, {key: (size, names) for key, size, names in catalogue.block_lists()}
+    except CorruptCacheError:
+        catalogue.close(clean=False)
+        return None, {}
+
+
+def _mark(manifest_dir: str, rows: dict[str, tuple[int, bytes]], file_ops: FileOps) -> _Marked:
+    """Step 2: every block a manifest names, from its catalogue row (same size) or read."""
+    marked = _Marked()
+    for path, size in _listed_files(manifest_dir, file_ops):
+        name = os.path.basename(path)
+        row = rows.get(name[: -len(_SUFFIX)]) if name.endswith(_SUFFIX) else None
+        if row is not None and row[0] == size:
+            marked.manifests += 1
+            marked.catalogued += 1
+            hexed = row[1].hex()
+            marked.live.update(hexed[i : i + 64] for i in range(0, len(hexed), 64))
+            continue
+        try:
+            header = read_header(path, file_ops=file_ops).header
+        except FileNotFoundError:  # deleted since the listing: it references nothing now
+            continue
+        except CorruptCacheError:
+            (marked.unreadable if is_kvtrio_file(path, file_ops) else marked.foreign).append(path)
+            continue
+        # Any other OSError (EIO, EMFILE, ...) propagates: a manifest that could not be
+        # read may still reference blocks, so this pass must delete nothing.
+        if header.layout != "blocks":
+            continue
+        marked.manifests += 1
+        for slot in header.slots():
+            marked.live.update(ref.sha256 for ref in slot.blocks or ())
+    return marked
 
 
 def _verify_file(path: str, store: BlockStore | None, file_ops: FileOps) -> list[str]:

@@ -24,6 +24,7 @@ from kvtrio.storage.format import (
     BlockRef,
     CacheEntry,
     Header,
+    align_up,
     encode_header,
     encode_preamble,
     piece_nbytes,
@@ -33,11 +34,17 @@ from kvtrio.storage.format import (
 from kvtrio.storage.headerparse import file_sizes, parse_header, parse_preamble
 
 __all__ = [
+    "CREATED_AT_SLACK",
     "check_meta",
     "check_str_arg",
     "check_token_ids",
     "check_writable",
+    "encoded_size",
 ]
+
+# The header's creation time is encoded in as many digits as its value needs; a plan's
+# and the written header's may differ by this many bytes at most (repr of a float: 24).
+CREATED_AT_SLACK = 24
 
 
 def check_token_ids(tokens: Any, name: str = "tokens") -> tuple[int, ...]:
@@ -120,6 +127,20 @@ def check_writable(header: Header, *, block_tokens: int | None = None) -> None:
         parse_header(body, preamble, size)
     except CorruptCacheError as exc:
         raise InvalidInputError(str(exc)) from None
+
+
+def encoded_size(header: Header, *, block_tokens: int | None = None) -> int:
+    """The bytes a save of the plan ``header`` puts on disk before anything is shared with
+    what is there already: the single layout's whole file (``block_tokens`` None), or the
+    blocks layout's manifest plus every block it names. Exact but for the creation
+    time's digits (at most :data:`CREATED_AT_SLACK` bytes more than written)."""
+    if block_tokens is None:
+        placed = place_single(header)
+        start = align_up(PREAMBLE.size + len(encode_header(placed)) + CREATED_AT_SLACK)
+        return file_sizes(placed, start)[-1]
+    placed = _place_blocks_placeholder(header, block_tokens)
+    blocks = sum(ref.nbytes for slot in placed.slots() for ref in slot.blocks or ())
+    return PREAMBLE.size + len(encode_header(placed)) + CREATED_AT_SLACK + blocks
 
 
 def _named_entries(header: Header) -> Iterator[tuple[str, CacheEntry]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import random
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -128,6 +128,11 @@ class FakeColdStore:
         self.peak = max(self.peak, self.disk_bytes)
         return StoreResult(written=True, disk_bytes=nbytes - freed, bytes_written=nbytes)
 
+    def encoded_size(
+        self, model: ModelKey, tokens: Sequence[int], caches: list[Any], meta: Mapping[str, str]
+    ) -> int:
+        return sum(c.nbytes for c in caches)  # what store() counts on this "disk"
+
     async def fetch(
         self, key: str, *, model: ModelKey, tokens: Sequence[int] | None = None
     ) -> tuple[list[Any], int]:
@@ -162,8 +167,8 @@ class FakeColdStore:
                 info, caches = self.disk[key]
                 self.disk[key] = (attrs.evolve(info, pinned=pinned), caches)
 
-    async def entries(self) -> list[ColdEntryInfo]:
-        return [info for info, _ in self.disk.values()]
+    async def entries(self) -> AsyncGenerator[list[ColdEntryInfo], None]:
+        yield [info for info, _ in self.disk.values()]
 
     @property
     def disk_bytes(self) -> int:

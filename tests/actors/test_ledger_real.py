@@ -135,8 +135,7 @@ async def test_a_manifest_with_absent_blocks_counts_nothing_and_evicts_nothing(
             for tokens in prompts[:2]:
                 await cache.insert(tokens, _caches(tiny, tokens))
             await cache.wait_writes_settled()
-            one = cache.statistics().cold_bytes // 2  # on disk
-            held = cache.statistics().hot_bytes // 2  # in RAM: what a write reserves
+            one = cache.statistics().cold_bytes // 2  # on disk: what a write reserves
         # The second entry's blocks vanish (an operator's rm, a bad disk): its manifest
         # stays and still declares them.
         manifests = sorted((tmp_path / "caches").iterdir())
@@ -150,7 +149,7 @@ async def test_a_manifest_with_absent_blocks_counts_nothing_and_evicts_nothing(
                     for ref in slot.blocks or ():
                         (tmp_path / "blocks" / ref.sha256).unlink(missing_ok=True)
         # Room for the first entry and the new one's reservation, not for the absent blocks.
-        budget = one + held + one // 2
+        budget = 2 * one + one // 2
         async with _open(tmp_path, tiny, owner, cold_budget=budget) as (cache, store):
             assert cache.statistics().cold_bytes == _disk_bytes(tmp_path)
             store.check()
@@ -160,3 +159,38 @@ async def test_a_manifest_with_absent_blocks_counts_nothing_and_evicts_nothing(
             stats = cache.statistics()
             assert stats.cold_evictions == 0 and stats.cold_entries == 3
             assert stats.cold_bytes == _disk_bytes(tmp_path)
+
+
+@pytest.mark.parametrize("paced", [True, False])
+async def test_a_burst_at_a_budget_of_ten_entries_keeps_what_fits(
+    tmp_path: Path, tiny: TinyModel, paced: bool
+) -> None:
+    """A write reserves its encoded size (manifest and blocks, from the caches' shapes
+    and dtypes), not its RAM bytes (a KVCache's buffer is rounded up to 256 tokens, 2.7x
+    these 96-token entries): with a budget of ten entries, a burst of distinct
+    write-through inserts keeps at least 90% of the entries that fit, and the disk never
+    holds more than the budget plus one entry."""
+    async with MlxOwner.inline() as owner:
+        async with _open(tmp_path / "probe", tiny, owner) as (cache, _):
+            tokens = _prompt(100, 96)
+            await cache.insert(tokens, _caches(tiny, tokens))
+            await cache.wait_writes_settled()
+        one = _disk_bytes(tmp_path / "probe")
+        budget = 10 * one + one // 10
+        peak = 0
+        directory = tmp_path / "tier"
+        async with _open(directory, tiny, owner, cold_budget=budget) as (cache, store):
+            for seed in range(30):
+                tokens = _prompt(200 + seed, 96)
+                await cache.insert(tokens, _caches(tiny, tokens))
+                if paced:
+                    await cache.wait_writes_settled()
+                peak = max(peak, _disk_bytes(directory))
+            await cache.wait_writes_settled()
+            peak = max(peak, _disk_bytes(directory))
+            stats = cache.statistics()
+            store.check()
+            cache.check()
+            assert stats.cold_bytes == _disk_bytes(directory)
+        assert peak <= budget + one
+        assert stats.cold_entries >= 0.9 * (budget // one)

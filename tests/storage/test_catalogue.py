@@ -79,18 +79,31 @@ def test_pins_round_trip(tmp_path: Path) -> None:
     assert [(r.key, r.pinned) for r in catalogue.rows()] == [("a", False), ("b", True)]
 
 
-def test_a_version_2_catalogue_is_migrated_with_its_rows(tmp_path: Path) -> None:
-    """A catalogue of the schema before pins keeps its rows (no rebuild), all unpinned."""
+@pytest.mark.parametrize("version", ["2", "3"])
+def test_a_catalogue_with_little_endian_tokens_is_refused(tmp_path: Path, version: str) -> None:
+    """Schemas 2 and 3 stored tokens little-endian, which sqlite cannot sort in token
+    order: such a catalogue is refused (CorruptCacheError), so the tier rebuilds it from
+    the manifests (its pins from the manifest store's record), never reads it as is."""
     catalogue = Catalogue.open(str(tmp_path))
     catalogue.put(_row("a", 1.0), {"00" * 32: 10})
     catalogue.close()
     db = sqlite3.connect(tmp_path / CATALOGUE_NAME)
-    db.execute("ALTER TABLE entries DROP COLUMN pinned")
-    db.execute("UPDATE meta SET value = '2' WHERE name = 'version'")
+    db.execute("UPDATE meta SET value = ? WHERE name = 'version'", (version,))
     db.commit()
     db.close()
-    again = Catalogue.open(str(tmp_path))
-    assert again.was_clean and list(again.rows()) == [_row("a", 1.0)]
-    again.set_pinned({"a": True})
-    again.close()
-    assert [r.pinned for r in Catalogue.open(str(tmp_path)).rows()] == [True]
+    with pytest.raises(CorruptCacheError, match=rf"schema {version}, not 4$"):
+        Catalogue.open(str(tmp_path))
+
+
+def test_a_scan_ranks_the_entries_in_token_order(tmp_path: Path) -> None:
+    """The ranks a scan gives are the order of the token tuples (the prefix index is
+    filled by appends in that order), whatever the order of last uses."""
+    catalogue = Catalogue.open(str(tmp_path))
+    tokens = [(3, 1), (1, 70000), (1, 2, 3), (70000,), (1, 2), ()]
+    for i, t in enumerate(tokens):
+        catalogue.put(attrs.evolve(_row(f"k{i}", float(-i)), tokens=t), {})
+    rows = [row for batch in catalogue.scan() for row in batch]
+    assert [row[0] for row in rows] == [f"k{i}" for i in reversed(range(len(tokens)))]
+    by_rank = sorted(rows, key=lambda row: row[-1])
+    assert [tuple(row[3]) for row in by_rank] == sorted(tokens)
+    catalogue.close()
