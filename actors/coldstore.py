@@ -1,6 +1,6 @@
-"""The cold store under the tiered cache: what it must do (:class:`ColdStore`), what a
-shared one adds (:class:`SharedColdStore`), and :class:`ColdTierStore`, the store over
-the actors' :class:`~kvtrio.actors.tier.ColdTier`.
+"""The cold store under the tiered cache: :class:`ColdTierStore`, the store over the
+actors' :class:`~kvtrio.actors.tier.ColdTier` (the protocol it implements, ColdStore and
+SharedColdStore, and their records are in :mod:`kvtrio.actors.coldtypes`, re-exported here).
 
 The tiered cache keeps the ledger (reservations, the one eviction loop: see
 :mod:`kvtrio.actors.tiered`); the store keeps what only it can know: which blocks exist
@@ -25,10 +25,18 @@ import sys
 import time
 from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import trio
+from kvtrio.actors.coldtypes import (
+    CONVERSATIONS_META,
+    SHARED_CANDIDATES,
+    ColdEntryInfo,
+    ColdStore,
+    SharedColdStore,
+    StoreResult,
+)
 from kvtrio.actors.collector import YoungCollections, collector_paused
 from kvtrio.actors.prefix import (
     DEFAULT_BLOCK_SIZE,
@@ -65,129 +73,6 @@ __all__ = [
 
 _log = logging.getLogger("kvtrio.coldstore")
 _DIGEST = 32  # bytes of a block name (sha256)
-
-
-# At most this many names are fetched per index key (the chain hashes of a prefix that
-# many entries share, a system prompt, name them all; any of them covers that prefix).
-SHARED_CANDIDATES = 8
-
-# Header meta key holding the JSON list of conversations an entry is the checkpoint of, so
-# supersession keeps working after a restart.
-CONVERSATIONS_META = "kvtrio.conversations"
-
-
-@attrs.frozen
-class ColdEntryInfo:
-    """What the cold tier knows of one stored entry (from its header and file)."""
-
-    key: str
-    model: ModelKey
-    tokens: tuple[int, ...]
-    trimmable: bool
-    min_reusable_offset: int
-    mtime: float
-    conversations: tuple[str, ...] = ()  # whose checkpoint it is (see CONVERSATIONS_META)
-    pinned: bool = False  # recorded by ColdStore.pin (survives a restart)
-    # Its rank in token order among the entries listed with it (None: not known), so the
-    # index can be filled in that order without sorting (kvtrio.actors.prefix).
-    order: int | None = None
-
-
-@attrs.frozen
-class StoreResult:
-    """A cold write that settled: durable (``written``) or not (dropped or superseded)."""
-
-    written: bool
-    disk_bytes: int = 0  # net change of the bytes on disk (a rewrite frees the old file)
-    bytes_written: int = 0
-    bytes_deduplicated: int = 0
-    no_space: bool = False  # not written: the volume was full (ENOSPC); evict and retry
-
-
-class ColdStore(Protocol):
-    """The cold tier as the tiered cache uses it (an adapter over the actors' ColdTier)."""
-
-    @property
-    def directory(self) -> Path | None:
-        """The volume the store writes to (its free space bounds the cold budget); None
-        for a store with no local volume (Redis)."""
-        ...
-
-    def shared_lookups(self) -> SharedColdStore | None:
-        """Declared, not probed: the store's :class:`SharedColdStore` side when other
-        hosts write to it too (rule 8), else None."""
-        ...
-
-    async def store(
-        self,
-        key: str,
-        model: ModelKey,
-        tokens: Sequence[int],
-        caches: list[Any],
-        *,
-        meta: Mapping[str, str],
-    ) -> StoreResult:
-        """Write ``caches`` under ``key``; return once it is durable or settled otherwise."""
-        ...
-
-    def encoded_size(
-        self, model: ModelKey, tokens: Sequence[int], caches: list[Any], meta: Mapping[str, str]
-    ) -> int:
-        """Owner thread: the bytes :meth:`store` of these arguments would put on disk, none
-        shared with what is there (the write's reservation: rule 2 of the tiered cache's
-        cold side)."""
-        ...
-
-    async def fetch(
-        self, key: str, *, model: ModelKey, tokens: Sequence[int] | None = None
-    ) -> tuple[list[Any], int]:
-        """Restored caches (on the owner) and the bytes read; CacheMissError or
-        CorruptCacheError when the entry is gone or bad, CacheMismatchError when what
-        was read under ``key`` is not ``model``'s, or (given) does not hold ``tokens``."""
-        ...
-
-    async def remove(self, key: str) -> int:
-        """Delete the entry (absent: nothing); return the disk bytes freed."""
-        ...
-
-    async def usage(self) -> int:
-        """Bytes the cold tier occupies on disk now."""
-        ...
-
-    def entries(self) -> AsyncGenerator[Sequence[ColdEntryInfo], None]:
-        """Every valid entry on disk, in batches, least recently used first; ``mtime`` is
-        its last use (the cold LRU's order)."""
-        ...
-
-    async def touch(self, last_use: Mapping[str, float]) -> None:
-        """Record when entries were last used (seconds since the epoch), so the cold LRU's
-        order survives a restart; keys the store does not hold are ignored."""
-        ...
-
-    async def pin(self, pins: Mapping[str, bool]) -> None:
-        """Record that entries are pinned (True) or not (False), so :meth:`entries` says
-        so after a restart (``ColdEntryInfo.pinned``); keys the store does not hold are
-        ignored, and removing an entry unpins it."""
-        ...
-
-
-class SharedColdStore(Protocol):
-    """A cold store other hosts write to as well, with a prefix index (rule 8)."""
-
-    async def find(self, model: ModelKey, tokens: Sequence[int]) -> list[tuple[str, int]]:
-        """Keys of stored entries registered under the query's prefix-index keys, deepest
-        first, each with a bound on the tokens of ``tokens`` it can cover (one round
-        trip). StoreUnavailableError when the store is out of reach."""
-        ...
-
-    async def entry(self, key: str) -> ColdEntryInfo | None:
-        """What the store holds under ``key`` (its manifest alone), None when gone."""
-        ...
-
-    async def forget(self, key: str, model: ModelKey, tokens: Sequence[int]) -> None:
-        """Drop ``key`` from the index keys of ``tokens`` if its manifest is gone (a stale
-        registration found by :meth:`find`), so no host reads it again."""
-        ...
 
 
 def _conversations_of(meta: Mapping[str, str]) -> tuple[str, ...]:

@@ -17,19 +17,15 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import itertools
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from kvtrio.bench.serve_harness import Server, itl, median, pct, prompt_words
 
 __all__ = ["add_arguments", "measure", "render"]
 
@@ -94,188 +90,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class _Server:
-    def __init__(
-        self, kind: str, model: Path, work: Path, log: Path, extra: Sequence[str] = ()
-    ) -> None:
-        self.kind = kind
-        self.port = _free_port()
-        common = ["--model", str(model), "--port", str(self.port), "--log-level", "WARNING"]
-        common += extra
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVTRIO_NAIVE_DIR": str(work / "naive")}
-        exe = sys.executable
-        argv = {
-            "mlx_lm": [exe, "-m", "mlx_lm", "server", *common],
-            "naive": [exe, "-m", "kvtrio.bench.serve_naive", *common],
-            "kvtrio": [exe, "-m", "kvtrio", "serve", *common, "--cache-dir", str(work / "kv")],
-        }[kind]
-        started = time.perf_counter()
-        with log.open("a") as out:
-            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{kind} server exited; see {log}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        self.started = started
-        self.start_s = time.perf_counter() - started
-
-    def metrics(self) -> str:
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        connection.request("GET", "/metrics")
-        text = connection.getresponse().read().decode()
-        connection.close()
-        return text
-
-    def wait_cold_ready(self, timeout: float = 300.0) -> float:
-        """kvtrio serve: seconds from the spawn until its cold tier is open (it opens in
-        the background while the server answers); 0 for the others."""
-        if self.kind != "kvtrio":
-            return 0.0
-        deadline = time.perf_counter() + timeout
-        while "kvtrio_serve_cold_ready 1" not in self.metrics():
-            if time.perf_counter() > deadline:
-                raise RuntimeError("kvtrio serve: the cold tier did not open")
-            time.sleep(0.02)
-        return time.perf_counter() - self.started
-
-    def settle(self, seconds: float) -> None:
-        """Wait until the cold tier is open and ``seconds`` have passed since the server
-        listened (its model has loaded): turn 2 then measures the lookup, not the start."""
-        self.wait_cold_ready()
-        time.sleep(max(0.0, self.started + self.start_s + seconds - time.perf_counter()))
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(120)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-    def chat(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-        """Stream a temperature-0 chat turn: when it was sent, when its headers came (the
-        server has taken the request and looked it up), its tokens' arrival times, its
-        text and usage."""
-        body = {
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
-        sent = time.perf_counter()
-        connection.request(
-            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
-        )
-        response = connection.getresponse()
-        headers = time.perf_counter()
-        arrivals: list[float] = []
-        text, usage = "", {}
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices", []):
-                content = choice.get("delta", {}).get("content")
-                if content is not None:
-                    arrivals.append(time.perf_counter())
-                    text += content
-        connection.close()
-        done = time.perf_counter()
-        return {
-            "sent": sent,
-            "headers": headers,
-            "arrivals": arrivals,
-            "done": done,
-            "text": text,
-            "usage": usage,
-        }
-
-    def chat_watching(
-        self,
-        messages: list[dict[str, str]],
-        max_tokens: int,
-        after: int,
-        started: threading.Event,
-        *,
-        stop: threading.Event | None = None,
-        logit_bias: dict[str, float] | None = None,
-    ) -> dict[str, Any]:
-        """:meth:`chat`, setting ``started`` once ``after`` tokens have arrived; with
-        ``stop``, the client leaves (closes the stream) at the first token after it is set."""
-        body: dict[str, Any] = {
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "stream": True,
-        }
-        if logit_bias:
-            body["logit_bias"] = logit_bias
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
-        connection.request(
-            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
-        )
-        arrivals: list[float] = []
-        response = connection.getresponse()
-        try:
-            for raw in response:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                for choice in json.loads(line[6:]).get("choices", []):
-                    if choice.get("delta", {}).get("content") is not None:
-                        arrivals.append(time.perf_counter())
-                        if len(arrivals) == after:
-                            started.set()
-                if stop is not None and stop.is_set():
-                    break
-        finally:
-            started.set()
-            response.close()  # the response holds the socket: close both to leave
-            connection.close()
-        return {"arrivals": arrivals}
-
-
-def _prompt_words(model: Path, tokens: int) -> str:
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    words = [f"item{i % 97} value{i % 13}." for i in range(tokens)]
-    lo, hi = 1, len(words)
-    while lo < hi:  # the fewest words whose text has at least `tokens` tokens
-        mid = (lo + hi) // 2
-        if len(tokenizer.encode(" ".join(words[:mid])).ids) >= tokens:
-            hi = mid
-        else:
-            lo = mid + 1
-    return " ".join(words[:lo])
-
-
 def _restart_turn(
     kind: str, model: Path, work: Path, length: int, log: Path, settle: float
 ) -> dict[str, Any]:
-    document = _prompt_words(model, length)
+    document = prompt_words(model, length)
     turn1 = [{"role": "user", "content": document}]
-    server = _Server(kind, model, work, log)
+    server = Server(kind, model, work, log)
     one = server.chat(turn1, 8)
     server.stop()
     turn2 = [*turn1, {"role": "assistant", "content": one["text"]}]
     turn2.append({"role": "user", "content": QUESTION})
-    server = _Server(kind, model, work, log)
+    server = Server(kind, model, work, log)
     server.settle(settle)
     two = server.chat(turn2, 8)
     server.stop()
@@ -290,21 +115,10 @@ def _restart_turn(
     }
 
 
-def _itl(arrivals: Sequence[float]) -> list[float]:
-    return [b - a for a, b in itertools.pairwise(arrivals)]
-
-
-def _pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def _decode(
     kind: str, model: Path, work: Path, tokens: int, streams: int, log: Path
 ) -> dict[str, Any]:
-    server = _Server(kind, model, work, log)
+    server = Server(kind, model, work, log)
     try:
         server.chat([{"role": "user", "content": "warm up"}], 4)
         one = server.chat([{"role": "user", "content": "Tell me about caches."}], tokens)
@@ -323,14 +137,14 @@ def _decode(
     finally:
         server.stop()
     single = one["arrivals"]
-    itl = [x for r in results for x in _itl(r["arrivals"])]
+    gaps = [x for r in results for x in itl(r["arrivals"])]
     return {
         "tok_s_1": (len(single) - 1) / (single[-1] - single[0]) if len(single) > 1 else 0.0,
-        "itl_p50_ms_1": 1e3 * _pct(_itl(single), 0.5),
-        "itl_p99_ms_1": 1e3 * _pct(_itl(single), 0.99),
+        "itl_p50_ms_1": 1e3 * pct(itl(single), 0.5),
+        "itl_p99_ms_1": 1e3 * pct(itl(single), 0.99),
         f"tok_s_{streams}": sum(len(r["arrivals"]) for r in results) / wall,
-        f"itl_p50_ms_{streams}": 1e3 * _pct(itl, 0.5),
-        f"itl_p99_ms_{streams}": 1e3 * _pct(itl, 0.99),
+        f"itl_p50_ms_{streams}": 1e3 * pct(gaps, 0.5),
+        f"itl_p99_ms_{streams}": 1e3 * pct(gaps, 0.99),
     }
 
 
@@ -353,15 +167,9 @@ SPILL_TAIL_S = 0.5
 SPILL_STREAM_CAP = 100_000
 
 
-def _spilled(server: _Server) -> int | None:
+def _spilled(server: Server) -> int | None:
     """kvtrio serve's count of RAM entries handed to disk so far (None for the others)."""
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    try:
-        connection.request("GET", "/metrics")
-        text = connection.getresponse().read().decode()
-    finally:
-        connection.close()
-    for line in text.splitlines():
+    for line in server.metrics().splitlines():
         if line.startswith("kvtrio_serve_spilled_total"):
             return int(float(line.split()[-1]))
     return None
@@ -402,8 +210,8 @@ def _spill(
     eos = json.loads((model / "config.json").read_text()).get("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     no_eos = {str(i): -1000.0 for i in eos_ids}  # S must not end on its own
-    server = _Server(kind, model, work, log, extra=extra)
-    document = _prompt_words(model, length)
+    server = Server(kind, model, work, log, extra=extra)
+    document = prompt_words(model, length)
     quiet: list[float] = []
     during: list[float] = []
     checks: list[dict[str, Any]] = []
@@ -411,7 +219,7 @@ def _spill(
         server.chat([{"role": "user", "content": "warm up"}], 4)
         for r in range(rounds):
             alone = server.chat([{"role": "user", "content": f"Quiet stream {r}."}], tokens)
-            quiet += _itl(alone["arrivals"])
+            quiet += itl(alone["arrivals"])
             big = [{"role": "user", "content": f"Round {r}. {document}"}]
             answer = server.chat(big, 1)["text"]
             more = [*big, {"role": "assistant", "content": answer}]
@@ -438,7 +246,7 @@ def _spill(
             thread.join()
             spilled_after = _spilled(server) if kind == "kvtrio" else None
             arrivals = [t for t in stream["arrivals"] if begin <= t <= end]
-            during += _itl(arrivals)
+            during += itl(arrivals)
             checks.append(
                 {
                     "continued_cached_tokens": _cached(continued),
@@ -457,10 +265,10 @@ def _spill(
     finally:
         server.stop()
     return {
-        "itl_p50_ms_quiet": 1e3 * _pct(quiet, 0.5),
-        "itl_p99_ms_quiet": 1e3 * _pct(quiet, 0.99),
-        "itl_p50_ms_during": 1e3 * _pct(during, 0.5),
-        "itl_p99_ms_during": 1e3 * _pct(during, 0.99),
+        "itl_p50_ms_quiet": 1e3 * pct(quiet, 0.5),
+        "itl_p99_ms_quiet": 1e3 * pct(quiet, 0.99),
+        "itl_p50_ms_during": 1e3 * pct(during, 0.5),
+        "itl_p99_ms_during": 1e3 * pct(during, 0.99),
         "itl_max_ms_during": 1e3 * max(during, default=float("nan")),
         "samples_during": len(during),
         "rounds": checks,
@@ -473,8 +281,8 @@ def _disk_bytes(path: Path) -> int:
 
 def _shared_system_prompt(kind: str, model: Path, work: Path, log: Path, n: int) -> int:
     """Bytes on disk after ``n`` conversations sharing a 1k-token system prompt."""
-    system = _prompt_words(model, 1024)
-    server = _Server(kind, model, work, log)
+    system = prompt_words(model, 1024)
+    server = Server(kind, model, work, log)
     for i in range(n):
         question = f"Question {i}: what is item {i}?"
         server.chat(
@@ -528,7 +336,7 @@ def _fill(kind: str, model: Path, work: Path, entries: int) -> float:
     return time.perf_counter() - started
 
 
-def _first_answer(server: _Server, text: str) -> float:
+def _first_answer(server: Server, text: str) -> float:
     """Seconds from the spawn until the server has answered a one-token chat request
     (``text``: a new one per start, or the naive baseline finds an exact hit on disk,
     which leaves mlx-lm nothing to prefill)."""
@@ -557,7 +365,7 @@ def _starts(
     runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
     for r in range(rounds):
         for kind in KINDS:
-            server = _Server(kind, model, root / f"{kind}-entries", log)
+            server = Server(kind, model, root / f"{kind}-entries", log)
             try:
                 answer = _first_answer(server, f"hi {r}")
                 ready = server.wait_cold_ready() if kind == "kvtrio" else server.start_s
@@ -569,14 +377,8 @@ def _starts(
     for kind in KINDS:
         out[kind] = {"fill_s": fills[kind], "runs": runs[kind]}
         for key in ("listen_s", "answer_s", "cold_s"):
-            out[kind][key] = _median([r[key] for r in runs[kind]])
+            out[kind][key] = median([r[key] for r in runs[kind]])
     return out
-
-
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    n = len(ordered)
-    return (ordered[n // 2] + ordered[(n - 1) // 2]) / 2 if n else float("nan")
 
 
 def _prefetch(
@@ -595,7 +397,7 @@ def _prefetch(
     The load time is measured on the same server, idle: a cold hit's time to first token
     less a RAM hit's of the same request.
     """
-    document = _prompt_words(model, length)
+    document = prompt_words(model, length)
     out: dict[str, Any] = {}
     for setting, extra in (("prefetch", ()), ("no_prefetch", ("--no-prefetch",))):
         flags = tuple(extra)
@@ -604,14 +406,14 @@ def _prefetch(
             [{"role": "user", "content": f"Conversation {r}. {document}"}]
             for r in range(rounds + 1)
         ]
-        server = _Server("kvtrio", model, work, log, extra=flags)
+        server = Server("kvtrio", model, work, log, extra=flags)
         turn2 = []
         for messages in turn1:
             answer = server.chat(messages, 4)["text"]
             more = [*messages, {"role": "assistant", "content": answer}]
             turn2.append([*more, {"role": "user", "content": QUESTION}])
         server.stop()
-        server = _Server("kvtrio", model, work, log, extra=flags)
+        server = Server("kvtrio", model, work, log, extra=flags)
         ttft: list[float] = []
         try:
             server.settle(settle)
@@ -635,13 +437,13 @@ def _prefetch(
         finally:
             server.stop()
         out[setting] = {
-            "ttft_s": _median(ttft),
+            "ttft_s": median(ttft),
             "ttft_runs_s": ttft,
             "idle_cold_ttft_s": cold["arrivals"][0] - cold["sent"],
             "idle_hot_ttft_s": hot["arrivals"][0] - hot["sent"],
         }
     load = [out[s]["idle_cold_ttft_s"] - out[s]["idle_hot_ttft_s"] for s in out]
-    out["load_s"] = _median(load)
+    out["load_s"] = median(load)
     return out
 
 

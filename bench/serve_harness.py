@@ -1,0 +1,210 @@
+"""The client side of ``kvtrio bench serve``: a server process of one kind (plain
+mlx_lm.server, the naive baseline, kvtrio serve) on a free port, timed chat requests
+against it, and the percentiles the phases report (:mod:`kvtrio.bench.serve`)."""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Server", "free_port", "itl", "median", "pct", "prompt_words"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    def __init__(
+        self, kind: str, model: Path, work: Path, log: Path, extra: Sequence[str] = ()
+    ) -> None:
+        self.kind = kind
+        self.port = free_port()
+        common = ["--model", str(model), "--port", str(self.port), "--log-level", "WARNING"]
+        common += extra
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVTRIO_NAIVE_DIR": str(work / "naive")}
+        exe = sys.executable
+        argv = {
+            "mlx_lm": [exe, "-m", "mlx_lm", "server", *common],
+            "naive": [exe, "-m", "kvtrio.bench.serve_naive", *common],
+            "kvtrio": [exe, "-m", "kvtrio", "serve", *common, "--cache-dir", str(work / "kv")],
+        }[kind]
+        started = time.perf_counter()
+        with log.open("a") as out:
+            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{kind} server exited; see {log}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        self.started = started
+        self.start_s = time.perf_counter() - started
+
+    def metrics(self) -> str:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            connection.request("GET", "/metrics")
+            return connection.getresponse().read().decode()
+        finally:
+            connection.close()
+
+    def wait_cold_ready(self, timeout: float = 300.0) -> float:
+        """kvtrio serve: seconds from the spawn until its cold tier is open (it opens in
+        the background while the server answers); 0 for the others."""
+        if self.kind != "kvtrio":
+            return 0.0
+        deadline = time.perf_counter() + timeout
+        while "kvtrio_serve_cold_ready 1" not in self.metrics():
+            if time.perf_counter() > deadline:
+                raise RuntimeError("kvtrio serve: the cold tier did not open")
+            time.sleep(0.02)
+        return time.perf_counter() - self.started
+
+    def settle(self, seconds: float) -> None:
+        """Wait until the cold tier is open and ``seconds`` have passed since the server
+        listened (its model has loaded): turn 2 then measures the lookup, not the start."""
+        self.wait_cold_ready()
+        time.sleep(max(0.0, self.started + self.start_s + seconds - time.perf_counter()))
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+        """Stream a temperature-0 chat turn: when it was sent, when its headers came (the
+        server has taken the request and looked it up), its tokens' arrival times, its
+        text and usage."""
+        body = {
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        sent = time.perf_counter()
+        connection.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        headers = time.perf_counter()
+        arrivals: list[float] = []
+        text, usage = "", {}
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                content = choice.get("delta", {}).get("content")
+                if content is not None:
+                    arrivals.append(time.perf_counter())
+                    text += content
+        connection.close()
+        done = time.perf_counter()
+        return {
+            "sent": sent,
+            "headers": headers,
+            "arrivals": arrivals,
+            "done": done,
+            "text": text,
+            "usage": usage,
+        }
+
+    def chat_watching(
+        self,
+        messages: list[dict[str, str]],
+        max_tokens: int,
+        after: int,
+        started: threading.Event,
+        *,
+        stop: threading.Event | None = None,
+        logit_bias: dict[str, float] | None = None,
+    ) -> dict[str, Any]:
+        """:meth:`chat`, setting ``started`` once ``after`` tokens have arrived; with
+        ``stop``, the client leaves (closes the stream) at the first token after it is set."""
+        body: dict[str, Any] = {
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+        }
+        if logit_bias:
+            body["logit_bias"] = logit_bias
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        connection.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        arrivals: list[float] = []
+        response = connection.getresponse()
+        try:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:]).get("choices", []):
+                    if choice.get("delta", {}).get("content") is not None:
+                        arrivals.append(time.perf_counter())
+                        if len(arrivals) == after:
+                            started.set()
+                if stop is not None and stop.is_set():
+                    break
+        finally:
+            started.set()
+            response.close()  # the response holds the socket: close both to leave
+            connection.close()
+        return {"arrivals": arrivals}
+
+
+def prompt_words(model: Path, tokens: int) -> str:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    words = [f"item{i % 97} value{i % 13}." for i in range(tokens)]
+    lo, hi = 1, len(words)
+    while lo < hi:  # the fewest words whose text has at least `tokens` tokens
+        mid = (lo + hi) // 2
+        if len(tokenizer.encode(" ".join(words[:mid])).ids) >= tokens:
+            hi = mid
+        else:
+            lo = mid + 1
+    return " ".join(words[:lo])
+
+
+def itl(arrivals: Sequence[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(arrivals)]
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return (ordered[n // 2] + ordered[(n - 1) // 2]) / 2 if n else float("nan")
