@@ -346,19 +346,22 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
                 return min(len(tokens) - 1, int(result.common_prefix)), True
         return short, False
 
-    def _short_longer_match(self, model: Any, tokens: list[int]) -> bool:
-        """Rule 9: RAM's answer would copy a longer entry to keep fewer than
+    def _copies_for_few(self, reuse: int, copies_longer: bool) -> bool:
+        """Rule 9: a RAM match that copies a longer entry to keep fewer than
         ``min_reuse_tokens`` tokens."""
-        if self.min_reuse_tokens <= 0:
-            return False
-        reuse, copies_longer = self._ram_match(model, tokens)
         return copies_longer and reuse < self.min_reuse_tokens
 
+    def _short_longer_match(self, model: Any, tokens: list[int]) -> bool:
+        """Rule 9 for ``tokens`` (no trie walk when the bound is off)."""
+        return self.min_reuse_tokens > 0 and self._copies_for_few(
+            *self._ram_match(model, tokens)
+        )
+
     def _ram_reuse(self, model: Any, tokens: list[int]) -> int:
-        """How many tokens :meth:`fetch_nearest_cache` reuses from RAM (rule 9 applied)."""
-        if self._short_longer_match(model, tokens):
-            return 0
-        return self._ram_match(model, tokens)[0]
+        """How many tokens :meth:`fetch_nearest_cache` reuses from RAM (rule 9 applied),
+        from one walk of the trie."""
+        reuse, copies_longer = self._ram_match(model, tokens)
+        return 0 if self._copies_for_few(reuse, copies_longer) else reuse
 
     def _worth_loading(
         self, match: PrefixMatch | None, ram_reuse: int, *, count: bool = False

@@ -91,22 +91,34 @@ CREATE TABLE IF NOT EXISTS blocks (name BLOB PRIMARY KEY, size INTEGER NOT NULL)
 """
 
 
-def pack_tokens(tokens: Sequence[int]) -> bytes:
-    """Tokens as u32 big-endian: memcmp order is the order of the token tuples."""
-    packed = array.array("I", tokens)
-    if sys.byteorder != "big":
+def _packed(typecode: str, values: Sequence[int], big_endian: bool) -> bytes:
+    packed = array.array(typecode, values)
+    if (sys.byteorder == "big") != big_endian:
         packed.byteswap()
     return packed.tobytes()
 
 
+def _unpacked(typecode: str, data: bytes, big_endian: bool) -> array.array[int] | None:
+    """The values :func:`_packed` packed, or None when ``data`` is not whole values."""
+    packed = array.array(typecode)
+    if len(data) % packed.itemsize:
+        return None
+    packed.frombytes(data)
+    if (sys.byteorder == "big") != big_endian:
+        packed.byteswap()
+    return packed
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Tokens as u32 big-endian: memcmp order is the order of the token tuples."""
+    return _packed("I", tokens, big_endian=True)
+
+
 def unpack_tokens(data: bytes) -> array.array[int]:
     """The tokens :func:`pack_tokens` packed (an array: the caller makes its tuple)."""
-    if len(data) % 4:
+    packed = _unpacked("I", data, big_endian=True)
+    if packed is None:
         raise CorruptCacheError("catalogue: tokens are not whole u32 values")
-    packed = array.array("I")
-    packed.frombytes(data)
-    if sys.byteorder != "big":
-        packed.byteswap()
     return packed
 
 
@@ -451,19 +463,13 @@ def _values(row: CatalogueRow) -> tuple[object, ...]:
 
 
 def _pack_sizes(sizes: Sequence[int]) -> bytes:
-    packed = array.array("Q", sizes)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tobytes()
+    return _packed("Q", sizes, big_endian=False)
 
 
 def _unpack_sizes(data: bytes) -> array.array[int]:
-    if len(data) % 8:
+    packed = _unpacked("Q", data, big_endian=False)
+    if packed is None:
         raise ValueError("block sizes are not whole u64 values")
-    packed = array.array("Q")
-    packed.frombytes(data)
-    if sys.byteorder != "little":
-        packed.byteswap()
     return packed
 
 
