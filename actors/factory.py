@@ -96,55 +96,6 @@ async def open_tiered_cache(
     )
     check_seconds("shutdown_grace", shutdown_grace)
     check_seconds("lock_timeout", lock_timeout)
-    async with _open(
-        directory,
-        model,
-        owner=owner,
-        hot_budget=hot_budget,
-        cold_budget=cold_budget,
-        policy=policy,
-        layout=layout,
-        block_size=block_size,
-        min_free_bytes=min_free_bytes,
-        shutdown_grace=shutdown_grace,
-        lock_timeout=lock_timeout,
-        options=options,
-        shared_index=shared_index,
-        shared_refresh=shared_refresh,
-        pending_budget=pending_budget,
-        min_reuse_tokens=min_reuse_tokens,
-        eviction=eviction,
-        admission=admission,
-        prefill=prefill,
-        pin_limit=pin_limit,
-    ) as cache:
-        yield cache
-
-
-@asynccontextmanager
-async def _open(
-    directory: str | os.PathLike[str],
-    model: ModelKey,
-    *,
-    owner: MlxOwner,
-    hot_budget: int,
-    cold_budget: int,
-    policy: WritePolicy,
-    layout: Layout,
-    block_size: int,
-    min_free_bytes: int | None,
-    shutdown_grace: float,
-    lock_timeout: float,
-    options: IoOptions,
-    shared_index: bool,
-    shared_refresh: float | None,
-    pending_budget: int,
-    min_reuse_tokens: int,
-    eviction: PolicyKind,
-    admission: AdmissionPolicy | None,
-    prefill: PrefillCost | None,
-    pin_limit: int,
-) -> AsyncIterator[TieredPromptCache]:
     shared = is_redis_url(os.fspath(directory))
     async with ColdTier.open(
         directory,
