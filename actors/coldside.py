@@ -40,16 +40,16 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
-from kvtrio.actors.coldstore import CONVERSATIONS_META, ColdStore, StoreResult
-from kvtrio.actors.lifecycle import FINDABLE_COLD, ColdEvent, ColdLedger, ColdSide, ColdState
-from kvtrio.actors.metrics import Histogram
-from kvtrio.actors.misses import Departures, MissReason
-from kvtrio.actors.policy import EntryCost, EvictionPolicy, WearAccount
-from kvtrio.actors.prefix import PrefixEntry, PrefixIndex
+from kvtrio.actors.coldstore import CONVERSATIONS_META, StoreResult
+from kvtrio.actors.lifecycle import FINDABLE_COLD, ColdEvent, ColdSide, ColdState
+from kvtrio.actors.misses import MissReason
+from kvtrio.actors.prefix import PrefixEntry
 from kvtrio.errors import KvtrioError
 
 if TYPE_CHECKING:
-    from kvtrio.actors.tieredtypes import OwnerLike
+    from kvtrio.actors.tieredparts import CacheParts
+else:
+    CacheParts = object
 
 __all__ = [
     "DEFAULT_MIN_FREE_SHARE",
@@ -97,41 +97,8 @@ class CacheRecord:
         return self.hot is not None or self.cold.state in FINDABLE_COLD
 
 
-class ColdSideMixin:
+class ColdSideMixin(CacheParts):
     """The cold side of :class:`~kvtrio.actors.tiered.TieredPromptCache` (see above)."""
-
-    if TYPE_CHECKING:  # what the cache provides (its attrs fields and policy methods)
-        cold: ColdStore
-        cold_budget: int
-        min_free_bytes: int | None
-        pending_budget: int
-        _nursery: trio.Nursery | None
-        _index: PrefixIndex
-        _records: dict[str, CacheRecord]
-        _conversations: dict[str, str]
-        _ledger: ColdLedger
-        _key_tail: dict[str, trio.Event]
-        _counts: dict[str, int]
-        _idle: trio.Event
-        _busy: int
-        _wake: trio.Event
-        _touched: dict[str, float]
-        _pins_to_record: dict[str, bool]
-        save_seconds: Histogram
-        owner: OwnerLike
-        cold_policy: EvictionPolicy
-        wear: WearAccount
-        departures: Departures
-
-        async def _remove(self, record: CacheRecord) -> None: ...
-
-        def _cold_cost(self, record: CacheRecord) -> EntryCost: ...
-
-        def _prefetch_gone(self, key: str) -> None: ...
-
-        def _enter_policy(
-            self, policy: EvictionPolicy, record: CacheRecord, cost: EntryCost
-        ) -> None: ...
 
     def _count(self, name: str, n: int = 1) -> None:
         self._counts[name] = self._counts.get(name, 0) + n

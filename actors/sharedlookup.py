@@ -8,15 +8,17 @@ A lookup costs one index round trip (all of the query's chain hashes at once) an
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
-from kvtrio.actors.coldside import CacheRecord
-from kvtrio.actors.coldstore import ColdEntryInfo, ColdStore
-from kvtrio.actors.prefix import ModelKey, PrefixIndex, PrefixMatch
+from kvtrio.actors.prefix import PrefixMatch
 from kvtrio.errors import KvtrioError
+
+if TYPE_CHECKING:
+    from kvtrio.actors.tieredparts import CacheParts
+else:
+    CacheParts = object
 
 __all__ = ["SHARED_PAUSE_MAX", "SHARED_PAUSE_MIN", "SHARED_READS", "SharedLookupMixin"]
 
@@ -27,23 +29,8 @@ SHARED_PAUSE_MIN = 1.0
 SHARED_PAUSE_MAX = 30.0
 
 
-class SharedLookupMixin:
+class SharedLookupMixin(CacheParts):
     """Rule 8 of :class:`~kvtrio.actors.tiered.TieredPromptCache` (see above)."""
-
-    if TYPE_CHECKING:  # what the cache provides
-        cold: ColdStore
-        model: ModelKey
-        shared_refresh: float | None
-        _index: PrefixIndex
-        _records: dict[str, CacheRecord]
-        _refreshed_at: float
-        _refreshing: bool
-        _shared_paused_until: float
-        _shared_backoff: float
-
-        def _count(self, name: str, n: int = 1) -> None: ...
-        def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None: ...
-        async def _add_cold_entries(self, infos: Iterable[ColdEntryInfo]) -> None: ...
 
     async def _refresh_shared(self) -> None:
         """Add the entries of this model that other hosts stored in the shared cold store

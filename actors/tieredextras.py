@@ -13,31 +13,24 @@ from kvtrio.actors.coldside import (
     CacheRecord,
 )
 from kvtrio.actors.lifecycle import ColdState
-from kvtrio.actors.metrics import Histogram, tiered_metrics
+from kvtrio.actors.metrics import tiered_metrics
 from kvtrio.actors.misses import (
-    Departures,
     Explanation,
-    MissCounter,
     MissReason,
     explain,
 )
 from kvtrio.actors.policy import (
     AdmissionCandidate,
-    AdmissionPolicy,
     EntryCost,
     EvictionPolicy,
-    PrefillCost,
-    WearAccount,
 )
 from kvtrio.actors.prefix import (
     MatchKind,
     ModelKey,
-    PrefixIndex,
     PrefixMatch,
 )
 from kvtrio.actors.tieredtypes import (
     RELOAD_BYTES_PER_SECOND,
-    TieredStatistics,
     WritePolicy,
     _Prefetch,
 )
@@ -49,39 +42,16 @@ from kvtrio.errors import (
 # (tokens, bytes per token, model) -> the cost of an entry found at open (see _cold_cost).
 _FOUND_COSTS: dict[tuple[int, int, ModelKey], EntryCost] = {}
 
+if TYPE_CHECKING:
+    from kvtrio.actors.tieredparts import CacheParts
+else:
+    CacheParts = object
+
 __all__ = ["PolicyFeaturesMixin"]
 
 
-class PolicyFeaturesMixin:
+class PolicyFeaturesMixin(CacheParts):
     """Prefetch, pins, valuation, expiry, explanations and metrics of the tiered cache."""
-
-    if TYPE_CHECKING:  # what the cache provides (its attrs fields and other parts)
-        _bytes_per_token: int
-        def _count(self, name: str, n: int = 1) -> None: ...
-        _index: PrefixIndex
-        async def _load_cold(self, record: CacheRecord) -> list[Any] | None: ...
-        _misses: MissCounter
-        _nursery: trio.Nursery | None
-        _other_models: set[ModelKey]
-        _prefetch_bytes: int
-        _prefetches: dict[str, _Prefetch]
-        _records: dict[str, CacheRecord]
-        load_seconds: Histogram
-        save_seconds: Histogram
-        loop_lag_seconds: Histogram
-        def _note_pin(self, key: str, pinned: bool) -> None: ...
-        async def _remove(self, record: CacheRecord) -> None: ...
-        admission: AdmissionPolicy
-        cold_policy: EvictionPolicy
-        departures: Departures
-        hot_policy: EvictionPolicy
-        model: ModelKey
-        policy: WritePolicy
-        prefetch_budget: int
-        prefetch_deadline: float
-        prefill: PrefillCost
-        def statistics(self) -> TieredStatistics: ...
-        wear: WearAccount
 
     def prefetch(self, tokens: Sequence[int]) -> bool:
         """Start loading, off the request path, the disk entry that :meth:`fetch_nearest`

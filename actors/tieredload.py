@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
@@ -17,22 +16,17 @@ from kvtrio.actors.coldside import (
 )
 from kvtrio.actors.coldstore import (
     ColdEntryInfo,
-    ColdStore,
 )
 from kvtrio.actors.collector import YoungCollections, collector_paused
-from kvtrio.actors.lifecycle import ColdEvent, ColdLedger, ColdState
-from kvtrio.actors.metrics import Histogram
+from kvtrio.actors.lifecycle import ColdEvent, ColdState
 from kvtrio.actors.misses import (
     MissReason,
 )
-from kvtrio.actors.policy import EvictionPolicy, WearAccount
 from kvtrio.actors.prefix import (
-    ModelKey,
     PrefixEntry,
 )
 from kvtrio.actors.tieredtypes import (
     OPEN_BATCH,
-    OwnerLike,
     WritePolicy,
     _by_mtime,
     _cache_nbytes,
@@ -45,50 +39,16 @@ from kvtrio.errors import (
     UnknownCacheKindError,
 )
 
+if TYPE_CHECKING:
+    from kvtrio.actors.tieredparts import CacheParts
+else:
+    CacheParts = object
+
 __all__ = ["IndexAndLoadMixin"]
 
 
-class IndexAndLoadMixin:
+class IndexAndLoadMixin(CacheParts):
     """Open's index build in bounded batches, cold loads, promotion and RAM eviction."""
-
-    if TYPE_CHECKING:  # what the cache provides (its attrs fields and other parts)
-        def _admit(self, record: CacheRecord, nbytes: int) -> bool: ...
-        def _apply(
-            self, record: CacheRecord, event: ColdEvent, *, index: bool = True
-        ) -> ColdState: ...
-        def _cancel_pending(self, record: CacheRecord) -> None: ...
-        _conversations: dict[str, str]
-        load_seconds: Histogram
-        def _count(self, name: str, n: int = 1) -> None: ...
-        def _evict(self, record: CacheRecord) -> None: ...
-        _hot_bytes: int
-        _hot_lru: OrderedDict[str, None]
-        _ledger: ColdLedger
-        _other_models: set[ModelKey]
-        def _pause_shared(self) -> None: ...
-        def _queue_write(
-            self,
-            record: CacheRecord,
-            caches: list[Any],
-            meta: Mapping[str, str],
-            *,
-            droppable: bool = True,
-            nbytes: int | None = None,
-        ) -> None: ...
-        _records: dict[str, CacheRecord]
-        def _set_hot(
-            self, record: CacheRecord, caches: list[Any] | None, nbytes: int = 0
-        ) -> None: ...
-        def _spawn_removal(self, record: CacheRecord) -> None: ...
-        def _sync(self, record: CacheRecord) -> None: ...
-        def _touch_cold(self, record: CacheRecord) -> None: ...
-        cold: ColdStore
-        hot_budget: int
-        hot_policy: EvictionPolicy
-        model: ModelKey
-        owner: OwnerLike
-        policy: WritePolicy
-        wear: WearAccount
 
     async def _load_index(self) -> None:
         """Index every stored entry (open). The store's batches come least recently used
