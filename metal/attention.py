@@ -80,6 +80,9 @@ class KernelTuning:
     # Steps of loads each lane keeps in flight as asynchronous copies into shared memory
     # (CUDA's cp.async; 0: plain loads into registers, one step at a time).
     mma_stages: int = 0
+    # Work items of the tensor-core kernel are whole multiples of this many tokens (0: of a
+    # step of all its warps); 16 lets the grid come closer to mma_blocks.
+    mma_part_round: int = 0
     # A batch of several sequences aims for this many times the blocks above: its items end
     # at different times, and more, smaller items keep the GPU full to the end.
     batch_waves: int = 4
@@ -422,7 +425,8 @@ class BatchPagedAttentionView:
             # Tensor cores: blocks of 8 query rows (one mma tile), 16-token tiles per warp.
             warps = tuning.mma_warps
             chunks = -(-rows // 8)
-            part = self.part_tokens(kv_heads * chunks, warps * 16 * tuning.mma_tiles,
+            part = self.part_tokens(kv_heads * chunks,
+                                    tuning.mma_part_round or warps * 16 * tuning.mma_tiles,
                                     tuning.mma_blocks * waves, tuning)
             stages = tuning.mma_stages if backend.ASYNC_STAGES else 0
             # The ring: per lane and step, 16 bytes of keys and of values per 32 dims of

@@ -155,8 +155,9 @@ def explore(budget: float) -> None:
     """Launch-shape variants of the tensor-core kernel against contiguous sdpa, alternating
     (two rounds), single sequences and batches, ceilings in the same process. Variants are
     made of ``_``-joined parts: ``b<blocks>`` (items aiming for that many thread blocks),
-    ``w<waves>`` (batch_waves), ``W<warps>`` (mma_warps) and ``s<stages>`` (mma_stages, the
-    cp.async ring); ``default`` is the default shape. (Chunks claimed from a
+    ``w<waves>`` (batch_waves), ``W<warps>`` (mma_warps), ``s<stages>`` (mma_stages, the
+    cp.async ring) and ``r<tokens>`` (mma_part_round); ``default`` is the default shape.
+    (Chunks claimed from a
     counter, a per-head rotation of the steps and loads that skip L1 were measured with this
     too, and dropped: docs/benchmarks.md.)"""
     import random
@@ -191,6 +192,8 @@ def explore(budget: float) -> None:
                 t = attrs.evolve(t, mma_warps=int(part[1:]))
             elif part.startswith("s"):
                 t = attrs.evolve(t, mma_stages=int(part[1:]))
+            elif part.startswith("r"):
+                t = attrs.evolve(t, mma_part_round=int(part[1:]))
 
         return t
 
