@@ -202,7 +202,9 @@ def explore(budget: float) -> None:
         results["single"].append(_explore_length(length, shape, names, tuning_of, backend,
                                                  results["ceilings"]["copy_gbs"]))
         mx.clear_cache()
-    batch_names = os.environ.get("KVTRIO_BATCH_VARIANTS", "default,w1,w8").split(",")
+    refused = {n for r in results["single"] for n in r["failed"]}
+    batch_names = [n for n in os.environ.get("KVTRIO_BATCH_VARIANTS", "default,w1,w8").split(",")
+                   if n not in refused]
     mixes = os.environ.get("KVTRIO_MIXES", "32:1024:32768,32:1024:4096").split(",")
     for batch, lo, hi in ([int(x) for x in mix.split(":")] for mix in mixes if mix):
         if time.time() - began > budget * 0.8:
@@ -236,15 +238,26 @@ def _explore_length(length: int, shape: dict[str, Any], names: list[str],
     scale = shape["dim"] ** -0.5
     kv_bytes = keys.nbytes + values.nbytes
     row: dict[str, Any] = {"tokens": length, "kv_bytes": kv_bytes}
+    failed: dict[str, str] = {}
     for _ in range(2):
         row.setdefault("sdpa_us", []).append(b._median_us(
             lambda q: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale),
             queries, 10))
         for name in names:
+            if name in failed:
+                continue
             tuning = tuning_of(name)
-            row.setdefault(name, []).append(b._median_us(
-                functools.partial(view.attend_direct, scale=scale, mask=None, backend=backend,
-                                  tuning=tuning), queries, 10))
+            try:
+                us = b._median_us(
+                    functools.partial(view.attend_direct, scale=scale, mask=None,
+                                      backend=backend, tuning=tuning), queries, 10)
+            except RuntimeError as exc:  # a launch shape the device refuses: say so, go on
+                failed[name] = str(exc)
+                print(f"{length:>7} {name}: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            row.setdefault(name, []).append(us)
+    names = [n for n in names if n not in failed]
+    row["failed"] = failed
     # The same tokens in a pool of a few more blocks than they need (so its key and value
     # arrays are not a power of two bytes long).
     spare = int(os.environ.get("KVTRIO_SPARE_BLOCKS", "61"))
