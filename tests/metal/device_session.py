@@ -258,6 +258,17 @@ def _explore_length(length: int, shape: dict[str, Any], names: list[str],
             row.setdefault(name, []).append(us)
     names = [n for n in names if n not in failed]
     row["failed"] = failed
+    # The same pool read in other block orders (every block full, one query: the same
+    # attention): each work item's blocks in physical order, and the whole table in order.
+    if os.environ.get("KVTRIO_ORDERS") and length % shape["block_size"] == 0:
+        orders = _reordered_views(view, tuning_of("default"), backend, queries)
+        for _ in range(2):
+            for order, other in orders.items():
+                row.setdefault(order, []).append(b._median_us(
+                    functools.partial(other.attend_direct, scale=scale, mask=None,
+                                      backend=backend, tuning=tuning_of("default")),
+                    queries, 10))
+        names = [*names, *orders]
     # The same tokens in a pool of a few more blocks than they need (so its key and value
     # arrays are not a power of two bytes long).
     spare = int(os.environ.get("KVTRIO_SPARE_BLOCKS", "61"))
@@ -291,6 +302,29 @@ def _explore_length(length: int, shape: dict[str, Any], names: list[str],
     print(f"        without the merge: default {row['partial_default_us']:.1f} us, "
           f"b1056 {row['partial_b1056_us']:.1f} us", flush=True)
     return row
+
+
+def _reordered_views(view: Any, tuning: Any, backend: Any, queries: Any) -> dict[str, Any]:
+    """``view`` with each work item's blocks sorted by physical block, and with the whole
+    table sorted (the pool read front to back)."""
+    from kvtrio.metal.attention import PagedAttentionView
+
+    batch = view.as_batch()
+    _, q_heads, n, _ = queries.shape
+    steps = tuning.mma_part_round or tuning.mma_warps * 16 * tuning.mma_tiles
+    part = batch.part_tokens(batch.kv_heads * -(-(q_heads // batch.kv_heads * n) // 8), steps,
+                             tuning.mma_blocks, tuning)
+    per_item = part // view.block_size
+    table = list(view.block_table)
+    by_item = [b for i in range(0, len(table), per_item) for b in sorted(table[i:i + per_item])]
+
+    def reading(order: list[int]) -> PagedAttentionView:
+        return PagedAttentionView(
+            arrays=view.arrays, blocks=view.blocks, block_table=tuple(order), length=view.length,
+            block_size=view.block_size, bits=view.bits, group_size=view.group_size,
+            direct=view.direct)
+
+    return {f"item_sorted_{per_item}": reading(by_item), "table_sorted": reading(sorted(table))}
 
 
 def _padded_view(keys: Any, values: Any, block_size: int, spare: int) -> Any:
