@@ -77,12 +77,6 @@ class KernelTuning:
     mma_blocks: int = 264  # 2 per multiprocessor of an H200 (from the sweep)
     mma_tiles: int = 1  # 16-token tiles a warp loads before using any (bytes in flight)
     mma_wide_l2: bool = True  # loads ask L2 for 256-byte lines (CUDA's L2::256B hint)
-    # Steps of loads each lane keeps in flight as asynchronous copies into shared memory
-    # (CUDA's cp.async; 0: plain loads into registers, one step at a time).
-    mma_stages: int = 0
-    # Work items of the tensor-core kernel are whole multiples of this many tokens (0: of a
-    # step of all its warps); 16 lets the grid come closer to mma_blocks.
-    mma_part_round: int = 0
     # A batch of several sequences aims for this many times the blocks above: its items end
     # at different times, and more, smaller items keep the GPU full to the end.
     batch_waves: int = 4
@@ -90,12 +84,12 @@ class KernelTuning:
     @classmethod
     def parse(cls, text: str) -> KernelTuning:
         """``warps,rows,unroll,pipeline,blocks[,mma[,mma_warps,mma_blocks[,mma_tiles,
-        mma_wide_l2[,batch_waves[,mma_stages]]]]]`` (pipeline and mma_wide_l2 0 or 1; mma 0,
-        1 or -1 for the backend's default); fields left out keep their defaults."""
+        mma_wide_l2[,batch_waves]]]]`` (pipeline and mma_wide_l2 0 or 1; mma 0, 1 or -1 for
+        the backend's default); fields left out keep their defaults."""
         fields = [int(x) for x in text.split(",")]
-        if len(fields) not in (5, 6, 8, 10, 11, 12):
+        if len(fields) not in (5, 6, 8, 10, 11):
             raise ValueError(
-                f"expected 5, 6, 8, 10, 11 or 12 comma-separated integers, got {text!r}"
+                f"expected 5, 6, 8, 10 or 11 comma-separated integers, got {text!r}"
             )
         tuning = cls(
             warps=fields[0], rows=fields[1], unroll=fields[2], pipeline=bool(fields[3]),
@@ -109,15 +103,13 @@ class KernelTuning:
             tuning = attrs.evolve(tuning, mma_tiles=fields[8], mma_wide_l2=bool(fields[9]))
         if len(fields) > 10:
             tuning = attrs.evolve(tuning, batch_waves=fields[10])
-        if len(fields) > 11:
-            tuning = attrs.evolve(tuning, mma_stages=fields[11])
         return tuning
 
     def text(self) -> str:
         """The ``--tuning`` argument that parses back to this shape."""
         fields = [self.warps, self.rows, self.unroll, int(self.pipeline), self.target_blocks,
                   -1 if self.mma is None else int(self.mma), self.mma_warps, self.mma_blocks,
-                  self.mma_tiles, int(self.mma_wide_l2), self.batch_waves, self.mma_stages]
+                  self.mma_tiles, int(self.mma_wide_l2), self.batch_waves]
         return ",".join(str(x) for x in fields)
 
 
@@ -425,18 +417,13 @@ class BatchPagedAttentionView:
             # Tensor cores: blocks of 8 query rows (one mma tile), 16-token tiles per warp.
             warps = tuning.mma_warps
             chunks = -(-rows // 8)
-            part = self.part_tokens(kv_heads * chunks,
-                                    tuning.mma_part_round or warps * 16 * tuning.mma_tiles,
+            part = self.part_tokens(kv_heads * chunks, warps * 16 * tuning.mma_tiles,
                                     tuning.mma_blocks * waves, tuning)
-            stages = tuning.mma_stages if backend.ASYNC_STAGES else 0
-            # The ring: per lane and step, 16 bytes of keys and of values per 32 dims of
-            # its two tokens of each tile.
-            ring = stages * 4 * (dim // 32) * tuning.mma_tiles * 32 * warps * 16
-            kernel = backend.partial_mma(ring)
+            kernel = backend.partial_mma()
             template: list[tuple[str, Any]] = [
                 ("HK", kv_heads), ("G", q_heads // kv_heads), ("N", n), ("D", dim),
                 ("BS", self.block_size), ("WARPS", warps), ("TILES", tuning.mma_tiles),
-                ("WIDE_L2", tuning.mma_wide_l2), ("STAGES", stages), ("CAUSAL", causal),
+                ("WIDE_L2", tuning.mma_wide_l2), ("CAUSAL", causal),
                 ("SCALE_BITS", scale_bits),
             ]
         else:

@@ -263,12 +263,10 @@ PARTIAL = (
 # The float16/bfloat16 partition kernel on tensor cores. Grid as in PARTIAL, with blocks of
 # 8 query rows (one mma column tile; rows past the last are zero). Warp w takes the item's
 # token steps w, w + WARPS, ...; a step is TILES 16-token tiles, all loaded before any is
-# used (more bytes in flight per warp). With STAGES > 0 a lane instead keeps STAGES steps'
-# loads in flight as asynchronous copies into shared memory (CUDA's cp.async; a plain copy on
-# Metal), refilling a step's slot once its words are in registers. With WIDE_L2 each load
-# asks L2 for the whole 256-byte line around it (a token row of 128 float16 dims is one such
-# line). Lane 4 g + c loads tokens g and g + 8 of a tile, dims 32 j + 8 c .. + 8 of each
-# (16 bytes per j), keys and values alike.
+# used (more bytes in flight per warp); with WIDE_L2 each load asks L2 for the whole
+# 256-byte line around it (a token row of 128 float16 dims is one such line). Lane 4 g + c
+# loads tokens g and g + 8 of a tile, dims 32 j + 8 c .. + 8 of each (16 bytes per j), keys
+# and values alike.
 # - Scores S (16 tokens x 8 rows) = K (16 x D) Q^T, D / 16 mma steps. The mma's reduction
 #   index k stands for a permutation of the dims; the query words use the same one, so the
 #   dot products are exact sums over all dims. Lane 4 g + c gets the scores of tokens g and
@@ -324,72 +322,26 @@ PARTIAL_MMA = (
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
   }
-  // With STAGES, the lane's 16-byte pieces of STAGES steps ahead are copied to shared memory
-  // asynchronously (slot s, piece i of the lane at kvt_stage[(s * SLOT + i) * THREADS + tid];
-  // a lane reads back only its own pieces, so no barrier is needed).
-  constexpr int SLOT = 4 * DJ * TILES;
-  constexpr int THREADS = WARPS * 32;
-  KVT_STAGE_BUFFER;
-#define KVT_TOKEN_ROWS(at, tile) \
-  const int ta = kvt_min((at) + 16 * (tile) + g, stop - 1); \
-  const int tb = kvt_min((at) + 16 * (tile) + g + 8, stop - 1); \
-  const int rowa = (table[blocks_at + ta / BS] * HK + hk) * BS + ta % BS; \
-  const int rowb = (table[blocks_at + tb / BS] * HK + hk) * BS + tb % BS;
-#define KVT_STAGE_STEP(slot, at) \
-  for (int tile = 0; tile < TILES; ++tile) { \
-    KVT_TOKEN_ROWS(at, tile) \
-    for (int j = 0; j < DJ; ++j) { \
-      const int piece = ((slot) * SLOT + tile * 4 * DJ + j) * THREADS + tid; \
-      kvt_stage16<WIDE_L2>(kvt_stage + piece, keys + rowa * D + 32 * j + 8 * c); \
-      kvt_stage16<WIDE_L2>(kvt_stage + piece + DJ * THREADS, keys + rowb * D + 32 * j + 8 * c); \
-      kvt_stage16<WIDE_L2>(kvt_stage + piece + 2 * DJ * THREADS, \
-                           values + rowa * D + 32 * j + 8 * c); \
-      kvt_stage16<WIDE_L2>(kvt_stage + piece + 3 * DJ * THREADS, \
-                           values + rowb * D + 32 * j + 8 * c); \
-    } \
-  }
-  const int first_step = start + warp * 16 * TILES;
-  if (STAGES > 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      if (first_step + s * STEP < stop) {
-        KVT_STAGE_STEP(s, first_step + s * STEP);
-      }
-      kvt_stage_commit();
-    }
-  }
-  int slot = 0;
-  for (int step = first_step; step < stop; step += STEP) {
+  for (int step = start + warp * 16 * TILES; step < stop; step += STEP) {
     uint4 ka[TILES][DJ];
     uint4 kb[TILES][DJ];
     uint4 va[TILES][DJ];
     uint4 vb[TILES][DJ];
-    if (STAGES > 0) {
-      kvt_stage_wait<(STAGES > 1 ? STAGES - 1 : 0)>();
 #pragma unroll
-      for (int tile = 0; tile < TILES; ++tile) {
+    for (int tile = 0; tile < TILES; ++tile) {
+      const int ta = kvt_min(step + 16 * tile + g, stop - 1);
+      const int tb = kvt_min(step + 16 * tile + g + 8, stop - 1);
+      const int rowa = (table[blocks_at + ta / BS] * HK + hk) * BS + ta % BS;
+      const int rowb = (table[blocks_at + tb / BS] * HK + hk) * BS + tb % BS;
 #pragma unroll
-        for (int j = 0; j < DJ; ++j) {
-          const int piece = (slot * SLOT + tile * 4 * DJ + j) * THREADS + tid;
-          ka[tile][j] = kvt_stage[piece];
-          kb[tile][j] = kvt_stage[piece + DJ * THREADS];
-          va[tile][j] = kvt_stage[piece + 2 * DJ * THREADS];
-          vb[tile][j] = kvt_stage[piece + 3 * DJ * THREADS];
-        }
+      for (int j = 0; j < DJ; ++j) {
+        ka[tile][j] = kvt_load16<WIDE_L2>(keys + rowa * D + 32 * j + 8 * c);
+        kb[tile][j] = kvt_load16<WIDE_L2>(keys + rowb * D + 32 * j + 8 * c);
       }
-    } else {
 #pragma unroll
-      for (int tile = 0; tile < TILES; ++tile) {
-        KVT_TOKEN_ROWS(step, tile)
-#pragma unroll
-        for (int j = 0; j < DJ; ++j) {
-          ka[tile][j] = kvt_load16<WIDE_L2>(keys + rowa * D + 32 * j + 8 * c);
-          kb[tile][j] = kvt_load16<WIDE_L2>(keys + rowb * D + 32 * j + 8 * c);
-        }
-#pragma unroll
-        for (int j = 0; j < DJ; ++j) {
-          va[tile][j] = kvt_load16<WIDE_L2>(values + rowa * D + 32 * j + 8 * c);
-          vb[tile][j] = kvt_load16<WIDE_L2>(values + rowb * D + 32 * j + 8 * c);
-        }
+      for (int j = 0; j < DJ; ++j) {
+        va[tile][j] = kvt_load16<WIDE_L2>(values + rowa * D + 32 * j + 8 * c);
+        vb[tile][j] = kvt_load16<WIDE_L2>(values + rowb * D + 32 * j + 8 * c);
       }
     }
 #pragma unroll
@@ -437,14 +389,6 @@ PARTIAL_MMA = (
                 kvt_trans(va[tile][j].w, lane), kvt_trans(vb[tile][j].z, lane),
                 kvt_trans(vb[tile][j].w, lane), p0, p1, lane);
       }
-    }
-    if (STAGES > 0) {
-      // The slot just read is refilled only now, after its words went into the mma.
-      if (step + STAGES * STEP < stop) {
-        KVT_STAGE_STEP(slot, step + STAGES * STEP);
-      }
-      kvt_stage_commit();
-      slot = slot + 1 == STAGES ? 0 : slot + 1;
     }
   }
   // Each lane's l covers its own tokens: sum over the 8 lanes of its rows.

@@ -172,27 +172,6 @@ __device__ __forceinline__ uint32_t kvt_trans(uint32_t x, int lane) {
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
   return y;
 }
-// The STAGES ring of the tensor-core kernel: dynamic shared memory (its size is the kernel's
-// shared_memory), filled by cp.async (bypassing L1; WIDE as in kvt_load16) in groups a lane
-// commits per step and waits for with at most N still in flight.
-#define KVT_STAGE_BUFFER extern __shared__ uint4 kvt_stage[]
-template <bool WIDE>
-__device__ __forceinline__ void kvt_stage16(uint4* dst, const void* src) {
-  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  if constexpr (WIDE) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;"
-                 :: "r"(at), "l"(src) : "memory");
-  } else {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(at), "l"(src) : "memory");
-  }
-}
-__device__ __forceinline__ void kvt_stage_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void kvt_stage_wait() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
-}
 // 16 bytes of a key or value row, through the read-only data path (WIDE: asking L2 to
 // fetch the 256-byte line around them).
 template <bool WIDE>
@@ -217,8 +196,6 @@ MERGE_SOURCE = kernels.render(kernels.MERGE, "cuda")
 
 # The tensor-core kernel is the default for float16/bfloat16 pools (KernelTuning.mma=None).
 TENSOR_CORES = True
-# Its STAGES ring (KernelTuning.mma_stages) is real asynchronous copying here.
-ASYNC_STAGES = True
 
 # The backend's name in kvtrio.metal.attention.MEASURED_BACKENDS.
 NAME = "cuda"
@@ -240,16 +217,14 @@ def partial(quantized: bool) -> Any:
 
 
 @functools.cache
-def partial_mma(shared_memory: int = 0) -> Any:
-    """The float16/bfloat16 partition kernel on tensor cores (mma.sync), with
-    ``shared_memory`` bytes of dynamic shared memory (its STAGES ring)."""
+def partial_mma() -> Any:
+    """The float16/bfloat16 partition kernel on tensor cores (mma.sync)."""
     return mx.fast.cuda_kernel(
         name="kvtrio_paged_partial_mma",
         input_names=_INPUTS,
         output_names=["out", "normal"],
         source=PARTIAL_MMA_SOURCE,
         header=HEADER_MMA,
-        shared_memory=shared_memory,
     )
 
 

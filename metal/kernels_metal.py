@@ -166,17 +166,6 @@ inline uint kvt_trans(uint x, int lane) {
   const uint shift = 16 * (g % 2);
   return ((lo >> shift) & 0xffffu) | (((hi >> shift) & 0xffffu) << 16);
 }
-// The STAGES ring: a threadgroup array (one element when STAGES is 0), filled by plain
-// copies, so committing and waiting are no-ops. Untested on hardware; the host keeps STAGES
-// at 0 on Metal (ASYNC_STAGES).
-#define KVT_STAGE_BUFFER threadgroup uint4 kvt_stage[STAGES > 0 ? STAGES * SLOT * THREADS : 1]
-template <bool WIDE, typename P>
-inline void kvt_stage16(threadgroup uint4* dst, const device P* src) {
-  *dst = *((const device uint4*)(src));
-}
-inline void kvt_stage_commit() {}
-template <int N>
-inline void kvt_stage_wait() {}
 // 16 bytes of a key or value row (WIDE, a CUDA cache hint, has no Metal counterpart).
 template <bool WIDE, typename P>
 inline uint4 kvt_load16(const device P* p) {
@@ -192,8 +181,6 @@ MERGE_SOURCE = kernels.render(kernels.MERGE, "metal")
 
 # The tensor-core kernel (emulated here) runs only when asked for (KernelTuning(mma=True)).
 TENSOR_CORES = False
-# Metal's threadgroup memory (32 KiB) holds no STAGES ring: KernelTuning.mma_stages is ignored.
-ASYNC_STAGES = False
 
 # The backend's name in kvtrio.metal.attention.MEASURED_BACKENDS.
 NAME = "metal"
@@ -215,9 +202,8 @@ def partial(quantized: bool) -> Any:
 
 
 @functools.cache
-def partial_mma(shared_memory: int = 0) -> Any:
-    """The float16/bfloat16 partition kernel (tensor-core operations emulated with shuffles;
-    ``shared_memory`` is CUDA's, always 0 here: see ASYNC_STAGES)."""
+def partial_mma() -> Any:
+    """The float16/bfloat16 partition kernel (tensor-core operations emulated with shuffles)."""
     return mx.fast.metal_kernel(
         name="kvtrio_paged_partial_mma",
         input_names=_INPUTS,

@@ -70,16 +70,14 @@ def instantiations() -> list[tuple[str, str]]:
     units = []
     f, b, q = "float16", "bfloat16", "float32"
     for dtype in (f, b):
-        for tiles, wide, stages, warps in ((1, False, 0, 8), (2, False, 0, 8), (1, True, 0, 8),
-                                           (1, True, 2, 8), (1, True, 3, 4)):
+        for tiles, wide in ((1, False), (2, False), (1, True)):
             tpl: list[tuple[str, int | bool | str]] = [
-                ("HK", 8), ("G", 4), ("N", 1), ("D", 128), ("BS", 16), ("WARPS", warps),
-                ("TILES", tiles), ("WIDE_L2", wide), ("STAGES", stages), ("CAUSAL", False),
+                ("HK", 8), ("G", 4), ("N", 1), ("D", 128), ("BS", 16), ("WARPS", 8),
+                ("TILES", tiles), ("WIDE_L2", wide), ("CAUSAL", False),
                 ("SCALE_BITS", 1040187392),
             ]
-            units.append((f"mma {dtype} tiles={tiles} wide_l2={wide} stages={stages} "
-                          f"warps={warps}", wrap(
-                f"mma_{dtype}_{tiles}_{int(wide)}_{stages}_{warps}",
+            units.append((f"mma {dtype} tiles={tiles} wide_l2={wide}", wrap(
+                f"mma_{dtype}_{tiles}_{int(wide)}",
                 kernels_cuda.HEADER_MMA, kernels_cuda.PARTIAL_MMA_SOURCE,
                 [("q", dtype), ("keys", dtype), ("values", dtype), ("table", "int32")],
                 [("out", q), ("normal", q)], tpl)))

@@ -155,11 +155,10 @@ def explore(budget: float) -> None:
     """Launch-shape variants of the tensor-core kernel against contiguous sdpa, alternating
     (two rounds), single sequences and batches, ceilings in the same process. Variants are
     made of ``_``-joined parts: ``b<blocks>`` (items aiming for that many thread blocks),
-    ``w<waves>`` (batch_waves), ``W<warps>`` (mma_warps), ``s<stages>`` (mma_stages, the
-    cp.async ring) and ``r<tokens>`` (mma_part_round); ``default`` is the default shape.
-    (Chunks claimed from a
-    counter, a per-head rotation of the steps and loads that skip L1 were measured with this
-    too, and dropped: docs/benchmarks.md.)"""
+    ``w<waves>`` (batch_waves) and ``W<warps>`` (mma_warps); ``default`` is the default
+    shape. (Chunks claimed from a counter, a per-head rotation of the steps, loads that skip
+    L1, a cp.async ring of 1-3 steps per lane and items rounded to 16 tokens were measured
+    with this too, and dropped: docs/benchmarks.md.)"""
     import random
 
     import attrs
@@ -190,10 +189,6 @@ def explore(budget: float) -> None:
                 t = attrs.evolve(t, batch_waves=int(part[1:]))
             elif part.startswith("W"):
                 t = attrs.evolve(t, mma_warps=int(part[1:]))
-            elif part.startswith("s"):
-                t = attrs.evolve(t, mma_stages=int(part[1:]))
-            elif part.startswith("r"):
-                t = attrs.evolve(t, mma_part_round=int(part[1:]))
 
         return t
 
@@ -311,7 +306,7 @@ def _reordered_views(view: Any, tuning: Any, backend: Any, queries: Any) -> dict
 
     batch = view.as_batch()
     _, q_heads, n, _ = queries.shape
-    steps = tuning.mma_part_round or tuning.mma_warps * 16 * tuning.mma_tiles
+    steps = tuning.mma_warps * 16 * tuning.mma_tiles
     part = batch.part_tokens(batch.kv_heads * -(-(q_heads // batch.kv_heads * n) // 8), steps,
                              tuning.mma_blocks, tuning)
     per_item = part // view.block_size

@@ -27,7 +27,6 @@ class EmulatedBackend:
     """Kernels in numpy; ``wrong`` perturbs the merge output, ``broken`` makes calls raise."""
 
     TENSOR_CORES = True
-    ASYNC_STAGES = True
 
     def __init__(self, name: str = "emulated", *, wrong: bool = False,
                  broken: bool = False) -> None:
@@ -39,8 +38,7 @@ class EmulatedBackend:
     def partial(self, quantized: bool) -> Callable[..., list[mx.array]]:
         return lambda **kw: self._partial("partial_q" if quantized else "partial", **kw)
 
-    def partial_mma(self, shared_memory: int = 0) -> Callable[..., list[mx.array]]:
-        self.shared_memory = shared_memory
+    def partial_mma(self) -> Callable[..., list[mx.array]]:
         return lambda **kw: self._partial("partial_mma", **kw)
 
     def merge(self) -> Callable[..., list[mx.array]]:
