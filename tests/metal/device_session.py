@@ -5,7 +5,8 @@ test) and ``kvtrio demo``; ``... bench`` runs the attention benches (single sequ
 launch-shape variants; batched mixes) with the copy and read ceilings measured in the same
 process; ``... explore`` times launch-shape variants of the tensor-core kernel against sdpa in
 alternating rounds (``KVTRIO_VARIANTS``, ``KVTRIO_LENGTHS``, ``KVTRIO_MIXES``; on a machine
-without a GPU it runs the numpy stand-in, as a smoke test of the script). Everything lands
+without a GPU it runs the numpy stand-in, as a smoke test of the script); ``... profile``
+makes a few unchained 128k calls for a profiler (ncu) to read. Everything lands
 as JSON and logs under ``$OUT`` (the device tool's output folder), with a short table
 printed last.
 """
@@ -368,7 +369,25 @@ def _partial_only_us(view: Any, queries: Any, scale: float, backend: Any,
         backend.merge = real
 
 
+def profile(budget: float) -> None:
+    """A few unchained calls of contiguous sdpa and of the direct kernel at 128k (the default
+    launch), for a profiler to read: ``ncu -k regex:"kvtrio|sdpa" python3
+    tests/metal/device_session.py profile``."""
+    import mlx.core as mx
+    from kvtrio.metal.attention import direct_backend
+
+    shape = {"q_heads": 32, "kv_heads": 8, "dim": 128, "dtype": mx.float16, "block_size": 16}
+    view, keys, values, queries = _single_views(131072, shape)
+    scale = shape["dim"] ** -0.5
+    backend = direct_backend()
+    for _ in range(3):
+        mx.eval(mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale))
+        if backend is not None:
+            mx.eval(view.attend_direct(queries, scale, None, backend))
+    print("profiled", budget, flush=True)
+
+
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     what, budget = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 500.0
-    {"tests": tests, "bench": bench, "explore": explore}[what](budget)
+    {"tests": tests, "bench": bench, "explore": explore, "profile": profile}[what](budget)
