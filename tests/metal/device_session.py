@@ -376,9 +376,11 @@ def profile(budget: float) -> None:
     import mlx.core as mx
     from kvtrio.metal.attention import direct_backend
 
-    shape = {"q_heads": 32, "kv_heads": 8, "dim": 128, "dtype": mx.float16, "block_size": 16}
+    dim = 128
+    shape: dict[str, Any] = {"q_heads": 32, "kv_heads": 8, "dim": dim, "dtype": mx.float16,
+                             "block_size": 16}
     view, keys, values, queries = _single_views(131072, shape)
-    scale = shape["dim"] ** -0.5
+    scale = dim**-0.5
     backend = direct_backend()
     for _ in range(3):
         mx.eval(mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale))
