@@ -6,7 +6,8 @@ launch-shape variants; batched mixes) with the copy and read ceilings measured i
 process; ``... explore`` times launch-shape variants of the tensor-core kernel against sdpa in
 alternating rounds (``KVTRIO_VARIANTS``, ``KVTRIO_LENGTHS``, ``KVTRIO_MIXES``; on a machine
 without a GPU it runs the numpy stand-in, as a smoke test of the script); ``... profile``
-makes a few unchained 128k calls for a profiler (ncu) to read. Everything lands
+makes a few unchained 128k calls for a profiler (ncu) to read; ``... overhead`` splits
+a chained call's time into building the calls and evaluating them. Everything lands
 as JSON and logs under ``$OUT`` (the device tool's output folder), with a short table
 printed last.
 """
@@ -389,7 +390,67 @@ def profile(budget: float) -> None:
     print("profiled", budget, flush=True)
 
 
+def overhead(budget: float) -> None:
+    """Where a chained call's time goes: the bench's figure (building 20 chained calls and
+    evaluating them, per call), the building alone, and the evaluation alone (the calls
+    built before the clock starts); for contiguous sdpa and the direct kernel."""
+    import mlx.core as mx
+
+    results: dict[str, Any] = {}
+    for length in (int(x) for x in os.environ.get("KVTRIO_LENGTHS", "131072,4096").split(",")):
+        results.update(_overhead_length(length))
+        mx.clear_cache()
+    (OUT / "overhead.json").write_text(json.dumps(results, indent=1))
+    print("overhead", budget, flush=True)
+
+
+def _overhead_length(length: int) -> dict[str, Any]:
+    import statistics
+
+    import mlx.core as mx
+    from kvtrio.metal.attention import direct_backend
+
+    dim = 128
+    shape: dict[str, Any] = {"q_heads": 32, "kv_heads": 8, "dim": dim, "dtype": mx.float16,
+                             "block_size": 16}
+    view, keys, values, queries = _single_views(length, shape)
+    backend = direct_backend()
+    calls: dict[str, Any] = {"sdpa": functools.partial(
+        mx.fast.scaled_dot_product_attention, k=keys, v=values, scale=dim**-0.5)}
+    if backend is not None:
+        calls["direct"] = functools.partial(view.attend_direct, scale=dim**-0.5, mask=None,
+                                            backend=backend)
+    rows: dict[str, Any] = {}
+    for name, fn in calls.items():
+        def chain(fn: Any = fn) -> Any:
+            q = queries
+            for _ in range(20):
+                q = fn(q)
+            return q
+
+        mx.eval(chain())
+        bench, build, run = [], [], []
+        for _ in range(10):
+            began = time.perf_counter()
+            mx.eval(chain())
+            bench.append((time.perf_counter() - began) / 20)
+            began = time.perf_counter()
+            out = chain()
+            built = time.perf_counter()
+            mx.eval(out)
+            build.append((built - began) / 20)
+            run.append((time.perf_counter() - built) / 20)
+        row = {k: statistics.median(v) * 1e6 for k, v in
+               (("bench_us", bench), ("build_us", build), ("eval_us", run))}
+        rows[f"{name}_{length}"] = row
+        print(f"{length:>7} {name:<7} bench {row['bench_us']:7.1f} us = build "
+              f"{row['build_us']:5.1f} + eval {row['eval_us']:7.1f} (per call)", flush=True)
+    return rows
+
+
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     what, budget = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 500.0
-    {"tests": tests, "bench": bench, "explore": explore, "profile": profile}[what](budget)
+    modes = {"tests": tests, "bench": bench, "explore": explore, "profile": profile,
+             "overhead": overhead}
+    modes[what](budget)
