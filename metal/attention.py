@@ -25,7 +25,7 @@ import struct
 import warnings
 from collections.abc import Iterator, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import mlx.core as mx
@@ -58,7 +58,7 @@ _MAX_PARTS = 1024
 MEASURED_BACKENDS = frozenset({"cuda"})
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # a key of every direct call's launch lookup
 class KernelTuning:
     """Launch shape of the direct kernel (``kvtrio bench attention --sweep`` compares them)."""
 
@@ -80,16 +80,20 @@ class KernelTuning:
     # A batch of several sequences aims for this many times the blocks above: its items end
     # at different times, and more, smaller items keep the GPU full to the end.
     batch_waves: int = 4
+    # The tensor-core kernel merges in the same launch (the last block of a sequence merges
+    # its items; CUDA only, where the backend has FUSED_MERGE): one kernel call instead of two.
+    fused_merge: bool = False
 
     @classmethod
     def parse(cls, text: str) -> KernelTuning:
         """``warps,rows,unroll,pipeline,blocks[,mma[,mma_warps,mma_blocks[,mma_tiles,
-        mma_wide_l2[,batch_waves]]]]`` (pipeline and mma_wide_l2 0 or 1; mma 0, 1 or -1 for
-        the backend's default); fields left out keep their defaults."""
+        mma_wide_l2[,batch_waves[,fused_merge]]]]]`` (pipeline, mma_wide_l2 and fused_merge 0
+        or 1; mma 0, 1 or -1 for the backend's default); fields left out keep their
+        defaults."""
         fields = [int(x) for x in text.split(",")]
-        if len(fields) not in (5, 6, 8, 10, 11):
+        if len(fields) not in (5, 6, 8, 10, 11, 12):
             raise ValueError(
-                f"expected 5, 6, 8, 10 or 11 comma-separated integers, got {text!r}"
+                f"expected 5, 6, 8, 10, 11 or 12 comma-separated integers, got {text!r}"
             )
         tuning = cls(
             warps=fields[0], rows=fields[1], unroll=fields[2], pipeline=bool(fields[3]),
@@ -103,13 +107,16 @@ class KernelTuning:
             tuning = attrs.evolve(tuning, mma_tiles=fields[8], mma_wide_l2=bool(fields[9]))
         if len(fields) > 10:
             tuning = attrs.evolve(tuning, batch_waves=fields[10])
+        if len(fields) > 11:
+            tuning = attrs.evolve(tuning, fused_merge=bool(fields[11]))
         return tuning
 
     def text(self) -> str:
         """The ``--tuning`` argument that parses back to this shape."""
         fields = [self.warps, self.rows, self.unroll, int(self.pipeline), self.target_blocks,
                   -1 if self.mma is None else int(self.mma), self.mma_warps, self.mma_blocks,
-                  self.mma_tiles, int(self.mma_wide_l2), self.batch_waves]
+                  self.mma_tiles, int(self.mma_wide_l2), self.batch_waves,
+                  int(self.fused_merge)]
         return ",".join(str(x) for x in fields)
 
 
@@ -254,6 +261,7 @@ class BatchPagedAttentionView:
     group_size: int
     direct: bool
     _kernel_tables: dict[int, mx.array] = attrs.field(factory=dict, eq=False, repr=False)
+    _launches: dict[tuple[Any, ...], _Launch] = attrs.field(factory=dict, eq=False, repr=False)
 
     @classmethod
     def capture(
@@ -394,6 +402,12 @@ class BatchPagedAttentionView:
             self._kernel_tables[part] = table
         return table
 
+    def uses_fused(self, tuning: KernelTuning, backend: ModuleType) -> bool:
+        """Whether the tensor-core kernel merges in its own launch (KernelTuning.fused_merge,
+        on a backend that has the fused kernel)."""
+        return tuning.fused_merge and getattr(backend, "FUSED_MERGE", False) is True and \
+            self.uses_mma(tuning, backend)
+
     def attend_direct(
         self,
         queries: mx.array,
@@ -406,11 +420,27 @@ class BatchPagedAttentionView:
     ) -> mx.array:
         """The split-K kernel over the whole batch: partial softmax per work item, then a
         log-sum-exp merge per sequence (``poison`` pre-fills every output, for tests that
-        check each element is written)."""
-        _, q_heads, n, dim = queries.shape
+        check each element is written).
+
+        Everything of a call but its queries (kernels, template, grid, output shapes, the
+        kernel table) is built once per view and call shape and kept (:class:`_Launch`); a
+        later call with the same shapes only hands the queries to the kept kernel calls."""
+        key = (queries.shape, queries.dtype, scale, mask is not None, tuning, backend,
+               None if poison is None else _float_bits(poison))
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = self._launch(tuple(queries.shape), queries.dtype, scale, mask, backend,
+                                  tuning, poison)
+            self._launches[key] = launch
+        return launch.run(queries)
+
+    def _launch(self, shape: tuple[int, ...], dtype: mx.Dtype, scale: float, mask: Any,
+                backend: ModuleType, tuning: KernelTuning, poison: float | None) -> _Launch:
+        """The kernel calls of :meth:`attend_direct` for one call shape, built."""
+        _, q_heads, n, dim = shape
         kv_heads = self.kv_heads
         rows = (q_heads // kv_heads) * n
-        scale_bits = struct.unpack("<i", struct.pack("<f", scale * _LOG2E))[0]
+        scale_bits = _float_bits(scale * _LOG2E)
         causal = n > 1 and mask is not None
         waves = tuning.batch_waves if self.batch > 1 else 1
         if self.uses_mma(tuning, backend):
@@ -419,7 +449,8 @@ class BatchPagedAttentionView:
             chunks = -(-rows // 8)
             part = self.part_tokens(kv_heads * chunks, warps * 16 * tuning.mma_tiles,
                                     tuning.mma_blocks * waves, tuning)
-            kernel = backend.partial_mma()
+            fused = self.uses_fused(tuning, backend)
+            kernel = backend.partial_mma_fused() if fused else backend.partial_mma()
             template: list[tuple[str, Any]] = [
                 ("HK", kv_heads), ("G", q_heads // kv_heads), ("N", n), ("D", dim),
                 ("BS", self.block_size), ("WARPS", warps), ("TILES", tuning.mma_tiles),
@@ -427,6 +458,7 @@ class BatchPagedAttentionView:
                 ("SCALE_BITS", scale_bits),
             ]
         else:
+            fused = False
             warps = tuning.warps
             rows_per_block = min(rows, tuning.rows)
             chunks = -(-rows // rows_per_block)
@@ -450,28 +482,69 @@ class BatchPagedAttentionView:
         table = self.kernel_table(part)
         items = sum(-(-length // part) for length in self.lengths)
         hqn = q_heads * n
-        partial_out, normal = kernel(
-            inputs=[queries, self.arrays[0], self.arrays[1], table, *self.arrays[2:]],
-            template=template,
-            grid=(32 * warps * items, kv_heads * chunks, 1),
-            threadgroup=(32 * warps, 1, 1),
-            output_shapes=[(hqn, items, dim), (hqn, items, 2)],
-            output_dtypes=[mx.float32, mx.float32],
-            init_value=poison,
-        )
+        grid = (32 * warps * items, kv_heads * chunks, 1)
+        tail = (self.arrays[0], self.arrays[1], table, *self.arrays[2:])
+        if fused:
+            # One launch: the result, and a scratch of counters, partials and normalizers, all
+            # filled with the init value the counters count up from (kernels, point 7).
+            init = 0.0 if poison is None else poison
+            counters = -(-(self.batch * kv_heads * chunks) // 4) * 4
+            return _Launch(
+                partial=kernel,
+                partial_kw={
+                    "template": [*template, ("OutT", dtype), ("INIT_BITS", _float_bits(init))],
+                    "grid": grid, "threadgroup": (32 * warps, 1, 1),
+                    "output_shapes": [(self.batch, q_heads, n, dim),
+                                      (counters + hqn * items * (dim + 2),)],
+                    "output_dtypes": [dtype, mx.float32],
+                    "init_value": init,
+                },
+                tail=tail, merge=None, merge_kw={}, table=table,
+            )
         split = 1024 // dim  # threads of a merge block that share one output element
-        (out,) = backend.merge()(
-            inputs=[partial_out, normal, table],
-            template=[("D", dim), ("J", split), ("MAX_PARTS", _MAX_PARTS), ("HQN", hqn),
-                      ("OutT", queries.dtype)],
-            grid=(dim, split * self.batch * hqn, 1),
-            threadgroup=(dim, split, 1),
-            output_shapes=[(self.batch, q_heads, n, dim)],
-            output_dtypes=[queries.dtype],
-            init_value=poison,
+        return _Launch(
+            partial=kernel,
+            partial_kw={
+                "template": template, "grid": grid, "threadgroup": (32 * warps, 1, 1),
+                "output_shapes": [(hqn, items, dim), (hqn, items, 2)],
+                "output_dtypes": [mx.float32, mx.float32], "init_value": poison,
+            },
+            tail=tail,
+            merge=backend.merge(),
+            merge_kw={
+                "template": [("D", dim), ("J", split), ("MAX_PARTS", _MAX_PARTS), ("HQN", hqn),
+                             ("OutT", dtype)],
+                "grid": (dim, split * self.batch * hqn, 1), "threadgroup": (dim, split, 1),
+                "output_shapes": [(self.batch, q_heads, n, dim)], "output_dtypes": [dtype],
+                "init_value": poison,
+            },
+            table=table,
         )
-        result: mx.array = out
-        return result
+
+
+def _float_bits(x: float) -> int:
+    """The bits of ``x`` as a float32, as a signed int (a kernel's template constant)."""
+    bits: int = struct.unpack("<i", struct.pack("<f", x))[0]
+    return bits
+
+
+@attrs.frozen
+class _Launch:
+    """One direct call's kernel calls with everything but the queries bound (kept per view
+    and call shape by :meth:`BatchPagedAttentionView.attend_direct`)."""
+
+    partial: Any  # the partition kernel (or the fused one)
+    partial_kw: dict[str, Any]
+    tail: tuple[mx.array, ...]  # its inputs after the queries: keys, values, table, ...
+    merge: Any  # the merge kernel, or None when the partition kernel merges
+    merge_kw: dict[str, Any]
+    table: mx.array
+
+    def run(self, queries: mx.array) -> mx.array:
+        outputs = self.partial(inputs=[queries, *self.tail], **self.partial_kw)
+        if self.merge is not None:
+            outputs = self.merge(inputs=[outputs[0], outputs[1], self.table], **self.merge_kw)
+        return cast(mx.array, outputs[0])
 
 
 @attrs.frozen

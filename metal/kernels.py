@@ -39,13 +39,17 @@ Theory of operation (both languages):
    ``[HQ * N, W, D]`` and ``[HQ * N, W, 2]``.
 6. The merge kernel (one block per sequence and query row) combines the sequence's items with
    the log-sum-exp rule and writes ``out[b, head, query, :]`` in the output dtype.
+7. Fused merge (CUDA, tensor-core kernel, ``KernelTuning.fused_merge``): one launch instead
+   of two. The partials go to a scratch output, each block counts itself done with an atomic
+   add after a device-scope fence, and the last block of a sequence and block row merges
+   (PARTIAL_MMA_FUSED, described above its body).
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["MERGE", "NAMES", "PARTIAL", "PARTIAL_MMA", "render"]
+__all__ = ["MERGE", "NAMES", "PARTIAL", "PARTIAL_MMA", "PARTIAL_MMA_FUSED", "render"]
 
 # Neutral name -> (CUDA, Metal).
 NAMES: dict[str, tuple[str, str]] = {
@@ -54,6 +58,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "KVT_BLOCK_X": ("blockIdx.x", "threadgroup_position_in_grid.x"),
     "KVT_BLOCK_Y": ("blockIdx.y", "threadgroup_position_in_grid.y"),
     "KVT_BLOCKS_X": ("gridDim.x", "threadgroups_per_grid.x"),
+    "KVT_BLOCKS_Y": ("gridDim.y", "threadgroups_per_grid.y"),
     "KVT_SHARED": ("__shared__", "threadgroup"),
     "KVT_BARRIER": ("__syncthreads", "threadgroup_barrier"),
     "KVT_THREADGROUP_MEM": ("", "mem_flags::mem_threadgroup"),
@@ -274,8 +279,7 @@ PARTIAL = (
 # - Out^T (D x 8 rows) += V^T (D x 16 tokens) P^T (16 tokens x 8 rows): kvt_trans turns the
 #   lane's value words and its weights into the operand layouts (dim rows are a permutation
 #   too, undone when the accumulators are stored).
-PARTIAL_MMA = (
-    r"""
+_MMA_HEAD = r"""
   constexpr int R = G * N;
   constexpr int RB = 8;
   constexpr int CH = (R + 7) / 8;
@@ -289,8 +293,7 @@ PARTIAL_MMA = (
   const int hk = KVT_BLOCK_Y / CH;
   const int r0 = (KVT_BLOCK_Y % CH) * 8;
 """
-    + _ITEM
-    + r"""
+_MMA_BODY = r"""
   const float scale = kvt_int_as_float(SCALE_BITS);
   // The mma's B operand: query row r0 + g (zero past the last row), dims as the keys'.
   uint32_t qw[DJ][4];
@@ -417,8 +420,57 @@ PARTIAL_MMA = (
     }
   }
 """
-    + _STORE
-)
+PARTIAL_MMA = _MMA_HEAD + _ITEM + _MMA_BODY + _STORE
+
+# The fused merge (CUDA only, KernelTuning.fused_merge): one output scratch holds per
+# (sequence, block row) a counter word, then the partials and normalizers PARTIAL_MMA writes
+# as outputs. Every word of the scratch starts as the call's init value, whose float bits are
+# INIT_BITS (MLX fills every output with it), so a counter counts up from INIT_BITS: each call
+# has its own counters and no call ever sees another's.
+_FUSED_SCRATCH = r"""
+  const int counters = ((B * KVT_BLOCKS_Y + 3) / 4) * 4;
+  float* out = scratch + counters;
+  float* normal = out + HK * R * items * D;
+"""
+
+# After its partials are stored, a block fences them (device scope), and one thread counts the
+# block done; the block that finds itself the sequence's last of this block row (counter at
+# parts - 1 before its add) merges the sequence's items for its rows by log-sum-exp, as MERGE
+# does, and writes ``result[b, head, query, :]``.
+_FUSED_MERGE = r"""
+  kvt_fence_device();
+  KVT_BARRIER(KVT_THREADGROUP_MEM);
+  KVT_SHARED int sm_last;
+  const int parts = (length + P - 1) / P;
+  const int first = table[3 + 3 * seq + 2];
+  if (tid == 0) {
+    const unsigned int old = kvt_count(scratch, seq * KVT_BLOCKS_Y + KVT_BLOCK_Y);
+    sm_last = (old - (unsigned int)INIT_BITS) == (unsigned int)(parts - 1) ? 1 : 0;
+  }
+  KVT_BARRIER(KVT_THREADGROUP_MEM);
+  if (sm_last) {
+    kvt_fence_device();
+    for (int i = tid; i < RB * D; i += WARPS * 32) {
+      const int r = i / D;
+      const int d = i % D;
+      if (r0 + r >= R) continue;
+      const int row = hk * R + r0 + r;
+      float top = KVT_NEG_INF;
+      for (int p = 0; p < parts; ++p) {
+        top = kvt_max(top, normal[(row * items + first + p) * 2]);
+      }
+      float a = 0.f;
+      float total = 0.f;
+      for (int p = 0; p < parts; ++p) {
+        const float weight = kvt_weight(normal[(row * items + first + p) * 2], top);
+        a += weight * out[(row * items + first + p) * D + d];
+        total += weight * normal[(row * items + first + p) * 2 + 1];
+      }
+      result[(q_base + row) * D + d] = from_f<OutT>(a / total);
+    }
+  }
+"""
+PARTIAL_MMA_FUSED = _MMA_HEAD + _ITEM + _FUSED_SCRATCH + _MMA_BODY + _STORE + _FUSED_MERGE
 
 # One block per (sequence, query row): the sequence's items merged by log-sum-exp.
 MERGE = r"""

@@ -15,16 +15,20 @@ from kvtrio.metal import kernels
 
 __all__ = [
     "HEADER",
+    "FUSED_MERGE",
     "HEADER_MMA",
+    "HEADER_MMA_FUSED",
     "HEADER_QUANTIZED",
     "MERGE_SOURCE",
     "NAME",
+    "PARTIAL_MMA_FUSED_SOURCE",
     "PARTIAL_MMA_SOURCE",
     "PARTIAL_SOURCE",
     "TENSOR_CORES",
     "merge",
     "partial",
     "partial_mma",
+    "partial_mma_fused",
 ]
 
 _COMMON = """
@@ -190,12 +194,29 @@ __device__ __forceinline__ uint4 kvt_load16(const void* p) {
 )
 
 
+# The fused merge's synchronisation (kernels.PARTIAL_MMA_FUSED): a device-scope fence, and a
+# relaxed atomic add of one to a counter word of the (float32) scratch, returning its bits.
+HEADER_MMA_FUSED = (
+    HEADER_MMA
+    + """
+__device__ __forceinline__ void kvt_fence_device() { __threadfence(); }
+__device__ __forceinline__ unsigned int kvt_count(float* words, int index) {
+  return atomicAdd(reinterpret_cast<unsigned int*>(words) + index, 1u);
+}
+"""
+)
+
+
 PARTIAL_SOURCE = kernels.render(kernels.PARTIAL, "cuda")
 PARTIAL_MMA_SOURCE = kernels.render(kernels.PARTIAL_MMA, "cuda")
+PARTIAL_MMA_FUSED_SOURCE = kernels.render(kernels.PARTIAL_MMA_FUSED, "cuda")
 MERGE_SOURCE = kernels.render(kernels.MERGE, "cuda")
 
 # The tensor-core kernel is the default for float16/bfloat16 pools (KernelTuning.mma=None).
 TENSOR_CORES = True
+
+# The tensor-core kernel can merge in the same launch (KernelTuning.fused_merge).
+FUSED_MERGE = True
 
 # The backend's name in kvtrio.metal.attention.MEASURED_BACKENDS.
 NAME = "cuda"
@@ -225,6 +246,18 @@ def partial_mma() -> Any:
         output_names=["out", "normal"],
         source=PARTIAL_MMA_SOURCE,
         header=HEADER_MMA,
+    )
+
+
+@functools.cache
+def partial_mma_fused() -> Any:
+    """The tensor-core partition kernel that also merges (the last block of a sequence)."""
+    return mx.fast.cuda_kernel(
+        name="kvtrio_paged_partial_mma_fused",
+        input_names=_INPUTS,
+        output_names=["result", "scratch"],
+        source=PARTIAL_MMA_FUSED_SOURCE,
+        header=HEADER_MMA_FUSED,
     )
 
 

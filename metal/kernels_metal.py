@@ -18,6 +18,7 @@ from kvtrio.metal import kernels
 
 __all__ = [
     "HEADER",
+    "FUSED_MERGE",
     "HEADER_MMA",
     "HEADER_QUANTIZED",
     "MERGE_SOURCE",
@@ -181,6 +182,10 @@ MERGE_SOURCE = kernels.render(kernels.MERGE, "metal")
 
 # The tensor-core kernel (emulated here) runs only when asked for (KernelTuning(mma=True)).
 TENSOR_CORES = False
+
+# No fused merge on Metal (kernels.PARTIAL_MMA_FUSED is rendered for CUDA only: its
+# cross-threadgroup fence has not been written for Metal).
+FUSED_MERGE = False
 
 # The backend's name in kvtrio.metal.attention.MEASURED_BACKENDS.
 NAME = "metal"

@@ -81,6 +81,15 @@ def instantiations() -> list[tuple[str, str]]:
                 kernels_cuda.HEADER_MMA, kernels_cuda.PARTIAL_MMA_SOURCE,
                 [("q", dtype), ("keys", dtype), ("values", dtype), ("table", "int32")],
                 [("out", q), ("normal", q)], tpl)))
+    for dtype in (f, b):
+        tpl = [("HK", 8), ("G", 4), ("N", 1), ("D", 128), ("BS", 16), ("WARPS", 8),
+               ("TILES", 1), ("WIDE_L2", True), ("CAUSAL", False), ("SCALE_BITS", 1040187392),
+               ("OutT", dtype), ("INIT_BITS", 0)]
+        units.append((f"mma fused merge {dtype}", wrap(
+            f"mma_fused_{dtype}", kernels_cuda.HEADER_MMA_FUSED,
+            kernels_cuda.PARTIAL_MMA_FUSED_SOURCE,
+            [("q", dtype), ("keys", dtype), ("values", dtype), ("table", "int32")],
+            [("result", dtype), ("scratch", q)], tpl)))
     for dtype in (f, q):
         tpl = [("HQ", 32), ("HK", 8), ("G", 4), ("N", 1), ("D", 128), ("BS", 16), ("RC", 4),
                ("WARPS", 4), ("U", 4), ("PIPE", True), ("CAUSAL", False),

@@ -44,6 +44,39 @@ class EmulatedBackend:
     def merge(self) -> Callable[..., list[mx.array]]:
         return self._merge
 
+    FUSED_MERGE = True
+
+    def partial_mma_fused(self) -> Callable[..., list[mx.array]]:
+        return self._fused
+
+    def _fused(self, *, inputs: list[mx.array], template: list[tuple[str, Any]],
+               grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
+               output_shapes: list[tuple[int, ...]], output_dtypes: list[mx.Dtype],
+               init_value: float | None = None) -> list[mx.array]:
+        """The fused kernel's contract: the merged result, and a scratch of one counter word
+        per sequence and block row (rounded up to 4), then partials and normalizers, every
+        word starting at the init value whose float bits are INIT_BITS."""
+        t = dict(template)
+        assert init_value is not None, "the counters need a known start"
+        assert struct.pack("<f", init_value) == struct.pack("<i", t["INIT_BITS"])
+        table = np.array(inputs[3])
+        batch, items = int(table[1]), int(table[2])
+        hqn, d = t["HK"] * t["G"] * t["N"], t["D"]
+        counters = -(-(batch * grid[1] // threadgroup[1]) // 4) * 4
+        assert output_shapes[1] == (counters + hqn * items * (d + 2),)
+        partials, normal = self._partial(
+            "partial_mma", inputs=inputs, template=template, grid=grid,
+            threadgroup=threadgroup, output_shapes=[(hqn, items, d), (hqn, items, 2)],
+            output_dtypes=[mx.float32, mx.float32])
+        (out,) = self._merge(
+            inputs=[partials, normal, inputs[3]],
+            template=[("D", d), ("HQN", hqn), ("MAX_PARTS", 1024)], grid=(d, batch * hqn, 1),
+            threadgroup=(d, 1, 1), output_shapes=output_shapes[:1],
+            output_dtypes=output_dtypes[:1])
+        del self.calls[-2:]
+        self.calls.append("partial_mma_fused")
+        return [out, mx.zeros(output_shapes[1], dtype=mx.float32)]
+
     def _partial(self, kind: str, *, inputs: list[mx.array], template: list[tuple[str, Any]],
                  grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
                  output_shapes: list[tuple[int, ...]], output_dtypes: list[mx.Dtype],

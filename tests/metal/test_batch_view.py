@@ -165,6 +165,7 @@ TUNINGS = [
     KernelTuning(min_part_tokens=16, mma_blocks=64, mma_warps=2, mma_tiles=2, batch_waves=1),
     KernelTuning(mma=False, min_part_tokens=16, target_blocks=64, warps=2),
     KernelTuning(mma=False, rows=2, unroll=2, min_part_tokens=16, target_blocks=16),
+    KernelTuning(min_part_tokens=16, mma_blocks=64, mma_warps=1, fused_merge=True),
 ]
 
 
@@ -192,8 +193,8 @@ def test_emulated_direct_matches_per_sequence_reference(seed: int) -> None:
         assert _relative_error(got, want) < (1e-5 if dtype == mx.float32 else 2e-3)
     if bits is not None:
         assert set(backend.calls) == {"partial_q", "merge"}
-    elif dtype == mx.float16:  # tensor cores, then the scalar tunings
-        assert set(backend.calls) == {"partial_mma", "partial", "merge"}
+    elif dtype == mx.float16:  # tensor cores, then the scalar tunings, then fused
+        assert set(backend.calls) == {"partial_mma", "partial", "merge", "partial_mma_fused"}
     else:
         assert set(backend.calls) == {"partial", "merge"}
 
