@@ -7,9 +7,10 @@ process; ``... explore`` times launch-shape variants of the tensor-core kernel a
 alternating rounds (``KVTRIO_VARIANTS``, ``KVTRIO_LENGTHS``, ``KVTRIO_MIXES``; on a machine
 without a GPU it runs the numpy stand-in, as a smoke test of the script); ``... profile``
 makes a few unchained 128k calls for a profiler (ncu) to read; ``... overhead`` splits
-a chained call's time into building the calls and evaluating them. Everything lands
-as JSON and logs under ``$OUT`` (the device tool's output folder), with a short table
-printed last.
+a chained call's time into building the calls and evaluating them; ``... host`` does that
+split for another tree's direct call against this tree's (kept launches, fused merge).
+Everything lands as JSON and logs under ``$OUT`` (the device tool's output folder), with a
+short table printed last.
 """
 
 from __future__ import annotations
@@ -404,6 +405,120 @@ def overhead(budget: float) -> None:
     print("overhead", budget, flush=True)
 
 
+def _split_times(fn: Any, queries: Any, reps: int = 10) -> dict[str, float]:
+    """Per call, medians of ``reps`` rounds of 20 chained calls: the bench's figure (building
+    and evaluating), the building alone and the evaluation of calls already built (us)."""
+    import statistics
+
+    import mlx.core as mx
+
+    def chain() -> Any:
+        q = queries
+        for _ in range(20):
+            q = fn(q)
+        return q
+
+    mx.eval(chain())
+    bench, build, run = [], [], []
+    for _ in range(reps):
+        began = time.perf_counter()
+        mx.eval(chain())
+        bench.append((time.perf_counter() - began) / 20)
+        began = time.perf_counter()
+        out = chain()
+        built = time.perf_counter()
+        mx.eval(out)
+        build.append((built - began) / 20)
+        run.append((time.perf_counter() - built) / 20)
+    return {k: statistics.median(v) * 1e6 for k, v in
+            (("bench_us", bench), ("build_us", build), ("eval_us", run))}
+
+
+def host(budget: float) -> None:
+    """The direct call before and after the host-side work, in one process: ``old`` is the
+    attention module of another tree (its path in KVTRIO_OLD_ATTENTION: it builds every call
+    from scratch, two kernel calls), ``kept`` this tree's default (the launch kept per view and
+    call shape), ``fused`` the same with the fused merge (one kernel call); contiguous sdpa as
+    the reference. Three alternating rounds of :func:`_split_times` per length
+    (KVTRIO_LENGTHS), the relative error of each direct output against float32 sdpa on the
+    CPU, and the copy ceiling measured in the same process."""
+    import importlib.util
+
+    import attrs
+    import mlx.core as mx
+    from kvtrio.bench import attention as b
+    from kvtrio.metal.attention import DEFAULT_TUNING, direct_backend
+
+    began = time.time()
+    backend: Any = direct_backend()
+    if backend is None:  # a CPU smoke run of this script: the numpy stand-in
+        from emulated_backend import EmulatedBackend
+
+        backend = EmulatedBackend()
+    old = None
+    if os.environ.get("KVTRIO_OLD_ATTENTION"):
+        spec = importlib.util.spec_from_file_location("old_attention",
+                                                      os.environ["KVTRIO_OLD_ATTENTION"])
+        assert spec is not None and spec.loader is not None
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    shape: dict[str, Any] = {"q_heads": 32, "kv_heads": 8, "dim": 128, "dtype": mx.float16,
+                             "block_size": 16}
+    results: dict[str, Any] = {"device": str(mx.default_device())}
+    results["ceilings"] = b.ceilings(int(os.environ.get("KVTRIO_CEILING_BYTES", 1 << 30)), 10)
+    copy = results["ceilings"]["copy_gbs"]
+    print("ceilings", json.dumps(results["ceilings"]), flush=True)
+    scale = shape["dim"] ** -0.5
+    for length in (int(x) for x in os.environ.get("KVTRIO_LENGTHS", "131072,4096").split(",")):
+        if time.time() - began > budget * 0.8:
+            break
+        view, keys, values, queries = _single_views(length, shape)
+        kv_bytes = keys.nbytes + values.nbytes
+        calls: dict[str, Any] = {"sdpa": functools.partial(
+            mx.fast.scaled_dot_product_attention, k=keys, v=values, scale=scale)}
+        if old is not None:
+            old_view = old.PagedAttentionView(
+                arrays=view.arrays, blocks=view.blocks, block_table=view.block_table,
+                length=view.length, block_size=view.block_size, bits=view.bits,
+                group_size=view.group_size, direct=view.direct)
+            calls["old"] = functools.partial(old_view.attend_direct, scale=scale, mask=None,
+                                             backend=backend, tuning=old.DEFAULT_TUNING)
+        for name, fused in (("kept", False), ("fused", True)):
+            calls[name] = functools.partial(
+                view.attend_direct, scale=scale, mask=None, backend=backend,
+                tuning=attrs.evolve(DEFAULT_TUNING, fused_merge=fused))
+        with mx.stream(mx.cpu):
+            want = mx.fast.scaled_dot_product_attention(
+                queries.astype(mx.float32), keys.astype(mx.float32),
+                values.astype(mx.float32), scale=scale)
+            mx.eval(want)
+        row: dict[str, Any] = {"tokens": length, "kv_bytes": kv_bytes, "errors": {}}
+        for name, fn in calls.items():
+            got = fn(queries).astype(mx.float32)
+            mx.eval(got)
+            with mx.stream(mx.cpu):
+                row["errors"][name] = float(mx.linalg.norm((got - want).reshape(-1))
+                                            / mx.linalg.norm(want.reshape(-1)))
+        for _ in range(3):
+            for name, fn in calls.items():
+                for key, us in _split_times(fn, queries).items():
+                    row.setdefault(name, {}).setdefault(key, []).append(us)
+        results[str(length)] = row
+        print(f"{length:>7} tokens, copy {copy:.0f} GB/s; per call: bench (3 rounds), "
+              "build, eval; best bench / best sdpa; of copy; error vs float32", flush=True)
+        sdpa = min(row["sdpa"]["bench_us"])
+        for name in calls:
+            r = row[name]
+            best = min(r["bench_us"])
+            print(f"  {name:<6} " + " ".join(f"{x:7.1f}" for x in r["bench_us"])
+                  + f" | build {min(r['build_us']):5.1f} | eval {min(r['eval_us']):7.1f}"
+                  f" | {best / sdpa:5.3f}x | {kv_bytes / best / 1e3 / copy:4.0%}"
+                  f" | {row['errors'][name]:.1e}", flush=True)
+        del view, keys, values, calls
+        mx.clear_cache()
+    (OUT / "host.json").write_text(json.dumps(results, indent=1))
+
+
 def _overhead_length(length: int) -> dict[str, Any]:
     import statistics
 
@@ -452,5 +567,5 @@ if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     what, budget = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 500.0
     modes = {"tests": tests, "bench": bench, "explore": explore, "profile": profile,
-             "overhead": overhead}
+             "overhead": overhead, "host": host}
     modes[what](budget)

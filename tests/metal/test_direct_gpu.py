@@ -285,7 +285,7 @@ def _batch_cases() -> list[tuple[int, int, list[int], int, int, int, mx.Dtype, i
 
 @pytest.mark.skipif(not _has_cuda(), reason="needs MLX's CUDA backend and an NVIDIA GPU")
 @pytest.mark.parametrize("case", _batch_cases(), ids=lambda c: f"seed{c[0]}")
-@pytest.mark.parametrize("variant", ["default", "narrow_l2"])
+@pytest.mark.parametrize("variant", ["default", "narrow_l2", "fused"])
 def test_cuda_batched_matches_per_sequence_float32_reference(
     case: tuple[int, int, list[int], int, int, int, mx.Dtype, int | None], variant: str
 ) -> None:
@@ -294,7 +294,8 @@ def test_cuda_batched_matches_per_sequence_float32_reference(
         pytest.skip("the variants are of the tensor-core kernel")
     mx.random.seed(seed)
     tuning = {"default": _tuning(), "tiles2": attrs.evolve(_tuning(), mma_tiles=2),
-              "narrow_l2": attrs.evolve(_tuning(), mma_wide_l2=False)}[variant]
+              "narrow_l2": attrs.evolve(_tuning(), mma_wide_l2=False),
+              "fused": attrs.evolve(_tuning(), fused_merge=True)}[variant]
     view = _batch_view(random.Random(seed), lengths, kv_heads, 128, dtype, bits)
     queries = mx.random.normal((batch, kv_heads * ratio, n, 128)).astype(dtype)
     mask = "causal" if n > 1 else None
@@ -316,6 +317,43 @@ def test_cuda_batched_matches_per_sequence_float32_reference(
     if dtype == mx.bfloat16:
         bound = max(bound, 2 * floor)
     assert error <= bound, (error, bound)
+
+
+FUSED_CASES = [  # (seed, lengths, kv heads, GQA ratio, queries, dtype)
+    (0, [1, 17, 4000, 300, 70000], 2, 4, 8, mx.float16),
+    (1, [131075], 8, 4, 1, mx.float16),
+    (2, [random.Random(2).randint(8, 600) for _ in range(64)], 1, 8, 2, mx.bfloat16),
+    (3, [33000, 9], 8, 1, 3, mx.bfloat16),
+]
+
+
+@pytest.mark.skipif(not _has_cuda(), reason="needs MLX's CUDA backend and an NVIDIA GPU")
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"fused{c[0]}")
+def test_cuda_fused_merge_unpoisoned_matches_the_two_launches(
+    case: tuple[int, list[int], int, int, int, mx.Dtype],
+) -> None:
+    """The fused merge as served (no poison: every scratch word and counter starts at 0)
+    against the two-launch kernel and the float32 reference on the CPU, in a loop of calls
+    (each call's counters are its own)."""
+    seed, lengths, kv_heads, ratio, n, dtype = case
+    mx.random.seed(seed)
+    view = _batch_view(random.Random(seed), lengths, kv_heads, 128, dtype, None)
+    backend = direct_backend()
+    assert backend is not None
+    fused = attrs.evolve(_tuning(), fused_merge=True)
+    mask = "causal" if n > 1 else None
+    for _ in range(3):
+        queries = mx.random.normal((len(lengths), kv_heads * ratio, n, 128)).astype(dtype)
+        assert view.uses_fused(fused, backend)
+        got = view.attend_direct(queries, 128**-0.5, mask, backend, fused)
+        two = view.attend_direct(queries, 128**-0.5, mask, backend, _tuning())
+        with mx.stream(mx.cpu):
+            want = view.attend_reference(queries, 128**-0.5, mask, upcast=True)
+            mx.eval(want)
+        error = _relative_error(got, want)
+        bound = max(BATCH_TOLERANCE[dtype], 2 * _relative_error(want.astype(dtype), want))
+        assert error <= bound, (error, bound)
+        assert _relative_error(got, two.astype(mx.float32)) <= bound
 
 
 @pytest.mark.skipif(not _has_cuda(), reason="needs MLX's CUDA backend and an NVIDIA GPU")
