@@ -200,6 +200,8 @@ class BatchPagedAttentionView:
     direct: bool
     _kernel_tables: dict[int, mx.array] = attrs.field(factory=dict, eq=False, repr=False)
     _launches: dict[tuple[Any, ...], _Launch] = attrs.field(factory=dict, eq=False, repr=False)
+    # Every block number of the tables, concatenated, when capture already made them an array
+    _flat: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)
 
     @classmethod
     def capture(
@@ -327,9 +329,8 @@ class BatchPagedAttentionView:
             counts = np.array([len(t) for t in self.block_tables], dtype=np.int64)
             blocks_at = 3 + 3 * batch + items + np.concatenate([[0], np.cumsum(counts)[:-1]])
             first = np.concatenate([[0], np.cumsum(parts)[:-1]])
-            flat = np.fromiter(
-                (b for t in self.block_tables for b in t), dtype=np.int64, count=int(counts.sum())
-            )
+            flat = self._flat if self._flat is not None else np.concatenate(
+                [np.array(t, dtype=np.int64) for t in self.block_tables])
             host = np.concatenate([
                 np.array([part, batch, items]),
                 np.stack([lengths, blocks_at, first], axis=1).reshape(-1),
@@ -498,15 +499,20 @@ class PagedAttentionView:
     group_size: int
     direct: bool
     _batch: list[BatchPagedAttentionView] = attrs.field(factory=list, eq=False, repr=False)
+    _host_table: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)
 
     @classmethod
     def capture(
         cls, pool: BlockPool, block_table: Sequence[int], length: int, direct: bool = True
     ) -> PagedAttentionView:
         table = tuple(block_table[: -(-length // pool.block_size)])
+        # One conversion of the Python ints serves the gather's index and the kernel table
+        # (each conversion of a 128k-token table costs hundreds of microseconds).
+        host = np.array(table, dtype=np.int32)
         return cls(
             arrays=tuple(mx.stop_gradient(a) for a in pool.arrays()),
-            blocks=mx.array(table, dtype=mx.int32),
+            blocks=mx.array(host),
+            host_table=host,
             block_table=table,
             length=length,
             block_size=pool.block_size,
@@ -525,7 +531,7 @@ class PagedAttentionView:
             self._batch.append(BatchPagedAttentionView(
                 arrays=self.arrays, lengths=(self.length,), block_tables=(self.block_table,),
                 block_size=self.block_size, bits=self.bits, group_size=self.group_size,
-                direct=self.direct,
+                direct=self.direct, flat=self._host_table,
             ))
         return self._batch[0]
 
