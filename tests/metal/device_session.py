@@ -8,7 +8,8 @@ alternating rounds (``KVTRIO_VARIANTS``, ``KVTRIO_LENGTHS``, ``KVTRIO_MIXES``; o
 without a GPU it runs the numpy stand-in, as a smoke test of the script); ``... profile``
 makes a few unchained 128k calls for a profiler (ncu) to read; ``... overhead`` splits
 a chained call's time into building the calls and evaluating them; ``... host`` does that
-split for another tree's direct call against this tree's (kept launches, fused merge).
+split for another tree's direct call against this tree's (kept launches, fused merge), and
+``... stubbed`` times their Python share alone, the kernels stubbed (any machine).
 Everything lands as JSON and logs under ``$OUT`` (the device tool's output folder), with a
 short table printed last.
 """
@@ -519,6 +520,113 @@ def host(budget: float) -> None:
     (OUT / "host.json").write_text(json.dumps(results, indent=1))
 
 
+class _Stub:
+    """Kernels that return preallocated outputs at once: what is left of a direct call is its
+    Python share (``stubbed``)."""
+
+    NAME = "cuda"
+    TENSOR_CORES = True
+    FUSED_MERGE = True
+
+    def __init__(self) -> None:
+        import mlx.core as mx
+
+        self.outputs = [mx.zeros((4,)), mx.zeros((4,))]
+
+    def _kernel(self, **_: Any) -> Any:
+        return self.outputs
+
+    def partial_mma(self) -> Any:
+        return self._kernel
+
+    def partial_mma_fused(self) -> Any:
+        return self._kernel
+
+    def partial(self, quantized: bool) -> Any:
+        return self._kernel
+
+    def merge(self) -> Any:
+        return lambda **_: self.outputs[:1]
+
+
+def stubbed(budget: float) -> None:
+    """Python's share of one direct call at 128k (KVTRIO_LENGTHS), kernels stubbed (runs on
+    any machine): another tree's call (KVTRIO_OLD_ATTENTION, built every call), this tree's
+    kept launch with two kernel calls and fused, and a fresh capture per call (as a decode
+    step captures a view per layer) plus its first call, for both trees; three alternating
+    rounds, each a median of 20 x 1,000 calls (50 for captures), in us per call."""
+    import importlib.util
+
+    import mlx.core as mx
+
+    mx.set_default_device(mx.cpu)
+    old = None
+    if os.environ.get("KVTRIO_OLD_ATTENTION"):
+        spec = importlib.util.spec_from_file_location("old_attention",
+                                                      os.environ["KVTRIO_OLD_ATTENTION"])
+        assert spec is not None and spec.loader is not None
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    results: dict[str, Any] = {}
+    for length in (int(x) for x in os.environ.get("KVTRIO_LENGTHS", "131072").split(",")):
+        results[str(length)] = row = _stubbed_length(length, old, _Stub())
+        for name, rounds in row.items():
+            print(f"{length:>7} {name:<10} " + " ".join(f"{x:8.2f}" for x in rounds)
+                  + " us per call", flush=True)
+    (OUT / "stubbed.json").write_text(json.dumps(results, indent=1))
+    print("stubbed", budget, flush=True)
+
+
+def _stubbed_length(length: int, old: Any, stub: _Stub) -> dict[str, list[float]]:
+    import statistics
+
+    import attrs
+    import mlx.core as mx
+    from kvtrio.metal.attention import DEFAULT_TUNING, PagedAttentionView
+
+    view, _, _, queries = _single_views(length, {"q_heads": 32, "kv_heads": 8, "dim": 128,
+                                                 "dtype": mx.float16, "block_size": 16})
+
+    class _Pool:
+        block_size, bits, group_size = view.block_size, view.bits, view.group_size
+
+        def arrays(self) -> Any:
+            return view.arrays
+
+    pool, table, scale = _Pool(), list(view.block_table), 128**-0.5
+
+    def fresh(cls: Any, tuning: Any) -> Any:
+        return cls.capture(pool, table, length).attend_direct(queries, scale, None, stub, tuning)
+
+    calls: dict[str, tuple[Any, int]] = {}
+    if old is not None:
+        old_view = old.PagedAttentionView(
+            arrays=view.arrays, blocks=view.blocks, block_table=view.block_table,
+            length=view.length, block_size=view.block_size, bits=view.bits,
+            group_size=view.group_size, direct=True)
+        calls["old"] = (functools.partial(old_view.attend_direct, queries, scale, None, stub,
+                                          old.DEFAULT_TUNING), 1000)
+        calls["old_fresh"] = (functools.partial(fresh, old.PagedAttentionView,
+                                                old.DEFAULT_TUNING), 50)
+    fused = attrs.evolve(DEFAULT_TUNING, fused_merge=True)
+    calls["kept"] = (functools.partial(view.attend_direct, queries, scale, None, stub), 1000)
+    calls["fused"] = (functools.partial(view.attend_direct, queries, scale, None, stub,
+                                        fused), 1000)
+    calls["fresh"] = (functools.partial(fresh, PagedAttentionView, DEFAULT_TUNING), 50)
+    row: dict[str, list[float]] = {}
+    for _ in range(3):
+        for name, (fn, n) in calls.items():
+            fn()
+            times = []
+            for _ in range(20):
+                began = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                times.append((time.perf_counter() - began) / n * 1e6)
+            row.setdefault(name, []).append(statistics.median(times))
+    return row
+
+
 def _overhead_length(length: int) -> dict[str, Any]:
     import statistics
 
@@ -567,5 +675,5 @@ if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     what, budget = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 500.0
     modes = {"tests": tests, "bench": bench, "explore": explore, "profile": profile,
-             "overhead": overhead, "host": host}
+             "overhead": overhead, "host": host, "stubbed": stubbed}
     modes[what](budget)
