@@ -320,7 +320,7 @@ def test_cuda_batched_matches_per_sequence_float32_reference(
 
 
 FUSED_CASES = [  # (seed, lengths, kv heads, GQA ratio, queries, dtype)
-    (0, [1, 17, 4000, 300, 70000], 2, 4, 8, mx.float16),
+    (0, [8, 17, 4000, 300, 70000], 2, 4, 8, mx.float16),  # no sequence shorter than n
     (1, [131075], 8, 4, 1, mx.float16),
     (2, [random.Random(2).randint(8, 600) for _ in range(64)], 1, 8, 2, mx.bfloat16),
     (3, [33000, 9], 8, 1, 3, mx.bfloat16),
@@ -344,7 +344,7 @@ def test_cuda_fused_merge_unpoisoned_matches_the_two_launches(
     mask = "causal" if n > 1 else None
     for _ in range(3):
         queries = mx.random.normal((len(lengths), kv_heads * ratio, n, 128)).astype(dtype)
-        assert view.uses_fused(fused, backend)
+        assert view.uses_direct(queries, mask) and view.uses_fused(fused, backend)
         got = view.attend_direct(queries, 128**-0.5, mask, backend, fused)
         two = view.attend_direct(queries, 128**-0.5, mask, backend, _tuning())
         with mx.stream(mx.cpu):
