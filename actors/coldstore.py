@@ -41,8 +41,8 @@ from kvtrio.actors.collector import YoungCollections, collector_paused
 from kvtrio.actors.prefix import (
     DEFAULT_BLOCK_SIZE,
     ModelKey,
+    PackedTokens,
     index_keys,
-    intern_tokens,
     probe_keys,
 )
 from kvtrio.actors.tier import SUFFIX, ColdTier, TierEntry
@@ -574,7 +574,7 @@ def _next_infos(
             model = models[model_id, fp] = ModelKey(model_id, fp)
         out.append(
             ColdEntryInfo(
-                key, model, intern_tokens(tokens), trimmable, min_offset, used, conv, pinned, rank
+                key, model, PackedTokens(tokens), trimmable, min_offset, used, conv, pinned, rank
             )
         )
     return out

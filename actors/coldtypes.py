@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
-from kvtrio.actors.prefix import ModelKey
+from kvtrio.actors.prefix import ModelKey, PackedTokens
 
 __all__ = [
     "CONVERSATIONS_META",
@@ -37,7 +37,7 @@ class ColdEntryInfo:
 
     key: str
     model: ModelKey
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...] | PackedTokens  # packed: as the catalogue stores them
     trimmable: bool
     min_reusable_offset: int
     mtime: float

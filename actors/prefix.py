@@ -40,7 +40,8 @@ import enum
 import hashlib
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import NewType
 
 import attrs
 import numpy as np
@@ -49,13 +50,14 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "MatchKind",
     "ModelKey",
+    "PackedTokens",
     "PrefixEntry",
     "PrefixIndex",
     "PrefixMatch",
     "chain_hashes",
     "entry_key",
     "index_keys",
-    "intern_tokens",
+    "pack_tokens",
     "probe_keys",
 ]
 
@@ -116,6 +118,52 @@ def _link(parent: bytes, model: ModelKey, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
+PackedTokens = NewType("PackedTokens", bytes)
+"""A token sequence as u32 big-endian bytes (the catalogue's format,
+:func:`kvtrio.storage.catalogue.pack_tokens`): 4 bytes a token in one object the cyclic
+collector does not track, and bytes order (memcmp) is the order of the token tuples, so
+the index's sorted runs compare slices of it."""
+
+
+def pack_tokens(tokens: Sequence[int]) -> PackedTokens:
+    """``tokens`` as :data:`PackedTokens` (ValueError for ids outside [0, 2**32))."""
+    packed = array.array("I")
+    packed.frombytes(_token_bytes(tokens))
+    if sys.byteorder == "little":
+        packed.byteswap()
+    return PackedTokens(packed.tobytes())
+
+
+def _host_order(packed: bytes) -> array.array[int]:
+    values = array.array("I")
+    values.frombytes(packed)
+    if sys.byteorder == "little":
+        values.byteswap()
+    return values
+
+
+def _link_packed(parent: bytes, model: ModelKey, packed: bytes) -> bytes:
+    """:func:`_link` of the tokens ``packed`` holds (the same digest)."""
+    h = hashlib.sha256(parent)
+    h.update(model.fingerprint.encode())
+    h.update((len(packed) >> 2).to_bytes(8, "little"))
+    if sys.byteorder == "little":
+        h.update(_host_order(packed).tobytes())  # u32 little-endian, as _token_bytes
+    else:
+        swapped = _host_order(packed)
+        swapped.byteswap()
+        h.update(swapped.tobytes())
+    return h.digest()
+
+
+def _as_packed(tokens: Sequence[int] | PackedTokens) -> PackedTokens:
+    if isinstance(tokens, bytes):
+        if len(tokens) % 4:
+            raise ValueError("packed tokens must be whole u32 values")
+        return PackedTokens(tokens)
+    return pack_tokens(tokens)
+
+
 def chain_hashes(model: ModelKey, tokens: Sequence[int], block_size: int) -> list[bytes]:
     """The chain hash after each full block of ``tokens`` (``h[1] .. h[n]``, root excluded)."""
     out: list[bytes] = []
@@ -169,17 +217,28 @@ def probe_keys(model: ModelKey, tokens: Sequence[int], block_size: int) -> list[
 
 @attrs.frozen
 class PrefixEntry:
-    """One cached token sequence, as the index sees it."""
+    """One cached token sequence, as the index sees it. Its tokens are held packed
+    (:data:`PackedTokens`: given a sequence of ints, it packs them); :attr:`tokens`
+    unpacks them on each use (O(length): the index itself works on the packed bytes)."""
 
     key: str
     model: ModelKey
-    tokens: tuple[int, ...]
+    packed: PackedTokens = attrs.field(alias="tokens", converter=_as_packed)
     trimmable: bool = True
     min_reusable_offset: int = 0
 
     def __attrs_post_init__(self) -> None:
-        if not 0 <= self.min_reusable_offset <= len(self.tokens):
+        if not 0 <= self.min_reusable_offset <= self.length:
             raise ValueError("min_reusable_offset must lie in [0, len(tokens)]")
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(_host_order(self.packed))
+
+    @property
+    def length(self) -> int:
+        """``len(self.tokens)``, without unpacking them."""
+        return len(self.packed) >> 2
 
 
 class MatchKind(enum.Enum):
@@ -201,7 +260,7 @@ class PrefixMatch:
     @property
     def trim(self) -> int:
         """Tokens to trim from the end of the entry's caches before use."""
-        return len(self.entry.tokens) - self.reuse
+        return self.entry.length - self.reuse
 
 
 @attrs.define(eq=False)
@@ -221,12 +280,19 @@ class _Node:
         return not self.runs
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], start: int) -> int:
-    n = min(len(a), len(b))
-    i = start
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def _common_prefix(a: bytes, b: bytes, start: int) -> int:
+    """Tokens shared by the packed sequences ``a`` and ``b``, known equal in their first
+    ``start``: a binary search over slice comparisons (memcmp), O(log length) steps."""
+    low, high = start, min(len(a), len(b)) >> 2
+    if a[4 * low : 4 * high] == b[4 * low : 4 * high]:
+        return high
+    while high - low > 1:  # tokens [start, low) agree; the first difference is in [low, high)
+        mid = (low + high) // 2
+        if a[4 * low : 4 * mid] == b[4 * low : 4 * mid]:
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 # Among entries that reuse equally many tokens of a query, at most this many are weighed
@@ -234,20 +300,8 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], start: int) -> int:
 # scan of them all on every lookup).
 MAX_TIES = 64
 
-_TOKEN_INTERN: dict[int, int] = {}
 
-
-def intern_tokens(tokens: Iterable[int]) -> tuple[int, ...]:
-    """``tokens`` as a tuple whose ints are shared with every other interned tuple (a
-    token id is one object however many entries hold it: 8 bytes per token, not 36)."""
-    values = tokens if isinstance(tokens, (tuple, list, array.array)) else list(tokens)
-    table = _TOKEN_INTERN
-    return tuple(map(table.setdefault, values, values))
-
-
-def _outward(
-    runs: list[PrefixEntry], query: tuple[int, ...], start: int, mid: int
-) -> Iterator[int]:
+def _outward(runs: list[PrefixEntry], query: bytes, start: int, mid: int) -> Iterator[int]:
     """Indices of ``runs`` from ``mid`` outward, most tokens shared with ``query`` first
     (each side's shared length only falls as it moves away from the query's place)."""
     left, right = mid - 1, mid
@@ -255,7 +309,7 @@ def _outward(
 
     def common(i: int) -> int:
         if i not in shared:
-            shared[i] = _common_prefix(runs[i].tokens, query, start)
+            shared[i] = _common_prefix(runs[i].packed, query, start)
         return shared[i]
 
     while left >= 0 or right < len(runs):
@@ -284,9 +338,7 @@ class PrefixIndex:
     block_size: int = DEFAULT_BLOCK_SIZE
     _entries: dict[str, PrefixEntry] = attrs.field(init=False, factory=dict)
     _nodes: dict[bytes, _Node] = attrs.field(init=False, factory=dict)
-    _windows: dict[int, Callable[[PrefixEntry], tuple[int, ...]]] = attrs.field(
-        init=False, factory=dict
-    )
+    _windows: dict[int, Callable[[PrefixEntry], bytes]] = attrs.field(init=False, factory=dict)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)  # rule 4
 
     def __attrs_post_init__(self) -> None:
@@ -314,28 +366,30 @@ class PrefixIndex:
         min_reusable_offset: int = 0,
     ) -> PrefixEntry:
         """An entry for ``tokens`` with its key computed at this index's block size."""
+        values = [int(t) for t in tokens]
         return PrefixEntry(
-            key=entry_key(model, tokens, self.block_size),
-            model=model,
-            tokens=intern_tokens(int(t) for t in tokens),
-            trimmable=trimmable,
-            min_reusable_offset=min_reusable_offset,
+            entry_key(model, values, self.block_size),
+            model,
+            pack_tokens(values),
+            trimmable,
+            min_reusable_offset,
         )
 
-    def _window(self, depth: int) -> Callable[[PrefixEntry], tuple[int, ...]]:
+    def _window(self, depth: int) -> Callable[[PrefixEntry], bytes]:
+        """An entry's window at ``depth``: its packed tokens from that block on, one block."""
         window = self._windows.get(depth)
         if window is None:
-            start = depth * self.block_size
-            stop = start + self.block_size
-            window = self._windows[depth] = lambda entry: entry.tokens[start:stop]
+            start = 4 * depth * self.block_size
+            stop = start + 4 * self.block_size
+            window = self._windows[depth] = lambda entry: entry.packed[start:stop]
         return window
 
     def _path(self, entry: PrefixEntry) -> list[bytes]:
-        model, tokens, b = entry.model, entry.tokens, self.block_size
+        model, packed, step = entry.model, entry.packed, 4 * self.block_size
         parent = model.root()
         path = [parent]
-        for start in range(0, len(tokens) - b + 1, b):
-            parent = _link(parent, model, tokens[start : start + b])
+        for start in range(0, len(packed) - step + 1, step):
+            parent = _link_packed(parent, model, packed[start : start + step])
             path.append(parent)
         return path
 
@@ -356,7 +410,7 @@ class PrefixIndex:
                 runs.append(entry)  # in token order (open adds them so): no search
             else:
                 bisect.insort(runs, entry, key=window)
-        tail = len(entry.tokens) - (len(path) - 1) * self.block_size
+        tail = entry.length - (len(path) - 1) * self.block_size
         last = self._nodes[path[-1]]
         last.tails[tail] = last.tails.get(tail, 0) + 1
         self._entries[entry.key] = entry
@@ -380,7 +434,7 @@ class PrefixIndex:
                 i += 1
             del node.runs[i]
             if depth == len(path) - 1:
-                tail = len(entry.tokens) - depth * self.block_size
+                tail = entry.length - depth * self.block_size
                 node.tails[tail] -= 1
                 if not node.tails[tail]:
                     del node.tails[tail]
@@ -394,17 +448,18 @@ class PrefixIndex:
         query = tuple(int(t) for t in tokens)
         if not query:
             return None
+        packed = pack_tokens(query)
         with self._lock:
-            return self._lookup(model, query)
+            return self._lookup(model, query, packed)
 
-    def _lookup(self, model: ModelKey, query: tuple[int, ...]) -> PrefixMatch | None:
+    def _lookup(self, model: ModelKey, query: tuple[int, ...], packed: bytes) -> PrefixMatch | None:
         path, hashes = self._walk(model, query)
         exact = self._entries.get(entry_key(model, query, self.block_size))
-        if exact is not None and exact.tokens == query:
+        if exact is not None and exact.packed == packed:
             return PrefixMatch(exact, MatchKind.EXACT, len(query))
-        shorter = self._longest_shorter(model, path, hashes, query)
-        short_len = len(shorter.tokens) if shorter is not None else 0
-        longer = self._best_longer(path[-1], query, short_len)
+        shorter = self._longest_shorter(model, path, hashes, query, packed)
+        short_len = shorter.length if shorter is not None else 0
+        longer = self._best_longer(path[-1], packed, short_len)
         if longer is not None:
             return longer
         if shorter is not None:
@@ -423,16 +478,19 @@ class PrefixIndex:
         query = tuple(int(t) for t in tokens)
         if not query:
             return None
+        packed = pack_tokens(query)
         path, _ = self._walk(model, query)
         deepest = path[-1]
         start = deepest.depth * self.block_size
         window = self._window(deepest.depth)
         runs = deepest.runs
-        mid = bisect.bisect_left(runs, query[start : start + self.block_size], key=window)
-        for i in _outward(runs, query, start, mid):
+        mid = bisect.bisect_left(
+            runs, packed[4 * start : 4 * (start + self.block_size)], key=window
+        )
+        for i in _outward(runs, packed, start, mid):
             entry = runs[i]
-            common = _common_prefix(entry.tokens, query, start)
-            if common >= len(entry.tokens):
+            common = _common_prefix(entry.packed, packed, start)
+            if common >= entry.length:
                 continue
             kept = min(len(query) - 1, common)
             if kept <= reuse:
@@ -459,7 +517,12 @@ class PrefixIndex:
         return path, hashes
 
     def _longest_shorter(
-        self, model: ModelKey, path: list[_Node], hashes: list[bytes], query: tuple[int, ...]
+        self,
+        model: ModelKey,
+        path: list[_Node],
+        hashes: list[bytes],
+        query: tuple[int, ...],
+        packed: bytes,
     ) -> PrefixEntry | None:
         """The longest entry that is a proper prefix of ``query``: at each node, deepest
         first, the entries ending there are probed by key, one per tail length present."""
@@ -470,26 +533,26 @@ class PrefixIndex:
                 if not 0 < n < len(query):
                     continue
                 entry = self._entries.get(_link(node_hash, model, query[start:n]).hex())
-                if entry is not None and entry.tokens == query[:n]:
+                if entry is not None and entry.packed == packed[: 4 * n]:
                     return entry
         return None
 
-    def _best_longer(
-        self, deepest: _Node, query: tuple[int, ...], short_len: int
-    ) -> PrefixMatch | None:
+    def _best_longer(self, deepest: _Node, query: bytes, short_len: int) -> PrefixMatch | None:
         """The entry extending past the common prefix that reuses the most of ``query``:
         candidates are visited outward from the query's place in the node's sorted runs,
-        in non-increasing order of tokens shared (rule 3's selection within each)."""
+        in non-increasing order of tokens shared (rule 3's selection within each).
+        ``query`` is packed (:data:`PackedTokens`)."""
         start = deepest.depth * self.block_size
         window = self._window(deepest.depth)
         runs = deepest.runs
-        mid = bisect.bisect_left(runs, query[start : start + self.block_size], key=window)
+        mid = bisect.bisect_left(runs, query[4 * start : 4 * (start + self.block_size)], key=window)
+        length = len(query) >> 2
         left, right = mid - 1, mid
         shared: dict[int, int] = {}  # run index -> common prefix with the query
 
         def common(i: int) -> int:
             if i not in shared:
-                shared[i] = _common_prefix(runs[i].tokens, query, start)
+                shared[i] = _common_prefix(runs[i].packed, query, start)
             return shared[i]
 
         group: list[PrefixEntry] = []
@@ -503,9 +566,9 @@ class PrefixIndex:
             reuse = -1
             if best >= 0:
                 entry, shared_len = runs[best], common(best)
-                if shared_len >= len(entry.tokens):
+                if shared_len >= entry.length:
                     continue  # a prefix of the query (or the query itself): not "longer"
-                reuse = min(len(query) - 1, shared_len)
+                reuse = min(length - 1, shared_len)
             if group and reuse != group_reuse:
                 found = self._pick(group, group_reuse)
                 if found is not None:
@@ -528,25 +591,25 @@ class PrefixIndex:
     def _tie_range(
         self,
         runs: list[PrefixEntry],
-        window: Callable[[PrefixEntry], tuple[int, ...]],
-        query: tuple[int, ...],
+        window: Callable[[PrefixEntry], bytes],
+        query: bytes,
         start: int,
         shared: int,
     ) -> tuple[int, int]:
-        """The range of ``runs`` whose windows begin with the query's first ``shared``
-        window tokens (those sharing at least that many tokens with it)."""
+        """The range of ``runs`` whose windows begin with the (packed) query's first
+        ``shared`` window tokens (those sharing at least that many tokens with it)."""
         if shared <= 0:
             return 0, len(runs)
-        prefix = query[start : start + shared]
-        after = (*prefix[:-1], prefix[-1] + 1)
+        prefix = query[4 * start : 4 * (start + shared)]
+        size = len(prefix)
         return (
             bisect.bisect_left(runs, prefix, key=window),
-            bisect.bisect_left(runs, after, key=window),
+            bisect.bisect_right(runs, prefix, key=lambda entry: window(entry)[:size]),
         )
 
     @staticmethod
     def _pick(group: list[PrefixEntry], reuse: int) -> PrefixMatch | None:
-        for entry in sorted(group, key=lambda e: (len(e.tokens), e.key)):
+        for entry in sorted(group, key=lambda e: (e.length, e.key)):
             if entry.trimmable and reuse >= entry.min_reusable_offset:
                 return PrefixMatch(entry, MatchKind.LONGER, reuse)
         return None

@@ -122,12 +122,11 @@ def unpack_tokens(data: bytes) -> array.array[int]:
     return packed
 
 
-CompactRow = tuple[
-    str, str, str, "array.array[int]", bool, int, tuple[str, ...], float, bool, int
-]
-"""One entry as a scan yields it: key, model id, fingerprint, tokens, trimmable, minimum
-reusable offset, conversations, last use, pinned, and its rank in token order (0 for the
-entry whose tokens sort first). A plain tuple: no object per row beyond what the index keeps."""
+CompactRow = tuple[str, str, str, bytes, bool, int, tuple[str, ...], float, bool, int]
+"""One entry as a scan yields it: key, model id, fingerprint, tokens (as stored: u32
+big-endian, :func:`pack_tokens`), trimmable, minimum reusable offset, conversations, last
+use, pinned, and its rank in token order (0 for the entry whose tokens sort first). A
+plain tuple: no object per row beyond what the index keeps."""
 
 _NO_CONVERSATIONS: tuple[str, ...] = ()
 
@@ -415,6 +414,7 @@ def _compact(row: Any) -> CompactRow:
         and isinstance(model_id, str)
         and isinstance(fingerprint, str)
         and isinstance(tokens, bytes)
+        and len(tokens) % 4 == 0
         and isinstance(min_offset, int)
         and isinstance(conversations, str)
         and isinstance(last_use, float)
@@ -434,7 +434,7 @@ def _compact(row: Any) -> CompactRow:
         key,
         model_id,
         fingerprint,
-        unpack_tokens(tokens),
+        tokens,
         bool(trimmable),
         min_offset,
         names,

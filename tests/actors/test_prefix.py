@@ -122,19 +122,33 @@ def _common(s: tuple[int, ...], query: tuple[int, ...]) -> int:
     return n
 
 
-def test_lookup_agrees_with_a_brute_force_scan() -> None:
-    """Against every-entry comparison on random prefix-sharing sequences."""
+@pytest.mark.parametrize(
+    "alphabet",
+    [(0, 1, 2, 3, 4), (0, 1, 255, 256, 65_536, 2**32 - 1)],
+    ids=["small ids", "ids across byte boundaries"],
+)
+def test_lookup_agrees_with_a_brute_force_scan(alphabet: tuple[int, ...]) -> None:
+    """Against every-entry comparison on random prefix-sharing sequences. The index keeps
+    tokens packed (u32 big-endian) and compares their bytes: ids whose bytes order
+    differs from a little-endian or one-byte reading must sort and match as numbers."""
     import random
 
     rng = random.Random(7)
-    base = [rng.randrange(5) for _ in range(40)]
-    seqs = {
-        tuple(base[: rng.randrange(1, 40)] + [rng.randrange(5) for _ in range(3)])
-        for _ in range(30)
-    }
+
+    def some(n: int) -> list[int]:
+        return [rng.choice(alphabet) for _ in range(n)]
+
+    base = some(40)
+    seqs = {tuple(base[: rng.randrange(1, 40)] + some(3)) for _ in range(30)}
     index = _index(*[list(s) for s in seqs], block_size=3)
+    for entry in index:
+        assert entry.tokens in seqs and entry.length == len(entry.tokens)
+    for node in index._nodes.values():  # numeric order: the catalogue's (sqlite's) ranks
+        start = node.depth * 3
+        windows = [entry.tokens[start : start + 3] for entry in node.runs]
+        assert windows == sorted(windows)
     for _ in range(200):
-        query = tuple(base[: rng.randrange(1, 40)] + [rng.randrange(5) for _ in range(2)])
+        query = tuple(base[: rng.randrange(1, 40)] + some(2))
         match = index.lookup(MODEL, query)
         prefixes = [s for s in seqs if len(s) < len(query) and query[: len(s)] == s]
         best_short = max((len(s) for s in prefixes), default=0)

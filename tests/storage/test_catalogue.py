@@ -9,7 +9,7 @@ from pathlib import Path
 import attrs
 import pytest
 from kvtrio.errors import CorruptCacheError
-from kvtrio.storage.catalogue import CATALOGUE_NAME, Catalogue, CatalogueRow
+from kvtrio.storage.catalogue import CATALOGUE_NAME, Catalogue, CatalogueRow, unpack_tokens
 
 
 def _row(key: str, last_use: float, blocks: int = 2) -> CatalogueRow:
@@ -105,5 +105,5 @@ def test_a_scan_ranks_the_entries_in_token_order(tmp_path: Path) -> None:
     rows = [row for batch in catalogue.scan() for row in batch]
     assert [row[0] for row in rows] == [f"k{i}" for i in reversed(range(len(tokens)))]
     by_rank = sorted(rows, key=lambda row: row[-1])
-    assert [tuple(row[3]) for row in by_rank] == sorted(tokens)
+    assert [tuple(unpack_tokens(row[3])) for row in by_rank] == sorted(tokens)
     catalogue.close()
