@@ -131,7 +131,7 @@ class Departures:
         self.forget(entry.key)
         self._reasons[entry.key] = reason
         self._index.add(entry)
-        self._tokens += len(entry.tokens)
+        self._tokens += entry.length
         while len(self._reasons) > self.limit or self._tokens > self.token_limit:
             key, _ = self._reasons.popitem(last=False)
             self._drop(key)
@@ -144,7 +144,7 @@ class Departures:
     def _drop(self, key: str) -> None:
         gone = self._index.remove(key)
         assert gone is not None
-        self._tokens -= len(gone.tokens)
+        self._tokens -= gone.length
 
     def best(self, model: ModelKey, tokens: Sequence[int]) -> tuple[PrefixMatch, MissReason] | None:
         match = self._index.lookup(model, tokens)

@@ -67,7 +67,7 @@ class PolicyFeaturesMixin(CacheParts):
             return False
         if key in self._prefetches:
             return False
-        nbytes = record.cold.nbytes or len(record.entry.tokens) * self._bytes_per_token
+        nbytes = record.cold.nbytes or record.entry.length * self._bytes_per_token
         if self._prefetch_bytes + nbytes > self.prefetch_budget:
             self._count("prefetches_refused")
             return False
@@ -226,7 +226,7 @@ class PolicyFeaturesMixin(CacheParts):
     def _hot_cost(self, record: CacheRecord, nbytes: int) -> EntryCost:
         """What losing a hot entry costs: its recompute, or its reload when the disk holds
         it or will take it (write-through, or the admission would write it back)."""
-        tokens = len(record.entry.tokens)
+        tokens = record.entry.length
         reload: float | None = None
         if (
             record.cold.state is not ColdState.NONE
@@ -241,7 +241,7 @@ class PolicyFeaturesMixin(CacheParts):
         byte count: this model's last bytes per token stand in, and entries of one length
         share one (immutable) cost, one object fewer per entry for the collector to
         traverse (docs/tiered.md, memory per entry)."""
-        tokens = len(record.entry.tokens)
+        tokens = record.entry.length
         if record.cold.nbytes:
             return EntryCost(record.cold.nbytes, tokens, record.entry.model)
         shared = (tokens, self._bytes_per_token, record.entry.model)
@@ -255,7 +255,7 @@ class PolicyFeaturesMixin(CacheParts):
         return cost
 
     def _candidate(self, record: CacheRecord, nbytes: int) -> AdmissionCandidate:
-        tokens = len(record.entry.tokens)
+        tokens = record.entry.length
         return AdmissionCandidate(
             record.entry.key,
             tokens,

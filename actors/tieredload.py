@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -55,20 +55,44 @@ class IndexAndLoadMixin(CacheParts):
         first; each entry enters the ledger and the cold policy in that order, then the
         prefix index in token order (the entries' ``order``, when the store knows it), so
         the index's sorted runs are filled by appends, never a sort or an insertion search.
-        :data:`OPEN_BATCH` entries per loop step, a checkpoint between steps."""
+
+        Nothing else can touch the cache before open returns (its tasks start after), so
+        the tables are built on a worker thread, one store batch per call, while the loop
+        only waits: the loop does nothing per entry (docs/design.md invariant 16). What
+        holds the GIL in one piece is bounded: a young collection per :data:`OPEN_BATCH`
+        entries, and a table's resize (a few ms at 100,000 entries)."""
         self._ledger.used = await self.cold.usage()
         by_order: list[CacheRecord | None] = []
         young = YoungCollections()
         with collector_paused():
             async with aclosing(self.cold.entries()) as batches:
                 async for batch in batches:
-                    await self._add_cold_entries(batch, by_order, young)
-            for start in range(0, len(by_order), OPEN_BATCH):
-                for record in by_order[start : start + OPEN_BATCH]:
-                    if record is not None:
-                        self._sync(record)
+                    await trio.to_thread.run_sync(self._enter_found, batch, by_order, young)
+            await trio.to_thread.run_sync(self._index_found, by_order, young)
+
+    def _enter_found(
+        self,
+        infos: Sequence[ColdEntryInfo],
+        by_order: list[CacheRecord | None],
+        young: YoungCollections,
+    ) -> None:
+        """Worker thread, at open: :meth:`_add_cold_entry` for a batch, least recently
+        used first. Reads no clock (the cold policy has no default TTL, and found entries
+        none of their own), so nothing here needs the trio thread."""
+        assert self.cold_policy.default_ttl is None
+        for n, info in enumerate(sorted(infos, key=_by_mtime), 1):
+            self._add_cold_entry(info, by_order)
+            if n % OPEN_BATCH == 0:
                 young.after_batch()
-                await trio.lowlevel.checkpoint()
+        young.after_batch()
+
+    def _index_found(self, by_order: list[CacheRecord | None], young: YoungCollections) -> None:
+        """Worker thread, at open: the found entries into the prefix index, in token order."""
+        for n, record in enumerate(by_order, 1):
+            if record is not None:
+                self._sync(record)
+            if n % OPEN_BATCH == 0:
+                young.after_batch()
 
     async def _add_cold_entries(
         self,
@@ -120,7 +144,7 @@ class IndexAndLoadMixin(CacheParts):
         record.conversations = frozenset(info.conversations)
         for conversation in info.conversations:  # the latest checkpoint is the longest
             latest = self._records.get(self._conversations.get(conversation, ""))
-            if latest is None or len(latest.entry.tokens) < len(entry.tokens):
+            if latest is None or latest.entry.length < entry.length:
                 self._conversations[conversation] = key
 
     async def _load_cold(self, record: CacheRecord) -> list[Any] | None:
@@ -210,8 +234,8 @@ class IndexAndLoadMixin(CacheParts):
         if old is None:
             return
         old.conversations -= {conversation}
-        n = len(old.entry.tokens)
-        if old.conversations or record.entry.tokens[:n] != old.entry.tokens:
+        n = old.entry.length
+        if old.conversations or record.entry.packed[: 4 * n] != old.entry.packed:
             return  # still another conversation's, or not a prefix of the new checkpoint
         self._count("superseded")
         old.retired = True
