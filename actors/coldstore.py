@@ -208,12 +208,12 @@ class ColdTierStore:
             Catalogue.remove(root)
             catalogue = Catalogue.open(root)
         keys = self.tier.list_keys()
-        catalogued: set[str] = set()
+        catalogued: dict[str, None] = {}  # untracked by the collector, as ``keys``
         blocks: dict[str, int] = {}
         young = YoungCollections()  # the collector is paused by create (bounded passes)
         try:
             for n, (key, file_bytes, names) in enumerate(catalogue.block_lists(), 1):
-                catalogued.add(key)
+                catalogued[key] = None
                 if key in keys:
                     self._note_names(key, file_bytes, names)
                 if n % SCAN_BATCH == 0:
@@ -221,14 +221,16 @@ class ColdTierStore:
             blocks = catalogue.block_sizes()
         except CorruptCacheError as exc:
             _log.warning("cold tier %s: catalogue rows unreadable, rebuilt (%s)", root, exc)
-            report.rebuilt, catalogued = True, set()
+            report.rebuilt, catalogued = True, {}
             self._refs.clear()
             self._entry_blocks.clear()
             self._entry_bytes.clear()
-        gone = catalogued - keys  # rows whose manifest is gone
+        # Differences by Python loops, not set operators: one C call over 100,000 names
+        # would hold the GIL (and so the event loop) for milliseconds in one piece.
+        gone = [key for key in catalogued if key not in keys]  # rows whose manifest is gone
         report.dropped = len(gone)
         fresh: list[CatalogueRow] = []
-        for key in sorted(keys - catalogued):  # a manifest the catalogue lacks
+        for key in [key for key in keys if key not in catalogued]:  # manifests it lacks
             row = self._manifest_row(key)
             if row is not None:
                 fresh.append(row)

@@ -617,11 +617,13 @@ class ColdTier:
             debris_removed=self._debris_removed,
         )
 
-    def list_keys(self) -> set[str]:
-        """Blocking (a worker thread): the keys of every stored entry, without reading one."""
-        names = self.manifests.list()
+    def list_keys(self) -> dict[str, None]:
+        """Blocking (a worker thread): the keys of every stored entry, without reading one.
+        A dict of str keys, not a set: the cyclic collector does not track it, so the
+        young collections of an open never traverse its N names."""
+        names = self.manifests.names()
         keys = (name[: -len(SUFFIX)] for name in names if name.endswith(SUFFIX))
-        return {key for key in keys if KEY_RE.fullmatch(key) is not None}
+        return dict.fromkeys(key for key in keys if KEY_RE.fullmatch(key) is not None)
 
     def entry_blocking(self, key: str) -> TierEntry:
         """Blocking (a worker thread): :meth:`entry`; FileNotFoundError if absent."""

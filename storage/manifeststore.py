@@ -41,7 +41,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import attrs
@@ -138,6 +138,12 @@ class ManifestStore(abc.ABC):
     @abc.abstractmethod
     def list(self) -> builtins.list[str]:
         """Names of every stored manifest."""
+
+    def names(self) -> Iterable[str]:
+        """Names of every stored manifest, in no particular order (:meth:`list`, unless
+        a store has them cheaper unsorted: a sort of 100,000 names holds the GIL for
+        tens of milliseconds in one piece)."""
+        return self.list()
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -288,11 +294,14 @@ class LocalManifestStore(ManifestStore):
         return True
 
     def list(self) -> builtins.list[str]:
-        return sorted(
+        return sorted(self.names())
+
+    def names(self) -> builtins.list[str]:
+        return [
             name
             for name in self.file_ops.listdir(self.directory)
             if MANIFEST_NAME_RE.fullmatch(name) and not name.endswith(TMP_SUFFIX)
-        )
+        ]
 
     def touch(self, last_use: Mapping[str, float]) -> None:
         # A local manifest's mtime is its last use.
