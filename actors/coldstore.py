@@ -253,13 +253,17 @@ class ColdTierStore:
 
     def _manifest_row(self, key: str) -> CatalogueRow | None:
         try:
+            # Stat before reading: a manifest rewritten after the stat has another mtime
+            # than the row records, so ``kvtrio gc`` never trusts the row for it.
+            mtime_ns = self.tier.file_ops.stat(str(self.tier.path_of(key))).st_mtime_ns
             entry = self.tier.entry_blocking(key)
         except (CorruptCacheError, CacheMissError, FileNotFoundError):
             return None  # bad, or not a regular file reached without a link (issue 15)
         except OSError as exc:  # unreadable: not an entry, and no reason to fail the open
             _log.warning("cold tier: %s unreadable, ignored (%s)", key, exc)
             return None
-        return _header_row(key, entry.header, entry.disk_bytes, entry.mtime)
+        row = _header_row(key, entry.header, entry.disk_bytes, entry.mtime)
+        return attrs.evolve(row, manifest_mtime_ns=mtime_ns)
 
     def _present_blocks(self, report: OpenReport) -> dict[str, int]:
         assert self._blocks is not None
@@ -355,7 +359,7 @@ class ColdTierStore:
             if self._catalogue is not None:
                 row = _header_row(key, write.header, write.file_bytes, time.time())
                 new_blocks = {name: declared[name] for name in fresh}
-                await trio.to_thread.run_sync(self._catalogue.put, row, new_blocks)
+                await trio.to_thread.run_sync(self._put_row, self._catalogue, row, new_blocks)
             dedup = 0
             if write.header.layout == "blocks":
                 dedup = max(0, write.header.nbytes - write.new_block_bytes)
@@ -365,6 +369,17 @@ class ColdTierStore:
                 bytes_written=write.file_bytes + write.new_block_bytes,
                 bytes_deduplicated=dedup,
             )
+
+    def _put_row(
+        self, catalogue: Catalogue, row: CatalogueRow, new_blocks: dict[str, int]
+    ) -> None:
+        """Worker thread: ``row`` of a manifest just published, with its mtime (a manifest
+        gone meanwhile is recorded with none: ``kvtrio gc`` reads, finds nothing)."""
+        try:
+            mtime_ns = self.tier.file_ops.stat(str(self.tier.path_of(row.key))).st_mtime_ns
+        except FileNotFoundError:
+            mtime_ns = 0
+        catalogue.put(attrs.evolve(row, manifest_mtime_ns=mtime_ns), new_blocks)
 
     def encoded_size(
         self, model: ModelKey, tokens: Sequence[int], caches: list[Any], meta: Mapping[str, str]

@@ -26,7 +26,9 @@ Rules:
    minimum reusable offset, conversations, manifest bytes, last use (seconds since the
    epoch: the cold LRU's order survives a restart), whether it is pinned (a copy of the
    manifest store's pins, :meth:`ManifestStore.pinned_names`, read instead of them when
-   the catalogue is clean), and its blocks with their sizes.
+   the catalogue is clean), its blocks with their sizes, and its manifest's mtime (ns,
+   from a stat taken before the manifest was read: ``kvtrio gc`` trusts a row only for a
+   manifest of the same size and mtime, so a manifest rewritten since is read).
    Per block that exists: its size. Reference counts are derived from the entries'
    block lists when loaded (so they cannot drift from them).
 
@@ -63,9 +65,12 @@ __all__ = [
 ]
 
 CATALOGUE_NAME = ".kvtrio-catalogue.sqlite3"
-SCHEMA_VERSION = 4  # 3: a pinned column; 4: tokens big-endian (sortable)
-# Versions opened by a migration in place (none: 2 and 3 store tokens little-endian).
-_MIGRATABLE: dict[str, str] = {}
+SCHEMA_VERSION = 5  # 3: a pinned column; 4: tokens big-endian (sortable); 5: manifest mtimes
+# Versions opened by a migration in place (2 and 3 store tokens little-endian: rebuilt). A
+# version-4 row gets mtime 0, which no manifest has: ``kvtrio gc`` reads its manifest.
+_MIGRATABLE: dict[str, str] = {
+    "4": "ALTER TABLE entries ADD COLUMN manifest_mtime_ns INTEGER NOT NULL DEFAULT 0"
+}
 _DIGEST = 32
 # Rows fetched per step of a scan (bounded work per worker-thread call).
 SCAN_BATCH = 1024
@@ -85,7 +90,8 @@ CREATE TABLE IF NOT EXISTS entries (
     last_use REAL NOT NULL,
     block_names BLOB NOT NULL,
     block_sizes BLOB NOT NULL,
-    pinned INTEGER NOT NULL DEFAULT 0
+    pinned INTEGER NOT NULL DEFAULT 0,
+    manifest_mtime_ns INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS blocks (name BLOB PRIMARY KEY, size INTEGER NOT NULL);
 """
@@ -146,6 +152,7 @@ class CatalogueRow:
     last_use: float
     blocks: tuple[tuple[str, int], ...]  # (sha256 hex, size) in the manifest's order
     pinned: bool = False
+    manifest_mtime_ns: int = 0  # 0: not known (no manifest has it)
 
 
 @attrs.define(eq=False)
@@ -254,8 +261,8 @@ class Catalogue:
         """Every entry, least recently used first. CorruptCacheError on a bad row."""
         query = (
             "SELECT key, model_id, fingerprint, tokens, trimmable, min_offset, conversations,"
-            " file_bytes, last_use, block_names, block_sizes, pinned FROM entries"
-            " ORDER BY last_use"
+            " file_bytes, last_use, block_names, block_sizes, pinned, manifest_mtime_ns"
+            " FROM entries ORDER BY last_use"
         )
         try:
             for row in self._db.execute(query):
@@ -279,6 +286,25 @@ class Catalogue:
                     ):
                         raise CorruptCacheError(f"catalogue: entry {key!r:.80}: bad block list")
                     yield key, file_bytes, names
+        except sqlite3.Error as exc:
+            raise CorruptCacheError(f"catalogue {self.path}: {exc}") from exc
+
+    def manifest_blocks(self) -> Iterator[tuple[str, int, int, bytes]]:
+        """Per entry: key, manifest bytes and mtime (ns), and block names (as
+        :meth:`block_lists`), in no particular order. CorruptCacheError on a bad row."""
+        query = "SELECT key, file_bytes, manifest_mtime_ns, block_names FROM entries"
+        try:
+            for batch in _batches(self._db.execute(query)):
+                for key, file_bytes, mtime_ns, names in batch:
+                    if not (
+                        isinstance(key, str)
+                        and isinstance(file_bytes, int)
+                        and isinstance(mtime_ns, int)
+                        and isinstance(names, bytes)
+                        and len(names) % _DIGEST == 0
+                    ):
+                        raise CorruptCacheError(f"catalogue: entry {key!r:.80}: bad block list")
+                    yield key, file_bytes, mtime_ns, names
         except sqlite3.Error as exc:
             raise CorruptCacheError(f"catalogue {self.path}: {exc}") from exc
 
@@ -317,7 +343,7 @@ class Catalogue:
             self._db.execute("DELETE FROM entries")
             self._db.execute("DELETE FROM blocks")
             self._db.executemany(
-                "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (_values(row) for row in rows),
             )
             self._db.executemany(
@@ -334,7 +360,7 @@ class Catalogue:
             self._db.execute("BEGIN")
             self._db.executemany("DELETE FROM entries WHERE key = ?", ((k,) for k in gone))
             self._db.executemany(
-                "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (_values(row) for row in fresh),
             )
             if blocks is not None:
@@ -349,7 +375,7 @@ class Catalogue:
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute(
-                "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 _values(row),
             )
             self._db.executemany(
@@ -459,6 +485,7 @@ def _values(row: CatalogueRow) -> tuple[object, ...]:
         names,
         _pack_sizes([size for _, size in row.blocks]),
         int(row.pinned),
+        row.manifest_mtime_ns,
     )
 
 
@@ -475,7 +502,7 @@ def _unpack_sizes(data: bytes) -> array.array[int]:
 
 def _row(row: tuple[object, ...]) -> CatalogueRow:
     (key, model_id, fingerprint, tokens, trimmable, min_offset, conversations, file_bytes,
-     last_use, names, sizes, pinned) = row  # fmt: skip
+     last_use, names, sizes, pinned, mtime_ns) = row  # fmt: skip
     try:
         if not (isinstance(names, bytes) and isinstance(tokens, bytes)):
             raise TypeError("names and tokens must be blobs")
@@ -502,6 +529,7 @@ def _row(row: tuple[object, ...]) -> CatalogueRow:
             last_use=float(str(last_use)),
             blocks=blocks,
             pinned=bool(pinned),
+            manifest_mtime_ns=int(str(mtime_ns)),
         )
     except (ValueError, TypeError) as exc:
         raise CorruptCacheError(f"catalogue: entry {key!r:.80}: {exc}") from exc

@@ -18,7 +18,8 @@ GC theory of operation (git's prune expiry, rustic's two-phase prune):
 With ``catalogue_dir`` (the tier's root), step 2 takes the blocks of a manifest from the
 tier's catalogue (:mod:`kvtrio.storage.catalogue`) instead of reading the manifest, when
 the catalogue is there, readable and was closed cleanly (its rows then match the
-manifests, rule 2 there) and its row for that manifest has the manifest's size; any
+manifests, rule 2 there) and its row for that manifest has the manifest's size and
+mtime (a manifest rewritten since, even to the same size, is read); any
 other manifest is read, as all are without a usable catalogue (missing, unclean after a
 crash or beside a live owner, corrupt, another schema). The grace period applies either
 way. A row whose manifest is gone marks nothing.
@@ -115,11 +116,11 @@ def is_kvtrio_file(path: str, file_ops: FileOps = OS_FILE_OPS) -> bool:
 
 def list_cache_files(directory: str, *, file_ops: FileOps = OS_FILE_OPS) -> list[str]:
     """Regular, non-hidden files directly in ``directory`` (cache files and manifests)."""
-    return [path for path, _ in _listed_files(directory, file_ops)]
+    return [path for path, _, _ in _listed_files(directory, file_ops)]
 
 
-def _listed_files(directory: str, file_ops: FileOps) -> list[tuple[str, int]]:
-    """:func:`list_cache_files` with each file's size."""
+def _listed_files(directory: str, file_ops: FileOps) -> list[tuple[str, int, int]]:
+    """:func:`list_cache_files` with each file's size and mtime (ns)."""
     try:
         names = file_ops.listdir(directory)
     except FileNotFoundError:
@@ -134,7 +135,7 @@ def _listed_files(directory: str, file_ops: FileOps) -> list[tuple[str, int]]:
         except FileNotFoundError:
             continue
         if stat.S_ISREG(info.st_mode):
-            out.append((path, info.st_size))
+            out.append((path, info.st_size, info.st_mtime_ns))
     return out
 
 
@@ -221,7 +222,7 @@ class _Marked:
 
 def _clean_catalogue(
     directory: str | None, *, writable: bool
-) -> tuple[Catalogue | None, dict[str, tuple[int, bytes]]]:
+) -> tuple[Catalogue | None, dict[str, tuple[int, int, bytes]]]:
     """The catalogue of ``directory`` and its block lists by key, when it was closed
     cleanly; (None, {}) when there is none or it is unusable (the manifests are read)."""
     if directory is None:
@@ -240,22 +241,28 @@ def _clean_catalogue(
     try:
         if not catalogue.was_clean:
             return catalogue, {}
-        return catalogue, {key: (size, names) for key, size, names in catalogue.block_lists()}
+        return catalogue, {
+            key: (size, mtime_ns, names)
+            for key, size, mtime_ns, names in catalogue.manifest_blocks()
+        }
     except CorruptCacheError:
         catalogue.close(clean=False)
         return None, {}
 
 
-def _mark(manifest_dir: str, rows: dict[str, tuple[int, bytes]], file_ops: FileOps) -> _Marked:
-    """Step 2: every block a manifest names, from its catalogue row (same size) or read."""
+def _mark(
+    manifest_dir: str, rows: dict[str, tuple[int, int, bytes]], file_ops: FileOps
+) -> _Marked:
+    """Step 2: every block a manifest names, from its catalogue row (the same size and
+    mtime: a manifest rewritten since, even to the same size, is read) or read."""
     marked = _Marked()
-    for path, size in _listed_files(manifest_dir, file_ops):
+    for path, size, mtime_ns in _listed_files(manifest_dir, file_ops):
         name = os.path.basename(path)
         row = rows.get(name[: -len(_SUFFIX)]) if name.endswith(_SUFFIX) else None
-        if row is not None and row[0] == size:
+        if row is not None and row[0] == size and row[1] == mtime_ns:
             marked.manifests += 1
             marked.catalogued += 1
-            hexed = row[1].hex()
+            hexed = row[2].hex()
             marked.live.update(hexed[i : i + 64] for i in range(0, len(hexed), 64))
             continue
         try:

@@ -145,3 +145,34 @@ async def test_gc_with_the_catalogue_keeps_the_grace_period(
     orphan = _orphan(tmp_path)
     report, _ = _gc(tmp_path, grace_s=3600.0)
     assert orphan.exists() and report.young_unreferenced == 1 and report.catalogued == ENTRIES
+
+
+async def test_gc_reads_a_manifest_rewritten_to_the_same_size(
+    tmp_path: Path, tiny: TinyModel
+) -> None:
+    """A manifest replaced behind the catalogue's back by another of exactly its size is
+    read, not trusted from its row (the row records the manifest's mtime too): the blocks
+    the new manifest names stay."""
+    other = tmp_path / "other"  # the same prompt through other weights: other blocks
+    await _fill(other, build_tiny_model(seed=6), range(1))
+    await _fill(tmp_path, tiny, range(ENTRIES))
+    (replacement,) = (other / "caches").iterdir()
+    same = [
+        p for p in sorted((tmp_path / "caches").iterdir())
+        if p.stat().st_size == replacement.stat().st_size
+    ]  # fmt: skip
+    assert same, "the same prompt makes a manifest of the same size"
+    victim = same[0]
+    before = victim.stat().st_mtime_ns
+    shutil.copy(replacement, victim)
+    assert victim.stat().st_size == replacement.stat().st_size
+    if victim.stat().st_mtime_ns == before:
+        pytest.skip("the file system's clock did not move between the two writes")
+    for block in (other / "blocks").iterdir():
+        shutil.copy(block, tmp_path / "blocks" / block.name)
+    report, _ = _gc(tmp_path)
+    assert (report.manifests, report.catalogued) == (ENTRIES, ENTRIES - 1)
+    header = read_header(str(victim)).header
+    for slot in header.slots():
+        for ref in slot.blocks or ():
+            assert (tmp_path / "blocks" / ref.sha256).exists()

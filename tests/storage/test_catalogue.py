@@ -91,8 +91,25 @@ def test_a_catalogue_with_little_endian_tokens_is_refused(tmp_path: Path, versio
     db.execute("UPDATE meta SET value = ? WHERE name = 'version'", (version,))
     db.commit()
     db.close()
-    with pytest.raises(CorruptCacheError, match=rf"schema {version}, not 4$"):
+    with pytest.raises(CorruptCacheError, match=rf"schema {version}, not 5$"):
         Catalogue.open(str(tmp_path))
+
+
+def test_a_version_4_catalogue_is_migrated_in_place(tmp_path: Path) -> None:
+    """Schema 4 lacked the manifests' mtimes: opening one adds the column, keeps every
+    row, and records mtime 0 (no manifest has it, so ``kvtrio gc`` reads those)."""
+    catalogue = Catalogue.open(str(tmp_path))
+    catalogue.put(_row("a", 1.0), {"00" * 32: 10})
+    catalogue.close()
+    db = sqlite3.connect(tmp_path / CATALOGUE_NAME)
+    db.execute("ALTER TABLE entries DROP COLUMN manifest_mtime_ns")
+    db.execute("UPDATE meta SET value = '4' WHERE name = 'version'")
+    db.commit()
+    db.close()
+    catalogue = Catalogue.open(str(tmp_path))
+    assert [(key, mtime) for key, _, mtime, _ in catalogue.manifest_blocks()] == [("a", 0)]
+    assert [row.key for row in catalogue.rows()] == ["a"]
+    catalogue.close()
 
 
 def test_a_scan_ranks_the_entries_in_token_order(tmp_path: Path) -> None:
