@@ -37,7 +37,7 @@ from typing import Any
 
 __all__ = ["add_arguments", "measure", "render"]
 
-TOKENS = 48  # tokens per entry: below one index block, the cheapest entry there is
+TOKENS = 48  # tokens per entry by default: below one index block, the cheapest entry there is
 BLOCK = 64
 TARGET_LINEAR = 11.0
 TARGET_OPEN_S = 5.0
@@ -58,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--burst-fit", type=int, default=40, help="entries the burst's cold budget holds"
     )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=TOKENS,
+        help=f"tokens per entry (default {TOKENS}, below one index block of {BLOCK}; longer"
+        " entries show the chain hashing of the index build)",
+    )
     parser.add_argument("--no-maintenance", action="store_true", help="skip gc and verify")
     parser.add_argument("--dir", default=None, help="work directory (default: a tmp dir)")
     parser.add_argument("--child", nargs=2, metavar=("DIR", "N"), help=argparse.SUPPRESS)
@@ -66,7 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.child is not None:  # one N, in the fresh process _child started
         return child_main(
-            Path(args.child[0]), int(args.child[1]), args.lookups, not args.no_maintenance
+            Path(args.child[0]),
+            int(args.child[1]),
+            args.lookups,
+            not args.no_maintenance,
+            args.tokens,
         )
     sizes = [int(n) for n in args.sizes.split(",") if n]
     if args.million:
@@ -75,12 +86,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         runs = {}
         for n in sizes:
             directory = Path(work) / f"n{n}"
-            populate = _populate(directory, n)
-            figures = _child(directory, n, args.lookups, not args.no_maintenance)
+            populate = _populate(directory, n, args.tokens)
+            figures = _child(directory, n, args.lookups, not args.no_maintenance, args.tokens)
             runs[str(n)] = {"populate_s": populate, **figures}
             print(json.dumps({str(n): runs[str(n)]}), file=sys.stderr, flush=True)
         burst = _burst(Path(work) / "burst", args.burst, args.burst_fit)
-    return {"sizes": sizes, "runs": runs, "burst": burst, **_ratios(sizes, runs, burst)}
+    ratios = _ratios(sizes, runs, burst)
+    return {"sizes": sizes, "tokens": args.tokens, "runs": runs, "burst": burst, **ratios}
 
 
 def _ratios(sizes: list[int], runs: dict[str, Any], burst: dict[str, Any]) -> dict[str, Any]:
@@ -105,7 +117,7 @@ def _ratios(sizes: list[int], runs: dict[str, Any], burst: dict[str, Any]) -> di
 # -- populating ------------------------------------------------------------------------
 
 
-def _seed_manifest(directory: Path) -> tuple[bytes, Any, str]:
+def _seed_manifest(directory: Path, n_tokens: int) -> tuple[bytes, Any, str]:
     """One real entry written through the tier; its manifest bytes, header and model."""
     import trio
     from kvtrio.actors.tier import ColdTier
@@ -114,7 +126,7 @@ def _seed_manifest(directory: Path) -> tuple[bytes, Any, str]:
 
     tiny = build_tiny_model(seed=5)
     caches = make_caches(tiny)
-    tokens = list(range(TOKENS))
+    tokens = list(range(n_tokens))
     prefill(tiny, caches, tokens)
 
     async def save() -> None:
@@ -129,7 +141,7 @@ def _seed_manifest(directory: Path) -> tuple[bytes, Any, str]:
     return path.read_bytes(), header, tiny.fingerprint
 
 
-def _populate(directory: Path, n: int) -> float:
+def _populate(directory: Path, n: int, n_tokens: int = TOKENS) -> float:
     """N manifests differing in their tokens (keys as the tiered cache names them),
     sharing the seed's blocks; written without fsync (a bench fixture, not a save)."""
     import attrs
@@ -137,14 +149,14 @@ def _populate(directory: Path, n: int) -> float:
     from kvtrio.storage.format import PREAMBLE, encode_header, encode_preamble
 
     start = time.perf_counter()
-    data, header, _ = _seed_manifest(directory)
+    data, header, _ = _seed_manifest(directory, n_tokens)
     padded = len(data) > PREAMBLE.size + len(encode_header(header))
     (directory / "caches" / "seed.kvc").unlink()
     model = ModelKey(header.model_id or "", header.config_fingerprint or "")
     rng = random.Random(n)
     caches_dir = directory / "caches"
     for i in range(n):
-        tokens = (i // 1000 + 1000, i % 1000, *(rng.randrange(50_000) for _ in range(TOKENS - 2)))
+        tokens = (i // 1000 + 1000, i % 1000, *(rng.randrange(50_000) for _ in range(n_tokens - 2)))
         body = encode_header(attrs.evolve(header, tokens=tokens))
         blob = encode_preamble(body, header.format_version) + body
         if padded:
@@ -161,7 +173,9 @@ def _populate(directory: Path, n: int) -> float:
 # -- one N, in a child process ---------------------------------------------------------
 
 
-def _child(directory: Path, n: int, lookups: int, maintenance: bool) -> dict[str, Any]:
+def _child(
+    directory: Path, n: int, lookups: int, maintenance: bool, n_tokens: int
+) -> dict[str, Any]:
     out = subprocess.run(
         [
             sys.executable,
@@ -175,6 +189,8 @@ def _child(directory: Path, n: int, lookups: int, maintenance: bool) -> dict[str
             str(n),
             "--lookups",
             str(lookups),
+            "--tokens",
+            str(n_tokens),
             *(["--no-maintenance"] if not maintenance else []),
         ],
         check=True,
@@ -185,10 +201,12 @@ def _child(directory: Path, n: int, lookups: int, maintenance: bool) -> dict[str
     return figures
 
 
-def child_main(directory: Path, n: int, lookups: int, maintenance: bool) -> dict[str, Any]:
+def child_main(
+    directory: Path, n: int, lookups: int, maintenance: bool, n_tokens: int = TOKENS
+) -> dict[str, Any]:
     import trio
 
-    return trio.run(_child_async, directory, n, lookups, maintenance)
+    return trio.run(_child_async, directory, n, lookups, maintenance, n_tokens)
 
 
 def _rss() -> int:
@@ -226,7 +244,9 @@ async def _timed_open(directory: Path, model: Any, owner: Any) -> tuple[float, f
     return elapsed, worst[0], entries
 
 
-async def _child_async(directory: Path, n: int, lookups: int, maintenance: bool) -> dict[str, Any]:
+async def _child_async(
+    directory: Path, n: int, lookups: int, maintenance: bool, n_tokens: int
+) -> dict[str, Any]:
     import gc
 
     from kvtrio.actors.owner import MlxOwner
@@ -259,7 +279,7 @@ async def _child_async(directory: Path, n: int, lookups: int, maintenance: bool)
             rng = random.Random(7)
             misses = []
             for _ in range(lookups):
-                query = [2_000_000 + rng.randrange(1000), *range(TOKENS)]
+                query = [2_000_000 + rng.randrange(1000), *range(n_tokens)]
                 start = time.perf_counter()
                 found = await cache.fetch_nearest(query)
                 misses.append(time.perf_counter() - start)
@@ -419,7 +439,10 @@ def render(figures: dict[str, Any]) -> None:
 
     console = Console()
     nan = float("nan")
-    table = Table(title="kvtrio cold store at scale (per N, a fresh process)")
+    tokens = figures.get("tokens", TOKENS)
+    table = Table(
+        title=f"kvtrio cold store at scale ({tokens}-token entries; per N, a fresh process)"
+    )
     for column in ("N", "rebuild s", "open s", "open stall ms", "RSS/entry B", "full gc ms (none)",
                    "miss p50/p99 ms", "hit p50/p99 ms", "gc s (us/entry)",
                    "verify s (us/entry)"):  # fmt: skip

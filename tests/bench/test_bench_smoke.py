@@ -70,3 +70,20 @@ def test_bench_serve_spill_phase_prints_latencies_and_ratios_of_the_same_run() -
     assert ratios["itl_p99_naive_vs_kvtrio_during"] == (
         naive["itl_p99_ms_during"] / kv["itl_p99_ms_during"]
     )
+
+
+def test_bench_scale_runs_long_entries_end_to_end() -> None:
+    """``--tokens``: entries past one index block (their chain hashes are part of the
+    open's index build); every entry is found again at each N, the lookups run."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtrio", "bench", "scale", "--json", "--sizes", "20,40",
+         "--tokens", "200", "--lookups", "10", "--burst", "8", "--burst-fit", "4",
+         "--no-maintenance"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    figures = json.loads(out.stdout)
+    assert figures["tokens"] == 200
+    assert [run["n"] for run in figures["runs"].values()] == [20, 40]
+    runs = figures["runs"]
+    assert figures["open_40_over_20"] == runs["40"]["open_s"] / runs["20"]["open_s"]
+    assert figures["burst"]["kept"] <= figures["burst"]["fit"] + 1
