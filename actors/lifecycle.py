@@ -51,6 +51,10 @@ class ColdState(enum.Enum):
     DURABLE = "durable"  # on disk, in the cold LRU
     EVICTING = "evicting"  # its removal is in flight (its bytes are still on disk)
 
+    # Members are singletons compared by identity: hashed by identity too, in C (Enum's
+    # own hash is a Python call, and open looks up several per entry).
+    __hash__ = object.__hash__
+
 
 class ColdEvent(enum.Enum):
     """What happened to an entry's cold side."""
@@ -66,6 +70,8 @@ class ColdEvent(enum.Enum):
     EVICT = "evict"  # picked by the eviction loop, or removed: removal started
     REMOVED = "removed"  # the removal completed (or the file was already gone)
     FORGET = "forget"  # unreadable now (a shared store out of reach): forgotten here only
+
+    __hash__ = object.__hash__  # as ColdState's
 
 
 _S, _E = ColdState, ColdEvent
