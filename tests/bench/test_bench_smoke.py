@@ -86,4 +86,5 @@ def test_bench_scale_runs_long_entries_end_to_end() -> None:
     assert [run["n"] for run in figures["runs"].values()] == [20, 40]
     runs = figures["runs"]
     assert figures["open_40_over_20"] == runs["40"]["open_s"] / runs["20"]["open_s"]
+    assert all(run["open_cpu_s"] > 0 for run in runs.values())
     assert figures["burst"]["kept"] <= figures["burst"]["fit"] + 1
