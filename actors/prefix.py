@@ -284,6 +284,8 @@ def _common_prefix(a: bytes, b: bytes, start: int) -> int:
     """Tokens shared by the packed sequences ``a`` and ``b``, known equal in their first
     ``start``: a binary search over slice comparisons (memcmp), O(log length) steps."""
     low, high = start, min(len(a), len(b)) >> 2
+    if low >= high or a[4 * low : 4 * low + 4] != b[4 * low : 4 * low + 4]:
+        return low  # the common case of a candidate: it differs at once
     if a[4 * low : 4 * high] == b[4 * low : 4 * high]:
         return high
     while high - low > 1:  # tokens [start, low) agree; the first difference is in [low, high)

@@ -223,3 +223,20 @@ def test_a_prompt_shared_by_thousands_costs_a_bounded_lookup(
     match = index.lookup(MODEL, [*system, 99, 99])
     assert match is not None and match.kind is MatchKind.LONGER and match.reuse == 40
     assert calls[0] <= MAX_TIES + 2
+
+
+def test_the_common_prefix_of_packed_tokens_agrees_with_a_token_by_token_count() -> None:
+    """The index counts shared tokens on packed bytes (a binary search over slice
+    comparisons); against the plain loop, from any start known to agree."""
+    import random
+
+    import kvtrio.actors.prefix as prefix
+
+    rng = random.Random(11)
+    for _ in range(3000):
+        a = [rng.choice((0, 1, 256, 2**32 - 1)) for _ in range(rng.randrange(20))]
+        b = [rng.choice((0, 1, 256, 2**32 - 1)) for _ in range(rng.randrange(20))]
+        shared = _common(tuple(a), tuple(b))
+        start = rng.randrange(shared + 1)
+        packed_a, packed_b = prefix.pack_tokens(a), prefix.pack_tokens(b)
+        assert prefix._common_prefix(packed_a, packed_b, start) == shared
