@@ -79,7 +79,8 @@ class Server:
         if self.kind != "kvtrio":
             return 0.0
         deadline = time.perf_counter() + timeout
-        while "kvtrio_serve_cold_ready 1" not in self.metrics():
+        # The sample's own line: its HELP text ("1 once ... is open") would match too.
+        while "kvtrio_serve_cold_ready 1" not in self.metrics().splitlines():
             if time.perf_counter() > deadline:
                 raise RuntimeError("kvtrio serve: the cold tier did not open")
             time.sleep(0.02)

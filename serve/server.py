@@ -172,6 +172,9 @@ class _TaggingQueue:
                 fetch = FetchInfo(CacheTier.COLD, fetch.reused)
             self.tag.fetch = fetch
             self.tag.ready.set()
+            # Tagged: the rest of the request's items (a token each) go straight to mlx-lm's
+            # queue, one Python call fewer per token on the generation thread.
+            self.put = self.inner.put  # type: ignore[method-assign]
         self.inner.put(item, *args, **kwargs)
 
     def get(self, *args: Any, **kwargs: Any) -> Any:

@@ -122,6 +122,7 @@ def test_bench_serve_decode_phase_alternates_rounds_and_reports_medians() -> Non
     for kind in ("mlx_lm", "naive", "kvtrio"):
         runs = decode[kind]["runs"]
         assert len(runs) == 2 and all(run["tok_s_1"] > 0 and run["tok_s_2"] > 0 for run in runs)
+        assert all(run["tok_s_2_steady"] >= 0 for run in runs)
         assert decode[kind]["tok_s_2"] == (runs[0]["tok_s_2"] + runs[1]["tok_s_2"]) / 2
     assert (
         ratios["tok_s_2_kvtrio_vs_mlx_lm"]
