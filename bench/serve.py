@@ -592,8 +592,10 @@ def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             base = decode["mlx_lm"][key]
             # Medians over the rounds; per round, each server against mlx_lm measured in
             # the same round (naive's is the reference's own spread: mlx-lm's decode path).
-            ratios["decode"][f"{key}_kvtrio_vs_mlx_lm"] = decode["kvtrio"][key] / base
-            ratios["decode"][f"{key}_naive_vs_mlx_lm"] = decode["naive"][key] / base
+            for kind in ("kvtrio", "naive"):  # a steady rate may be 0 (no common window)
+                ratios["decode"][f"{key}_{kind}_vs_mlx_lm"] = (
+                    decode[kind][key] / base if base else float("nan")
+                )
             for kind in ("kvtrio", "naive"):
                 ratios["decode"][f"{key}_{kind}_vs_mlx_lm_per_round"] = [
                     a[key] / b[key] if b[key] else float("nan")
