@@ -429,7 +429,7 @@ def _starts(
     fills = {kind: _fill(kind, model, root / f"{kind}-entries", entries) for kind in KINDS}
     runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
     for r in range(rounds):
-        for kind in KINDS:
+        for kind in KINDS if r % 2 == 0 else KINDS[::-1]:  # alternating, as decode's
             server = Server(kind, model, root / f"{kind}-entries", log)
             try:
                 answer = _first_answer(server, f"hi {r}")
