@@ -97,8 +97,9 @@ def ceilings(nbytes: int, iters: int) -> dict[str, float]:
     x = mx.random.normal((elements // 4096, 4096)).astype(mx.float16)
     mx.eval(x)
     copy_us = _median_us(mx.negative, x, iters)
-    read_us = _median_us(lambda a: mx.sum(a, axis=1, keepdims=True) + a[:, :1], x, iters,
-                         chain=False)
+    read_us = _median_us(
+        lambda a: mx.sum(a, axis=1, keepdims=True) + a[:, :1], x, iters, chain=False
+    )
     del x
     return {"copy_gbs": 2 * elements * 2 / copy_us / 1e3, "read_gbs": elements * 2 / read_us / 1e3}
 
@@ -159,9 +160,7 @@ def measure_length(
         iters,
         chain=chain,
     )
-    gather_us = _median_us(
-        lambda q: view.attend_reference(q, scale), queries, iters, chain=chain
-    )
+    gather_us = _median_us(lambda q: view.attend_reference(q, scale), queries, iters, chain=chain)
     row: dict[str, float | int | str | None] = {
         "tokens": length,
         "kv_bytes": kv_bytes,
@@ -197,12 +196,15 @@ def measure_length(
             row.update(scalar_us=scalar_us, scalar_vs_sdpa=scalar_us / sdpa_us)
         for b in bits:
             qview = _paged_view(keys, values, block_size, b, group_size)
-            q_bytes = sum(a.nbytes for a in qview.arrays) * length // (
-                qview.arrays[0].shape[0] * block_size
+            q_bytes = (
+                sum(a.nbytes for a in qview.arrays)
+                * length
+                // (qview.arrays[0].shape[0] * block_size)
             )
             q_us = _median_us(
-                partial(qview.attend_direct, scale=scale, mask=None, backend=backend,
-                        tuning=tuning),
+                partial(
+                    qview.attend_direct, scale=scale, mask=None, backend=backend, tuning=tuning
+                ),
                 queries,
                 iters,
                 chain=chain,
@@ -227,14 +229,17 @@ def _batch_pool(
         mx.random.seed(seed * 1000 + b)
         keys = mx.random.normal((1, kv_heads, length, dim)).astype(dtype)
         values = mx.random.normal((1, kv_heads, length, dim)).astype(dtype)
-        table = order[at: at + count]
+        table = order[at : at + count]
         at += count
         for begin in range(0, length, 8192):
             end = min(length, begin + 8192)
             positions = range(begin, end)
-            pool.write([table[p // block_size] for p in positions],
-                       [p % block_size for p in positions],
-                       keys[:, :, begin:end], values[:, :, begin:end])
+            pool.write(
+                [table[p // block_size] for p in positions],
+                [p % block_size for p in positions],
+                keys[:, :, begin:end],
+                values[:, :, begin:end],
+            )
             mx.eval(pool.arrays())
         tables.append(table)
         contiguous.append((keys, values))
@@ -263,38 +268,58 @@ def measure_batch(
     kv_bytes = sum(k.nbytes + v.nbytes for k, v in contiguous)
 
     def sdpa_loop(q: mx.array) -> mx.array:
-        return mx.concatenate([
-            mx.fast.scaled_dot_product_attention(q[b: b + 1], k, v, scale=scale)
-            for b, (k, v) in enumerate(contiguous)
-        ])
+        return mx.concatenate(
+            [
+                mx.fast.scaled_dot_product_attention(q[b : b + 1], k, v, scale=scale)
+                for b, (k, v) in enumerate(contiguous)
+            ]
+        )
 
-    row: dict[str, Any] = {"batch": batch, "tokens": sum(lengths), "min_length": min(lengths),
-                           "max_length": max(lengths), "kv_bytes": kv_bytes}
+    row: dict[str, Any] = {
+        "batch": batch,
+        "tokens": sum(lengths),
+        "min_length": min(lengths),
+        "max_length": max(lengths),
+        "kv_bytes": kv_bytes,
+    }
     row["sdpa_loop_us"] = _median_us(sdpa_loop, queries, iters)
     if padded:
         longest = max(lengths)
-        keys = mx.concatenate([mx.pad(k, [(0, 0), (0, 0), (longest - k.shape[2], 0), (0, 0)])
-                               for k, _ in contiguous])
-        values = mx.concatenate([mx.pad(v, [(0, 0), (0, 0), (longest - v.shape[2], 0),
-                                            (0, 0)]) for _, v in contiguous])
-        mask = (mx.arange(longest)[None, :]
-                >= mx.array([longest - x for x in lengths])[:, None])[:, None, None, :]
+        keys = mx.concatenate(
+            [mx.pad(k, [(0, 0), (0, 0), (longest - k.shape[2], 0), (0, 0)]) for k, _ in contiguous]
+        )
+        values = mx.concatenate(
+            [mx.pad(v, [(0, 0), (0, 0), (longest - v.shape[2], 0), (0, 0)]) for _, v in contiguous]
+        )
+        mask = (mx.arange(longest)[None, :] >= mx.array([longest - x for x in lengths])[:, None])[
+            :, None, None, :
+        ]
         mx.eval(keys, values, mask)
         row["padded_sdpa_us"] = _median_us(
-            lambda q: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,
-                                                           mask=mask),
-            queries, iters)
+            lambda q: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask),
+            queries,
+            iters,
+        )
         del keys, values, mask
     backend = direct_backend()
     if backend is not None:
         sequences = [view.sequence(b) for b in range(batch)]
         row["direct_loop_us"] = _median_us(
-            lambda q: mx.concatenate([s.attend_direct(q[b: b + 1], scale, None, backend)
-                                      for b, s in enumerate(sequences)]),
-            queries, iters)
+            lambda q: mx.concatenate(
+                [
+                    s.attend_direct(q[b : b + 1], scale, None, backend)
+                    for b, s in enumerate(sequences)
+                ]
+            ),
+            queries,
+            iters,
+        )
         for name, tuning in (tunings or {"batched": DEFAULT_TUNING}).items():
-            us = _median_us(partial(view.attend_direct, scale=scale, mask=None, backend=backend,
-                                    tuning=tuning), queries, iters)
+            us = _median_us(
+                partial(view.attend_direct, scale=scale, mask=None, backend=backend, tuning=tuning),
+                queries,
+                iters,
+            )
             row[f"{name}_us"] = us
             row[f"{name}_gbs"] = kv_bytes / us / 1e3
             row[f"{name}_vs_sdpa_loop"] = us / row["sdpa_loop_us"]
@@ -312,23 +337,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument(
-        "--tuning", default="",
+        "--tuning",
+        default="",
         help="kernel shape: warps,rows,unroll,pipeline(0|1),blocks[,mma(0|1)[,mma_warps,"
         "mma_blocks[,mma_tiles,mma_wide_l2(0|1)[,batch_waves]]]] (the first five shape the "
         "scalar kernel)",
     )
     parser.add_argument(
-        "--independent", action="store_true",
+        "--independent",
+        action="store_true",
         help="queue independent calls (they may overlap on the GPU) instead of chaining each "
         "call's output into the next call's queries",
     )
-    parser.add_argument("--batch", type=int, default=0,
-                        help="time a batched decode step of this many sequences instead")
-    parser.add_argument("--lengths-mix", default="1024:32768",
-                        help="with --batch: sequence lengths drawn uniformly from LO:HI")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="time a batched decode step of this many sequences instead",
+    )
+    parser.add_argument(
+        "--lengths-mix",
+        default="1024:32768",
+        help="with --batch: sequence lengths drawn uniformly from LO:HI",
+    )
     parser.add_argument("--seed", type=int, default=16, help="with --batch: the lengths' seed")
     parser.add_argument(
-        "--sweep", action="store_true",
+        "--sweep",
+        action="store_true",
         help="time the direct kernel's launch shapes instead; print the fastest as --tuning",
     )
 
@@ -367,18 +402,18 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
         )
         for tuning in shapes:
             us = _median_us(
-                partial(view.attend_direct, scale=scale, mask=None, backend=backend,
-                        tuning=tuning),
+                partial(view.attend_direct, scale=scale, mask=None, backend=backend, tuning=tuning),
                 queries,
                 args.iters,
                 chain=not args.independent,
             )
             totals[tuning] = totals.get(tuning, 0.0) + us
-            timings.append(
-                {"tokens": length, "tuning": tuning.text(), "us": us, "sdpa_us": sdpa}
+            timings.append({"tokens": length, "tuning": tuning.text(), "us": us, "sdpa_us": sdpa})
+            print(
+                f"{length:>7} --tuning {tuning.text():<24} "
+                f"{us:8.1f} us  {us / sdpa:5.2f}x sdpa ({sdpa:.1f} us)",
+                file=sys.stderr,
             )
-            print(f"{length:>7} --tuning {tuning.text():<24} "
-                  f"{us:8.1f} us  {us / sdpa:5.2f}x sdpa ({sdpa:.1f} us)", file=sys.stderr)
     best = min(totals, key=lambda k: totals[k])
     return {"sweep": timings, "best": best.text()}
 
@@ -388,34 +423,59 @@ def _run_batch(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     lengths = [rng.randint(lo, hi) for _ in range(args.batch)]
     row = measure_batch(
-        lengths, q_heads=args.q_heads, kv_heads=args.kv_heads, dim=args.head_dim,
-        dtype=_DTYPES[args.dtype], block_size=args.block_size, iters=args.iters,
-        tunings={"batched": _parse_tuning(args.tuning)}, seed=args.seed,
+        lengths,
+        q_heads=args.q_heads,
+        kv_heads=args.kv_heads,
+        dim=args.head_dim,
+        dtype=_DTYPES[args.dtype],
+        block_size=args.block_size,
+        iters=args.iters,
+        tunings={"batched": _parse_tuning(args.tuning)},
+        seed=args.seed,
     )
     row.update(ceilings(row["kv_bytes"], args.iters))
     if "batched_gbs" in row:
         row["batched_of_copy"] = row["batched_gbs"] / row["copy_gbs"]
         row["batched_of_read"] = row["batched_gbs"] / row["read_gbs"]
-    return {"device": str(mx.default_device()), "lengths": lengths, "batch_row": row,
-            "shape": {"q_heads": args.q_heads, "kv_heads": args.kv_heads,
-                      "head_dim": args.head_dim, "dtype": args.dtype,
-                      "block_size": args.block_size, "mix": args.lengths_mix}}
+    return {
+        "device": str(mx.default_device()),
+        "lengths": lengths,
+        "batch_row": row,
+        "shape": {
+            "q_heads": args.q_heads,
+            "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "dtype": args.dtype,
+            "block_size": args.block_size,
+            "mix": args.lengths_mix,
+        },
+    }
 
 
 def _render_batch(figures: dict[str, Any]) -> None:
     row, shape = figures["batch_row"], figures["shape"]
-    print(f"batched decode, {row['batch']} sequences of {shape['mix']} tokens "
-          f"({row['kv_bytes'] / 1e9:.2f} GB of KV), {shape['q_heads']} q / {shape['kv_heads']} "
-          f"kv heads, head dim {shape['head_dim']}, {shape['dtype']}, block "
-          f"{shape['block_size']}, {figures['device']}")
+    print(
+        f"batched decode, {row['batch']} sequences of {shape['mix']} tokens "
+        f"({row['kv_bytes'] / 1e9:.2f} GB of KV), {shape['q_heads']} q / {shape['kv_heads']} "
+        f"kv heads, head dim {shape['head_dim']}, {shape['dtype']}, block "
+        f"{shape['block_size']}, {figures['device']}"
+    )
     for key in ("batched", "direct_loop", "sdpa_loop", "padded_sdpa"):
         if f"{key}_us" in row:
             us = row[f"{key}_us"]
-            print(f"  {key:<12} {us:9.1f} us  {row['kv_bytes'] / us / 1e3:7.0f} GB/s  "
-                  f"{us / row['sdpa_loop_us']:5.2f}x sdpa loop")
-    print(f"  ceilings: copy {row['copy_gbs']:.0f} GB/s, read {row['read_gbs']:.0f} GB/s"
-          + (f"; batched = {row['batched_of_copy']:.0%} of copy, "
-             f"{row['batched_of_read']:.0%} of read" if "batched_of_copy" in row else ""))
+            print(
+                f"  {key:<12} {us:9.1f} us  {row['kv_bytes'] / us / 1e3:7.0f} GB/s  "
+                f"{us / row['sdpa_loop_us']:5.2f}x sdpa loop"
+            )
+    print(
+        f"  ceilings: copy {row['copy_gbs']:.0f} GB/s, read {row['read_gbs']:.0f} GB/s"
+        + (
+            f"; batched = {row['batched_of_copy']:.0%} of copy, "
+            f"{row['batched_of_read']:.0%} of read"
+            if "batched_of_copy" in row
+            else ""
+        )
+    )
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -453,8 +513,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "ceilings": limits,
         "rows": rows,
         "shape": {
-            "q_heads": args.q_heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-            "dtype": args.dtype, "block_size": args.block_size,
+            "q_heads": args.q_heads,
+            "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "dtype": args.dtype,
+            "block_size": args.block_size,
         },
     }
 
@@ -476,8 +539,17 @@ def render(figures: dict[str, Any]) -> None:
         title=f"decode attention, {shape['q_heads']} q heads / {shape['kv_heads']} kv heads, "
         f"head dim {shape['head_dim']}, {shape['dtype']}, block {shape['block_size']}, {device}"
     )
-    columns = ["tokens", "sdpa us", "sdpa GB/s", "gather+sdpa us", "gather/sdpa",
-               "direct us", "direct GB/s", "direct/sdpa", "scalar/sdpa"]
+    columns = [
+        "tokens",
+        "sdpa us",
+        "sdpa GB/s",
+        "gather+sdpa us",
+        "gather/sdpa",
+        "direct us",
+        "direct GB/s",
+        "direct/sdpa",
+        "scalar/sdpa",
+    ]
     for name in columns:
         table.add_column(name, justify="right")
     extra = sorted({k for r in rows for k in r if k.startswith("direct_q") and k.endswith("_us")})
@@ -490,9 +562,13 @@ def render(figures: dict[str, Any]) -> None:
 
     for r in rows:
         cells = [
-            str(r["tokens"]), fmt(r["sdpa_us"], ".1f"), fmt(r["sdpa_gbs"], ".0f"),
-            fmt(r["gather_us"], ".1f"), fmt(r["gather_vs_sdpa"], ".2f") + "x",
-            fmt(r["direct_us"], ".1f"), fmt(r["direct_gbs"], ".0f"),
+            str(r["tokens"]),
+            fmt(r["sdpa_us"], ".1f"),
+            fmt(r["sdpa_gbs"], ".0f"),
+            fmt(r["gather_us"], ".1f"),
+            fmt(r["gather_vs_sdpa"], ".2f") + "x",
+            fmt(r["direct_us"], ".1f"),
+            fmt(r["direct_gbs"], ".0f"),
             fmt(r["direct_vs_sdpa"], ".2f") + "x",
             fmt(r.get("scalar_vs_sdpa"), ".2f") + "x",
         ]
@@ -501,9 +577,13 @@ def render(figures: dict[str, Any]) -> None:
         table.add_row(*cells)
     Console().print(table)
     limits = figures["ceilings"]
-    print(f"ceilings (same process): copy {limits['copy_gbs']:.0f} GB/s, "
-          f"read {limits['read_gbs']:.0f} GB/s")
+    print(
+        f"ceilings (same process): copy {limits['copy_gbs']:.0f} GB/s, "
+        f"read {limits['read_gbs']:.0f} GB/s"
+    )
     for r in rows:
         if r.get("direct_of_copy") is not None:
-            print(f"  {r['tokens']:>7} tokens: direct {r['direct_of_copy']:.0%} of copy, "
-                  f"{r['direct_of_read']:.0%} of read; sdpa {r['sdpa_of_copy']:.0%} of copy")
+            print(
+                f"  {r['tokens']:>7} tokens: direct {r['direct_of_copy']:.0%} of copy, "
+                f"{r['direct_of_read']:.0%} of read; sdpa {r['sdpa_of_copy']:.0%} of copy"
+            )

@@ -451,9 +451,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--docs", type=int, default=40, help="long documents")
     parser.add_argument("--hours", type=float, default=24.0, help="the trace's span")
     parser.add_argument("--prefill-a", type=float, default=1e-3, help="seconds per token")
-    parser.add_argument(
-        "--prefill-b", type=float, default=3.1e-8, help="seconds per token squared"
-    )
+    parser.add_argument("--prefill-b", type=float, default=3.1e-8, help="seconds per token squared")
     parser.add_argument(
         "--budgets",
         default="16:64,32:128",
@@ -495,24 +493,31 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         }
         for (policy_name, name), figures in table.items():
             runs.append(
-                {"ram_gib": ram, "disk_gib": disk, "policy": policy_name, "admission": name,
-                 **figures}
+                {
+                    "ram_gib": ram,
+                    "disk_gib": disk,
+                    "policy": policy_name,
+                    "admission": name,
+                    **figures,
+                }
             )
         lru, cost = table["lru", "all"], table[DEFAULT_POLICY.value, "all"]
         admitted = table[DEFAULT_POLICY.value, "default"]
         lru_admitted = table["lru", "default"]
-        headline.append({
-            "ram_gib": ram,
-            "disk_gib": disk,
-            # the defaults against LRU writing everything (kvtrio before issue 18)
-            "default_vs_lru": admitted["hours_saved"] / lru["hours_saved"],
-            # eviction alone: both write everything; then both with the default admission
-            "saved_vs_lru": cost["hours_saved"] / lru["hours_saved"],
-            "saved_vs_lru_admitted": admitted["hours_saved"] / lru_admitted["hours_saved"],
-            "written_cut": cost["gib_written"] / max(admitted["gib_written"], 1e-9),
-            "saved_loss": 1 - admitted["hours_saved"] / cost["hours_saved"],
-            "of_attainable": admitted["hours_saved"] / unbounded["hours_saved"],
-        })
+        headline.append(
+            {
+                "ram_gib": ram,
+                "disk_gib": disk,
+                # the defaults against LRU writing everything (kvtrio before issue 18)
+                "default_vs_lru": admitted["hours_saved"] / lru["hours_saved"],
+                # eviction alone: both write everything; then both with the default admission
+                "saved_vs_lru": cost["hours_saved"] / lru["hours_saved"],
+                "saved_vs_lru_admitted": admitted["hours_saved"] / lru_admitted["hours_saved"],
+                "written_cut": cost["gib_written"] / max(admitted["gib_written"], 1e-9),
+                "saved_loss": 1 - admitted["hours_saved"] / cost["hours_saved"],
+                "of_attainable": admitted["hours_saved"] / unbounded["hours_saved"],
+            }
+        )
     return {
         "seed": args.seed,
         "chats": args.chats,
@@ -541,14 +546,30 @@ def render(figures: dict[str, Any]) -> None:
         f"{unbounded['hours_without_cache']:.2f} h of prefill, unbounded cache saves "
         f"{unbounded['hours_saved']:.2f} h"
     )
-    for column in ("RAM:disk GiB", "eviction", "admission", "hit ratio", "prefill saved",
-                   "h saved", "RAM hits", "disk hits", "GiB written", "read back"):
+    for column in (
+        "RAM:disk GiB",
+        "eviction",
+        "admission",
+        "hit ratio",
+        "prefill saved",
+        "h saved",
+        "RAM hits",
+        "disk hits",
+        "GiB written",
+        "read back",
+    ):
         table.add_column(column, justify="right")
     for r in figures["runs"]:
         table.add_row(
-            f"{r['ram_gib']:g}:{r['disk_gib']:g}", r["policy"], r["admission"],
-            f"{r['hit_ratio']:.1%}", f"{r['saved_share']:.1%}", f"{r['hours_saved']:.2f}",
-            f"{r['ram_hits']:,.0f}", f"{r['disk_hits']:,.0f}", f"{r['gib_written']:,.0f}",
+            f"{r['ram_gib']:g}:{r['disk_gib']:g}",
+            r["policy"],
+            r["admission"],
+            f"{r['hit_ratio']:.1%}",
+            f"{r['saved_share']:.1%}",
+            f"{r['hours_saved']:.2f}",
+            f"{r['ram_hits']:,.0f}",
+            f"{r['disk_hits']:,.0f}",
+            f"{r['gib_written']:,.0f}",
             f"{r['reuse_ratio']:.1%}",
         )
     console.print(table)

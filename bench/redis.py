@@ -388,4 +388,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-tokens", type=int, default=256, help="dedup: block tokens")
     parser.add_argument("--manifests", type=int, default=1000, help="lookup: manifests (1000)")
     parser.add_argument("--manifest-kib", type=int, default=64, help="lookup: KiB each (64)")
-

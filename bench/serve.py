@@ -25,7 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtrio.bench.serve_harness import Server, itl, median, pct, prompt_words
+from kvtrio.bench.serve_harness import (
+    Server,
+    itl,
+    median,
+    no_eos,
+    pct,
+    prompt_words,
+    steady_rate,
+)
 
 __all__ = ["add_arguments", "measure", "render"]
 
@@ -39,14 +47,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lengths", default="1024,4096", help="turn-1 prompt lengths in tokens (1024,4096)"
     )
     parser.add_argument("--model", help="a model directory (default: the tiny llama, built)")
-    parser.add_argument("--decode-tokens", type=int, default=48, help="tokens per stream (48)")
+    parser.add_argument(
+        "--decode-tokens", type=int, default=128, help="tokens per decode stream (128)"
+    )
     parser.add_argument("--streams", type=int, default=8, help="concurrent streams (8)")
     parser.add_argument("--dir", help="working directory (default: a tmp dir)")
     parser.add_argument(
         "--entries", type=int, default=1000, help="entries on disk for the restart time (1000)"
     )
     parser.add_argument(
-        "--rounds", type=int, default=2, help="decode runs per server, alternating (2; median)"
+        "--rounds", type=int, default=5, help="decode rounds per server, alternating (5; median)"
     )
     parser.add_argument(
         "--phases",
@@ -60,7 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens of each entry saved during the spill phase (4096)",
     )
     parser.add_argument(
-        "--spill-rounds", type=int, default=3, help="streams measured per server (3)"
+        "--spill-rounds",
+        type=int,
+        default=5,
+        help="spill rounds per server, alternating (5)",
     )
     parser.add_argument(
         "--spill-tokens",
@@ -115,37 +128,74 @@ def _restart_turn(
     }
 
 
-def _decode(
-    kind: str, model: Path, work: Path, tokens: int, streams: int, log: Path
-) -> dict[str, Any]:
-    server = Server(kind, model, work, log)
-    try:
-        server.chat([{"role": "user", "content": "warm up"}], 4)
-        one = server.chat([{"role": "user", "content": "Tell me about caches."}], tokens)
-        results: list[dict[str, Any]] = []
+def _decode_round(server: Server, tokens: int, streams: int, bias: dict[str, float], r: int) -> Any:
+    """One stream, then ``streams`` at once, on ``server``: rates and latencies. Round
+    ``r``'s prompts are its own: no round reuses another's entries (a cache hit, or for
+    kvtrio a disk load, where the phase measures decode)."""
+    one = server.chat(
+        [{"role": "user", "content": f"Round {r}: tell me about caches."}], tokens, logit_bias=bias
+    )
+    results: list[dict[str, Any]] = []
 
-        def ask(i: int) -> None:
-            results.append(server.chat([{"role": "user", "content": f"Stream {i}."}], tokens))
+    def ask(i: int) -> None:
+        ask = [{"role": "user", "content": f"Round {r}, stream {i}."}]
+        results.append(server.chat(ask, tokens, logit_bias=bias))
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(streams)]
-        began = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - began
-    finally:
-        server.stop()
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(streams)]
+    began = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - began
     single = one["arrivals"]
     gaps = [x for r in results for x in itl(r["arrivals"])]
     return {
-        "tok_s_1": (len(single) - 1) / (single[-1] - single[0]) if len(single) > 1 else 0.0,
+        "tok_s_1": steady_rate([single]),
         "itl_p50_ms_1": 1e3 * pct(itl(single), 0.5),
         "itl_p99_ms_1": 1e3 * pct(itl(single), 0.99),
         f"tok_s_{streams}": sum(len(r["arrivals"]) for r in results) / wall,
+        f"tok_s_{streams}_steady": steady_rate([r["arrivals"] for r in results]),
         f"itl_p50_ms_{streams}": 1e3 * pct(gaps, 0.5),
         f"itl_p99_ms_{streams}": 1e3 * pct(gaps, 0.99),
     }
+
+
+def _decode(
+    model: Path, root: Path, tokens: int, streams: int, rounds: int, log: Path
+) -> dict[str, Any]:
+    """Decode of one stream and of ``streams`` at once on each server, in ``rounds``
+    rounds alternating the servers' order (all three started once, idle while another is
+    measured), no stream ending before ``tokens`` tokens (EOS biased away). One stream's
+    rate is steady (first token to last); the streams' is the burst's, every token over
+    the time from sending the requests to the last token (mlx-lm takes requests that
+    arrive while it decodes only between decode time slices of up to 0.5 s, so the
+    streams do not all start together; ``_steady`` is :func:`steady_rate`, 0 when they
+    never all decoded at once); each figure is the median over the rounds, and
+    ``runs`` keeps every round. For kvtrio serve it counts the RAM entries it handed to
+    disk during the rounds (mlx-lm's evictions, which the others drop)."""
+    bias = no_eos(model)
+    servers = {kind: Server(kind, model, root / f"{kind}-decode", log) for kind in KINDS}
+    runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
+    try:
+        for server in servers.values():  # a first round each, not counted: kernels, caches
+            _decode_round(server, 8, streams, bias, -1)
+        spilled_before = _spilled(servers["kvtrio"])
+        for r in range(rounds):
+            for kind in KINDS if r % 2 == 0 else KINDS[::-1]:
+                runs[kind].append(_decode_round(servers[kind], tokens, streams, bias, r))
+        spilled = _spilled(servers["kvtrio"])
+    finally:
+        for server in servers.values():
+            server.stop()
+    out: dict[str, Any] = {}
+    for kind in KINDS:
+        keys = runs[kind][0].keys() if runs[kind] else ()
+        out[kind] = {key: median([run[key] for run in runs[kind]]) for key in keys}
+        out[kind]["runs"] = runs[kind]
+    if spilled is not None and spilled_before is not None:
+        out["kvtrio"]["spilled_during_rounds"] = spilled - spilled_before
+    return out
 
 
 #: The spill phase's servers: (label, server kind, --prompt-cache-size). With two
@@ -169,6 +219,8 @@ SPILL_STREAM_CAP = 100_000
 
 def _spilled(server: Server) -> int | None:
     """kvtrio serve's count of RAM entries handed to disk so far (None for the others)."""
+    if server.kind != "kvtrio":
+        return None
     for line in server.metrics().splitlines():
         if line.startswith("kvtrio_serve_spilled_total"):
             return int(float(line.split()[-1]))
@@ -179,18 +231,63 @@ def _cached(result: dict[str, Any]) -> int:
     return int((result["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0))
 
 
+def _spill_round(
+    server: Server, label: str, document: str, tokens: int, r: int, bias: dict[str, float]
+) -> tuple[list[float], list[float], dict[str, Any]]:
+    """One round of the spill phase on ``server`` (see :func:`_spill`): the quiet stream's
+    gaps, the "during" gaps, and the round's checks."""
+    alone = server.chat([{"role": "user", "content": f"Quiet stream {r}."}], tokens)
+    big = [{"role": "user", "content": f"Round {r}. {document}"}]
+    answer = server.chat(big, 1)["text"]
+    more = [*big, {"role": "assistant", "content": answer}]
+    more.append({"role": "user", "content": QUESTION})
+    stream: dict[str, Any] = {}
+    started, leave = threading.Event(), threading.Event()
+    busy = [{"role": "user", "content": f"Busy stream {r}."}]
+    # S runs until the window has ended (the client then leaves): with a fixed length a
+    # fast server finished it before the window began (no samples).
+    thread = threading.Thread(
+        target=lambda out=stream, go=started, ask=busy, quit=leave: out.update(
+            server.chat_watching(ask, SPILL_STREAM_CAP, 8, go, stop=quit, logit_bias=bias)
+        )
+    )
+    spilled_before = _spilled(server)
+    thread.start()
+    if not started.wait(600):
+        raise RuntimeError(f"{label}: the stream did not start")
+    continued = server.chat(more, 1)
+    evicting = server.chat([{"role": "user", "content": f"Evict {r}."}], 1)
+    begin, end = continued["headers"], evicting["done"] + SPILL_TAIL_S
+    time.sleep(max(0.0, end - time.perf_counter()) + SPILL_TAIL_S / 5)
+    leave.set()
+    thread.join()
+    spilled_after = _spilled(server)
+    arrivals = [t for t in stream["arrivals"] if begin <= t <= end]
+    during = itl(arrivals)
+    check = {
+        "continued_cached_tokens": _cached(continued),
+        "continued_prompt_tokens": int(continued["usage"].get("prompt_tokens", 0)),
+        "spilled_while_streaming": (
+            None
+            if spilled_before is None or spilled_after is None
+            else spilled_after - spilled_before
+        ),
+        "window_s": end - begin,
+        "stream_outlived_window": bool(stream["arrivals"]) and stream["arrivals"][-1] > end,
+        "samples": len(during),
+        "itl_p99_ms_during": 1e3 * pct(during, 0.99),
+        "itl_max_ms_during": 1e3 * max(during, default=float("nan")),
+    }
+    return itl(alone["arrivals"]), during, check
+
+
 def _spill(
-    kind: str,
-    model: Path,
-    work: Path,
-    length: int,
-    tokens: int,
-    rounds: int,
-    log: Path,
-    cache_size: int = 2,
-) -> dict[str, Any]:
+    model: Path, root: Path, length: int, tokens: int, rounds: int, log: Path
+) -> dict[str, dict[str, Any]]:
     """Inter-token latency of a stream S while other requests make the server save large
-    entries, and of a stream alone.
+    entries, and of a stream alone, on every server of :data:`SPILL_SERVERS`: all started
+    at once, each round run on each in turn, the order alternating between rounds (the
+    machine's noise then falls on all alike).
 
     Each round: a quiet stream (``tokens`` tokens, nothing else running); a
     ``length``-token prompt answered with one token (entry B in RAM); then S and, once S
@@ -200,78 +297,46 @@ def _spill(
     entries in RAM its insert evicts B: kvtrio saves it then). The "during" sample is
     S's latencies from the moment the server took C (C's headers arrived: mlx-lm decodes
     a batch for up to 0.5 s before it looks at new requests) to :data:`SPILL_TAIL_S`
-    after E ended; S runs until then (its client leaves after the window). Plain mlx_lm.server runs
-    the same requests and saves nothing, and so does kvtrio with ``cache_size`` large
-    enough for every entry: the same load without a save. Per round it records the tokens
-    C reused (a hit on every server, or the round would measure a recompute), for kvtrio
-    the entries spilled while S ran, and whether S outlived the window.
+    after E ended; S runs until then (its client leaves after the window). Plain
+    mlx_lm.server runs the same requests and saves nothing, and so does kvtrio with a
+    RAM cache large enough for every entry (``kvtrio_nosave``): the same load without a
+    save, the reference of the check. Per server: p50/p99/max over all rounds' samples,
+    and per round its p99, the tokens C reused (a hit on every server, or the round
+    would measure a recompute), for kvtrio the entries spilled while S ran, and whether
+    S outlived the window.
     """
-    extra = ("--prompt-cache-size", str(cache_size))
-    eos = json.loads((model / "config.json").read_text()).get("eos_token_id")
-    eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    no_eos = {str(i): -1000.0 for i in eos_ids}  # S must not end on its own
-    server = Server(kind, model, work, log, extra=extra)
+    bias = no_eos(model)  # S must not end on its own
     document = prompt_words(model, length)
-    quiet: list[float] = []
-    during: list[float] = []
-    checks: list[dict[str, Any]] = []
+    servers: dict[str, Server] = {}
+    quiet: dict[str, list[float]] = {label: [] for label, _, _ in SPILL_SERVERS}
+    during: dict[str, list[float]] = {label: [] for label, _, _ in SPILL_SERVERS}
+    checks: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in SPILL_SERVERS}
     try:
-        server.chat([{"role": "user", "content": "warm up"}], 4)
+        for label, kind, size in SPILL_SERVERS:
+            extra = ("--prompt-cache-size", str(size))
+            servers[label] = Server(kind, model, root / f"{label}-spill", log, extra=extra)
+            servers[label].chat([{"role": "user", "content": "warm up"}], 4)
+        labels = [label for label, _, _ in SPILL_SERVERS]
         for r in range(rounds):
-            alone = server.chat([{"role": "user", "content": f"Quiet stream {r}."}], tokens)
-            quiet += itl(alone["arrivals"])
-            big = [{"role": "user", "content": f"Round {r}. {document}"}]
-            answer = server.chat(big, 1)["text"]
-            more = [*big, {"role": "assistant", "content": answer}]
-            more.append({"role": "user", "content": QUESTION})
-            stream: dict[str, Any] = {}
-            started, leave = threading.Event(), threading.Event()
-            busy = [{"role": "user", "content": f"Busy stream {r}."}]
-            # S runs until the window has ended (the client then leaves): with a fixed
-            # length a fast server finished it before the window began (no samples).
-            thread = threading.Thread(
-                target=lambda out=stream, go=started, ask=busy, quit=leave: out.update(
-                    server.chat_watching(ask, SPILL_STREAM_CAP, 8, go, stop=quit, logit_bias=no_eos)
-                )
-            )
-            spilled_before = _spilled(server) if kind == "kvtrio" else None
-            thread.start()
-            if not started.wait(600):
-                raise RuntimeError(f"{kind}: the stream did not start")
-            continued = server.chat(more, 1)
-            evicting = server.chat([{"role": "user", "content": f"Evict {r}."}], 1)
-            begin, end = continued["headers"], evicting["done"] + SPILL_TAIL_S
-            time.sleep(max(0.0, end - time.perf_counter()) + SPILL_TAIL_S / 5)
-            leave.set()
-            thread.join()
-            spilled_after = _spilled(server) if kind == "kvtrio" else None
-            arrivals = [t for t in stream["arrivals"] if begin <= t <= end]
-            during += itl(arrivals)
-            checks.append(
-                {
-                    "continued_cached_tokens": _cached(continued),
-                    "continued_prompt_tokens": int(continued["usage"].get("prompt_tokens", 0)),
-                    "spilled_while_streaming": (
-                        None
-                        if spilled_before is None or spilled_after is None
-                        else spilled_after - spilled_before
-                    ),
-                    "window_s": end - begin,
-                    "stream_outlived_window": bool(stream["arrivals"])
-                    and stream["arrivals"][-1] > end,
-                    "samples": max(0, len(arrivals) - 1),
-                }
-            )
+            for label in labels if r % 2 == 0 else labels[::-1]:
+                alone, gaps, check = _spill_round(servers[label], label, document, tokens, r, bias)
+                quiet[label] += alone
+                during[label] += gaps
+                checks[label].append(check)
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
     return {
-        "itl_p50_ms_quiet": 1e3 * pct(quiet, 0.5),
-        "itl_p99_ms_quiet": 1e3 * pct(quiet, 0.99),
-        "itl_p50_ms_during": 1e3 * pct(during, 0.5),
-        "itl_p99_ms_during": 1e3 * pct(during, 0.99),
-        "itl_max_ms_during": 1e3 * max(during, default=float("nan")),
-        "samples_during": len(during),
-        "rounds": checks,
+        label: {
+            "itl_p50_ms_quiet": 1e3 * pct(quiet[label], 0.5),
+            "itl_p99_ms_quiet": 1e3 * pct(quiet[label], 0.99),
+            "itl_p50_ms_during": 1e3 * pct(during[label], 0.5),
+            "itl_p99_ms_during": 1e3 * pct(during[label], 0.99),
+            "itl_max_ms_during": 1e3 * max(during[label], default=float("nan")),
+            "samples_during": len(during[label]),
+            "rounds": checks[label],
+        }
+        for label in quiet
     }
 
 
@@ -364,7 +429,7 @@ def _starts(
     fills = {kind: _fill(kind, model, root / f"{kind}-entries", entries) for kind in KINDS}
     runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
     for r in range(rounds):
-        for kind in KINDS:
+        for kind in KINDS if r % 2 == 0 else KINDS[::-1]:  # alternating, as decode's
             server = Server(kind, model, root / f"{kind}-entries", log)
             try:
                 answer = _first_answer(server, f"hi {r}")
@@ -478,27 +543,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     )
             figures["restart"] = restart
         if "decode" in phases:
-            figures["decode"] = {
-                kind: _decode(
-                    kind, model, root / f"{kind}-decode", args.decode_tokens, args.streams, log
-                )
-                for kind in KINDS
-            }
+            figures["decode"] = _decode(
+                model, root, args.decode_tokens, args.streams, args.rounds, log
+            )
         if "spill" in phases:
-            tokens = args.spill_tokens
-            figures["spill"] = {
-                label: _spill(
-                    kind,
-                    model,
-                    root / f"{label}-spill",
-                    args.spill_length,
-                    tokens,
-                    args.spill_rounds,
-                    log,
-                    cache_size=size,
-                )
-                for label, kind, size in SPILL_SERVERS
-            }
+            figures["spill"] = _spill(
+                model, root, args.spill_length, args.spill_tokens, args.spill_rounds, log
+            )
         if "disk" in phases:
             figures["shared_system_prompt_disk_bytes"] = {
                 kind: _shared_system_prompt(kind, model, root / f"{kind}-shared", log, 8)
@@ -536,12 +587,20 @@ def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             measured.pop("answer")
     if "decode" in figures:
         decode, streams = figures["decode"], args.streams
-        base = decode["mlx_lm"]
-        ratios["decode"] = {
-            "tok_s_1_kvtrio_vs_mlx_lm": decode["kvtrio"]["tok_s_1"] / base["tok_s_1"],
-            f"tok_s_{streams}_kvtrio_vs_mlx_lm": decode["kvtrio"][f"tok_s_{streams}"]
-            / base[f"tok_s_{streams}"],
-        }
+        ratios["decode"] = {}
+        for key in ("tok_s_1", f"tok_s_{streams}", f"tok_s_{streams}_steady"):
+            base = decode["mlx_lm"][key]
+            # Medians over the rounds; per round, each server against mlx_lm measured in
+            # the same round (naive's is the reference's own spread: mlx-lm's decode path).
+            for kind in ("kvtrio", "naive"):  # a steady rate may be 0 (no common window)
+                ratios["decode"][f"{key}_{kind}_vs_mlx_lm"] = (
+                    decode[kind][key] / base if base else float("nan")
+                )
+            for kind in ("kvtrio", "naive"):
+                ratios["decode"][f"{key}_{kind}_vs_mlx_lm_per_round"] = [
+                    a[key] / b[key] if b[key] else float("nan")
+                    for a, b in zip(decode[kind]["runs"], decode["mlx_lm"]["runs"], strict=True)
+                ]
     if "spill" in figures:
         spill = figures["spill"]
         kv, naive, plain = spill["kvtrio"], spill["naive"], spill["mlx_lm"]
@@ -550,6 +609,15 @@ def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             # The check: the same streams and requests, with a save and without one.
             "itl_p99_kvtrio_during_vs_nosave": kv["itl_p99_ms_during"]
             / nosave["itl_p99_ms_during"],
+            # The same per round (kvtrio's p99 over kvtrio_nosave's, rounds run back to
+            # back), and their median: how much of the pooled ratio is one round's noise.
+            "itl_p99_kvtrio_during_vs_nosave_per_round": (
+                per_round := [
+                    a["itl_p99_ms_during"] / b["itl_p99_ms_during"]
+                    for a, b in zip(kv["rounds"], nosave["rounds"], strict=True)
+                ]
+            ),
+            "itl_p99_kvtrio_during_vs_nosave_round_median": median(per_round),
             "itl_p99_kvtrio_during_vs_quiet": kv["itl_p99_ms_during"] / kv["itl_p99_ms_quiet"],
             "itl_p99_kvtrio_vs_mlx_lm_during": kv["itl_p99_ms_during"] / plain["itl_p99_ms_during"],
             "itl_p99_naive_vs_kvtrio_during": naive["itl_p99_ms_during"] / kv["itl_p99_ms_during"],

@@ -18,7 +18,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Server", "free_port", "itl", "median", "pct", "prompt_words"]
+__all__ = [
+    "Server",
+    "free_port",
+    "itl",
+    "median",
+    "no_eos",
+    "pct",
+    "prompt_words",
+    "steady_rate",
+]
 
 
 def free_port() -> int:
@@ -70,7 +79,8 @@ class Server:
         if self.kind != "kvtrio":
             return 0.0
         deadline = time.perf_counter() + timeout
-        while "kvtrio_serve_cold_ready 1" not in self.metrics():
+        # The sample's own line: its HELP text ("1 once ... is open") would match too.
+        while "kvtrio_serve_cold_ready 1" not in self.metrics().splitlines():
             if time.perf_counter() > deadline:
                 raise RuntimeError("kvtrio serve: the cold tier did not open")
             time.sleep(0.02)
@@ -90,17 +100,25 @@ class Server:
             self.process.kill()
             self.process.wait()
 
-    def chat(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    def chat(
+        self,
+        messages: list[dict[str, str]],
+        max_tokens: int,
+        *,
+        logit_bias: dict[str, float] | None = None,
+    ) -> dict[str, Any]:
         """Stream a temperature-0 chat turn: when it was sent, when its headers came (the
         server has taken the request and looked it up), its tokens' arrival times, its
         text and usage."""
-        body = {
+        body: dict[str, Any] = {
             "messages": messages,
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if logit_bias:
+            body["logit_bias"] = logit_bias
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         sent = time.perf_counter()
         connection.request(
@@ -176,6 +194,25 @@ class Server:
             response.close()  # the response holds the socket: close both to leave
             connection.close()
         return {"arrivals": arrivals}
+
+
+def no_eos(model: Path) -> dict[str, float]:
+    """A logit bias that keeps ``model`` from ending a stream on its own (its EOS ids)."""
+    eos = json.loads((model / "config.json").read_text()).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    return {str(i): -1000.0 for i in ids}
+
+
+def steady_rate(streams: Sequence[Sequence[float]]) -> float:
+    """Tokens per second while every stream decodes: the tokens that arrived between the
+    last stream's first token and the first stream's last one, over that window (what a
+    batch decodes, without its prefill and its stragglers); 0 when the window is empty."""
+    if not streams or any(len(s) < 2 for s in streams):
+        return 0.0
+    begin, end = max(s[0] for s in streams), min(s[-1] for s in streams)
+    if end <= begin:
+        return 0.0
+    return sum(sum(1 for t in s if begin < t <= end) for s in streams) / (end - begin)
 
 
 def prompt_words(model: Path, tokens: int) -> str:

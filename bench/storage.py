@@ -330,4 +330,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds; median reported (3)")
     parser.add_argument("--dir", default=".", help="directory to measure in (default: cwd)")
-

@@ -447,4 +447,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="opt-in server setting: gc.freeze() once the cache is made",
     )
-

@@ -353,9 +353,7 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
 
     def _short_longer_match(self, model: Any, tokens: list[int]) -> bool:
         """Rule 9 for ``tokens`` (no trie walk when the bound is off)."""
-        return self.min_reuse_tokens > 0 and self._copies_for_few(
-            *self._ram_match(model, tokens)
-        )
+        return self.min_reuse_tokens > 0 and self._copies_for_few(*self._ram_match(model, tokens))
 
     def _ram_reuse(self, model: Any, tokens: list[int]) -> int:
         """How many tokens :meth:`fetch_nearest_cache` reuses from RAM (rule 9 applied),

@@ -160,28 +160,43 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
 EVICTIONS = ("cost", "cost-frequency", "lru")
 
 
+def admission_parts(spec: str) -> list[tuple[str, float | None]]:
+    """``--admission``'s parts as (name, value), checked; ValueError for a bad spec. It
+    imports nothing of the tier: the parser checks the flag at start with it, and the
+    policies are built with the tier, on the thread that opens it."""
+    parts: list[tuple[str, float | None]] = []
+    for part in spec.split("+"):
+        name, _, value = part.strip().partition(":")
+        try:
+            if name in ("default", "all", "second-use") and not value:
+                parts.append((name, None))
+            elif name == "min-tokens" and int(value) >= 0:
+                parts.append((name, int(value)))
+            elif name == "per-gib" and float(value) >= 0:
+                parts.append((name, float(value)))
+            else:
+                raise ValueError(part)
+        except ValueError:
+            raise ValueError(f"bad admission {part.strip()!r}") from None
+    return parts
+
+
 def admission_policy(spec: str) -> AdmissionPolicy | None:
     """``--admission``'s policy (None: the tier's default); ValueError for a bad spec."""
     from kvtrio.actors import policy
 
     parts: list[policy.AdmissionPolicy] = []
-    for part in spec.split("+"):
-        name, _, value = part.strip().partition(":")
-        try:
-            if name == "default" and not value:
-                parts.append(policy.default_admission())
-            elif name == "all" and not value:
-                parts.append(policy.AdmitAll())
-            elif name == "second-use" and not value:
-                parts.append(policy.SecondUse())
-            elif name == "min-tokens" and int(value) >= 0:
-                parts.append(policy.MinimumTokens(int(value)))
-            elif name == "per-gib" and float(value) >= 0:
-                parts.append(policy.RecomputePerByte(float(value)))
-            else:
-                raise ValueError(part)
-        except ValueError:
-            raise ValueError(f"bad admission {part.strip()!r}") from None
+    for name, value in admission_parts(spec):
+        if name == "default":
+            parts.append(policy.default_admission())
+        elif name == "all":
+            parts.append(policy.AdmitAll())
+        elif name == "second-use":
+            parts.append(policy.SecondUse())
+        elif name == "min-tokens":
+            parts.append(policy.MinimumTokens(int(value or 0)))
+        else:
+            parts.append(policy.RecomputePerByte(float(value or 0.0)))
     if spec.strip() == "default":
         return None
     return parts[0] if len(parts) == 1 else policy.AllOf(tuple(parts))
@@ -189,7 +204,7 @@ def admission_policy(spec: str) -> AdmissionPolicy | None:
 
 def _admission_spec(text: str) -> str:
     try:
-        admission_policy(text)
+        admission_parts(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(
             f"{exc}: use default, all, second-use, min-tokens:N, per-gib:SECONDS, or A+B"

@@ -200,7 +200,7 @@ def snapshot(
         )
     header = Header(
         layout="single",
-        tokens=tuple(int(t) for t in tokens),
+        tokens=tuple(map(int, tokens)),
         caches=tuple(entries),
         created_at=time.time(),
         model_id=model_id,

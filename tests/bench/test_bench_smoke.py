@@ -9,9 +9,23 @@ import sys
 
 def test_bench_runtime_prints_json_figures_and_ratios() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvtrio", "bench", "runtime", "--json",
-         "--messages", "300", "--rounds", "1", "--clock", "cpu"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "kvtrio",
+            "bench",
+            "runtime",
+            "--json",
+            "--messages",
+            "300",
+            "--rounds",
+            "1",
+            "--clock",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     figures = json.loads(out.stdout)
     for name in ("raw_ping_pong", "ask", "raw_stream", "tell"):
@@ -22,9 +36,23 @@ def test_bench_runtime_prints_json_figures_and_ratios() -> None:
 
 def test_bench_policy_prints_json_figures_and_headline_ratios() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvtrio", "bench", "policy", "--json",
-         "--chats", "200", "--docs", "4", "--budgets", "2:8"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "kvtrio",
+            "bench",
+            "policy",
+            "--json",
+            "--chats",
+            "200",
+            "--docs",
+            "4",
+            "--budgets",
+            "2:8",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     figures = json.loads(out.stdout)
     assert len(figures["runs"]) == 3 * 4  # eviction policies x admission policies
@@ -88,3 +116,35 @@ def test_bench_scale_runs_long_entries_end_to_end() -> None:
     assert figures["open_40_over_20"] == runs["40"]["open_s"] / runs["20"]["open_s"]
     assert all(run["open_cpu_s"] > 0 for run in runs.values())
     assert figures["burst"]["kept"] <= figures["burst"]["fit"] + 1
+
+
+def test_steady_rate_counts_only_the_window_where_every_stream_decodes() -> None:
+    from kvtrio.bench.serve_harness import steady_rate
+
+    # Two streams: one from 0 to 10 s, one from 2 to 6 s: the window is (2, 6].
+    a = [float(t) for t in range(11)]
+    b = [2.0, 3.0, 4.0, 5.0, 6.0]
+    assert steady_rate([a, b]) == (4 + 4) / 4.0
+    assert steady_rate([a, [20.0, 21.0]]) == 0.0  # never decoding together
+    assert steady_rate([a, [1.0]]) == 0.0
+
+
+def test_bench_serve_decode_phase_alternates_rounds_and_reports_medians() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtrio", "bench", "serve", "--json", "--phases", "decode",
+         "--rounds", "2", "--decode-tokens", "24", "--streams", "2"],
+        capture_output=True, text=True, check=True, timeout=300,
+    )  # fmt: skip
+    figures = json.loads(out.stdout)
+    decode, ratios = figures["decode"], figures["ratios"]["decode"]
+    for kind in ("mlx_lm", "naive", "kvtrio"):
+        runs = decode[kind]["runs"]
+        assert len(runs) == 2 and all(run["tok_s_1"] > 0 and run["tok_s_2"] > 0 for run in runs)
+        assert all(run["tok_s_2_steady"] >= 0 for run in runs)
+        assert decode[kind]["tok_s_2"] == (runs[0]["tok_s_2"] + runs[1]["tok_s_2"]) / 2
+    assert (
+        ratios["tok_s_2_kvtrio_vs_mlx_lm"]
+        == decode["kvtrio"]["tok_s_2"] / decode["mlx_lm"]["tok_s_2"]
+    )
+    assert len(ratios["tok_s_2_kvtrio_vs_mlx_lm_per_round"]) == 2
+    assert decode["kvtrio"]["spilled_during_rounds"] >= 0

@@ -465,3 +465,23 @@ def test_a_tier_still_opening_leaves_lookups_to_ram_and_holds_evictions(
     assert "kvtrio_serve_cold_ready 1" in serving.metrics_text()
     assert 'kvtrio_serve_cold_unavailable_total{reason="opening"} 1' in serving.metrics_text()
     assert serving.close(timeout=30)
+
+
+def test_a_tagged_response_queue_hands_tokens_straight_to_mlx_lms_queue() -> None:
+    """kvtrio serve tags a request's context with its lookup (docs/serve.md, "What a client
+    sees"); once tagged, the per-token puts on the generation thread are mlx-lm's own."""
+    from queue import Queue
+
+    from kvtrio.serve.server import _TaggingQueue
+    from mlx_lm.server import GenerationContext
+
+    cache = TieredLRUPromptCache(max_size=4)
+    inner: Queue[Any] = Queue()
+    tagging = _TaggingQueue(inner, cache)
+    cache.fetch_nearest_cache(("m", None, None), [1, 2, 3])  # the request's lookup
+    ctx: Any = GenerationContext.__new__(GenerationContext)
+    tagging.put(ctx)
+    assert ctx.kvtrio.ready.is_set() and ctx.kvtrio.fetch.tier is CacheTier.MISS
+    assert tagging.put == inner.put  # the per-token path: mlx-lm's queue itself
+    tagging.put("token")
+    assert [inner.get_nowait(), inner.get_nowait()] == [ctx, "token"]

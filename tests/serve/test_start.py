@@ -121,3 +121,49 @@ def test_no_prefetch_loads_turn_two_on_the_lookup(tmp_path: Path) -> None:
     summary = exit_summary(second)
     assert summary["hits_cold"] == 1 and summary["prefetches"] == 0
     assert summary["before_open"] == 0  # the test waited for the cold tier
+
+
+def test_the_cold_tier_opens_only_once_no_request_is_in_flight() -> None:
+    """docs/serve.md, "Start": the open waits while a request is in flight (arrived and
+    not answered: it would share the GIL with the open's imports and index), and starts
+    once none is, or OPEN_DEFER after the model's load whatever is in flight."""
+    from kvtrio.serve.server import open_now
+
+    assert not open_now(request_taken=False, in_flight=1, now=1.0, open_by=2.0)
+    assert not open_now(request_taken=True, in_flight=0, now=1.0, open_by=2.0)
+    assert open_now(request_taken=False, in_flight=0, now=1.0, open_by=2.0)
+    assert open_now(request_taken=True, in_flight=3, now=2.5, open_by=2.0)
+
+
+def test_the_start_path_imports_none_of_the_tiers_modules() -> None:
+    """docs/serve.md, "Start": parsing kvtrio serve's flags (an --admission spec
+    included) and building its options import none of the tier's modules; they load on
+    the thread that opens the tier."""
+    code = (
+        "import argparse, sys\n"
+        "from kvtrio.cli import serve as command\n"
+        "from kvtrio.serve.server import ServeOptions\n"
+        "parser = argparse.ArgumentParser()\n"
+        "command.add_arguments(parser)\n"
+        "args = parser.parse_args(['--model', 'm', '--admission', 'second-use+min-tokens:8'])\n"
+        "ServeOptions.from_args(args)\n"
+        "tier = ('kvtrio.actors.policy', 'kvtrio.actors.tiered', 'kvtrio.actors.owner',\n"
+        "        'kvtrio.serve.bridge', 'kvtrio.storage.writer', 'kvtrio.runtime.system')\n"
+        "print(sorted(m for m in tier if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_a_bad_admission_part_is_refused_without_the_tier() -> None:
+    """--admission is checked at start by its syntax alone (the policies come with the
+    tier); the same specs build the same policies there."""
+    from kvtrio.serve.flags import admission_parts, admission_policy
+
+    assert admission_parts("second-use+min-tokens:8") == [("second-use", None), ("min-tokens", 8)]
+    for bad in ("sometimes", "min-tokens:-1", "per-gib:x", "all:3"):
+        with pytest.raises(ValueError):
+            admission_parts(bad)
+    assert admission_policy("min-tokens:8") == MinimumTokens(8)
+    assert admission_policy("all+per-gib:2.5") == AllOf((AdmitAll(), RecomputePerByte(2.5)))
