@@ -628,7 +628,6 @@ def _stubbed_length(length: int, old: Any, stub: _Stub) -> dict[str, list[float]
 
 
 def _overhead_length(length: int) -> dict[str, Any]:
-    import statistics
 
     import mlx.core as mx
     from kvtrio.metal.attention import direct_backend
@@ -645,26 +644,7 @@ def _overhead_length(length: int) -> dict[str, Any]:
                                             backend=backend)
     rows: dict[str, Any] = {}
     for name, fn in calls.items():
-        def chain(fn: Any = fn) -> Any:
-            q = queries
-            for _ in range(20):
-                q = fn(q)
-            return q
-
-        mx.eval(chain())
-        bench, build, run = [], [], []
-        for _ in range(10):
-            began = time.perf_counter()
-            mx.eval(chain())
-            bench.append((time.perf_counter() - began) / 20)
-            began = time.perf_counter()
-            out = chain()
-            built = time.perf_counter()
-            mx.eval(out)
-            build.append((built - began) / 20)
-            run.append((time.perf_counter() - built) / 20)
-        row = {k: statistics.median(v) * 1e6 for k, v in
-               (("bench_us", bench), ("build_us", build), ("eval_us", run))}
+        row = _split_times(fn, queries)
         rows[f"{name}_{length}"] = row
         print(f"{length:>7} {name:<7} bench {row['bench_us']:7.1f} us = build "
               f"{row['build_us']:5.1f} + eval {row['eval_us']:7.1f} (per call)", flush=True)
