@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_runtime_prints_json_figures_and_ratios() -> None:
     out = subprocess.run(
@@ -116,6 +118,41 @@ def test_bench_scale_runs_long_entries_end_to_end() -> None:
     assert figures["open_40_over_20"] == runs["40"]["open_s"] / runs["20"]["open_s"]
     assert all(run["open_cpu_s"] > 0 for run in runs.values())
     assert figures["burst"]["kept"] <= figures["burst"]["fit"] + 1
+
+
+def test_bench_scale_repeats_each_open_in_fresh_processes_and_divides_medians() -> None:
+    """``--repeat``: K opens per N, every one's figures kept, the median the figure the
+    ratios divide, the spread beside it."""
+    import statistics
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtrio", "bench", "scale", "--json", "--sizes", "20,40",
+         "--repeat", "3", "--lookups", "5", "--burst", "8", "--burst-fit", "4",
+         "--no-maintenance"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    figures = json.loads(out.stdout)
+    runs = figures["runs"]
+    for run in runs.values():
+        assert run["repeat"] == 3 and len(run["opens"]) == 3
+        walls = [sample["open_s"] for sample in run["opens"]]
+        cpus = [sample["open_cpu_s"] for sample in run["opens"]]
+        assert all(wall > 0 for wall in walls) and all(cpu > 0 for cpu in cpus)
+        assert run["open_s"] == statistics.median(walls)
+        assert run["open_cpu_s"] == statistics.median(cpus)
+        assert (run["open_s_min"], run["open_s_max"]) == (min(walls), max(walls))
+        stalls = [sample["open_stall_s"] for sample in run["opens"]]
+        assert run["open_stall_s_max"] == max(stalls)
+    assert figures["open_40_over_20"] == runs["40"]["open_s"] / runs["20"]["open_s"]
+
+
+def test_bench_scale_repeats_by_default_only_where_an_open_is_cheap() -> None:
+    from kvtrio.bench.scale import repeats
+
+    assert [repeats(n, None) for n in (1000, 10_000, 100_000)] == [3, 3, 1]
+    assert repeats(100_000, 2) == 2
+    with pytest.raises(ValueError):
+        repeats(1000, 0)
 
 
 def test_steady_rate_counts_only_the_window_where_every_stream_decodes() -> None:
