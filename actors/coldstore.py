@@ -17,10 +17,12 @@ directory once (O(B)) to take back the blocks it stored.
 
 from __future__ import annotations
 
+import collections
 import errno
 import functools
 import json
 import logging
+import struct
 import sys
 import time
 from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping, Sequence
@@ -73,6 +75,17 @@ __all__ = [
 
 _log = logging.getLogger("kvtrio.coldstore")
 _DIGEST = 32  # bytes of a block name (sha256)
+
+
+_DIGESTS = struct.Struct(f"{_DIGEST}s")  # a catalogue block list: digests end to end
+
+
+def _block_names(blocks: tuple[str, ...] | bytes) -> tuple[str, ...]:
+    """An entry's block names (hex), from either form :attr:`ColdTierStore._entry_blocks`
+    keeps."""
+    if isinstance(blocks, bytes):
+        return tuple(digest.hex() for (digest,) in _DIGESTS.iter_unpack(blocks))
+    return blocks
 
 
 def _conversations_of(meta: Mapping[str, str]) -> tuple[str, ...]:
@@ -144,7 +157,10 @@ class ColdTierStore:
     opening: OpenReport | None = None  # what the open found in the catalogue
     _refs: dict[str, int] = attrs.field(factory=dict)
     _block_sizes: dict[str, int] = attrs.field(factory=dict)  # blocks that exist (rule 1)
-    _entry_blocks: dict[str, tuple[str, ...]] = attrs.field(factory=dict)
+    # Per entry, the blocks its manifest names: hex names, or (entries read from the
+    # catalogue at open) its block list as stored, 32-byte digests end to end, named only
+    # when the entry is removed (:func:`_block_names`): one bytes object per entry.
+    _entry_blocks: dict[str, tuple[str, ...] | bytes] = attrs.field(factory=dict)
     _entry_bytes: dict[str, int] = attrs.field(factory=dict)
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
     _usage: int = 0
@@ -212,12 +228,27 @@ class ColdTierStore:
         blocks: dict[str, int] = {}
         young = YoungCollections()  # the collector is paused by create (bounded passes)
         try:
+            # Reference counts by digest, counted in C a batch at a time (the batch's
+            # block lists joined, split into digests and counted by a Counter); hex names
+            # only once per distinct block, at the end.
+            counts: collections.Counter[tuple[bytes]] = collections.Counter()
+            lists: list[bytes] = []
+            entry_blocks, entry_bytes = self._entry_blocks, self._entry_bytes
             for n, (key, file_bytes, names) in enumerate(catalogue.block_lists(), 1):
                 catalogued[key] = None
                 if key in keys:
-                    self._note_names(key, file_bytes, names)
+                    lists.append(names)
+                    entry_blocks[key] = names
+                    entry_bytes[key] = file_bytes
                 if n % SCAN_BATCH == 0:
+                    counts.update(_DIGESTS.iter_unpack(b"".join(lists)))
+                    lists.clear()
                     young.after_batch()
+            counts.update(_DIGESTS.iter_unpack(b"".join(lists)))
+            refs = self._refs
+            for (digest,), count in counts.items():
+                name = digest.hex()
+                refs[name] = refs.get(name, 0) + count
             blocks = catalogue.block_sizes()
         except CorruptCacheError as exc:
             _log.warning("cold tier %s: catalogue rows unreadable, rebuilt (%s)", root, exc)
@@ -298,17 +329,6 @@ class ColdTierStore:
             self._refs[name] = self._refs.get(name, 0) + 1
         self._entry_blocks[row.key] = names
         self._entry_bytes[row.key] = row.file_bytes
-
-    def _note_names(self, key: str, file_bytes: int, digests: bytes) -> None:
-        """:meth:`_note_row` from a catalogue block list (concatenated 32-byte digests)."""
-        hexed = digests.hex()
-        step = 2 * _DIGEST
-        names = tuple(sys.intern(hexed[i : i + step]) for i in range(0, len(hexed), step))
-        refs = self._refs
-        for name in names:
-            refs[name] = refs.get(name, 0) + 1
-        self._entry_blocks[key] = names
-        self._entry_bytes[key] = file_bytes
 
     async def _sweep_locked(self) -> None:
         """Local tier: delete stored blocks no manifest names (rule 2)."""
@@ -415,7 +435,7 @@ class ColdTierStore:
         freed = await self.tier.delete(key)
         self._entry_bytes.pop(key, None)
         orphans = []
-        for name in self._entry_blocks.pop(key, ()):
+        for name in _block_names(self._entry_blocks.pop(key, ())):
             self._refs[name] -= 1
             if self._refs[name] == 0:
                 del self._refs[name]

@@ -192,3 +192,41 @@ async def test_a_pin_survives_a_restart_and_pressure(
         async with _open(tmp_path, tiny, owner, pin_limit=1 << 30) as cache:
             policy = cache.statistics().cold_policy
             assert policy is not None and policy.pinned_entries == 0
+
+
+async def test_block_counts_read_from_the_catalogue_match_the_manifests_and_free_blocks(
+    tmp_path: Path, tiny: TinyModel
+) -> None:
+    """The reference counts an open reads from the catalogue's block lists (digests kept
+    as stored, named on removal) are those a rebuild from the manifests counts; removing
+    entries deletes a shared block only with the last entry naming it."""
+    shared = _prompt(99, BLOCK)
+    async with MlxOwner.inline() as owner:
+        async with _open(tmp_path, tiny, owner) as cache:
+            for seed in range(3):  # one token block in common, then their own
+                tokens = [*shared, *_prompt(seed, 80)]
+                caches = make_caches(tiny)
+                prefill(tiny, caches, tokens)
+                await cache.insert(tokens, caches)
+            await cache.wait_writes_settled()
+        (tmp_path / CATALOGUE_NAME).unlink()
+        async with _open(tmp_path, tiny, owner) as cache:
+            assert _report(cache).parsed == 3  # from the manifests
+            assert isinstance(cache.cold, ColdTierStore)
+            parsed = dict(cache.cold._refs)
+            named = {key: set(names) for key, names in cache.cold._entry_blocks.items()}
+        assert any(count == 3 for count in parsed.values())  # the shared block
+        async with _open(tmp_path, tiny, owner) as cache:
+            store = cache.cold
+            assert isinstance(store, ColdTierStore) and _report(cache).clean
+            assert store._refs == parsed
+            assert sorted(store._entry_bytes) == sorted(named)
+            for key in sorted(named):
+                await store.remove(key)
+                store.check()
+                del named[key]
+                left = set().union(*named.values())
+                on_disk = {path.name for path in (tmp_path / "blocks").iterdir()}
+                assert {name for name in on_disk if name in parsed} == left
+                assert set(store._refs) == left
+            assert not store._refs
