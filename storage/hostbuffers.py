@@ -178,10 +178,12 @@ _MAX_SEGMENTS = 1 << 16
 class LoadBuffers:
     """MLX arrays allocated for a load, and writable byte views of them for the reader.
 
-    ``buffers[i][j]`` views ``arrays[i][j]`` (slot ``i``, piece ``j``): the reader's
-    ``readinto`` fills MLX memory directly, and :func:`adopt` turns the arrays into caches
-    with no copy (block layout: one MLX concatenate per multi-piece tensor). Keep the
-    views only until :func:`adopt` returns.
+    ``buffers[i][j]`` views ``arrays[i][j]`` (slot ``i``, piece ``j``), or, when slot
+    ``i`` has one array for several pieces (consecutive blocks, :func:`allocate_slot`),
+    piece ``j``'s bytes of ``arrays[i][0]``: the reader's ``readinto`` fills MLX memory
+    directly, and :func:`adopt` turns the arrays into caches with no copy (block layout:
+    one MLX concatenate per tensor of several arrays). Keep the views only until
+    :func:`adopt` returns.
     """
 
     arrays: tuple[tuple[Any, ...], ...]
@@ -213,7 +215,10 @@ def allocate_slot(
     """Allocate (owner thread) MLX arrays for slot ``index``'s pieces, and byte views of them.
 
     Each piece is a view into a slightly larger evaluated uint8 array, placed so that its
-    first byte is 4 KiB aligned: the reader can then fill it with O_DIRECT reads. The
+    first byte is 4 KiB aligned: the reader can then fill it with O_DIRECT reads. A
+    block-layout tensor whose pieces are consecutive bytes of it (every axis before the
+    token axis of length 1) gets one array and one backing, with a view per piece
+    (:func:`_allocate_contiguous`): nothing is joined after the read. The
     arrays are lazy views; :func:`adopt` evaluates them after the bytes are in. Sizes come
     from the validated header (single layout: bounded by the file size). Without a fill
     unless ``options.alloc_untouched`` is off (:func:`_untouched_uint8`).
@@ -221,9 +226,13 @@ def allocate_slot(
     slot = nth_slot(header, index)
     check_allocatable(slot.nbytes)
     block_tokens = header.block_tokens if header.layout == "blocks" else None
+    ranges = piece_ranges(slot, block_tokens)
+    if len(ranges) > 1 and _pieces_contiguous(slot.shape, slot.token_axis):
+        assert slot.token_axis is not None
+        return _allocate_contiguous(slot.shape, slot.dtype, slot.token_axis, ranges, options)
     arrays = []
     views = []
-    for start, stop in piece_ranges(slot, block_tokens):
+    for start, stop in ranges:
         shape = list(slot.shape)
         if block_tokens is not None and slot.token_axis is not None:
             shape[slot.token_axis] = stop - start
@@ -242,6 +251,37 @@ def allocate_slot(
         arrays.append(backing[skip : skip + nbytes].view(MX_DTYPES[slot.dtype]).reshape(shape))
         views.append(raw[skip : skip + nbytes])
     return tuple(arrays), tuple(views)
+
+
+def _pieces_contiguous(shape: tuple[int, ...], token_axis: int | None) -> bool:
+    """Whether a block-layout tensor's token pieces are consecutive byte ranges of the
+    whole tensor (every axis before its token axis has length 1: mlx-lm's caches of one
+    sequence and one kv head, or any tensor split on its first axis)."""
+    return token_axis is not None and math.prod(shape[:token_axis]) == 1
+
+
+def _allocate_contiguous(
+    shape: tuple[int, ...],
+    dtype: str,
+    token_axis: int,
+    ranges: list[tuple[int, int]],
+    options: IoOptions,
+) -> tuple[tuple[Any, ...], tuple[memoryview, ...]]:
+    """:func:`allocate_slot` for a tensor whose pieces are consecutive.
+
+    One evaluated backing for the whole tensor, one MLX array of it (so nothing is
+    joined after the read), and one writable view per piece into that backing, in piece
+    order: the reader fills each piece in place. The backing's first byte is 4 KiB
+    aligned; a piece's is too when the pieces before it are whole multiples of 4 KiB
+    (others are read buffered, as any unaligned destination)."""
+    nbytes = DTYPE_SIZES[dtype] * math.prod(shape)
+    per_token = nbytes // shape[token_axis]  # > 0 tokens: a tensor of several pieces
+    backing = _untouched_uint8(nbytes + _ALIGN, options.alloc_untouched)
+    raw = _writable_bytes(backing)
+    skip = -int(np.frombuffer(raw, dtype=np.uint8).ctypes.data) % _ALIGN
+    array = backing[skip : skip + nbytes].view(MX_DTYPES[dtype]).reshape(list(shape))
+    views = tuple(raw[skip + start * per_token : skip + stop * per_token] for start, stop in ranges)
+    return (array,), views
 
 
 class _UnfilledNpy(io.RawIOBase):

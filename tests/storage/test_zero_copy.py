@@ -16,7 +16,7 @@ from kvtrio.storage.cacheio import materialize, snapshot
 from kvtrio.storage.options import IoOptions
 from kvtrio.storage.writer import write_blocks, write_single
 
-from .conftest import H, make_kv
+from .conftest import H, assert_same, logical_state, make_kv
 
 
 def _contiguous_bytes(array: Any) -> bytes:
@@ -106,3 +106,45 @@ def test_setitem_after_materialize_cannot_reach_the_segments() -> None:
     live.values[..., :10, :] = mx.zeros_like(live.values[..., :10, :])
     mx.eval(live.keys, live.values)
     assert [b"".join(h.segments[0]) for h in host] == before
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_block_layout_load_fills_one_array_per_tensor_when_pieces_are_consecutive(
+    tmp_path: Path, heads: int
+) -> None:
+    """One sequence and one kv head (mlx-lm's tiny models, every cache of one request with
+    a single kv head): a tensor's token blocks are consecutive bytes of it, so a load
+    allocates one array per tensor, the reader fills each block's view of it in place, and
+    nothing is joined (one copy of the entry fewer, and one allocation per tensor instead
+    of one per block). Two heads: blocks are strided in the tensor, one array per block."""
+    import kvtrio
+    from kvtrio.storage.cacheio import adopt
+    from kvtrio.storage.reader import read_header, read_tensors
+
+    cache = mlx_cache_kv(heads, 600)
+    path = tmp_path / "m.kvt"
+    kvtrio.save_cache(path, [], [cache], layout="blocks", block_tokens=256)
+    cache_file = read_header(str(path))
+    loaded = hostbuffers.allocate_load_buffers(cache_file.header)
+    for arrays, views in zip(loaded.arrays, loaded.buffers, strict=True):
+        assert len(views) == 3  # 600 tokens in blocks of 256
+        assert len(arrays) == (1 if heads == 1 else 3)
+    read_tensors(cache_file, loaded.buffers, store=LocalBlockStore(str(tmp_path / "blocks")))
+    restored = adopt(cache_file.header, loaded)
+    got = restored.caches[0]
+    assert got.keys.dtype == cache.keys.dtype and got.offset == 600
+    assert np.array_equal(np.array(got.keys[..., :600, :]), np.array(cache.keys[..., :600, :]))
+    assert np.array_equal(np.array(got.values[..., :600, :]), np.array(cache.values[..., :600, :]))
+    assert_same(logical_state(kvtrio.load_cache(path).caches[0]), logical_state(cache))
+
+
+def mlx_cache_kv(heads: int, n: int) -> Any:
+    from mlx_lm.models import cache as mlx_cache_module
+
+    cache: Any = mlx_cache_module.KVCache()
+    key = mx.random.key(heads)
+    k1, k2 = mx.random.split(key)
+    cache.update_and_fetch(
+        mx.random.normal((1, heads, n, 64), key=k1), mx.random.normal((1, heads, n, 64), key=k2)
+    )
+    return cache
