@@ -71,7 +71,8 @@ Theory of operation
    is paused after a failure) that finds nothing better to blame is a
    ``store-unreachable`` miss, not ``no-entry``: the store may hold a longer prefix.
 14. ``prefetch(tokens)`` starts the cold load of the entry a lookup of ``tokens`` would
-   reuse, in the background; the next lookup that picks that entry adopts the loaded
+   reuse (``more_than=n``: only one reusing more than ``n`` tokens), in the background;
+   the next lookup that picks that entry adopts the loaded
    caches instead of reading them again. Prefetched bytes held at once are capped by
    ``prefetch_budget``; a prefetch is cancelled when its entry leaves the index
    (evicted, removed, superseded) and dropped when no lookup takes it within

@@ -53,13 +53,15 @@ __all__ = ["PolicyFeaturesMixin"]
 class PolicyFeaturesMixin(CacheParts):
     """Prefetch, pins, valuation, expiry, explanations and metrics of the tiered cache."""
 
-    def prefetch(self, tokens: Sequence[int]) -> bool:
+    def prefetch(self, tokens: Sequence[int], *, more_than: int = 0) -> bool:
         """Start loading, off the request path, the disk entry that :meth:`fetch_nearest`
         would reuse for ``tokens`` (rule 14); the lookup then adopts it. False (nothing
-        started) when the best match is hot, none is on disk, one is already loading, or
-        the prefetched bytes would exceed ``prefetch_budget``."""
+        started) when the best match is hot, none is on disk, it reuses no more than
+        ``more_than`` tokens (a caller's RAM serves as much: one index lookup decides
+        both), one is already loading, or the prefetched bytes would exceed
+        ``prefetch_budget``."""
         match = self._index.lookup(self.model, tuple(int(t) for t in tokens))
-        if match is None:
+        if match is None or match.reuse <= more_than:
             return False
         record = self._records[match.entry.key]
         key = record.entry.key

@@ -543,9 +543,9 @@ async def _fetch_unadmitted(cold: Any, tokens: list[int]) -> Fetched:
 
 
 async def _prefetch_on_arrival(cold: Any, tokens: list[int], ram_reuse: int) -> None:
-    match = cold.peek(tokens)
-    if match is not None and match.reuse > max(ram_reuse, cold.min_reuse_tokens - 1):
-        cold.prefetch(tokens)
+    # One index lookup (a few thousand tokens hashed, holding the GIL) decides and starts
+    # the load: it runs before the load, on the request's path.
+    cold.prefetch(tokens, more_than=max(ram_reuse, cold.min_reuse_tokens - 1))
 
 
 async def _prefetch(

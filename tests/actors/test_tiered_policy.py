@@ -329,6 +329,21 @@ async def test_a_prefetch_is_adopted_by_the_lookup(tmp_path: Path) -> None:
         assert (stats.prefetch_wasted_bytes, stats.prefetch_bytes) == (0, 0)
 
 
+async def test_a_prefetch_starts_only_for_a_match_longer_than_more_than(tmp_path: Path) -> None:
+    """Rule 14's ``more_than``: a caller whose own RAM serves ``n`` tokens asks for a load
+    only of a match reusing more, in the one index lookup that starts it."""
+    store = FaultyStore(tmp_path, MODEL)
+    async with fake_tiered(store, hot_budget=entry_bytes(10), eviction=PolicyKind.LRU) as cache:
+        prompt = list(range(100, 110))
+        await _on_disk(cache, prompt)
+        assert not cache.prefetch([*prompt, 5], more_than=10)  # RAM serves as much
+        assert not cache.prefetch([*prompt, 5], more_than=11)
+        assert cache.statistics().prefetches == 0 and store.fetches == 0
+        assert cache.prefetch([*prompt, 5], more_than=9)
+        await trio.sleep(0.01)
+        assert cache.statistics().prefetches == 1 and store.fetches == 1
+
+
 async def test_prefetches_unused_or_superseded_are_wasted_and_bounded(
     tmp_path: Path, autojump_clock: Any
 ) -> None:

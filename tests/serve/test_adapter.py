@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import trio
 from kvtrio.actors.policy import AdmissionPolicy, AdmitAll
-from kvtrio.actors.prefix import ModelKey
+from kvtrio.actors.prefix import ModelKey, PrefixIndex
 from kvtrio.actors.testing import mlx_thread_guard
 from kvtrio.serve.adapter import CacheTier, FetchInfo, TieredLRUPromptCache
 from kvtrio.serve.bridge import TierOptions, TierThread
@@ -422,6 +422,35 @@ def test_prefetch_on_arrival_from_another_thread_is_adopted_by_the_lookup(
             time.sleep(0.3)  # the loop has run the request
             cold = tier.peek(lambda: tier.cache.statistics())  # type: ignore[union-attr]
             assert cold.prefetches == 1
+
+
+def test_prefetch_on_arrival_looks_the_index_up_once(
+    tiny: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The arrival's load starts after one index lookup of the prompt (it decides and
+    starts the load: no lookup of its own before the tier's prefetch looks up again)."""
+    tokens = list(range(1, 50))
+    with _adapter(tiny, tmp_path) as (cache, _):
+        cache.insert_cache(MODEL, tokens, _prefilled(tiny, tokens))
+    with _adapter(tiny, tmp_path) as (cache, tier):
+        cold = tier.cache
+        assert cold is not None
+        lookups: list[int] = []
+        real = PrefixIndex.lookup
+
+        def counted(index: PrefixIndex, model: Any, query: Any) -> Any:
+            lookups.append(len(query))
+            return real(index, model, query)
+
+        monkeypatch.setattr(PrefixIndex, "lookup", counted)
+        assert cache.prefetch_on_arrival(MODEL, [*tokens, 5])
+
+        def loaded() -> bool:
+            stats = tier.peek(lambda: cold.statistics())
+            return bool(stats.prefetches == 1)
+
+        _pump_until(cache, loaded)
+        assert lookups == [len(tokens) + 1]
 
 
 def test_a_tier_still_opening_leaves_lookups_to_ram_and_holds_evictions(
