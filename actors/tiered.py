@@ -431,6 +431,9 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
                 # the best match is this one, so no other is worth it either.
                 self._count("cold_skipped")
                 break
+            # The explanation's index walks (a few ms of hashing for a long prompt) run
+            # before the load, overlapping its I/O, not after it on the request's path.
+            explanation = self._explanation(query, match, unreachable)
             loaded = await self._take_prefetch(record)
             if loaded is None and self._owns(record) and record.cold.state is ColdState.DURABLE:
                 loaded = await self._load_cold(record)
@@ -438,7 +441,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
                 continue
             self._count("hits_cold")
             record.uses += 1
-            explanation = self._explained(query, match, unreachable)
+            self._misses.add(explanation)
             if not admit:
                 if match.trim:
                     await self.owner.run(_trim, loaded, match.trim)

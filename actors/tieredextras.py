@@ -129,6 +129,15 @@ class PolicyFeaturesMixin(CacheParts):
         """Why this lookup did not reuse more (kvtrio.actors.misses), counted.
         ``unreachable``: the shared store could not be asked, so it, not the absence of
         an entry, is why (rule 13)."""
+        explanation = self._explanation(query, match, unreachable)
+        self._misses.add(explanation)
+        return explanation
+
+    def _explanation(
+        self, query: tuple[int, ...], match: PrefixMatch | None, unreachable: bool = False
+    ) -> Explanation:
+        """:meth:`_explained`, not counted (a cold hit computes it while its load is in
+        flight and counts it once the load has succeeded)."""
         explanation = explain(
             self._index,
             self.model,
@@ -139,7 +148,6 @@ class PolicyFeaturesMixin(CacheParts):
         )
         if unreachable and explanation.reason is MissReason.NO_ENTRY:
             explanation = attrs.evolve(explanation, reason=MissReason.STORE_UNREACHABLE)
-        self._misses.add(explanation)
         return explanation
 
     def metrics_text(self) -> str:

@@ -344,6 +344,45 @@ async def test_a_prefetch_starts_only_for_a_match_longer_than_more_than(tmp_path
         assert cache.statistics().prefetches == 1 and store.fetches == 1
 
 
+async def test_a_cold_hit_is_explained_while_its_load_waits_and_counted_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cold hit's miss explanation (index walks of the whole prompt) is worked out while
+    its load is in flight, not after it on the request's path, and counted once the load
+    has succeeded (one lookup, as before)."""
+    from kvtrio.actors import tieredextras
+
+    store = FaultyStore(tmp_path, MODEL)
+    async with fake_tiered(store, hot_budget=entry_bytes(10), eviction=PolicyKind.LRU) as cache:
+        prompt = list(range(100, 110))
+        await _on_disk(cache, prompt)
+        explained: list[int] = []
+        real = tieredextras.explain
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            explained.append(store.fetches)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(tieredextras, "explain", counted)
+        before = cache.statistics().lookups
+        assert before is not None
+        store.gate = trio.Event()
+        got: list[Any] = []
+
+        async def look() -> None:
+            got.append(await cache.fetch_nearest([*prompt, 5]))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(look)
+            await trio.sleep(0.05)
+            assert explained == [0] and not got  # explained; the load is still held
+            assert cache.statistics().lookups == before  # not counted yet
+            store.gate.set()
+        assert got[0].tier is Tier.COLD and explained == [0]
+        after = cache.statistics().lookups
+        assert after is not None and after.lookups == before.lookups + 1
+
+
 async def test_prefetches_unused_or_superseded_are_wasted_and_bounded(
     tmp_path: Path, autojump_clock: Any
 ) -> None:
