@@ -351,13 +351,13 @@ async def test_a_cold_hit_is_explained_while_its_load_waits_and_counted_after(
     its load is in flight, not after it on the request's path, and counted once the load
     has succeeded (one lookup, as before)."""
     from kvtrio.actors import tieredextras
+    from kvtrio.actors.misses import explain as real
 
     store = FaultyStore(tmp_path, MODEL)
     async with fake_tiered(store, hot_budget=entry_bytes(10), eviction=PolicyKind.LRU) as cache:
         prompt = list(range(100, 110))
         await _on_disk(cache, prompt)
         explained: list[int] = []
-        real = tieredextras.explain
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             explained.append(store.fetches)
