@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import random
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -38,14 +37,7 @@ from .emulated_backend import EmulatedBackend
 BLOCK = 16
 
 
-@pytest.fixture(autouse=True)
-def _on_cpu() -> Iterator[None]:
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    try:
-        yield
-    finally:
-        mx.set_default_device(device)
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 @pytest.fixture(autouse=True)

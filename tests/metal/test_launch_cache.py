@@ -10,7 +10,6 @@ stand-in of the kernels (tests/metal/emulated_backend.py); the GPU tests
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -27,14 +26,7 @@ TUNING = KernelTuning(min_part_tokens=16, mma_blocks=64, mma_warps=1)
 FUSED = KernelTuning(min_part_tokens=16, mma_blocks=64, mma_warps=1, fused_merge=True)
 
 
-@pytest.fixture(autouse=True)
-def _on_cpu() -> Iterator[None]:
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    try:
-        yield
-    finally:
-        mx.set_default_device(device)
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 class _Counting(EmulatedBackend):

@@ -6,7 +6,6 @@ a prefill and 32 decode steps.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -28,16 +27,7 @@ HEAD_DIM = 32
 PROMPT = [3, 17, 42, 8, 99, 5, 61, 23, 77, 12, 4, 56, 31]
 
 
-@pytest.fixture(autouse=True)
-def _on_cpu() -> Iterator[None]:
-    """These are CPU checks, also on a GPU machine (MLX's CUDA build takes other sdpa kernels
-    for some layouts and lacks quantized_matmul for some decode shapes)."""
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    try:
-        yield
-    finally:
-        mx.set_default_device(device)
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 def _model(dtype: mx.Dtype = mx.float32) -> Any:
