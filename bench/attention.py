@@ -441,14 +441,18 @@ def _run_batch(args: argparse.Namespace) -> dict[str, Any]:
         "device": str(mx.default_device()),
         "lengths": lengths,
         "batch_row": row,
-        "shape": {
-            "q_heads": args.q_heads,
-            "kv_heads": args.kv_heads,
-            "head_dim": args.head_dim,
-            "dtype": args.dtype,
-            "block_size": args.block_size,
-            "mix": args.lengths_mix,
-        },
+        "shape": {**_shape(args), "mix": args.lengths_mix},
+    }
+
+
+def _shape(args: argparse.Namespace) -> dict[str, Any]:
+    """The attention shape a run measured, as its JSON reports it."""
+    return {
+        "q_heads": args.q_heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "dtype": args.dtype,
+        "block_size": args.block_size,
     }
 
 
@@ -512,13 +516,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "chained": not args.independent,
         "ceilings": limits,
         "rows": rows,
-        "shape": {
-            "q_heads": args.q_heads,
-            "kv_heads": args.kv_heads,
-            "head_dim": args.head_dim,
-            "dtype": args.dtype,
-            "block_size": args.block_size,
-        },
+        "shape": _shape(args),
     }
 
 

@@ -435,6 +435,21 @@ def _split_times(fn: Any, queries: Any, reps: int = 10) -> dict[str, float]:
             (("bench_us", bench), ("build_us", build), ("eval_us", run))}
 
 
+def _old_attention() -> Any:
+    """The module at ``$KVTRIO_OLD_ATTENTION`` (another tree's metal/attention.py, timed
+    beside this one), or None."""
+    import importlib.util
+
+    path = os.environ.get("KVTRIO_OLD_ATTENTION")
+    if not path:
+        return None
+    spec = importlib.util.spec_from_file_location("old_attention", path)
+    assert spec is not None and spec.loader is not None
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    return old
+
+
 def host(budget: float) -> None:
     """The direct call before and after the host-side work, in one process: ``old`` is the
     attention module of another tree (its path in KVTRIO_OLD_ATTENTION: it builds every call
@@ -443,7 +458,6 @@ def host(budget: float) -> None:
     the reference. Three alternating rounds of :func:`_split_times` per length
     (KVTRIO_LENGTHS), the relative error of each direct output against float32 sdpa on the
     CPU, and the copy ceiling measured in the same process."""
-    import importlib.util
 
     import attrs
     import mlx.core as mx
@@ -456,13 +470,7 @@ def host(budget: float) -> None:
         from emulated_backend import EmulatedBackend
 
         backend = EmulatedBackend()
-    old = None
-    if os.environ.get("KVTRIO_OLD_ATTENTION"):
-        spec = importlib.util.spec_from_file_location("old_attention",
-                                                      os.environ["KVTRIO_OLD_ATTENTION"])
-        assert spec is not None and spec.loader is not None
-        old = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(old)
+    old = _old_attention()
     shape: dict[str, Any] = {"q_heads": 32, "kv_heads": 8, "dim": 128, "dtype": mx.float16,
                              "block_size": 16}
     results: dict[str, Any] = {"device": str(mx.default_device())}
@@ -555,18 +563,11 @@ def stubbed(budget: float) -> None:
     kept launch with two kernel calls and fused, and a fresh capture per call (as a decode
     step captures a view per layer) plus its first call, for both trees; three alternating
     rounds, each a median of 20 x 1,000 calls (50 for captures), in us per call."""
-    import importlib.util
 
     import mlx.core as mx
 
     mx.set_default_device(mx.cpu)
-    old = None
-    if os.environ.get("KVTRIO_OLD_ATTENTION"):
-        spec = importlib.util.spec_from_file_location("old_attention",
-                                                      os.environ["KVTRIO_OLD_ATTENTION"])
-        assert spec is not None and spec.loader is not None
-        old = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(old)
+    old = _old_attention()
     results: dict[str, Any] = {}
     for length in (int(x) for x in os.environ.get("KVTRIO_LENGTHS", "131072").split(",")):
         results[str(length)] = row = _stubbed_length(length, old, _Stub())
