@@ -25,11 +25,12 @@ import struct
 import warnings
 from collections.abc import Iterator, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import mlx.core as mx
 import numpy as np
+from kvtrio.metal.launch import Launch
 from kvtrio.metal.tuning import DEFAULT_TUNING, KernelTuning
 from mlx_lm.models import base as mlx_base
 
@@ -199,7 +200,7 @@ class BatchPagedAttentionView:
     group_size: int
     direct: bool
     _kernel_tables: dict[int, mx.array] = attrs.field(factory=dict, eq=False, repr=False)
-    _launches: dict[tuple[Any, ...], _Launch] = attrs.field(factory=dict, eq=False, repr=False)
+    _launches: dict[tuple[Any, ...], Launch] = attrs.field(factory=dict, eq=False, repr=False)
     # Every block number of the tables, concatenated, when capture already made them an array
     _flat: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)
 
@@ -362,8 +363,10 @@ class BatchPagedAttentionView:
         check each element is written).
 
         Everything of a call but its queries (kernels, template, grid, output shapes, the
-        kernel table) is built once per view and call shape and kept (:class:`_Launch`); a
-        later call with the same shapes only hands the queries to the kept kernel calls."""
+        kernel table) is built once per view and call shape and kept (:class:`Launch`); a
+        later call with the same shapes only hands the queries to the kept kernel calls, and
+        from the second call on replays them through ``mx.compile``
+        (``KernelTuning.compiled_launch``)."""
         key = (queries.shape, queries.dtype, scale, mask is not None, tuning, backend,
                None if poison is None else _float_bits(poison))
         launch = self._launches.get(key)
@@ -374,7 +377,7 @@ class BatchPagedAttentionView:
         return launch.run(queries)
 
     def _launch(self, shape: tuple[int, ...], dtype: mx.Dtype, scale: float, mask: Any,
-                backend: ModuleType, tuning: KernelTuning, poison: float | None) -> _Launch:
+                backend: ModuleType, tuning: KernelTuning, poison: float | None) -> Launch:
         """The kernel calls of :meth:`attend_direct` for one call shape, built."""
         _, q_heads, n, dim = shape
         kv_heads = self.kv_heads
@@ -419,6 +422,8 @@ class BatchPagedAttentionView:
                     ("BITS", self.bits), ("GS", self.group_size), ("T", self.arrays[2].dtype)
                 ]
         table = self.kernel_table(part)
+        # Kernel calls MLX can trace (the real backends' say so; a stand-in may not).
+        compiled = tuning.compiled_launch and getattr(backend, "TRACEABLE", False) is True
         items = sum(-(-length // part) for length in self.lengths)
         hqn = q_heads * n
         grid = (32 * warps * items, kv_heads * chunks, 1)
@@ -428,7 +433,7 @@ class BatchPagedAttentionView:
             # filled with the init value the counters count up from (kernels, point 7).
             init = 0.0 if poison is None else poison
             counters = -(-(self.batch * kv_heads * chunks) // 4) * 4
-            return _Launch(
+            return Launch(
                 partial=kernel,
                 partial_kw={
                     "template": [*template, ("OutT", dtype), ("INIT_BITS", _float_bits(init))],
@@ -439,9 +444,10 @@ class BatchPagedAttentionView:
                     "init_value": init,
                 },
                 tail=tail, merge=None, merge_kw={}, table=table,
+                compiled=compiled,
             )
         split = 1024 // dim  # threads of a merge block that share one output element
-        return _Launch(
+        return Launch(
             partial=kernel,
             partial_kw={
                 "template": template, "grid": grid, "threadgroup": (32 * warps, 1, 1),
@@ -458,6 +464,7 @@ class BatchPagedAttentionView:
                 "init_value": poison,
             },
             table=table,
+            compiled=compiled,
         )
 
 
@@ -465,25 +472,6 @@ def _float_bits(x: float) -> int:
     """The bits of ``x`` as a float32, as a signed int (a kernel's template constant)."""
     bits: int = struct.unpack("<i", struct.pack("<f", x))[0]
     return bits
-
-
-@attrs.frozen
-class _Launch:
-    """One direct call's kernel calls with everything but the queries bound (kept per view
-    and call shape by :meth:`BatchPagedAttentionView.attend_direct`)."""
-
-    partial: Any  # the partition kernel (or the fused one)
-    partial_kw: dict[str, Any]
-    tail: tuple[mx.array, ...]  # its inputs after the queries: keys, values, table, ...
-    merge: Any  # the merge kernel, or None when the partition kernel merges
-    merge_kw: dict[str, Any]
-    table: mx.array
-
-    def run(self, queries: mx.array) -> mx.array:
-        outputs = self.partial(inputs=[queries, *self.tail], **self.partial_kw)
-        if self.merge is not None:
-            outputs = self.merge(inputs=[outputs[0], outputs[1], self.table], **self.merge_kw)
-        return cast(mx.array, outputs[0])
 
 
 @attrs.frozen

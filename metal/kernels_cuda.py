@@ -25,6 +25,7 @@ __all__ = [
     "PARTIAL_MMA_SOURCE",
     "PARTIAL_SOURCE",
     "TENSOR_CORES",
+    "TRACEABLE",
     "merge",
     "partial",
     "partial_mma",
@@ -217,6 +218,9 @@ TENSOR_CORES = True
 
 # The tensor-core kernel can merge in the same launch (KernelTuning.fused_merge).
 FUSED_MERGE = True
+
+# Its kernel calls can be traced by mx.compile (KernelTuning.compiled_launch).
+TRACEABLE = True
 
 # The backend's name in kvtrio.metal.attention.MEASURED_BACKENDS.
 NAME = "cuda"

@@ -26,6 +26,7 @@ __all__ = [
     "PARTIAL_MMA_SOURCE",
     "PARTIAL_SOURCE",
     "TENSOR_CORES",
+    "TRACEABLE",
     "merge",
     "partial",
     "partial_mma",
@@ -186,6 +187,9 @@ TENSOR_CORES = False
 # No fused merge on Metal (kernels.PARTIAL_MMA_FUSED is rendered for CUDA only: its
 # cross-threadgroup fence has not been written for Metal).
 FUSED_MERGE = False
+
+# Its kernel calls can be traced by mx.compile (KernelTuning.compiled_launch).
+TRACEABLE = True
 
 # The backend's name in kvtrio.metal.attention.MEASURED_BACKENDS.
 NAME = "metal"

@@ -32,17 +32,21 @@ class KernelTuning:
     # The tensor-core kernel merges in the same launch (the last block of a sequence merges
     # its items; CUDA only, where the backend has FUSED_MERGE): one kernel call instead of two.
     fused_merge: bool = False
+    # From a kept launch's second call on, replay its kernel calls through mx.compile instead
+    # of calling the kernels from Python (kvtrio.metal.launch): no kernel source rendered per
+    # call on the host.
+    compiled_launch: bool = True
 
     @classmethod
     def parse(cls, text: str) -> KernelTuning:
         """``warps,rows,unroll,pipeline,blocks[,mma[,mma_warps,mma_blocks[,mma_tiles,
-        mma_wide_l2[,batch_waves[,fused_merge]]]]]`` (pipeline, mma_wide_l2 and fused_merge 0
-        or 1; mma 0, 1 or -1 for the backend's default); fields left out keep their
-        defaults."""
+        mma_wide_l2[,batch_waves[,fused_merge[,compiled_launch]]]]]]`` (pipeline, mma_wide_l2,
+        fused_merge and compiled_launch 0 or 1; mma 0, 1 or -1 for the backend's default);
+        fields left out keep their defaults."""
         fields = [int(x) for x in text.split(",")]
-        if len(fields) not in (5, 6, 8, 10, 11, 12):
+        if len(fields) not in (5, 6, 8, 10, 11, 12, 13):
             raise ValueError(
-                f"expected 5, 6, 8, 10, 11 or 12 comma-separated integers, got {text!r}"
+                f"expected 5, 6, 8, 10, 11, 12 or 13 comma-separated integers, got {text!r}"
             )
         tuning = cls(
             warps=fields[0], rows=fields[1], unroll=fields[2], pipeline=bool(fields[3]),
@@ -58,6 +62,8 @@ class KernelTuning:
             tuning = attrs.evolve(tuning, batch_waves=fields[10])
         if len(fields) > 11:
             tuning = attrs.evolve(tuning, fused_merge=bool(fields[11]))
+        if len(fields) > 12:
+            tuning = attrs.evolve(tuning, compiled_launch=bool(fields[12]))
         return tuning
 
     def text(self) -> str:
@@ -65,7 +71,7 @@ class KernelTuning:
         fields = [self.warps, self.rows, self.unroll, int(self.pipeline), self.target_blocks,
                   -1 if self.mma is None else int(self.mma), self.mma_warps, self.mma_blocks,
                   self.mma_tiles, int(self.mma_wide_l2), self.batch_waves,
-                  int(self.fused_merge)]
+                  int(self.fused_merge), int(self.compiled_launch)]
         return ",".join(str(x) for x in fields)
 
 

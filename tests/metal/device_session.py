@@ -8,8 +8,10 @@ alternating rounds (``KVTRIO_VARIANTS``, ``KVTRIO_LENGTHS``, ``KVTRIO_MIXES``; o
 without a GPU it runs the numpy stand-in, as a smoke test of the script); ``... profile``
 makes a few unchained 128k calls for a profiler (ncu) to read; ``... overhead`` splits
 a chained call's time into building the calls and evaluating them; ``... host`` does that
-split for another tree's direct call against this tree's (kept launches, fused merge), and
-``... stubbed`` times their Python share alone, the kernels stubbed (any machine).
+split for another tree's direct call against this tree's (kept launches, compiled replay,
+fused merge), with a pipelined decode loop too, ``... construct`` times building single kernel
+calls (nothing evaluated), and ``... stubbed`` times their Python share alone, the kernels
+stubbed (any machine).
 Everything lands as JSON and logs under ``$OUT`` (the device tool's output folder), with a
 short table printed last.
 """
@@ -435,6 +437,104 @@ def _split_times(fn: Any, queries: Any, reps: int = 10) -> dict[str, float]:
             (("bench_us", bench), ("build_us", build), ("eval_us", run))}
 
 
+def _pipelined_us(fn: Any, queries: Any, steps: int = 60, reps: int = 5) -> float:
+    """Per step of a decode loop that builds step k+1 while step k runs (``mx.async_eval``
+    of each step's output, the next step's input): median of ``reps`` loops, in us."""
+    import statistics
+
+    import mlx.core as mx
+
+    def loop() -> float:
+        q = fn(queries)
+        mx.async_eval(q)
+        began = time.perf_counter()
+        for _ in range(steps):
+            q = fn(q)
+            mx.async_eval(q)
+        mx.eval(q)
+        return (time.perf_counter() - began) / steps * 1e6
+
+    loop()
+    return statistics.median(loop() for _ in range(reps))
+
+
+def construct(budget: float) -> None:
+    """What building one call costs on the host, nothing evaluated (1,000 calls each, median
+    of 5 rounds, us per call; the graphs are dropped unevaluated): contiguous sdpa; the
+    tensor-core partition kernel's ``mx.fast.cuda_kernel`` call as kept, the same with its
+    template constants in the source instead (no template argument), and with a 100-byte
+    body instead of the real header and body; the merge kernel's call;
+    ``mx.fast.precompiled_cuda_kernel`` with stand-in bytes of 1k, 32k and 128k; and a
+    kept launch (two calls) replayed through mx.compile. At 128k (KVTRIO_LENGTHS)."""
+    import statistics
+
+    import attrs
+    import mlx.core as mx
+    from kvtrio.metal import kernels_cuda
+    from kvtrio.metal.attention import DEFAULT_TUNING, direct_backend
+
+    backend = direct_backend()
+    length = int(os.environ.get("KVTRIO_LENGTHS", "131072").split(",")[0])
+    view, keys, values, queries = _single_views(
+        length, {"q_heads": 32, "kv_heads": 8, "dim": 128, "dtype": mx.float16,
+                 "block_size": 16})
+    batch = view.as_batch()
+    plain = attrs.evolve(DEFAULT_TUNING, compiled_launch=False)
+    batch.attend_direct(queries, 128**-0.5, None, backend, plain)
+    (launch,) = batch._launches.values()
+    kw, mkw = launch.partial_kw, launch.merge_kw
+    inputs = [queries, *launch.tail]
+    baked = "".join(f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = "
+                    f"{str(v).lower() if isinstance(v, bool) else v};\n"
+                    for k, v in kw["template"])
+    flat: Any = mx.fast.cuda_kernel(
+        name="kvtrio_construct_baked", input_names=["q", "keys", "values", "table"],
+        output_names=["out", "normal"], source=baked + kernels_cuda.PARTIAL_MMA_SOURCE,
+        header=kernels_cuda.HEADER_MMA)
+    tiny: Any = mx.fast.cuda_kernel(
+        name="kvtrio_construct_tiny", input_names=["q", "keys", "values", "table"],
+        output_names=["out", "normal"], source="out[0] = 0.f; normal[0] = 0.f;" + " " * 60)
+    no_template = {k: v for k, v in kw.items() if k != "template"}
+    merge_inputs = launch.partial(inputs=inputs, **kw)
+
+    def precompiled(size: int) -> Any:
+        blob = b"\0" * size
+        return lambda: mx.fast.precompiled_cuda_kernel(
+            name="kvtrio_stand_in", compiled_source=blob, inputs=inputs,
+            output_shapes=kw["output_shapes"], output_dtypes=kw["output_dtypes"], scalars=[],
+            grid=kw["grid"], threadgroup=kw["threadgroup"])
+
+    replay = mx.compile(launch._body)
+    replay(*inputs)
+    cases: dict[str, Any] = {
+        "sdpa": lambda: mx.fast.scaled_dot_product_attention(queries, keys, values,
+                                                             scale=128**-0.5),
+        "partial_kept": lambda: launch.partial(inputs=inputs, **kw),
+        "partial_baked": lambda: flat(inputs=inputs, **no_template),
+        "partial_tiny": lambda: tiny(inputs=inputs, **kw),
+        "merge_kept": lambda: launch.merge(
+            inputs=[merge_inputs[0], merge_inputs[1], launch.table], **mkw),
+        "precompiled_1k": precompiled(1 << 10),
+        "precompiled_32k": precompiled(32 << 10),
+        "precompiled_128k": precompiled(128 << 10),
+        "launch_plain": lambda: launch._body(*inputs),
+        "launch_compiled": lambda: replay(*inputs),
+    }
+    results: dict[str, list[float]] = {}
+    for _ in range(5):
+        for name, fn in cases.items():
+            fn()
+            began = time.perf_counter()
+            for _ in range(1000):
+                fn()
+            results.setdefault(name, []).append((time.perf_counter() - began) * 1e3)
+    for name, rounds in results.items():
+        print(f"  build {name:<18} {statistics.median(rounds):6.2f} us per call "
+              f"(rounds {min(rounds):.2f}-{max(rounds):.2f})", flush=True)
+    (OUT / "construct.json").write_text(json.dumps(results, indent=1))
+    print("construct", budget, flush=True)
+
+
 def _old_attention() -> Any:
     """The module at ``$KVTRIO_OLD_ATTENTION`` (another tree's metal/attention.py, timed
     beside this one), or None."""
@@ -454,8 +554,10 @@ def host(budget: float) -> None:
     """The direct call before and after the host-side work, in one process: ``old`` is the
     attention module of another tree (its path in KVTRIO_OLD_ATTENTION: it builds every call
     from scratch, two kernel calls), ``kept`` this tree's default (the launch kept per view and
-    call shape), ``fused`` the same with the fused merge (one kernel call); contiguous sdpa as
-    the reference. Three alternating rounds of :func:`_split_times` per length
+    call shape, plain kernel calls), ``compiled`` the kept launch replayed through mx.compile
+    (the default now), ``fused`` that with the fused merge (one kernel call); contiguous sdpa
+    as the reference. Three
+    alternating rounds of :func:`_split_times` and :func:`_pipelined_us` per length
     (KVTRIO_LENGTHS), the relative error of each direct output against float32 sdpa on the
     CPU, and the copy ceiling measured in the same process."""
 
@@ -492,10 +594,12 @@ def host(budget: float) -> None:
                 group_size=view.group_size, direct=view.direct)
             calls["old"] = functools.partial(old_view.attend_direct, scale=scale, mask=None,
                                              backend=backend, tuning=old.DEFAULT_TUNING)
-        for name, fused in (("kept", False), ("fused", True)):
+        for name, fused, compiled in (("kept", False, False), ("compiled", False, True),
+                                      ("fused", True, True)):
             calls[name] = functools.partial(
                 view.attend_direct, scale=scale, mask=None, backend=backend,
-                tuning=attrs.evolve(DEFAULT_TUNING, fused_merge=fused))
+                tuning=attrs.evolve(DEFAULT_TUNING, fused_merge=fused,
+                                    compiled_launch=compiled))
         with mx.stream(mx.cpu):
             want = mx.fast.scaled_dot_product_attention(
                 queries.astype(mx.float32), keys.astype(mx.float32),
@@ -512,6 +616,7 @@ def host(budget: float) -> None:
             for name, fn in calls.items():
                 for key, us in _split_times(fn, queries).items():
                     row.setdefault(name, {}).setdefault(key, []).append(us)
+                row[name].setdefault("pipelined_us", []).append(_pipelined_us(fn, queries))
         results[str(length)] = row
         print(f"{length:>7} tokens, copy {copy:.0f} GB/s; per call: bench (3 rounds), "
               "build, eval; best bench / best sdpa; of copy; error vs float32", flush=True)
@@ -523,6 +628,11 @@ def host(budget: float) -> None:
                   + f" | build {min(r['build_us']):5.1f} | eval {min(r['eval_us']):7.1f}"
                   f" | {best / sdpa:5.3f}x | {kv_bytes / best / 1e3 / copy:4.0%}"
                   f" | {row['errors'][name]:.1e}", flush=True)
+        piped = min(row["sdpa"]["pipelined_us"])
+        for name in calls:
+            r = row[name]["pipelined_us"]
+            print(f"  pipelined {name:<8} " + " ".join(f"{x:7.1f}" for x in r)
+                  + f" | {min(r) / piped:5.3f}x sdpa pipelined", flush=True)
         del view, keys, values, calls
         mx.clear_cache()
     (OUT / "host.json").write_text(json.dumps(results, indent=1))
@@ -656,5 +766,5 @@ if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     what, budget = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 500.0
     modes = {"tests": tests, "bench": bench, "explore": explore, "profile": profile,
-             "overhead": overhead, "host": host, "stubbed": stubbed}
+             "overhead": overhead, "host": host, "stubbed": stubbed, "construct": construct}
     modes[what](budget)

@@ -356,6 +356,51 @@ def test_cuda_fused_merge_unpoisoned_matches_the_two_launches(
         assert _relative_error(got, two.astype(mx.float32)) <= bound
 
 
+COMPILED_CASES = [  # (seed, lengths, kv heads, GQA ratio, queries, dtype, bits, fused)
+    (0, [131072], 8, 4, 1, mx.float16, None, False),
+    (1, [4096], 8, 4, 1, mx.bfloat16, None, False),
+    (2, [300, 70000, 9], 2, 4, 8, mx.float16, None, False),
+    (3, [5000, 17], 8, 1, 2, mx.float32, None, False),
+    (4, [40000], 2, 8, 1, mx.float16, 4, False),
+    (5, [33000, 9, 600], 8, 4, 2, mx.float16, None, True),
+]
+
+
+@pytest.mark.skipif(not _has_cuda(), reason="needs MLX's CUDA backend and an NVIDIA GPU")
+@pytest.mark.parametrize("case", COMPILED_CASES, ids=lambda c: f"compiled{c[0]}")
+def test_cuda_compiled_launch_equals_the_plain_calls(
+    case: tuple[int, list[int], int, int, int, mx.Dtype, int | None, bool],
+) -> None:
+    """A kept launch replayed through mx.compile (its calls 2 on: KernelTuning.
+    compiled_launch) against the same launch's plain kernel calls, bit for bit, and against
+    the float32 reference on the CPU, every output pre-filled with NaN (each element written),
+    in a loop of calls with new queries."""
+    seed, lengths, kv_heads, ratio, n, dtype, bits, fused = case
+    mx.random.seed(seed)
+    view = _batch_view(random.Random(seed), lengths, kv_heads, 128, dtype, bits)
+    backend = direct_backend()
+    assert backend is not None
+    compiled = attrs.evolve(_tuning(), compiled_launch=True, fused_merge=fused)
+    plain = attrs.evolve(compiled, compiled_launch=False)
+    mask = "causal" if n > 1 else None
+    for step in range(4):
+        queries = mx.random.normal((len(lengths), kv_heads * ratio, n, 128)).astype(dtype)
+        assert view.uses_direct(queries, mask)
+        got = view.attend_direct(queries, 128**-0.5, mask, backend, compiled, poison=float("nan"))
+        again = view.attend_direct(queries, 128**-0.5, mask, backend, plain, poison=float("nan"))
+        with mx.stream(mx.cpu):
+            want = view.attend_reference(queries, 128**-0.5, mask, upcast=True)
+            mx.eval(want)
+        error = _relative_error(got, want)  # NaN anywhere fails
+        bound = BATCH_TOLERANCE[dtype] if bits is None else TOLERANCE[dtype]
+        if dtype == mx.bfloat16:
+            bound = max(bound, 2 * _relative_error(want.astype(dtype), want))
+        assert error <= bound, (step, error, bound)
+        assert mx.array_equal(got, again).item(), step
+    modes = {launch.compiled: launch.mode for launch in view._launches.values()}
+    assert modes == {True: "compiled", False: "plain"}
+
+
 @pytest.mark.skipif(not _has_cuda(), reason="needs MLX's CUDA backend and an NVIDIA GPU")
 def test_cuda_batch_of_one_equals_the_single_view() -> None:
     view = _batch_view(random.Random(1), [4097], 8, 128, mx.float16, None)
