@@ -14,6 +14,7 @@ compilation disabled) keeps the plain calls.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import attrs
@@ -45,20 +46,17 @@ class Launch:
     mode: str = LaunchMode.PLAIN
     calls: int = 0
     _replay: Any = None
+    _plain: Callable[..., list[mx.array]] = attrs.field(init=False)
 
-    def _body(self, queries: mx.array, *tail: mx.array) -> list[mx.array]:
-        outputs = self.partial(inputs=[queries, *tail], **self.partial_kw)
-        if self.merge is not None:
-            # the table is the tail's third array (keys, values, table, ...)
-            outputs = self.merge(inputs=[outputs[0], outputs[1], tail[2]], **self.merge_kw)
-        return [outputs[0]]
+    def __attrs_post_init__(self) -> None:
+        self._plain = _body(self.partial, self.partial_kw, self.merge, self.merge_kw)
 
     def run(self, queries: mx.array) -> mx.array:
         self.calls += 1
         if self.mode == LaunchMode.COMPILED:
             return cast(mx.array, self._replay(queries, *self.tail)[0])
         if self.compiled and self.mode == LaunchMode.PLAIN and self.calls > 1:
-            replay = mx.compile(self._body)
+            replay = mx.compile(self._plain)
             try:
                 out: mx.array = replay(queries, *self.tail)[0]
             except Exception:  # not traceable: the plain call below raises any real error
@@ -66,4 +64,20 @@ class Launch:
             else:
                 self._replay, self.mode = replay, LaunchMode.COMPILED
                 return out
-        return self._body(queries, *self.tail)[0]
+        return self._plain(queries, *self.tail)[0]
+
+
+def _body(partial: Any, partial_kw: dict[str, Any], merge: Any,
+          merge_kw: dict[str, Any]) -> Callable[..., list[mx.array]]:
+    """The kernel calls of one launch as a function of its arrays (queries, then the tail).
+    It holds no array and not the launch, so a replay kept by the launch makes no cycle: a
+    dropped view frees its pool arrays at once."""
+
+    def body(queries: mx.array, *tail: mx.array) -> list[mx.array]:
+        outputs = partial(inputs=[queries, *tail], **partial_kw)
+        if merge is not None:
+            # the table is the tail's third array (keys, values, table, ...)
+            outputs = merge(inputs=[outputs[0], outputs[1], tail[2]], **merge_kw)
+        return [outputs[0]]
+
+    return body

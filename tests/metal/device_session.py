@@ -504,7 +504,7 @@ def construct(budget: float) -> None:
             output_shapes=kw["output_shapes"], output_dtypes=kw["output_dtypes"], scalars=[],
             grid=kw["grid"], threadgroup=kw["threadgroup"])
 
-    replay = mx.compile(launch._body)
+    replay = mx.compile(launch._plain)
     replay(*inputs)
     cases: dict[str, Any] = {
         "sdpa": lambda: mx.fast.scaled_dot_product_attention(queries, keys, values,
@@ -517,7 +517,7 @@ def construct(budget: float) -> None:
         "precompiled_1k": precompiled(1 << 10),
         "precompiled_32k": precompiled(32 << 10),
         "precompiled_128k": precompiled(128 << 10),
-        "launch_plain": lambda: launch._body(*inputs),
+        "launch_plain": lambda: launch._plain(*inputs),
         "launch_compiled": lambda: replay(*inputs),
     }
     results: dict[str, list[float]] = {}

@@ -8,7 +8,9 @@ so it never sees a trace), and one that claims it can shows the fallback.
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 from typing import Any
 
 import attrs
@@ -147,3 +149,21 @@ def test_a_kernel_error_still_reaches_the_caller() -> None:
     for _ in range(3):
         with pytest.raises(Exception, match="does not build"):
             _call(view, mx.random.normal((3, 8, 1, 64)).astype(mx.float16), broken, TUNING)
+
+
+def test_a_dropped_compiled_launch_frees_its_view_arrays() -> None:
+    """The replay holds the kernel calls, not the launch: dropping the view frees the launch
+    (and the pool arrays it holds) with no cycle through MLX's compiled function."""
+    view = _view(7)
+    backend = _Traceable()
+    for _ in range(3):
+        _call(view, mx.random.normal((3, 8, 1, 64)).astype(mx.float16), backend, TUNING)
+    (launch,) = view._launches.values()
+    assert launch.mode == LaunchMode.COMPILED
+    gone = weakref.ref(launch)
+    gc.disable()  # freed by reference counting alone, not by a later cycle collection
+    try:
+        del view, launch
+        assert gone() is None
+    finally:
+        gc.enable()
