@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import errno
 import functools
+import itertools
 import json
 import logging
 import struct
@@ -36,6 +37,7 @@ from kvtrio.actors.coldtypes import (
     SHARED_CANDIDATES,
     ColdEntryInfo,
     ColdStore,
+    FoundRows,
     SharedColdStore,
     StoreResult,
 )
@@ -43,7 +45,6 @@ from kvtrio.actors.collector import YoungCollections, collector_paused
 from kvtrio.actors.prefix import (
     DEFAULT_BLOCK_SIZE,
     ModelKey,
-    PackedTokens,
     index_keys,
     probe_keys,
 )
@@ -57,7 +58,7 @@ from kvtrio.errors import (
 )
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.cacheio import snapshot
-from kvtrio.storage.catalogue import SCAN_BATCH, Catalogue, CatalogueRow, CompactRow
+from kvtrio.storage.catalogue import Catalogue, CatalogueRow, CompactRow
 from kvtrio.storage.format import Header
 from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.writable import encoded_size
@@ -68,6 +69,7 @@ __all__ = [
     "ColdEntryInfo",
     "ColdStore",
     "ColdTierStore",
+    "FoundRows",
     "OpenReport",
     "SharedColdStore",
     "StoreResult",
@@ -227,39 +229,41 @@ class ColdTierStore:
         catalogued: dict[str, None] = {}  # untracked by the collector, as ``keys``
         blocks: dict[str, int] = {}
         young = YoungCollections()  # the collector is paused by create (bounded passes)
+        # Reference counts by digest. Each batch of rows is taken in whole by C loops (its
+        # columns split by zip, the tables updated from them, its block lists joined, split
+        # into digests and counted by a Counter): no Python step per row. Hex names only
+        # once per distinct block, at the end.
+        counts: collections.Counter[tuple[bytes]] = collections.Counter()
+        entry_blocks, entry_bytes = self._entry_blocks, self._entry_bytes
         try:
-            # Reference counts by digest, counted in C a batch at a time (the batch's
-            # block lists joined, split into digests and counted by a Counter); hex names
-            # only once per distinct block, at the end.
-            counts: collections.Counter[tuple[bytes]] = collections.Counter()
-            lists: list[bytes] = []
-            entry_blocks, entry_bytes = self._entry_blocks, self._entry_bytes
-            for n, (key, file_bytes, names) in enumerate(catalogue.block_lists(), 1):
-                catalogued[key] = None
-                if key in keys:
-                    lists.append(names)
-                    entry_blocks[key] = names
-                    entry_bytes[key] = file_bytes
-                if n % SCAN_BATCH == 0:
-                    counts.update(_DIGESTS.iter_unpack(b"".join(lists)))
-                    lists.clear()
-                    young.after_batch()
-            counts.update(_DIGESTS.iter_unpack(b"".join(lists)))
-            refs = self._refs
-            for (digest,), count in counts.items():
-                name = digest.hex()
-                refs[name] = refs.get(name, 0) + count
+            for batch in catalogue.block_lists():
+                names, sizes, lists = zip(*batch, strict=True)
+                catalogued.update(zip(names, itertools.repeat(None)))
+                entry_blocks.update(zip(names, lists, strict=True))
+                entry_bytes.update(zip(names, sizes, strict=True))
+                counts.update(_DIGESTS.iter_unpack(b"".join(lists)))
+                young.after_batch()
             blocks = catalogue.block_sizes()
         except CorruptCacheError as exc:
             _log.warning("cold tier %s: catalogue rows unreadable, rebuilt (%s)", root, exc)
             report.rebuilt, catalogued = True, {}
-            self._refs.clear()
-            self._entry_blocks.clear()
-            self._entry_bytes.clear()
+            counts.clear()
+            entry_blocks.clear()
+            entry_bytes.clear()
         # Differences by Python loops, not set operators: one C call over 100,000 names
         # would hold the GIL (and so the event loop) for milliseconds in one piece.
         gone = [key for key in catalogued if key not in keys]  # rows whose manifest is gone
         report.dropped = len(gone)
+        for key in gone:  # not entries of this store: their references go
+            del entry_bytes[key]
+            dropped = entry_blocks.pop(key)
+            assert isinstance(dropped, bytes)
+            counts.subtract(_DIGESTS.iter_unpack(dropped))
+        refs = self._refs
+        for (digest,), count in counts.items():
+            if count > 0:
+                name = digest.hex()
+                refs[name] = refs.get(name, 0) + count
         fresh: list[CatalogueRow] = []
         for key in [key for key in keys if key not in catalogued]:  # manifests it lacks
             row = self._manifest_row(key)
@@ -522,10 +526,10 @@ class ColdTierStore:
         if self._catalogue is None:
             yield [_entry_info(entry) for entry in await self.tier.list()]
             return
-        # One batch per worker-thread call; the loop indexes each before the next is read.
+        # One batch per worker-thread call, as the scan yields it (FoundRows: no object per
+        # entry here); the cache enters each before the next is read.
         scan = self._catalogue.scan()
-        models: dict[tuple[str, str], ModelKey] = {}
-        step = functools.partial(_next_infos, scan, models)
+        step = functools.partial(_next_rows, scan)
         try:
             while True:
                 batch = await trio.to_thread.run_sync(step)
@@ -596,25 +600,10 @@ def _header_row(key: str, header: Header, file_bytes: int, last_use: float) -> C
     )
 
 
-def _next_infos(
-    scan: Iterator[list[CompactRow]], models: dict[tuple[str, str], ModelKey]
-) -> list[ColdEntryInfo] | None:
-    """Worker thread: the scan's next batch as entry infos (None at its end). ``models``
-    shares one ModelKey per (model id, fingerprint) among the entries."""
+def _next_rows(scan: Iterator[list[CompactRow]]) -> FoundRows | None:
+    """Worker thread: the scan's next batch (None at its end)."""
     rows = next(scan, None)
-    if rows is None:
-        return None
-    out = []
-    for key, model_id, fp, tokens, trimmable, min_offset, conv, used, pinned, rank in rows:
-        model = models.get((model_id, fp))
-        if model is None:
-            model = models[model_id, fp] = ModelKey(model_id, fp)
-        out.append(
-            ColdEntryInfo(
-                key, model, PackedTokens(tokens), trimmable, min_offset, used, conv, pinned, rank
-            )
-        )
-    return out
+    return None if rows is None else FoundRows(rows)
 
 
 def _entry_info(entry: TierEntry) -> ColdEntryInfo:

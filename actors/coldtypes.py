@@ -8,16 +8,18 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import attrs
 from kvtrio.actors.prefix import ModelKey, PackedTokens
+from kvtrio.storage.catalogue import CompactRow, conversations_of
 
 __all__ = [
     "CONVERSATIONS_META",
     "SHARED_CANDIDATES",
     "ColdEntryInfo",
     "ColdStore",
+    "FoundRows",
     "SharedColdStore",
     "StoreResult",
 ]
@@ -46,6 +48,45 @@ class ColdEntryInfo:
     # Its rank in token order among the entries listed with it (None: not known), so the
     # index can be filled in that order without sorting (kvtrio.actors.prefix).
     order: int | None = None
+
+
+@attrs.frozen
+class FoundRows(Sequence[ColdEntryInfo]):
+    """A batch of entries as a local store's catalogue scan yields them (its
+    :data:`~kvtrio.storage.catalogue.CompactRow` tuples, every field checked in bulk),
+    least recently used first, each with its rank in token order. A sequence of
+    :class:`ColdEntryInfo` to any reader (made on access, one at a time); the tiered
+    cache's open reads :attr:`rows` as they are, making no info object per entry."""
+
+    rows: Sequence[CompactRow]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @overload
+    def __getitem__(self, index: int) -> ColdEntryInfo: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[ColdEntryInfo]: ...
+    def __getitem__(self, index: int | slice) -> ColdEntryInfo | Sequence[ColdEntryInfo]:
+        if isinstance(index, slice):
+            return FoundRows(self.rows[index])
+        return found_info(self.rows[index])
+
+
+def found_info(row: CompactRow) -> ColdEntryInfo:
+    """One scanned row as a :class:`ColdEntryInfo`."""
+    key, model_id, fingerprint, tokens, trimmable, min_offset, _, used, pinned, rank = row
+    return ColdEntryInfo(
+        key,
+        ModelKey(model_id, fingerprint),
+        PackedTokens(tokens),
+        bool(trimmable),
+        min_offset,
+        used,
+        conversations_of(row),
+        bool(pinned),
+        rank,
+    )
 
 
 @attrs.frozen

@@ -44,7 +44,7 @@ import enum
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 
 import attrs
 import trio
@@ -247,6 +247,28 @@ class EvictionPolicy(abc.ABC):
         else:
             self._order_add(key, slot)
 
+    def insert_found(self, arrivals: Iterable[tuple[str, EntryCost]]) -> None:
+        """:meth:`on_insert` of each ``(key, cost)`` in order, without a TTL: the entries a
+        tier found at open, in their order of last use. The same outcome as one
+        ``on_insert`` each; what they share is worked out once (a cost-aware policy values
+        each distinct cost once, and entries found at open share theirs per length)."""
+        if self.default_ttl is not None:
+            for key, cost in arrivals:
+                self.on_insert(key, cost)
+            return
+        slots, forever = self._slots, float("inf")
+        fresh: list[tuple[str, _Slot]] = []
+        for key, cost in arrivals:
+            if key in slots:  # known already: replaced, as on_insert does, in its turn
+                self._order_extend(fresh)
+                fresh = []
+                self.on_insert(key, cost)
+                continue
+            slot = slots[key] = _Slot(cost, None, forever)
+            self._nbytes += cost.nbytes
+            fresh.append((key, slot))
+        self._order_extend(fresh)
+
     def on_hit(self, key: str) -> None:
         """``key`` served a lookup (absent: nothing)."""
         slot = self._slots.get(key)
@@ -358,6 +380,11 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def _order_add(self, key: str, slot: _Slot) -> None: ...
 
+    def _order_extend(self, added: list[tuple[str, _Slot]]) -> None:
+        """:meth:`_order_add` of each, in order."""
+        for key, slot in added:
+            self._order_add(key, slot)
+
     @abc.abstractmethod
     def _order_touch(self, key: str, slot: _Slot) -> None: ...
 
@@ -427,6 +454,21 @@ class GreedyDualPolicy(EvictionPolicy):
         heapq.heappush(self._heap, (*item, key))
         if len(self._heap) > 2 * len(self._priority) + 64:
             self._heap = [(h, seq, k) for k, (h, seq) in self._priority.items()]
+            heapq.heapify(self._heap)
+
+    def _order_extend(self, added: list[tuple[str, _Slot]]) -> None:
+        """:meth:`_order_add` of each, valuing each distinct cost object once (L does not
+        move in between: nothing is evicted)."""
+        values: dict[int, float] = {}  # by id(): the costs stay alive in their slots
+        heap, priority, seq, inflation = self._heap, self._priority, self._seq, self._inflation
+        for key, slot in added:
+            value = values.get(id(slot.cost))
+            if value is None:
+                value = values[id(slot.cost)] = self.value(slot.cost, slot.uses)
+            item = priority[key] = (inflation + value, next(seq))
+            heapq.heappush(heap, (*item, key))
+        if len(heap) > 2 * len(priority) + 64:
+            self._heap = [(h, seq_, k) for k, (h, seq_) in priority.items()]
             heapq.heapify(self._heap)
 
     def _order_touch(self, key: str, slot: _Slot) -> None:

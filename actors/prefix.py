@@ -40,7 +40,7 @@ import enum
 import hashlib
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NewType
 
 import attrs
@@ -386,9 +386,11 @@ class PrefixIndex:
             window = self._windows[depth] = lambda entry: entry.packed[start:stop]
         return window
 
-    def _path(self, entry: PrefixEntry) -> list[bytes]:
+    def _path(self, entry: PrefixEntry, root: bytes | None = None) -> list[bytes]:
+        """The hashes of the nodes ``entry`` passes through, root first (``root``: its
+        model's, when the caller has it)."""
         model, packed, step = entry.model, entry.packed, 4 * self.block_size
-        parent = model.root()
+        parent = model.root() if root is None else root
         path = [parent]
         for start in range(0, len(packed) - step + 1, step):
             parent = _link_packed(parent, model, packed[start : start + step])
@@ -400,9 +402,21 @@ class PrefixIndex:
         with self._lock:
             return self._add(entry)
 
-    def _add(self, entry: PrefixEntry) -> PrefixEntry | None:
+    def add_many(self, entries: Iterable[PrefixEntry]) -> None:
+        """:meth:`add` of each, in order, under one taking of the lock (open's, in token
+        order: each is appended to its nodes' runs), with each model's root hash looked up
+        once."""
+        roots: dict[int, bytes] = {}  # by id(): the models stay alive in their entries
+        with self._lock:
+            for entry in entries:
+                root = roots.get(id(entry.model))
+                if root is None:
+                    root = roots[id(entry.model)] = entry.model.root()
+                self._add(entry, root)
+
+    def _add(self, entry: PrefixEntry, root: bytes | None = None) -> PrefixEntry | None:
         previous = self._remove(entry.key)
-        path = self._path(entry)
+        path = self._path(entry, root)
         for depth, node_hash in enumerate(path):
             node = self._nodes.get(node_hash)
             if node is None:

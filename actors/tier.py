@@ -62,6 +62,7 @@ starting with a letter or digit.
 from __future__ import annotations
 
 import builtins
+import itertools
 import logging
 import math
 import os
@@ -127,6 +128,10 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 KEY_RE = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,149}")
+# Keys joined by newlines (which no key holds), every one a KEY_RE: :meth:`ColdTier.list_keys`
+# checks a listing a batch at a time, one regex call each, instead of one per key.
+_KEYS_RE = re.compile(rf"{KEY_RE.pattern}(?:\n{KEY_RE.pattern})*")
+_KEYS_BATCH = 1024
 # Seconds a second opener of a directory waits for its owner to close (rule 5).
 DEFAULT_LOCK_TIMEOUT = 30.0
 # Seconds between its attempts (trio's clock).
@@ -622,8 +627,14 @@ class ColdTier:
         A dict of str keys, not a set: the cyclic collector does not track it, so the
         young collections of an open never traverse its N names."""
         names = self.manifests.names()
-        keys = (name[: -len(SUFFIX)] for name in names if name.endswith(SUFFIX))
-        return dict.fromkeys(key for key in keys if KEY_RE.fullmatch(key) is not None)
+        keys = [name[: -len(SUFFIX)] for name in names if name.endswith(SUFFIX)]
+        out: dict[str, None] = {}
+        for start in range(0, len(keys), _KEYS_BATCH):
+            batch = keys[start : start + _KEYS_BATCH]
+            if _KEYS_RE.fullmatch("\n".join(batch)) is None:  # a bad one: key by key
+                batch = [key for key in batch if KEY_RE.fullmatch(key) is not None]
+            out.update(zip(batch, itertools.repeat(None)))
+        return out
 
     def entry_blocking(self, key: str) -> TierEntry:
         """Blocking (a worker thread): :meth:`entry`; FileNotFoundError if absent."""

@@ -16,13 +16,16 @@ from kvtrio.actors.coldside import (
 )
 from kvtrio.actors.coldstore import (
     ColdEntryInfo,
+    FoundRows,
 )
 from kvtrio.actors.collector import YoungCollections, collector_paused
 from kvtrio.actors.lifecycle import ColdEvent, ColdState
 from kvtrio.actors.misses import (
     MissReason,
 )
+from kvtrio.actors.policy import EntryCost
 from kvtrio.actors.prefix import (
+    ModelKey,
     PrefixEntry,
 )
 from kvtrio.actors.tieredtypes import (
@@ -35,9 +38,11 @@ from kvtrio.errors import (
     CacheMismatchError,
     CacheMissError,
     CorruptCacheError,
+    PinLimitError,
     StoreUnavailableError,
     UnknownCacheKindError,
 )
+from kvtrio.storage.catalogue import conversations_of
 
 if TYPE_CHECKING:
     from kvtrio.actors.tieredparts import CacheParts
@@ -64,35 +69,97 @@ class IndexAndLoadMixin(CacheParts):
         self._ledger.used = await self.cold.usage()
         by_order: list[CacheRecord | None] = []
         young = YoungCollections()
+        # The models of the found entries by (model id, fingerprint), the cache's own
+        # first: an entry of this model holds this very ModelKey (identity, no equality
+        # test per entry).
+        models = {(self.model.model_id, self.model.fingerprint): self.model}
+        enter = functools.partial(self._enter_found, by_order=by_order, young=young, models=models)
         with collector_paused():
             async with aclosing(self.cold.entries()) as batches:
                 async for batch in batches:
-                    await trio.to_thread.run_sync(self._enter_found, batch, by_order, young)
+                    await trio.to_thread.run_sync(enter, batch)
             await trio.to_thread.run_sync(self._index_found, by_order, young)
 
     def _enter_found(
         self,
         infos: Sequence[ColdEntryInfo],
+        *,
         by_order: list[CacheRecord | None],
         young: YoungCollections,
+        models: dict[tuple[str, str], ModelKey],
     ) -> None:
         """Worker thread, at open: :meth:`_add_cold_entry` for a batch, least recently
         used first. Reads no clock (the cold policy has no default TTL, and found entries
         none of their own), so nothing here needs the trio thread."""
         assert self.cold_policy.default_ttl is None
+        if isinstance(infos, FoundRows):
+            self._enter_rows(infos, by_order, young, models)
+            return
         for n, info in enumerate(sorted(infos, key=_by_mtime), 1):
             self._add_cold_entry(info, by_order)
             if n % OPEN_BATCH == 0:
                 young.after_batch()
         young.after_batch()
 
-    def _index_found(self, by_order: list[CacheRecord | None], young: YoungCollections) -> None:
-        """Worker thread, at open: the found entries into the prefix index, in token order."""
-        for n, record in enumerate(by_order, 1):
-            if record is not None:
-                self._sync(record)
+    def _enter_rows(
+        self,
+        batch: FoundRows,
+        by_order: list[CacheRecord | None],
+        young: YoungCollections,
+        models: dict[tuple[str, str], ModelKey],
+    ) -> None:
+        """:meth:`_enter_found` of a catalogue's rows (already least recently used first,
+        every field checked by the catalogue), each as :meth:`_add_cold_entry` enters an
+        info, straight from its tuple: no info object, no sort. Each entry's FOUND is
+        applied to the ledger here and to the cold policy once per batch, in the same order
+        (:meth:`EvictionPolicy.insert_found`: the policy holds exactly the DURABLE entries,
+        as :meth:`_apply` keeps it); the index follows in token order (:meth:`_index_found`)."""
+        records, ledger = self._records, self._ledger
+        arrivals: list[tuple[str, EntryCost]] = []
+        pinned_found: list[CacheRecord] = []
+        for n, row in enumerate(batch.rows, 1):
+            key, model_id, fingerprint, packed, trimmable, min_offset, conv, _, pinned, rank = row
+            if key in records:
+                continue
+            model = models.get((model_id, fingerprint))
+            if model is None:
+                model = models[model_id, fingerprint] = ModelKey(model_id, fingerprint)
+                self._other_models.add(model)
+            entry = PrefixEntry(key, model, packed, trimmable != 0, min_offset)
+            record = records[key] = CacheRecord.of(entry)
+            ledger.apply(record.cold, ColdEvent.FOUND)  # NONE -> DURABLE
+            arrivals.append((key, self._cold_cost(record)))
+            if pinned:
+                record.pinned = True  # rule 12: pins survive a restart
+                pinned_found.append(record)
+            if rank >= len(by_order):
+                by_order.extend([None] * (rank + 1 - len(by_order)))
+            by_order[rank] = record
+            if conv != "[]":
+                self._note_conversations(record, conversations_of(row))
             if n % OPEN_BATCH == 0:
                 young.after_batch()
+        self.cold_policy.insert_found(arrivals)
+        for record in pinned_found:
+            try:
+                self.cold_policy.pin(record.entry.key)
+            except PinLimitError:
+                self._count("pins_refused")
+        young.after_batch()
+
+    def _index_found(self, by_order: list[CacheRecord | None], young: YoungCollections) -> None:
+        """Worker thread, at open: the found entries into the prefix index, in token order,
+        :data:`OPEN_BATCH` at a time. What :meth:`_sync` would do for each: every found
+        entry is DURABLE, so findable (rule 3), and none was indexed or departed yet; one
+        replaced meanwhile (the same key found twice) is not its key's record."""
+        records, index = self._records, self._index
+        for start in range(0, len(by_order), OPEN_BATCH):
+            index.add_many(
+                record.entry
+                for record in by_order[start : start + OPEN_BATCH]
+                if record is not None and records.get(record.entry.key) is record
+            )
+            young.after_batch()
 
     async def _add_cold_entries(
         self,
@@ -139,12 +206,17 @@ class IndexAndLoadMixin(CacheParts):
             if order >= len(by_order):
                 by_order.extend([None] * (order + 1 - len(by_order)))
             by_order[order] = record
-        if not info.conversations:
-            return
-        record.conversations = frozenset(info.conversations)
-        for conversation in info.conversations:  # the latest checkpoint is the longest
+        if info.conversations:
+            self._note_conversations(record, info.conversations)
+
+    def _note_conversations(self, record: CacheRecord, conversations: Sequence[str]) -> None:
+        """A found entry is the checkpoint of ``conversations``: the latest of each is the
+        longest."""
+        record.conversations = frozenset(conversations)
+        key, length = record.entry.key, record.entry.length
+        for conversation in conversations:
             latest = self._records.get(self._conversations.get(conversation, ""))
-            if latest is None or latest.entry.length < entry.length:
+            if latest is None or latest.entry.length < length:
                 self._conversations[conversation] = key
 
     async def _load_cold(self, record: CacheRecord) -> list[Any] | None:

@@ -34,8 +34,10 @@ Rules:
 
 Costs: :meth:`Catalogue.rows`, :meth:`Catalogue.block_lists` and :meth:`Catalogue.scan`
 are one query each, O(N + references), the sorting done inside sqlite (which releases
-the GIL), the rows fetched :data:`SCAN_BATCH` at a time as compact tuples; an upsert or
-delete is O(blocks of the entry); :meth:`touch` is O(keys touched).
+the GIL), the rows fetched :data:`SCAN_BATCH` at a time as compact tuples, as sqlite
+returns them: the last two check every row's fields first in one more query
+(:meth:`Catalogue.check`, also inside sqlite), so no row is checked in Python; an upsert
+or delete is O(blocks of the entry); :meth:`touch` is O(keys touched).
 
 Keeps docs/design.md invariant 15.
 """
@@ -60,6 +62,7 @@ __all__ = [
     "Catalogue",
     "CatalogueRow",
     "CompactRow",
+    "conversations_of",
     "pack_tokens",
     "unpack_tokens",
 ]
@@ -128,11 +131,31 @@ def unpack_tokens(data: bytes) -> array.array[int]:
     return packed
 
 
-CompactRow = tuple[str, str, str, bytes, bool, int, tuple[str, ...], float, bool, int]
-"""One entry as a scan yields it: key, model id, fingerprint, tokens (as stored: u32
-big-endian, :func:`pack_tokens`), trimmable, minimum reusable offset, conversations, last
-use, pinned, and its rank in token order (0 for the entry whose tokens sort first). A
-plain tuple: no object per row beyond what the index keeps."""
+CompactRow = tuple[str, str, str, bytes, int, int, str, float, int, int]
+"""One entry as a scan yields it, as sqlite returns it: key, model id, fingerprint,
+tokens (as stored: u32 big-endian, :func:`pack_tokens`), trimmable (0 or not), minimum
+reusable offset (within the tokens), conversations (a JSON list of strings:
+:func:`conversations_of`), last use, pinned (0 or not), and its rank in token order (0
+for the entry whose tokens sort first). A plain tuple, every field checked in bulk by
+:meth:`Catalogue.check`: no object per row beyond what the index keeps."""
+
+# Every row's fields, of the types and shapes :meth:`Catalogue.block_lists` and
+# :meth:`Catalogue.scan` yield them in (CompactRow), checked in one pass inside sqlite:
+# the key of the first row that is not.
+_CHECK = """
+SELECT key FROM entries WHERE NOT (
+    typeof(key) = 'text' AND typeof(model_id) = 'text' AND typeof(fingerprint) = 'text'
+    AND typeof(tokens) = 'blob' AND length(tokens) % 4 = 0
+    AND typeof(trimmable) = 'integer' AND typeof(pinned) = 'integer'
+    AND typeof(min_offset) = 'integer' AND min_offset BETWEEN 0 AND length(tokens) / 4
+    AND typeof(conversations) = 'text'
+    AND (conversations = '[]' OR (
+        json_valid(conversations) AND json_type(conversations) = 'array'
+        AND NOT EXISTS (SELECT 1 FROM json_each(conversations) WHERE type != 'text')))
+    AND typeof(last_use) = 'real' AND typeof(file_bytes) = 'integer'
+    AND typeof(block_names) = 'blob' AND length(block_names) % 32 = 0
+) LIMIT 1
+"""
 
 _NO_CONVERSATIONS: tuple[str, ...] = ()
 
@@ -164,6 +187,7 @@ class Catalogue:
     _db: sqlite3.Connection
     was_clean: bool
     read_only: bool = False
+    _checked: bool = False  # :meth:`check` passed, and nothing was written since
 
     @classmethod
     def open(cls, directory: str) -> Catalogue:
@@ -270,22 +294,31 @@ class Catalogue:
         except sqlite3.Error as exc:
             raise CorruptCacheError(f"catalogue {self.path}: {exc}") from exc
 
-    def block_lists(self) -> Iterator[tuple[str, int, bytes]]:
-        """Per entry: its key, manifest bytes and block names (the concatenated 32-byte
-        digests, in the manifest's order), in no particular order. CorruptCacheError on a
-        bad row."""
-        query = "SELECT key, file_bytes, block_names FROM entries"
+    def check(self) -> None:
+        """Refuse the catalogue if any row has a field of the wrong type or shape for
+        :meth:`block_lists` and :meth:`scan` (rows are untrusted: a file edited, or
+        damaged where sqlite's own checks do not look): CorruptCacheError naming the first
+        bad row. One query, the checks done inside sqlite (which releases the GIL), so the
+        rows those two yield are then used as they are, with no check per row in Python;
+        each of them runs it first unless it has run since the last write."""
+        if self._checked:
+            return
         try:
-            for batch in _batches(self._db.execute(query)):
-                for key, file_bytes, names in batch:
-                    if not (
-                        isinstance(key, str)
-                        and isinstance(file_bytes, int)
-                        and isinstance(names, bytes)
-                        and len(names) % _DIGEST == 0
-                    ):
-                        raise CorruptCacheError(f"catalogue: entry {key!r:.80}: bad block list")
-                    yield key, file_bytes, names
+            bad = self._db.execute(_CHECK).fetchone()
+        except sqlite3.Error as exc:
+            raise CorruptCacheError(f"catalogue {self.path}: {exc}") from exc
+        if bad is not None:
+            raise CorruptCacheError(f"catalogue: entry {bad[0]!r:.80}: a field of the wrong type")
+        self._checked = True
+
+    def block_lists(self) -> Iterator[list[tuple[str, int, bytes]]]:
+        """Per entry: its key, manifest bytes and block names (the concatenated 32-byte
+        digests, in the manifest's order), in no particular order, in lists of at most
+        :data:`SCAN_BATCH`. CorruptCacheError on a bad row (:meth:`check`)."""
+        self.check()
+        try:
+            query = "SELECT key, file_bytes, block_names FROM entries"
+            yield from _batches(self._db.execute(query))
         except sqlite3.Error as exc:
             raise CorruptCacheError(f"catalogue {self.path}: {exc}") from exc
 
@@ -312,15 +345,15 @@ class Catalogue:
         """Every entry as a :data:`CompactRow`, least recently used first, in lists of at
         most :data:`SCAN_BATCH` (one list per step: a worker thread fetches one, the event
         loop indexes it). The ranks come from sqlite's own sort of the token blobs.
-        CorruptCacheError on a bad row."""
+        CorruptCacheError on a bad row (:meth:`check`, in one query before the first)."""
+        self.check()
         query = (
             "SELECT key, model_id, fingerprint, tokens, trimmable, min_offset, conversations,"
             " last_use, pinned, row_number() OVER (ORDER BY tokens, key) - 1 FROM entries"
             " ORDER BY last_use, key"
         )
         try:
-            for batch in _batches(self._db.execute(query)):
-                yield [_compact(row) for row in batch]
+            yield from _batches(self._db.execute(query))
         except sqlite3.Error as exc:
             raise CorruptCacheError(f"catalogue {self.path}: {exc}") from exc
 
@@ -338,6 +371,7 @@ class Catalogue:
 
     def replace_all(self, rows: Iterable[CatalogueRow], blocks: dict[str, int]) -> None:
         """Rebuild: every row and every existing block, in one transaction."""
+        self._checked = False
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute("DELETE FROM entries")
@@ -356,6 +390,7 @@ class Catalogue:
     ) -> None:
         """In one transaction: drop the rows of ``gone`` keys, upsert ``fresh`` rows, and
         (given) replace the table of existing blocks with ``blocks``."""
+        self._checked = False
         with self._db:
             self._db.execute("BEGIN")
             self._db.executemany("DELETE FROM entries WHERE key = ?", ((k,) for k in gone))
@@ -372,6 +407,7 @@ class Catalogue:
 
     def put(self, row: CatalogueRow, new_blocks: dict[str, int]) -> None:
         """An entry was published (its blocks in ``new_blocks`` are new on disk)."""
+        self._checked = False
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute(
@@ -432,42 +468,19 @@ def _batches(cursor: sqlite3.Cursor) -> Iterator[list[Any]]:
         yield batch
 
 
-def _compact(row: Any) -> CompactRow:
-    (key, model_id, fingerprint, tokens, trimmable, min_offset, conversations, last_use,
-     pinned, rank) = row  # fmt: skip
-    if not (
-        isinstance(key, str)
-        and isinstance(model_id, str)
-        and isinstance(fingerprint, str)
-        and isinstance(tokens, bytes)
-        and len(tokens) % 4 == 0
-        and isinstance(min_offset, int)
-        and isinstance(conversations, str)
-        and isinstance(last_use, float)
-    ):
-        raise CorruptCacheError(f"catalogue: entry {key!r:.80}: a field of the wrong type")
-    if conversations == "[]":
-        names: tuple[str, ...] = _NO_CONVERSATIONS
-    else:
-        try:
-            loaded = json.loads(conversations)
-        except ValueError as exc:
-            raise CorruptCacheError(f"catalogue: entry {key!r:.80}: {exc}") from exc
-        if not isinstance(loaded, list) or not all(isinstance(c, str) for c in loaded):
-            raise CorruptCacheError(f"catalogue: entry {key!r:.80}: bad conversations")
-        names = tuple(loaded)
-    return (
-        key,
-        model_id,
-        fingerprint,
-        tokens,
-        bool(trimmable),
-        min_offset,
-        names,
-        last_use,
-        bool(pinned),
-        rank,
-    )
+def conversations_of(row: CompactRow) -> tuple[str, ...]:
+    """The conversations of a scanned row (its JSON list of strings, :meth:`Catalogue.check`
+    checked); none for the common ``[]``."""
+    text = row[6]
+    if text == "[]":
+        return _NO_CONVERSATIONS
+    try:
+        loaded = json.loads(text)
+    except ValueError as exc:  # sqlite's JSON and Python's may disagree at the edges
+        raise CorruptCacheError(f"catalogue: entry {row[0]!r:.80}: {exc}") from exc
+    if not isinstance(loaded, list) or not all(isinstance(c, str) for c in loaded):
+        raise CorruptCacheError(f"catalogue: entry {row[0]!r:.80}: bad conversations")
+    return tuple(loaded)
 
 
 def _values(row: CatalogueRow) -> tuple[object, ...]:

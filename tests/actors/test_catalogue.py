@@ -113,6 +113,49 @@ async def test_a_damaged_catalogue_is_rebuilt_with_nothing_lost(
         await _all_hit_cold(tmp_path, tiny, owner, range(3))
 
 
+@pytest.mark.parametrize(
+    "damage", ["min_offset = 1000", "conversations = '[1]'", "tokens = zeroblob(6)"]
+)
+async def test_a_catalogue_row_of_the_wrong_shape_is_rebuilt_with_nothing_lost(
+    tmp_path: Path, tiny: TinyModel, damage: str
+) -> None:
+    """A row the catalogue's bulk check refuses (a field no manifest could give: an
+    offset past its tokens, a conversation that is not a string, tokens that are not
+    whole u32 values) makes the open rebuild from the manifests, as a corrupt file does,
+    instead of failing or indexing it."""
+    import sqlite3
+
+    async with MlxOwner.inline() as owner:
+        used = await _fill(tmp_path, tiny, owner, range(3))
+        db = sqlite3.connect(tmp_path / CATALOGUE_NAME)
+        db.execute(f"UPDATE entries SET {damage} WHERE rowid = 2")
+        db.commit()
+        db.close()
+        async with _open(tmp_path, tiny, owner) as cache:
+            report = _report(cache)
+            assert report.rebuilt and report.parsed == 3
+            assert cache.statistics().cold_bytes == used
+        await _all_hit_cold(tmp_path, tiny, owner, range(3))
+
+
+async def test_listing_keeps_exactly_the_valid_keys(tmp_path: Path) -> None:
+    """The tier's listing checks names a batch at a time (one regex call per batch of
+    keys): a bad name anywhere in a batch drops that name alone."""
+    from kvtrio.actors.tier import ColdTier
+
+    async with ColdTier.open(tmp_path, inline=True) as tier:
+        good = [f"k{i:05d}" for i in range(2500)] + ["a" * 150, "A.b_c-d"]
+        bad = ["-lead", "a b", "a" * 151, "\u00e9t\u00e9", ".hidden", "x\ny"]
+        caches = tmp_path / "caches"
+        for name in good + bad:
+            try:
+                (caches / f"{name}.kvc").write_bytes(b"")
+            except OSError:
+                continue
+        (caches / "k00007.kvc.kvtrio-tmp").write_bytes(b"")
+        assert sorted(tier.list_keys()) == sorted(good)
+
+
 async def test_a_catalogue_that_disagrees_with_the_manifests_is_reconciled(
     tmp_path: Path, tiny: TinyModel
 ) -> None:

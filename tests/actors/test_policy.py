@@ -303,3 +303,26 @@ def test_would_admit_remembers_nothing() -> None:
     both = AllOf((MinimumTokens(5), SecondUse()))
     assert both.would_admit(_candidate("b", 10, uses=1))
     assert not both.would_admit(_candidate("b", 4, uses=1))
+
+
+@pytest.mark.parametrize("kind", list(PolicyKind))
+@pytest.mark.parametrize("ttl", [None, 5.0])
+def test_insert_found_is_on_insert_of_each(kind: PolicyKind, ttl: float | None) -> None:
+    """``insert_found`` (open's, each distinct cost valued once) leaves the policy as one
+    ``on_insert`` each would: the same bytes, entries and victims in the same order, a key
+    already present replaced; with a default TTL, each is an ``on_insert`` (its deadline)."""
+    rng = random.Random(3)
+    shared = {n: _cost(n) for n in (10, 500, 4000)}  # entries of one length share a cost
+    arrivals = [(f"k{i}", shared[rng.choice(list(shared))]) for i in range(300)]
+    arrivals.append(("k7", _cost(99)))  # again: replaced
+    one = make_eviction_policy(kind, prefill=_quadratic(), default_ttl=ttl, clock=lambda: 0.0)
+    bulk = make_eviction_policy(kind, prefill=_quadratic(), default_ttl=ttl, clock=lambda: 0.0)
+    for key, cost in arrivals[:40]:
+        one.on_insert(key, cost)
+        bulk.on_insert(key, cost)
+    assert one.victim() == bulk.victim()  # L moves: later values start above it
+    for key, cost in arrivals[40:]:
+        one.on_insert(key, cost)
+    bulk.insert_found(arrivals[40:])
+    assert bulk.statistics() == one.statistics()
+    assert _drain(bulk) == _drain(one)

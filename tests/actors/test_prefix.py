@@ -240,3 +240,27 @@ def test_the_common_prefix_of_packed_tokens_agrees_with_a_token_by_token_count()
         start = rng.randrange(shared + 1)
         packed_a, packed_b = prefix.pack_tokens(a), prefix.pack_tokens(b)
         assert prefix._common_prefix(packed_a, packed_b, start) == shared
+
+
+def test_add_many_builds_the_index_add_builds() -> None:
+    """``add_many`` (open's, one lock and one root hash per model for a batch) leaves the
+    same entries, nodes, runs and tail counts as one ``add`` each, in any order given."""
+    import random
+
+    rng = random.Random(11)
+    other = ModelKey("other", "fp-b")
+    seqs = [[rng.randrange(4) for _ in range(rng.randrange(1, 12))] for _ in range(60)]
+    one_by_one, in_bulk = PrefixIndex(block_size=3), PrefixIndex(block_size=3)
+    entries = [
+        one_by_one.make_entry(MODEL if i % 3 else other, seq) for i, seq in enumerate(seqs)
+    ]
+    for entry in entries:
+        one_by_one.add(entry)
+    in_bulk.add_many(entries[:25])
+    in_bulk.add_many(iter(entries[25:]))
+    assert set(in_bulk._entries) == set(one_by_one._entries)
+    assert in_bulk._nodes.keys() == one_by_one._nodes.keys()
+    for node_hash, node in one_by_one._nodes.items():
+        bulk = in_bulk._nodes[node_hash]
+        assert [e.key for e in bulk.runs] == [e.key for e in node.runs]
+        assert bulk.tails == node.tails

@@ -146,6 +146,32 @@ def test_bench_scale_repeats_each_open_in_fresh_processes_and_divides_medians() 
     assert figures["open_40_over_20"] == runs["40"]["open_s"] / runs["20"]["open_s"]
 
 
+def test_bench_scale_interleaves_every_n_misses_in_one_process() -> None:
+    """The miss ratio the target bounds divides medians taken in one process, every N's
+    misses interleaved round by round, each round's median kept for the spread."""
+    from kvtrio.bench.scale import MISS_ROUNDS
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtrio", "bench", "scale", "--json", "--sizes", "20,40",
+         "--lookups", "40", "--burst", "8", "--burst-fit", "4", "--no-maintenance"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    figures = json.loads(out.stdout)
+    misses = figures["misses"]
+    assert sorted(misses) == ["20", "40"]
+    for interleaved in misses.values():
+        assert interleaved["samples"] == 40 // MISS_ROUNDS * MISS_ROUNDS
+        assert len(interleaved["round_p50s"]) == MISS_ROUNDS
+        assert 0 < interleaved["p50_s"] <= interleaved["p99_s"]
+    small, large = misses["20"], misses["40"]
+    assert figures["miss_p50_largest_over_smallest"] == large["p50_s"] / small["p50_s"]
+    per_round = [
+        a / b for a, b in zip(large["round_p50s"], small["round_p50s"], strict=True)
+    ]
+    assert figures["miss_ratio_rounds_min"] == min(per_round)
+    assert figures["miss_ratio_rounds_max"] == max(per_round)
+
+
 def test_bench_scale_repeats_by_default_only_where_an_open_is_cheap() -> None:
     from kvtrio.bench.scale import repeats
 

@@ -118,9 +118,61 @@ def test_a_scan_ranks_the_entries_in_token_order(tmp_path: Path) -> None:
     catalogue = Catalogue.open(str(tmp_path))
     tokens = [(3, 1), (1, 70000), (1, 2, 3), (70000,), (1, 2), ()]
     for i, t in enumerate(tokens):
-        catalogue.put(attrs.evolve(_row(f"k{i}", float(-i)), tokens=t), {})
+        catalogue.put(attrs.evolve(_row(f"k{i}", float(-i)), tokens=t, min_offset=0), {})
     rows = [row for batch in catalogue.scan() for row in batch]
     assert [row[0] for row in rows] == [f"k{i}" for i in reversed(range(len(tokens)))]
     by_rank = sorted(rows, key=lambda row: row[-1])
     assert [tuple(unpack_tokens(row[3])) for row in by_rank] == sorted(tokens)
+    catalogue.close()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "key = x'00'",  # a blob (a number would be stored as text: the column's affinity)
+        "model_id = x'01'",
+        "tokens = 'abc'",
+        "tokens = zeroblob(6)",  # not whole u32 values
+        "trimmable = 'yes'",
+        "min_offset = -1",
+        "min_offset = 4",  # past its 3 tokens
+        "conversations = '{\"a\": 1}'",  # not a list
+        "conversations = '[\"c\", 3]'",  # not all strings
+        "conversations = 'not json'",
+        "last_use = 'soon'",
+        "pinned = 'no'",
+        "file_bytes = 1.5",
+        "block_names = zeroblob(31)",  # not whole 32-byte digests
+    ],
+)
+def test_a_row_of_the_wrong_type_or_shape_is_refused_before_any_row(
+    tmp_path: Path, damage: str
+) -> None:
+    """Rows are untrusted: a field of the wrong type or shape anywhere refuses the scan
+    and the block lists (CorruptCacheError, so the tier rebuilds), checked for every row
+    in one query inside sqlite before the first row is yielded (``Catalogue.check``)."""
+    catalogue = Catalogue.open(str(tmp_path))
+    for i in range(3):
+        catalogue.put(_row(f"k{i}", float(i)), {})
+    catalogue._db.execute(f"UPDATE entries SET {damage} WHERE key = 'k1'")
+    with pytest.raises(CorruptCacheError, match="entry"):
+        next(catalogue.scan())
+    with pytest.raises(CorruptCacheError, match="entry"):
+        next(catalogue.block_lists())
+    catalogue.close(clean=False)
+
+
+def test_rows_that_pass_the_check_are_yielded_as_stored(tmp_path: Path) -> None:
+    """What the check lets through is what the readers need: the scan's conversations
+    parse (``conversations_of``), its tokens unpack, the block lists split into digests."""
+    from kvtrio.storage.catalogue import conversations_of
+
+    catalogue = Catalogue.open(str(tmp_path))
+    catalogue.put(_row("a", 1.0), {})
+    catalogue.put(attrs.evolve(_row("b", 2.0), conversations=()), {})
+    rows = [row for batch in catalogue.scan() for row in batch]
+    assert [conversations_of(row) for row in rows] == [("c",), ()]
+    assert [tuple(unpack_tokens(row[3])) for row in rows] == [(0, 1, 2**32 - 1)] * 2
+    lists = sorted(row for batch in catalogue.block_lists() for row in batch)
+    assert lists == [(k, 100, bytes.fromhex("00" * 32 + "01" * 32)) for k in ("a", "b")]
     catalogue.close()
