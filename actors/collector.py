@@ -37,13 +37,13 @@ def collector_paused() -> Iterator[None]:
 
 @attrs.define
 class YoungCollections:
-    """Between open's batches, with automatic collections paused: a collection of the
-    youngest generation after each batch, of the two young ones after every tenth (the
-    collector's own default ratio), so what a batch allocated is traversed a bounded
-    number of times and nothing piles up for one long pass after open."""
+    """Between open's batches, with automatic collections paused: a collection of the two
+    young generations together after each batch, so each object a batch allocated is
+    traversed once (with the batch's other objects: bounded work per call), then is old,
+    and nothing piles up for one long pass after open."""
 
     batches: int = 0
 
     def after_batch(self) -> None:
         self.batches += 1
-        gc.collect(1 if self.batches % 10 == 0 else 0)
+        gc.collect(1)

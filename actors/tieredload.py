@@ -42,7 +42,7 @@ from kvtrio.errors import (
     StoreUnavailableError,
     UnknownCacheKindError,
 )
-from kvtrio.storage.catalogue import conversations_of
+from kvtrio.storage.catalogue import SCAN_BATCH, conversations_of
 
 if TYPE_CHECKING:
     from kvtrio.actors.tieredparts import CacheParts
@@ -64,8 +64,9 @@ class IndexAndLoadMixin(CacheParts):
         Nothing else can touch the cache before open returns (its tasks start after), so
         the tables are built on a worker thread, one store batch per call, while the loop
         only waits: the loop does nothing per entry (docs/design.md invariant 16). What
-        holds the GIL in one piece is bounded: a young collection per :data:`OPEN_BATCH`
-        entries, and a table's resize (a few ms at 100,000 entries)."""
+        holds the GIL in one piece is bounded: a young collection per catalogue batch
+        (:mod:`kvtrio.actors.collector`), and a table's resize (a few ms at 100,000
+        entries; the ledger's OrderedDict, 13 ms or more: docs/benchmarks.md)."""
         self._ledger.used = await self.cold.usage()
         by_order: list[CacheRecord | None] = []
         young = YoungCollections()
@@ -117,7 +118,10 @@ class IndexAndLoadMixin(CacheParts):
         records, ledger = self._records, self._ledger
         arrivals: list[tuple[str, EntryCost]] = []
         pinned_found: list[CacheRecord] = []
-        for n, row in enumerate(batch.rows, 1):
+        # _cold_cost of a found entry depends on its length and model alone (it shares one
+        # cost object per pair): asked once per pair and batch.
+        costs: dict[tuple[int, int], EntryCost] = {}
+        for row in batch.rows:
             key, model_id, fingerprint, packed, trimmable, min_offset, conv, _, pinned, rank = row
             if key in records:
                 continue
@@ -127,8 +131,11 @@ class IndexAndLoadMixin(CacheParts):
                 self._other_models.add(model)
             entry = PrefixEntry(key, model, packed, trimmable != 0, min_offset)
             record = records[key] = CacheRecord.of(entry)
-            ledger.apply(record.cold, ColdEvent.FOUND)  # NONE -> DURABLE
-            arrivals.append((key, self._cold_cost(record)))
+            ledger.found(record.cold)  # NONE -> DURABLE
+            cost = costs.get((len(packed), id(model)))
+            if cost is None:
+                cost = costs[len(packed), id(model)] = self._cold_cost(record)
+            arrivals.append((key, cost))
             if pinned:
                 record.pinned = True  # rule 12: pins survive a restart
                 pinned_found.append(record)
@@ -137,8 +144,6 @@ class IndexAndLoadMixin(CacheParts):
             by_order[rank] = record
             if conv != "[]":
                 self._note_conversations(record, conversations_of(row))
-            if n % OPEN_BATCH == 0:
-                young.after_batch()
         self.cold_policy.insert_found(arrivals)
         for record in pinned_found:
             try:
@@ -149,14 +154,15 @@ class IndexAndLoadMixin(CacheParts):
 
     def _index_found(self, by_order: list[CacheRecord | None], young: YoungCollections) -> None:
         """Worker thread, at open: the found entries into the prefix index, in token order,
-        :data:`OPEN_BATCH` at a time. What :meth:`_sync` would do for each: every found
-        entry is DURABLE, so findable (rule 3), and none was indexed or departed yet; one
-        replaced meanwhile (the same key found twice) is not its key's record."""
+        :data:`~kvtrio.storage.catalogue.SCAN_BATCH` at a time. What :meth:`_sync` would
+        do for each: every found entry is DURABLE, so findable (rule 3), and none was
+        indexed or departed yet; one replaced meanwhile (the same key found twice) is not
+        its key's record."""
         records, index = self._records, self._index
-        for start in range(0, len(by_order), OPEN_BATCH):
+        for start in range(0, len(by_order), SCAN_BATCH):
             index.add_many(
                 record.entry
-                for record in by_order[start : start + OPEN_BATCH]
+                for record in by_order[start : start + SCAN_BATCH]
                 if record is not None and records.get(record.entry.key) is record
             )
             young.after_batch()

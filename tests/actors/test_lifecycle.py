@@ -104,3 +104,19 @@ def _path_home(state: ColdState) -> list[ColdEvent]:
         ColdState.DURABLE: [e.FORGET],
         ColdState.EVICTING: [e.REMOVED],
     }[state]
+
+
+def test_found_is_apply_of_found() -> None:
+    """``ColdLedger.found`` (open's) is ``apply(FOUND)``: NONE to DURABLE, last in the cold
+    LRU; from any other state the table refuses it (LifecycleError), changing nothing."""
+    by_apply, by_found = ColdLedger(), ColdLedger()
+    for i in range(3):
+        by_apply.apply(ColdSide(f"k{i}", 10), ColdEvent.FOUND)
+        by_found.found(ColdSide(f"k{i}", 10))
+    assert by_found.durable_keys() == by_apply.durable_keys() == ["k0", "k1", "k2"]
+    by_found.check()
+    side = by_found.oldest_durable()
+    assert side is not None and side.state is ColdState.DURABLE
+    with pytest.raises(LifecycleError):
+        by_found.found(side)
+    assert by_found.durable_keys() == ["k0", "k1", "k2"] and side.state is ColdState.DURABLE
