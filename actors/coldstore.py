@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import errno
 import functools
-import itertools
 import json
 import logging
 import struct
@@ -226,7 +225,6 @@ class ColdTierStore:
             Catalogue.remove(root)
             catalogue = Catalogue.open(root)
         keys = self.tier.list_keys()
-        catalogued: dict[str, None] = {}  # untracked by the collector, as ``keys``
         blocks: dict[str, int] = {}
         young = YoungCollections()  # the collector is paused by create (bounded passes)
         # Reference counts by digest. Each batch of rows is taken in whole by C loops (its
@@ -238,7 +236,6 @@ class ColdTierStore:
         try:
             for batch in catalogue.block_lists():
                 names, sizes, lists = zip(*batch, strict=True)
-                catalogued.update(zip(names, itertools.repeat(None)))
                 entry_blocks.update(zip(names, lists, strict=True))
                 entry_bytes.update(zip(names, sizes, strict=True))
                 counts.update(_DIGESTS.iter_unpack(b"".join(lists)))
@@ -246,13 +243,14 @@ class ColdTierStore:
             blocks = catalogue.block_sizes()
         except CorruptCacheError as exc:
             _log.warning("cold tier %s: catalogue rows unreadable, rebuilt (%s)", root, exc)
-            report.rebuilt, catalogued = True, {}
+            report.rebuilt = True
             counts.clear()
             entry_blocks.clear()
             entry_bytes.clear()
-        # Differences by Python loops, not set operators: one C call over 100,000 names
-        # would hold the GIL (and so the event loop) for milliseconds in one piece.
-        gone = [key for key in catalogued if key not in keys]  # rows whose manifest is gone
+        # Every catalogued key is in entry_bytes now. Differences by Python loops, not set
+        # operators: one C call over 100,000 names would hold the GIL (and so the event
+        # loop) for milliseconds in one piece.
+        gone = [key for key in entry_bytes if key not in keys]  # rows whose manifest is gone
         report.dropped = len(gone)
         for key in gone:  # not entries of this store: their references go
             del entry_bytes[key]
@@ -265,7 +263,7 @@ class ColdTierStore:
                 name = digest.hex()
                 refs[name] = refs.get(name, 0) + count
         fresh: list[CatalogueRow] = []
-        for key in [key for key in keys if key not in catalogued]:  # manifests it lacks
+        for key in [key for key in keys if key not in entry_bytes]:  # manifests it lacks
             row = self._manifest_row(key)
             if row is not None:
                 fresh.append(row)
