@@ -67,8 +67,8 @@ class PolicyFeaturesMixin(CacheParts):
         key = record.entry.key
         if record.hot is not None or record.cold.state is not ColdState.DURABLE:
             return False
-        if key in self._prefetches:
-            return False
+        if key in self._prefetches or key in self._lookup_loads:
+            return False  # one read of an entry at a time (a lookup's own, or a prefetch)
         nbytes = record.cold.nbytes or record.entry.length * self._bytes_per_token
         if self._prefetch_bytes + nbytes > self.prefetch_budget:
             self._count("prefetches_refused")
@@ -101,6 +101,19 @@ class PolicyFeaturesMixin(CacheParts):
             if not pending.taken.is_set() and pending.caches is not None:
                 pending.caches = None  # loaded, never used: wasted
                 self._count("prefetch_wasted_bytes", pending.nbytes)
+
+    async def _load_for_lookup(self, record: CacheRecord) -> list[Any] | None:
+        """A lookup's own load of ``record`` (no prefetch of it was in flight). A prefetch
+        asked for while it runs (an arrival's, whose task the loop ran after the lookup's)
+        starts no second read of the same entry (:meth:`prefetch`)."""
+        key = record.entry.key
+        self._lookup_loads[key] = self._lookup_loads.get(key, 0) + 1
+        try:
+            return await self._load_cold(record)
+        finally:
+            left = self._lookup_loads.pop(key) - 1
+            if left:
+                self._lookup_loads[key] = left
 
     async def _take_prefetch(self, record: CacheRecord) -> list[Any] | None:
         """The caches a prefetch of ``record`` loaded (waiting for it if it is in flight),
