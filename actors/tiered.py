@@ -397,7 +397,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
         (trimmed in place, not cloned) and not promoted to RAM (a caller with a RAM tier
         of its own, such as kvtrio.serve's adapter).
         """
-        query = tuple(int(t) for t in tokens)
+        query = tuple(map(int, tokens))
         await self._expire()
         unreachable = False  # the shared store could not be asked (rule 13)
         if self.shared_index or self.shared_refresh is not None:
@@ -531,7 +531,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
         """What :meth:`fetch_nearest` would reuse for ``tokens`` now (either tier), loading
         nothing (the index alone; a shared store is not asked). Any thread: the index
         takes its own lock (:class:`~kvtrio.actors.prefix.PrefixIndex` rule 4)."""
-        return self._index.lookup(self.model, tuple(int(t) for t in tokens))
+        return self._index.lookup(self.model, tuple(map(int, tokens)))
 
     async def spill(
         self,

@@ -60,7 +60,7 @@ class PolicyFeaturesMixin(CacheParts):
         ``more_than`` tokens (a caller's RAM serves as much: one index lookup decides
         both), one is already loading, or the prefetched bytes would exceed
         ``prefetch_budget``."""
-        match = self._index.lookup(self.model, tuple(int(t) for t in tokens))
+        match = self._index.lookup(self.model, tuple(map(int, tokens)))
         if match is None or match.reuse <= more_than:
             return False
         record = self._records[match.entry.key]
@@ -211,7 +211,7 @@ class PolicyFeaturesMixin(CacheParts):
 
     def unpin(self, tokens: Sequence[int]) -> None:
         """Make the entry of exactly ``tokens`` evictable again (absent: nothing)."""
-        match = self._index.lookup(self.model, tuple(int(t) for t in tokens))
+        match = self._index.lookup(self.model, tuple(map(int, tokens)))
         if match is None or match.kind is not MatchKind.EXACT:
             return
         record = self._records[match.entry.key]
@@ -227,7 +227,7 @@ class PolicyFeaturesMixin(CacheParts):
             self._note_pin(record.entry.key, record.pinned)
 
     def _exact(self, tokens: Sequence[int]) -> CacheRecord:
-        query = tuple(int(t) for t in tokens)
+        query = tuple(map(int, tokens))
         match = self._index.lookup(self.model, query)
         if match is None or match.kind is not MatchKind.EXACT:
             raise CacheMissError(f"no entry of exactly these {len(query)} tokens")
