@@ -311,7 +311,9 @@ async def _heartbeat(worst: list[float], stop: Any) -> None:
         worst[0] = max(worst[0], time.perf_counter() - before - 0.001)
 
 
-async def _timed_open(directory: Path, model: Any, owner: Any) -> tuple[float, float, Any, float]:
+async def _timed_open(
+    directory: Path, model: Any, owner: Any
+) -> tuple[float, float, Any, float]:
     """Open (and close) the tiered cache, timing the open and its worst loop stall; also
     the process's CPU seconds during the open (all threads: on a shared machine, the
     figure that other processes' load does not stretch)."""
