@@ -21,19 +21,21 @@ def restart(
 ) -> dict[str, dict[str, Any]]:
     """Turn 2 after a restart, ``rounds`` times on every server, alternating their order.
 
-    Each server first answers turn 1 of ``rounds`` conversations of ``length`` tokens
-    (one start; conversation ``r`` opens with its own number, so no round reuses
-    another's entry) and stops (SIGTERM: kvtrio serve writes its RAM entries to disk, the
-    naive baseline wrote its files on insert). Then round ``r`` restarts every server in
-    turn (the order reversed every other round, as the decode phase's), waits until it
-    has settled (:meth:`Server.settle`) and sends conversation ``r``'s turn 2, streamed.
+    The naive baseline and kvtrio serve first answer turn 1 of ``rounds`` conversations
+    of ``length`` tokens (one start each; conversation ``r`` opens with its own number,
+    so no round reuses another's entry) and stop (SIGTERM: kvtrio serve writes its RAM
+    entries to disk, the naive baseline wrote its files on insert); plain mlx_lm.server,
+    which keeps nothing over a restart, is sent the naive baseline's turn 2. Then round
+    ``r`` restarts every server in turn (the order reversed every other round, as the
+    decode phase's), waits until it has settled (:meth:`Server.settle`) and sends
+    conversation ``r``'s turn 2, streamed.
     A server's time to first token and start time are medians over the rounds; ``runs``
     keeps every round (with the server's ``position`` in that round's order; its answer is
     compared with mlx_lm.server's of the same round)."""
     document = prompt_words(model, length)
     turns1 = [[{"role": "user", "content": f"Conversation {r}. {document}"}] for r in range(rounds)]
     turns2: dict[str, list[list[dict[str, str]]]] = {}
-    for kind in KINDS:
+    for kind in ("naive", "kvtrio"):  # mlx_lm.server keeps nothing over a restart
         server = Server(kind, model, root / f"{kind}-{length}", log)
         try:
             turns2[kind] = []
@@ -44,6 +46,9 @@ def restart(
             time.sleep(NAIVE_SAVE_S if kind == "naive" else 0.0)
         finally:
             server.stop()
+    # Plain mlx_lm.server recomputes turn 2 whatever it did before its restart: its turn
+    # 2 is the naive baseline's (mlx-lm's own answer to turn 1 at temperature 0).
+    turns2["mlx_lm"] = turns2["naive"]
     runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
     for r in range(rounds):
         for position, kind in enumerate(KINDS if r % 2 == 0 else KINDS[::-1]):
