@@ -358,7 +358,10 @@ def test_well_formed_block_refs_parse_in_one_pass_to_the_field_walks_header(
 def test_rule_a_malformed_block_ref_is_named(
     manifest: Path, mutate: Callable[[Doc], object], message: str
 ) -> None:
-    _rewrite(manifest, lambda d: mutate(_slot(d)["blocks"][0]))
+    def change(doc: Doc) -> None:
+        mutate(_slot(doc)["blocks"][0])
+
+    _rewrite(manifest, change)
     _load_fails(manifest, r"^caches\[0\]\.tensors\[0\]\." + message)
 
 
