@@ -2,17 +2,19 @@
 
 Like the writer, the reader sees only host memory and never imports MLX. A load is two
 offload jobs: :meth:`Reader.read_header` (open, check the preamble and the header hash,
-validate every field) and :meth:`Reader.read_tensors` (fill the buffers the owner
-allocated, checking every tensor's xxh3 or every block's sha256 when asked to verify,
-docs/design.md invariant 4). Reads are cancellable at every tensor, chunk and block boundary;
-the worker is never abandoned while it holds the lent buffers (invariant 6). Tensor reads
-run on a long scheduler time slice (``background``, see
-:func:`kvtrio.actors.sched.background_slice`), so the event loop preempts them on waking.
+validate every field; for a tier's load also its ``check`` of the header and, in the
+blocks layout, every block's presence and size) and :meth:`Reader.read_tensors` (fill
+the buffers the owner allocated, checking every tensor's xxh3 or every block's sha256
+when asked to verify, docs/design.md invariant 4). Reads are cancellable at every
+tensor, chunk and block boundary; the worker is never abandoned while it holds the lent
+buffers (invariant 6). Tensor reads run on a long scheduler time slice (``background``,
+see :func:`kvtrio.actors.sched.background_slice`), so the event loop preempts them on
+waking.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import trio
@@ -31,7 +33,11 @@ from kvtrio.storage.reader import (
     read_tensors,
 )
 
-__all__ = ["Reader", "ReaderStatistics"]
+__all__ = ["HeaderCheck", "Reader", "ReaderStatistics"]
+
+#: A load's checks of a validated header before anything it names is touched (raising
+#: CacheMismatchError, UnknownCacheKindError, ...); plain CPU work, run on a worker thread.
+HeaderCheck = Callable[[Header], None]
 
 
 @attrs.frozen
@@ -63,16 +69,19 @@ class Reader:
     _failed: int = attrs.field(default=0, init=False)
     _bytes: int = attrs.field(default=0, init=False)
 
-    async def read_header(self, path: str) -> CacheFile:
-        """The validated header of the file at ``path`` (FileNotFoundError when absent)."""
-        return await self.offload.run(self._header_job, path)
+    async def read_header(self, path: str, *, check: HeaderCheck | None = None) -> CacheFile:
+        """The validated header of the file at ``path`` (FileNotFoundError when absent).
+        With ``check``, a load's first step in one worker job: the header, then
+        ``check(header)`` (a load's expectations, raising before anything else is
+        touched), then :meth:`check_blocks`'s look at the blocks."""
+        return await self.offload.run(self._header_job, path, check)
 
-    async def read_manifest(self, name: str) -> CacheFile:
+    async def read_manifest(self, name: str, *, check: HeaderCheck | None = None) -> CacheFile:
         """The validated header of manifest ``name`` of ``manifests`` (FileNotFoundError
-        when absent)."""
+        when absent); ``check`` as for :meth:`read_header`."""
         if self.manifests is None:
             raise ValueError("this reader has no manifest store")
-        return await self.offload.run(self._manifest_job, self.manifests, name)
+        return await self.offload.run(self._manifest_job, self.manifests, name, check)
 
     async def check_blocks(self, cache_file: CacheFile) -> None:
         """Before allocating for a block-layout load: every block the manifest names is in
@@ -120,14 +129,29 @@ class Reader:
             bytes_read=self._bytes,
         )
 
-    def _header_job(self, token: CancelToken, path: str) -> CacheFile:
+    def _header_job(self, token: CancelToken, path: str, check: HeaderCheck | None) -> CacheFile:
         token.check()
-        return read_header(path, file_ops=self.file_ops, follow_links=False)
+        cache_file = read_header(path, file_ops=self.file_ops, follow_links=False)
+        return self._checked(token, cache_file, check)
 
-    @staticmethod
-    def _manifest_job(token: CancelToken, manifests: ManifestStore, name: str) -> CacheFile:
+    def _manifest_job(
+        self, token: CancelToken, manifests: ManifestStore, name: str, check: HeaderCheck | None
+    ) -> CacheFile:
         token.check()
-        return read_manifest(manifests, name)
+        return self._checked(token, read_manifest(manifests, name), check)
+
+    def _checked(
+        self, token: CancelToken, cache_file: CacheFile, check: HeaderCheck | None
+    ) -> CacheFile:
+        """``check(header)``, then the blocks' presence and sizes (:meth:`check_blocks`),
+        on the job's thread: no return to the loop and second job between them."""
+        if check is None:
+            return cache_file
+        check(cache_file.header)
+        if cache_file.header.layout == "blocks" and self.block_store is not None:
+            token.check()
+            check_blocks(cache_file.header, self.block_store)
+        return cache_file
 
     def _tensors_job(
         self,

@@ -62,6 +62,7 @@ starting with a letter or digit.
 from __future__ import annotations
 
 import builtins
+import functools
 import itertools
 import logging
 import math
@@ -78,7 +79,7 @@ import trio
 from kvtrio.actors.callerchecks import check_tier_arguments
 from kvtrio.actors.owner import MlxOwner, steps
 from kvtrio.actors.plainerrors import plain_errors
-from kvtrio.actors.reader import Reader
+from kvtrio.actors.reader import HeaderCheck, Reader
 from kvtrio.actors.sched import BACKGROUND_SLICE
 from kvtrio.actors.snapshot import Snapshot, SnapshotLedger
 from kvtrio.actors.spill import Spill, SpillActor
@@ -104,7 +105,7 @@ from kvtrio.storage.cacheio import AttachmentData, HostTensor, Restored
 from kvtrio.storage.codecs import check_kinds
 from kvtrio.storage.dirlock import DirectoryLock, holder_pid, try_lock
 from kvtrio.storage.fileops import OS_FILE_OPS, TMP_SUFFIX, FileOps, not_a_real_directory
-from kvtrio.storage.format import Layout
+from kvtrio.storage.format import Header, Layout
 from kvtrio.storage.hostbuffers import LoadBuffers, check_allocatable
 from kvtrio.storage.manifeststore import PINS_NAME, LocalManifestStore, ManifestStore
 from kvtrio.storage.openstore import is_redis_url, open_store
@@ -426,13 +427,13 @@ class ColdTier:
         """The entry's name in the manifest store (on a local tier, its file's name)."""
         return check_key(key) + SUFFIX
 
-    async def _read_header(self, key: str) -> CacheFile:
+    async def _read_header(self, key: str, check: HeaderCheck | None = None) -> CacheFile:
         """The checked header of ``key``'s entry (FileNotFoundError when absent): a local
         entry is read by path (it may be a single-layout cache file), a shared one is
-        a manifest got from the store."""
+        a manifest got from the store; with ``check`` as :meth:`Reader.read_header`'s."""
         if self.root is None:
-            return await self.reader.read_manifest(self.name_of(key))
-        return await self.reader.read_header(str(self.path_of(key)))
+            return await self.reader.read_manifest(self.name_of(key), check=check)
+        return await self.reader.read_header(str(self.path_of(key)), check=check)
 
     async def save(
         self,
@@ -527,15 +528,13 @@ class ColdTier:
         self._loads += 1
         try:
             try:
-                cache_file = await self._read_header(key)
+                # One worker job: the header, ``expect`` and the kinds (an unknown kind:
+                # before a byte is read), then the blocks' presence and sizes (nothing is
+                # allocated from what a manifest claims before its blocks are seen).
+                cache_file = await self._read_header(key, functools.partial(_before_read, expect))
             except FileNotFoundError:
                 self._load_misses += 1
                 raise CacheMissError(f"cold tier has no entry {key!r}") from None
-            if expect is not None:
-                expect.check(cache_file.header)
-            check_kinds(cache_file.header)  # an unknown kind: before a byte is read
-            # Nothing is allocated from what a manifest claims before its blocks are seen.
-            await self.reader.check_blocks(cache_file)
             check_allocatable(cache_file.header.nbytes)
             loaded = await self._read_pipelined(
                 cache_file, self.verify if verify is None else verify
@@ -683,3 +682,11 @@ class ColdTier:
         if size is None or not self.manifests.delete(name):
             return 0
         return size
+
+
+def _before_read(expect: Expectation | None, header: Header) -> None:
+    """A load's checks of its validated header, before a block is looked at (on the
+    header's worker job): ``expect``, then every entry's kind has a codec."""
+    if expect is not None:
+        expect.check(header)
+    check_kinds(header)

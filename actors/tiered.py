@@ -73,7 +73,9 @@ Theory of operation
 14. ``prefetch(tokens)`` starts the cold load of the entry a lookup of ``tokens`` would
    reuse (``more_than=n``: only one reusing more than ``n`` tokens), in the background;
    the next lookup that picks that entry adopts the loaded
-   caches instead of reading them again. Prefetched bytes held at once are capped by
+   caches instead of reading them again; a prefetch of an entry that a lookup is
+   loading already starts nothing (one read of an entry at a time, whichever of the
+   two asked first). Prefetched bytes held at once are capped by
    ``prefetch_budget``; a prefetch is cancelled when its entry leaves the index
    (evicted, removed, superseded) and dropped when no lookup takes it within
    ``prefetch_deadline`` seconds; ``statistics()`` counts the bytes used and wasted.
@@ -249,6 +251,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
     _misses: MissCounter = attrs.field(init=False, factory=MissCounter)
     _other_models: set[ModelKey] = attrs.field(init=False, factory=set)
     _prefetches: dict[str, _Prefetch] = attrs.field(init=False, factory=dict)
+    _lookup_loads: dict[str, int] = attrs.field(init=False, factory=dict)
     _prefetch_bytes: int = attrs.field(init=False, default=0)
     _index: PrefixIndex = attrs.field(init=False)
     _records: dict[str, CacheRecord] = attrs.field(init=False, factory=dict)
@@ -394,7 +397,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
         (trimmed in place, not cloned) and not promoted to RAM (a caller with a RAM tier
         of its own, such as kvtrio.serve's adapter).
         """
-        query = tuple(int(t) for t in tokens)
+        query = tuple(map(int, tokens))
         await self._expire()
         unreachable = False  # the shared store could not be asked (rule 13)
         if self.shared_index or self.shared_refresh is not None:
@@ -436,7 +439,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
             explanation = self._explanation(query, match, unreachable)
             loaded = await self._take_prefetch(record)
             if loaded is None and self._owns(record) and record.cold.state is ColdState.DURABLE:
-                loaded = await self._load_cold(record)
+                loaded = await self._load_for_lookup(record)
             if loaded is None:
                 continue
             self._count("hits_cold")
@@ -528,7 +531,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
         """What :meth:`fetch_nearest` would reuse for ``tokens`` now (either tier), loading
         nothing (the index alone; a shared store is not asked). Any thread: the index
         takes its own lock (:class:`~kvtrio.actors.prefix.PrefixIndex` rule 4)."""
-        return self._index.lookup(self.model, tuple(int(t) for t in tokens))
+        return self._index.lookup(self.model, tuple(map(int, tokens)))
 
     async def spill(
         self,

@@ -60,15 +60,15 @@ class PolicyFeaturesMixin(CacheParts):
         ``more_than`` tokens (a caller's RAM serves as much: one index lookup decides
         both), one is already loading, or the prefetched bytes would exceed
         ``prefetch_budget``."""
-        match = self._index.lookup(self.model, tuple(int(t) for t in tokens))
+        match = self._index.lookup(self.model, tuple(map(int, tokens)))
         if match is None or match.reuse <= more_than:
             return False
         record = self._records[match.entry.key]
         key = record.entry.key
         if record.hot is not None or record.cold.state is not ColdState.DURABLE:
             return False
-        if key in self._prefetches:
-            return False
+        if key in self._prefetches or key in self._lookup_loads:
+            return False  # one read of an entry at a time (a lookup's own, or a prefetch)
         nbytes = record.cold.nbytes or record.entry.length * self._bytes_per_token
         if self._prefetch_bytes + nbytes > self.prefetch_budget:
             self._count("prefetches_refused")
@@ -101,6 +101,19 @@ class PolicyFeaturesMixin(CacheParts):
             if not pending.taken.is_set() and pending.caches is not None:
                 pending.caches = None  # loaded, never used: wasted
                 self._count("prefetch_wasted_bytes", pending.nbytes)
+
+    async def _load_for_lookup(self, record: CacheRecord) -> list[Any] | None:
+        """A lookup's own load of ``record`` (no prefetch of it was in flight). A prefetch
+        asked for while it runs (an arrival's, whose task the loop ran after the lookup's)
+        starts no second read of the same entry (:meth:`prefetch`)."""
+        key = record.entry.key
+        self._lookup_loads[key] = self._lookup_loads.get(key, 0) + 1
+        try:
+            return await self._load_cold(record)
+        finally:
+            left = self._lookup_loads.pop(key) - 1
+            if left:
+                self._lookup_loads[key] = left
 
     async def _take_prefetch(self, record: CacheRecord) -> list[Any] | None:
         """The caches a prefetch of ``record`` loaded (waiting for it if it is in flight),
@@ -198,7 +211,7 @@ class PolicyFeaturesMixin(CacheParts):
 
     def unpin(self, tokens: Sequence[int]) -> None:
         """Make the entry of exactly ``tokens`` evictable again (absent: nothing)."""
-        match = self._index.lookup(self.model, tuple(int(t) for t in tokens))
+        match = self._index.lookup(self.model, tuple(map(int, tokens)))
         if match is None or match.kind is not MatchKind.EXACT:
             return
         record = self._records[match.entry.key]
@@ -214,7 +227,7 @@ class PolicyFeaturesMixin(CacheParts):
             self._note_pin(record.entry.key, record.pinned)
 
     def _exact(self, tokens: Sequence[int]) -> CacheRecord:
-        query = tuple(int(t) for t in tokens)
+        query = tuple(map(int, tokens))
         match = self._index.lookup(self.model, query)
         if match is None or match.kind is not MatchKind.EXACT:
             raise CacheMissError(f"no entry of exactly these {len(query)} tokens")

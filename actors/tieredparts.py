@@ -92,6 +92,7 @@ class CacheParts(abc.ABC):
     _misses: MissCounter
     _prefetch_bytes: int
     _prefetches: dict[str, _Prefetch]
+    _lookup_loads: dict[str, int]
     _refreshed_at: float
     _refreshing: bool
     _shared_paused_until: float

@@ -24,7 +24,9 @@ __all__ = [
 
 
 class Expectation(Protocol):
-    """What a load must match, e.g. :class:`kvtrio.Expect`: raises CacheMismatchError."""
+    """What a load must match, e.g. :class:`kvtrio.Expect`: raises CacheMismatchError.
+    A tier's load calls ``check`` on the worker thread that read the header (plain CPU
+    work: no trio call, no MLX call)."""
 
     def check(self, header: Header) -> None: ...
 

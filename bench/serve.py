@@ -2,15 +2,17 @@
 on one model directory in one run.
 
 For each conversation length: turn 1, a server restart (SIGTERM, start again), then turn 2
-(turn 1, its answer, a new question) streamed: the time to its first token is the
-headline (plain mlx_lm.server recomputes the whole prompt; the naive baseline loads the
-file mlx-lm's ``save_prompt_cache`` wrote on every insert, on the generation thread; kvtrio
-serves it from its cold tier). Then decode tokens/s and inter-token latency, one stream
-and 8 at once, and the inter-token latency of a stream while other requests make the
-server save large entries (the spill phase). Ratios are against plain mlx_lm.server in the
-same run, and kvtrio's against the naive baseline's. The default model
-is the tiny random-weight llama of :mod:`kvtrio.serve.modeldir` (or ``--model DIR``): on a
-CPU, MLX's matmuls are slow, so recompute times measured here are MLX-CPU bound.
+(turn 1, its answer, a new question) streamed, in ``--restart-rounds`` rounds that
+alternate the servers' order (:mod:`kvtrio.bench.serve_restart`): the time to its first
+token is the headline, per round and as medians (plain mlx_lm.server recomputes the whole
+prompt; the naive baseline loads the file mlx-lm's ``save_prompt_cache`` wrote on every
+insert, on the generation thread; kvtrio serves it from its cold tier). Then decode
+tokens/s and inter-token latency, one stream and 8 at once, and the inter-token latency
+of a stream while other requests make the server save large entries (the spill phase).
+Ratios are against plain mlx_lm.server in the same run, and kvtrio's against the naive
+baseline's. The default model is the tiny random-weight llama of
+:mod:`kvtrio.serve.modeldir` (or ``--model DIR``): on a CPU, MLX's matmuls are slow, so
+recompute times measured here are MLX-CPU bound.
 """
 
 from __future__ import annotations
@@ -34,11 +36,10 @@ from kvtrio.bench.serve_harness import (
     prompt_words,
     steady_rate,
 )
+from kvtrio.bench.serve_restart import KINDS, QUESTION, restart, restart_ratios
 
 __all__ = ["add_arguments", "measure", "render"]
 
-KINDS = ("mlx_lm", "naive", "kvtrio")
-QUESTION = "Please summarise the document above in one sentence."
 PHASES = ("restart", "decode", "spill", "disk", "start", "prefetch")
 
 
@@ -86,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--start-rounds", type=int, default=3, help="starts per server, alternating (3; median)"
     )
     parser.add_argument(
+        "--restart-rounds",
+        type=int,
+        default=3,
+        help="restarts per server and length, alternating (3; median)",
+    )
+    parser.add_argument(
         "--settle",
         type=float,
         default=3.0,
@@ -101,31 +108,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefetch-rounds", type=int, default=5, help="queued cold hits per setting (5)"
     )
-
-
-def _restart_turn(
-    kind: str, model: Path, work: Path, length: int, log: Path, settle: float
-) -> dict[str, Any]:
-    document = prompt_words(model, length)
-    turn1 = [{"role": "user", "content": document}]
-    server = Server(kind, model, work, log)
-    one = server.chat(turn1, 8)
-    server.stop()
-    turn2 = [*turn1, {"role": "assistant", "content": one["text"]}]
-    turn2.append({"role": "user", "content": QUESTION})
-    server = Server(kind, model, work, log)
-    server.settle(settle)
-    two = server.chat(turn2, 8)
-    server.stop()
-    first = two["arrivals"][0] if two["arrivals"] else time.perf_counter()
-    details = two["usage"].get("prompt_tokens_details") or {}
-    return {
-        "ttft_s": first - two["sent"],
-        "restart_s": server.start_s,
-        "prompt_tokens": two["usage"].get("prompt_tokens", 0),
-        "cached_tokens": details.get("cached_tokens", 0),
-        "answer": two["text"],
-    }
 
 
 def _decode_round(server: Server, tokens: int, streams: int, bias: dict[str, float], r: int) -> Any:
@@ -534,14 +516,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
             model = write_tiny_model_dir(root / "tiny-llama")
         if "restart" in phases:
-            restart: dict[str, dict[str, Any]] = {}
-            for length in lengths:
-                for kind in KINDS:
-                    work = root / f"{kind}-{length}"
-                    restart.setdefault(str(length), {})[kind] = _restart_turn(
-                        kind, model, work, length, log, args.settle
-                    )
-            figures["restart"] = restart
+            figures["restart"] = {
+                str(length): restart(model, root, length, args.restart_rounds, args.settle, log)
+                for length in lengths
+            }
         if "decode" in phases:
             figures["decode"] = _decode(
                 model, root, args.decode_tokens, args.streams, args.rounds, log
@@ -576,15 +554,7 @@ def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
     drops the answers it compared."""
     ratios: dict[str, Any] = {}
     for name, by_kind in figures.get("restart", {}).items():
-        plain = by_kind["mlx_lm"]["ttft_s"]
-        ratios[name] = {
-            "ttft_kvtrio_vs_mlx_lm": by_kind["kvtrio"]["ttft_s"] / plain,
-            "ttft_naive_vs_mlx_lm": by_kind["naive"]["ttft_s"] / plain,
-            "ttft_kvtrio_vs_naive": by_kind["kvtrio"]["ttft_s"] / by_kind["naive"]["ttft_s"],
-            "same_answer_as_mlx_lm": by_kind["kvtrio"]["answer"] == by_kind["mlx_lm"]["answer"],
-        }
-        for measured in by_kind.values():
-            measured.pop("answer")
+        ratios[name] = restart_ratios(by_kind)
     if "decode" in figures:
         decode, streams = figures["decode"], args.streams
         ratios["decode"] = {}
@@ -653,10 +623,11 @@ def render(figures: dict[str, Any]) -> None:
 
     console = Console()
     table = Table(title=f"after a restart: turn 2 ({figures['model']})")
-    for column in ("length", "server", "TTFT s", "vs mlx_lm", "cached", "prompt", "start s"):
+    columns = ("length", "server", "TTFT s", "vs mlx_lm", "cached", "prompt", "start s", "rounds s")
+    for column in columns:
         table.add_column(column)
     for length, by_kind in figures.get("restart", {}).items():
-        plain = by_kind["mlx_lm"]["ttft_s"]
+        plain = by_kind["mlx_lm"]["ttft_s"]  # medians over the rounds
         for kind, f in by_kind.items():
             table.add_row(
                 length,
@@ -666,6 +637,7 @@ def render(figures: dict[str, Any]) -> None:
                 str(f["cached_tokens"]),
                 str(f["prompt_tokens"]),
                 f"{f['restart_s']:.2f}",
+                " ".join(f"{run['ttft_s']:.3f}" for run in f["runs"]),
             )
     console.print(table)
     for phase in ("decode", "spill"):

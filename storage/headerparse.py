@@ -121,12 +121,15 @@ def parse_preamble(raw: bytes, file_size: int) -> Preamble:
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
+    out = dict(pairs)  # in C; a duplicate key leaves fewer keys than pairs
+    if len(out) == len(pairs):
+        return out
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
             raise CorruptCacheError(f"header: duplicate JSON key {key!r:.80}")
-        out[key] = value
-    return out
+        seen.add(key)
+    raise AssertionError("unreachable: fewer keys than pairs, and no key repeated")
 
 
 def _no_constants(name: str) -> Any:
@@ -304,9 +307,19 @@ def _parse_slot(obj: Any, path: str, layout: Layout) -> TensorSlot:
         return TensorSlot(shape, dtype, nbytes, token_axis, off=off, xxh3=digest)
     if "off" in f.obj or "xxh3" in f.obj:
         raise CorruptCacheError(f"{path}: off/xxh3 are not allowed in the blocks layout")
+    raw_blocks = f.f_list("blocks", MAX_BLOCKS_PER_TENSOR)
+    plain = _plain_block_refs(raw_blocks)
+    if plain is not None:
+        total = sum(ref.nbytes for ref in plain)
+        if total != nbytes:
+            raise CorruptCacheError(
+                f"{f.name('blocks')}: blocks hold {total} bytes, slot has {nbytes}"
+            )
+        return TensorSlot(shape, dtype, nbytes, token_axis, blocks=tuple(plain))
+    # Something in the list is off: the field by field walk names the first fault.
     refs: list[BlockRef] = []
     total = 0
-    for i, raw in enumerate(f.f_list("blocks", MAX_BLOCKS_PER_TENSOR)):
+    for i, raw in enumerate(raw_blocks):
         bpath = f"{f.name('blocks')}[{i}]"
         b = _Fields(raw, bpath, frozenset({"sha256", "bytes"}))
         name = b.f_str("sha256")
@@ -320,6 +333,28 @@ def _parse_slot(obj: Any, path: str, layout: Layout) -> TensorSlot:
     if total != nbytes:
         raise CorruptCacheError(f"{f.name('blocks')}: blocks hold {total} bytes, slot has {nbytes}")
     return TensorSlot(shape, dtype, nbytes, token_axis, blocks=tuple(refs))
+
+
+_BLOCK_KEYS: Final = frozenset({"sha256", "bytes"})
+
+
+def _plain_block_refs(raw: list[Any]) -> list[BlockRef] | None:
+    """A tensor's block references in one pass, when every item is well formed (an object
+    of exactly ``sha256``, 64 lowercase hex digits, and ``bytes``, an int in
+    ``[0, MAX_BLOCK_BYTES]``: what the field by field walk accepts); None as soon as one
+    is not, so that the walk can name it. A long entry has hundreds of references."""
+    refs: list[BlockRef] = []
+    name_ok = BLOCK_NAME_RE.fullmatch
+    for item in raw:
+        if type(item) is not dict or item.keys() != _BLOCK_KEYS:
+            return None
+        name, size = item["sha256"], item["bytes"]
+        if type(name) is not str or type(size) is not int or not 0 <= size <= MAX_BLOCK_BYTES:
+            return None
+        if name_ok(name) is None:
+            return None
+        refs.append(BlockRef(name, size))
+    return refs
 
 
 def _parse_field_value(value: Any, name: str) -> FieldValue:

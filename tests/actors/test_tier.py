@@ -129,6 +129,53 @@ async def test_expect_mismatch_and_corrupt_file_are_refused(
             await tier.load("k")
 
 
+@pytest.mark.parametrize("layout", ["single", "blocks"])
+async def test_a_loads_header_checks_and_block_stats_are_one_worker_job(
+    tmp_path: Path, prefilled: Prefill, kv_bytes: Dump, layout: str
+) -> None:
+    """A cold load's first step (the header, the load's expectation, the kinds and, in the
+    blocks layout, every block's presence and size) is one worker job, then the tensor
+    reads: one hand-off fewer on a cold hit's path. A failed expectation still ends the
+    load before a block is looked at."""
+    jobs: list[str] = []
+
+    class Counting:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        async def run(self, fn: Any, *args: Any) -> Any:
+            jobs.append(fn.__name__)
+            return await self.inner.run(fn, *args)
+
+    class WantOther:
+        def check(self, header: Header) -> None:
+            raise CacheMismatchError("not this one")
+
+    async with MlxOwner.dedicated() as owner:
+        async with ColdTier.open(tmp_path, owner=owner, layout=layout) as tier:  # type: ignore[arg-type]
+            caches = await owner.run(prefilled, TOKENS)
+            want = await owner.run(kv_bytes, caches)
+            assert (await (await tier.save("k", TOKENS, caches)).wait()).written
+            tier.reader.offload = Counting(tier.reader.offload)  # type: ignore[assignment]
+            loaded = await tier.load("k")
+            assert await owner.run(kv_bytes, loaded.caches) == want  # bit-exact
+            assert jobs == ["_header_job", "_tensors_job"]
+            jobs.clear()
+            checked_blocks: list[int] = []
+            store = tier.reader.block_store
+            if store is not None:
+                stored_sizes = store.stored_sizes
+
+                def sizes(names: Any) -> Any:
+                    checked_blocks.append(len(names))
+                    return stored_sizes(names)
+
+                store.stored_sizes = sizes  # type: ignore[method-assign]
+            with pytest.raises(CacheMismatchError, match=r"^not this one$"):
+                await tier.load("k", expect=WantOther())
+            assert jobs == ["_header_job"] and checked_blocks == []
+
+
 async def test_delete_and_debris_collection(tmp_path: Path, prefilled: Prefill) -> None:
     async with ColdTier.open(tmp_path) as tier:
         caches = await tier.owner.run(prefilled, TOKENS)

@@ -329,6 +329,35 @@ async def test_a_prefetch_is_adopted_by_the_lookup(tmp_path: Path) -> None:
         assert (stats.prefetch_wasted_bytes, stats.prefetch_bytes) == (0, 0)
 
 
+async def test_a_prefetch_of_an_entry_a_lookup_is_loading_reads_nothing(
+    tmp_path: Path,
+) -> None:
+    """Rule 14: an arrival's prefetch that the loop runs after the request's lookup has
+    started its own load (two tasks of one batch, run in either order) starts no second
+    read of the entry; the lookup's load serves the request."""
+    store = FaultyStore(tmp_path, MODEL)
+    async with fake_tiered(store, hot_budget=entry_bytes(10), eviction=PolicyKind.LRU) as cache:
+        prompt = list(range(100, 110))
+        await _on_disk(cache, prompt)
+        store.gate = trio.Event()  # the lookup's load is in flight
+        got: list[Any] = []
+
+        async def look() -> None:
+            got.append(await cache.fetch_nearest([*prompt, 5]))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(look)
+            await trio.sleep(0.01)
+            assert store.fetches == 1 and not got
+            assert not cache.prefetch([*prompt, 5])  # already loading
+            await trio.sleep(0.01)
+            assert store.fetches == 1 and cache.statistics().prefetches == 0
+            store.gate.set()
+        assert got[0].tier is Tier.COLD and got[0].remaining == (5,)
+        assert store.fetches == 1
+        assert cache._lookup_loads == {}  # nothing is left marked as loading
+
+
 async def test_a_prefetch_starts_only_for_a_match_longer_than_more_than(tmp_path: Path) -> None:
     """Rule 14's ``more_than``: a caller whose own RAM serves ``n`` tokens asks for a load
     only of a match reusing more, in the one index lookup that starts it."""

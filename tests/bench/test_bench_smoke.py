@@ -102,6 +102,40 @@ def test_bench_serve_spill_phase_prints_latencies_and_ratios_of_the_same_run() -
     )
 
 
+def test_bench_serve_restart_phase_alternates_rounds_and_reports_medians() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtrio", "bench", "serve", "--json", "--phases", "restart",
+         "--lengths", "256", "--restart-rounds", "2", "--settle", "0"],
+        capture_output=True, text=True, check=True, timeout=300,
+    )  # fmt: skip
+    figures = json.loads(out.stdout)
+    restart, ratios = figures["restart"]["256"], figures["ratios"]["256"]
+    for kind, positions in (("mlx_lm", [0, 2]), ("naive", [1, 1]), ("kvtrio", [2, 0])):
+        runs = restart[kind]["runs"]
+        assert [run["position"] for run in runs] == positions, kind  # the order alternates
+        assert all(run["ttft_s"] > 0 and "answer" not in run for run in runs), kind
+        assert restart[kind]["ttft_s"] == (runs[0]["ttft_s"] + runs[1]["ttft_s"]) / 2, kind
+        # Every round restarted the server: mlx_lm.server recomputes, the other two load
+        # the round's own conversation from disk.
+        cached = [run["cached_tokens"] for run in runs]
+        assert cached == [0, 0] if kind == "mlx_lm" else min(cached) >= 256, (kind, cached)
+    kv, naive, plain = (restart[k]["runs"] for k in ("kvtrio", "naive", "mlx_lm"))
+    assert ratios["ttft_kvtrio_vs_naive_per_round"] == [
+        a["ttft_s"] / b["ttft_s"] for a, b in zip(kv, naive, strict=True)
+    ]
+    assert ratios["ttft_kvtrio_vs_naive_round_median"] == (
+        sum(ratios["ttft_kvtrio_vs_naive_per_round"]) / 2
+    )
+    assert ratios["ttft_kvtrio_vs_mlx_lm_per_round"] == [
+        a["ttft_s"] / b["ttft_s"] for a, b in zip(kv, plain, strict=True)
+    ]
+    assert ratios["ttft_kvtrio_vs_naive"] == (
+        restart["kvtrio"]["ttft_s"] / restart["naive"]["ttft_s"]
+    )
+    assert ratios["same_answer_as_mlx_lm_per_round"] == [True, True]
+    assert ratios["same_answer_as_mlx_lm"] is True
+
+
 def test_bench_scale_runs_long_entries_end_to_end() -> None:
     """``--tokens``: entries past one index block (their chain hashes are part of the
     open's index build); every entry is found again at each N, the lookups run."""

@@ -320,6 +320,51 @@ def test_rule_block_name_uppercase_rejected(manifest: Path) -> None:
     _load_fails(manifest, r"^caches\[0\]\.tensors\[0\]\.blocks\[0\]\.sha256: not 64 lowercase")
 
 
+def test_well_formed_block_refs_parse_in_one_pass_to_the_field_walks_header(
+    manifest: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A well-formed manifest's block references are read in one pass, with no field walk
+    per reference (a long entry has hundreds), into the header the walk gives."""
+    from kvtrio.storage import headerparse
+    from kvtrio.storage.reader import read_header
+
+    walked: list[str] = []
+    real = headerparse._Fields
+
+    class Counting(real):  # type: ignore[misc,valid-type]
+        def __init__(self, obj: Any, path: str, allowed: frozenset[str]) -> None:
+            walked.append(path)
+            super().__init__(obj, path, allowed)
+
+    monkeypatch.setattr(headerparse, "_Fields", Counting)
+    fast = read_header(str(manifest)).header
+    assert walked and not any(".blocks[" in path for path in walked)
+    walked.clear()
+    monkeypatch.setattr(headerparse, "_plain_block_refs", lambda raw: None)
+    walk = read_header(str(manifest)).header
+    assert any(".blocks[" in path for path in walked)
+    assert fast == walk and fast.caches[0].tensors[0].blocks
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda ref: ref.update(bytes=True), r"blocks\[0\]\.bytes: expected an integer$"),
+        (lambda ref: ref.update(extra=1), r"blocks\[0\]\.extra: unknown field$"),
+        (lambda ref: ref.pop("bytes"), r"blocks\[0\]\.bytes: missing$"),
+        (lambda ref: ref.update(bytes=-1), r"blocks\[0\]\.bytes: -1 is outside \[0, \d+\]$"),
+    ],
+)
+def test_rule_a_malformed_block_ref_is_named(
+    manifest: Path, mutate: Callable[[Doc], object], message: str
+) -> None:
+    def change(doc: Doc) -> None:
+        mutate(_slot(doc)["blocks"][0])
+
+    _rewrite(manifest, change)
+    _load_fails(manifest, r"^caches\[0\]\.tensors\[0\]\." + message)
+
+
 def test_rule_block_sizes_match_token_blocks(manifest: Path) -> None:
     _rewrite(manifest, lambda d: _slot(d)["blocks"].pop())
     _load_fails(manifest, r"^caches\[0\]\.tensors\[0\]\.blocks: blocks hold \d+ bytes, slot has")

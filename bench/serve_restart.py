@@ -1,0 +1,128 @@
+"""The restart phase of ``kvtrio bench serve`` (:mod:`kvtrio.bench.serve`): turn 2 of a
+conversation after a server restart, in alternated rounds on every server, and its
+ratios (per round and of the medians)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtrio.bench.serve_harness import Server, median, prompt_words
+
+__all__ = ["KINDS", "QUESTION", "restart", "restart_ratios"]
+
+KINDS = ("mlx_lm", "naive", "kvtrio")
+QUESTION = "Please summarise the document above in one sentence."
+
+
+def restart(
+    model: Path, root: Path, length: int, rounds: int, settle: float, log: Path
+) -> dict[str, dict[str, Any]]:
+    """Turn 2 after a restart, ``rounds`` times on every server, alternating their order.
+
+    The naive baseline and kvtrio serve first answer turn 1 of ``rounds`` conversations
+    of ``length`` tokens (one start each; conversation ``r`` opens with its own number,
+    so no round reuses another's entry) and stop (SIGTERM: kvtrio serve writes its RAM
+    entries to disk, the naive baseline wrote its files on insert); plain mlx_lm.server,
+    which keeps nothing over a restart, is sent the naive baseline's turn 2. Then round
+    ``r`` restarts every server in turn (the order reversed every other round, as the
+    decode phase's), waits until it has settled (:meth:`Server.settle`) and sends
+    conversation ``r``'s turn 2, streamed.
+    A server's time to first token and start time are medians over the rounds; ``runs``
+    keeps every round (with the server's ``position`` in that round's order; its answer is
+    compared with mlx_lm.server's of the same round)."""
+    document = prompt_words(model, length)
+    turns1 = [[{"role": "user", "content": f"Conversation {r}. {document}"}] for r in range(rounds)]
+    turns2: dict[str, list[list[dict[str, str]]]] = {}
+    for kind in ("naive", "kvtrio"):  # mlx_lm.server keeps nothing over a restart
+        server = Server(kind, model, root / f"{kind}-{length}", log)
+        try:
+            turns2[kind] = []
+            for turn1 in turns1:
+                one = server.chat(turn1, 8)
+                more = [*turn1, {"role": "assistant", "content": one["text"]}]
+                turns2[kind].append([*more, {"role": "user", "content": QUESTION}])
+            time.sleep(NAIVE_SAVE_S if kind == "naive" else 0.0)
+        finally:
+            server.stop()
+    # Plain mlx_lm.server recomputes turn 2 whatever it did before its restart: its turn
+    # 2 is the naive baseline's (mlx-lm's own answer to turn 1 at temperature 0).
+    turns2["mlx_lm"] = turns2["naive"]
+    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
+    for r in range(rounds):
+        for position, kind in enumerate(KINDS if r % 2 == 0 else KINDS[::-1]):
+            work = root / f"{kind}-{length}"
+            run = _turn2(kind, model, work, turns2[kind][r], settle, log)
+            runs[kind].append({**run, "position": position})
+    out: dict[str, dict[str, Any]] = {}
+    for kind in KINDS:
+        done = runs[kind]
+        out[kind] = {
+            "ttft_s": median([run["ttft_s"] for run in done]),
+            "restart_s": median([run["restart_s"] for run in done]),
+            "prompt_tokens": done[0]["prompt_tokens"],
+            "cached_tokens": min(run["cached_tokens"] for run in done),
+            "answer": done[0]["answer"],
+            "runs": done,
+        }
+    return out
+
+
+#: Seconds a server is given after its last answer before it is stopped (the naive
+#: baseline saves a turn's cache after answering it: not torn by the stop).
+NAIVE_SAVE_S = 0.5
+
+
+def _turn2(
+    kind: str, model: Path, work: Path, turn2: list[dict[str, str]], settle: float, log: Path
+) -> dict[str, Any]:
+    """One round of :func:`_restart` on one server: start, settle, turn 2, stop."""
+    server = Server(kind, model, work, log)
+    try:
+        server.settle(settle)
+        two = server.chat(turn2, 8)
+        time.sleep(NAIVE_SAVE_S if kind == "naive" else 0.0)
+    finally:
+        server.stop()
+    first = two["arrivals"][0] if two["arrivals"] else time.perf_counter()
+    details = two["usage"].get("prompt_tokens_details") or {}
+    return {
+        "ttft_s": first - two["sent"],
+        "restart_s": server.start_s,
+        "prompt_tokens": two["usage"].get("prompt_tokens", 0),
+        "cached_tokens": details.get("cached_tokens", 0),
+        "answer": two["text"],
+    }
+
+
+def restart_ratios(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One length's ratios (kvtrio against mlx_lm.server and against the naive baseline);
+    drops the answers it compared."""
+    plain = by_kind["mlx_lm"]["ttft_s"]
+    kv_runs, naive_runs = by_kind["kvtrio"]["runs"], by_kind["naive"]["runs"]
+    plain_runs = by_kind["mlx_lm"]["runs"]
+
+    def per_round(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[float]:
+        return [a["ttft_s"] / b["ttft_s"] for a, b in zip(ours, theirs, strict=True)]
+
+    same = [a["answer"] == b["answer"] for a, b in zip(kv_runs, plain_runs, strict=True)]
+    ratios = {
+        # Of the servers' medians over the rounds.
+        "ttft_kvtrio_vs_mlx_lm": by_kind["kvtrio"]["ttft_s"] / plain,
+        "ttft_naive_vs_mlx_lm": by_kind["naive"]["ttft_s"] / plain,
+        "ttft_kvtrio_vs_naive": by_kind["kvtrio"]["ttft_s"] / by_kind["naive"]["ttft_s"],
+        # Every round's answer, against mlx_lm.server's of the same round.
+        "same_answer_as_mlx_lm": all(same),
+        # Per round (servers restarted back to back), and their medians.
+        "ttft_kvtrio_vs_naive_per_round": (vs_naive := per_round(kv_runs, naive_runs)),
+        "ttft_kvtrio_vs_naive_round_median": median(vs_naive),
+        "ttft_kvtrio_vs_mlx_lm_per_round": (vs_plain := per_round(kv_runs, plain_runs)),
+        "ttft_kvtrio_vs_mlx_lm_round_median": median(vs_plain),
+        "same_answer_as_mlx_lm_per_round": same,
+    }
+    for measured in by_kind.values():
+        measured.pop("answer")
+        for run in measured["runs"]:
+            run.pop("answer")
+    return ratios
