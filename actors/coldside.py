@@ -10,9 +10,11 @@ Theory of operation
 1. A write is queued (NONE -> QUEUED) with the caches it will store; the queue is capped
    by bytes (``pending_budget``): when it is exceeded the oldest droppable pending write
    is shed (counted in ``pending_dropped`` and ``drops``), never the newest.
-2. One writer task takes pending writes oldest first. It plans each write's encoded size
-   on the owner (header and tensor payload, from the caches' shapes and dtypes: the
-   bytes it puts on disk if no block is there yet), then, before each store attempt,
+2. One writer task takes pending writes oldest first. Each write's encoded size (header
+   and tensor payload: the bytes it puts on disk if no block is there yet) comes from its
+   plan, made on the owner from the caches' shapes and dtypes (by the spill's one owner
+   job, else by the writer) and sized off the owner (``ColdStore.plan_size``, no MLX
+   call); then, before each store attempt,
    reserves that (QUEUED -> WRITING) and runs the eviction loop: least
    recently used DURABLE entries are removed, one at a time and each completely, while
    used + reserved exceeds the effective budget. No other task evicts, so no two loops
@@ -234,15 +236,18 @@ class ColdSideMixin(CacheParts):
         *,
         droppable: bool = True,
         nbytes: int | None = None,
+        plan: object | None = None,
     ) -> None:
         """NONE -> QUEUED; then shed the oldest droppable pending writes while their bytes
         exceed ``pending_budget`` (rule 3: soft by the newest one alone). ``nbytes``: the
-        caches' bytes (default: the entry's hot bytes, its RAM copy being written)."""
+        caches' bytes (default: the entry's hot bytes, its RAM copy being written);
+        ``plan``: the store's ``write_plan`` of this write, made already (rule 2)."""
         record.pending, record.pending_meta = caches, dict(meta)
         # The caches' bytes in RAM (a KVCache's buffer is rounded up to its step): what
         # the byte cap counts; the reservation is the write's encoded size (rule 2).
         record.cold.nbytes = record.hot_bytes if nbytes is None else nbytes
-        record.cold.write_bytes = None  # planned by the writer (rule 2)
+        # Rule 2: sized from its plan here (no MLX call), else planned by the writer.
+        record.cold.write_bytes = None if plan is None else self.cold.plan_size(plan)
         record.cold.droppable = droppable
         self._apply(record, ColdEvent.QUEUE)
         self._busy_up()
@@ -320,19 +325,19 @@ class ColdSideMixin(CacheParts):
 
     async def _encoded_size(self, record: CacheRecord) -> int:
         """Rule 2: the bytes a QUEUED write will put on disk at most, planned on the owner
-        from its caches' shapes and dtypes (its RAM bytes when that plan fails: the write
-        will fail the same way, counted)."""
+        from its caches' shapes and dtypes and sized from that plan here, off the owner
+        (its RAM bytes when the plan fails: the write will fail the same way, counted)."""
         caches = record.pending
         assert caches is not None
         meta = self._write_meta(record, record.pending_meta or {})
         entry = record.entry
         try:
-            planned: int = await self.owner.run(
-                self.cold.encoded_size, entry.model, entry.tokens, caches, meta
+            plan = await self.owner.run(
+                self.cold.write_plan, entry.model, entry.tokens, caches, meta
             )
         except (KvtrioError, ValueError, TypeError):
             return record.cold.nbytes
-        return planned
+        return self.cold.plan_size(plan)
 
     @staticmethod
     def _write_meta(record: CacheRecord, meta: Mapping[str, str]) -> dict[str, str]:

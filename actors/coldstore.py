@@ -403,17 +403,20 @@ class ColdTierStore:
             mtime_ns = 0
         catalogue.put(attrs.evolve(row, manifest_mtime_ns=mtime_ns), new_blocks)
 
-    def encoded_size(
+    def write_plan(
         self, model: ModelKey, tokens: Sequence[int], caches: list[Any], meta: Mapping[str, str]
-    ) -> int:
+    ) -> Header:
         extra = {k: v for k, v in meta.items() if k not in ("model_id", "config_fingerprint")}
-        plan = snapshot(
+        return snapshot(
             caches,
             tokens,
             model_id=model.model_id,
             config_fingerprint=model.fingerprint,
             meta=extra,
         ).header
+
+    def plan_size(self, plan: object) -> int:
+        assert isinstance(plan, Header)
         single = self.tier.layout == "single"
         return encoded_size(plan, block_tokens=None if single else self.tier.block_tokens)
 

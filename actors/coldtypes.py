@@ -126,12 +126,17 @@ class ColdStore(Protocol):
         """Write ``caches`` under ``key``; return once it is durable or settled otherwise."""
         ...
 
-    def encoded_size(
+    def write_plan(
         self, model: ModelKey, tokens: Sequence[int], caches: list[Any], meta: Mapping[str, str]
-    ) -> int:
-        """Owner thread: the bytes :meth:`store` of these arguments would put on disk, none
-        shared with what is there (the write's reservation: rule 2 of the tiered cache's
-        cold side)."""
+    ) -> object:
+        """Owner thread: the plan of what :meth:`store` of these arguments would write (from
+        the caches' shapes and dtypes; no bytes moved), for :meth:`plan_size`."""
+        ...
+
+    def plan_size(self, plan: object) -> int:
+        """Any thread (no MLX call): the bytes the write of ``plan`` (:meth:`write_plan`)
+        would put on disk, none shared with what is there (the write's reservation: rule 2
+        of the tiered cache's cold side)."""
         ...
 
     async def fetch(

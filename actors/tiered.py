@@ -165,6 +165,7 @@ from kvtrio.actors.tieredtypes import (
     _clone,
     _clone_trimmed,
     _describe,
+    _describe_for_write,
     _Prefetch,
     _trim,
 )
@@ -552,7 +553,12 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
             raise ShuttingDown("tiered prompt cache is closed: spill refused")
         tokens = check_token_ids(tokens)
         meta = check_meta(meta or {})
-        nbytes, trimmable, min_offset = await self.owner.run(_describe, caches, len(tokens))
+        # One owner job describes the caches and plans their write (the writer's
+        # reservation is then worked out here, off the owner: cold side rule 2).
+        plan = functools.partial(self.cold.write_plan, self.model, tokens, caches, meta)
+        nbytes, trimmable, min_offset, planned = await self.owner.run(
+            _describe_for_write, caches, len(tokens), plan
+        )
         entry = self._index.make_entry(
             self.model, tokens, trimmable=trimmable, min_reusable_offset=min_offset
         )
@@ -575,7 +581,9 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
             self._set_hot(record, None)
             await trio.lowlevel.checkpoint()
             return entry.key
-        self._queue_write(record, caches, meta or {}, nbytes=nbytes)
+        if record.conversations:  # their meta was not in the plan: the writer plans it
+            planned = None
+        self._queue_write(record, caches, meta, nbytes=nbytes, plan=planned)
         self._set_hot(record, None)  # the RAM copy, if any, goes: the caller keeps its own
         await trio.lowlevel.checkpoint()
         return entry.key

@@ -124,6 +124,7 @@ class CacheParts(abc.ABC):
         *,
         droppable: bool = True,
         nbytes: int | None = None,
+        plan: object | None = None,
     ) -> None: ...
     @abc.abstractmethod
     def _cancel_pending(self, record: CacheRecord) -> None: ...

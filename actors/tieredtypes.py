@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -213,3 +213,19 @@ def _describe(caches: list[Any], n_tokens: int) -> tuple[int, bool, int]:
 
     check_held_tokens(caches, n_tokens)
     return _cache_nbytes(caches), bool(can_trim_prompt_cache(caches)), _min_reusable_offset(caches)
+
+
+def _describe_for_write(
+    caches: list[Any], n_tokens: int, plan: Callable[[], object]
+) -> tuple[int, bool, int, object | None]:
+    """Owner thread, one job for a spill: :func:`_describe`, and the write's plan
+    (``plan()``: the store's ``write_plan``, from the caches' shapes and dtypes), None when
+    planning fails (the writer then plans again, and the write fails the same way)."""
+    from kvtrio.errors import KvtrioError
+
+    nbytes, trimmable, min_offset = _describe(caches, n_tokens)
+    try:
+        planned = plan()
+    except (KvtrioError, ValueError, TypeError):
+        planned = None
+    return nbytes, trimmable, min_offset, planned

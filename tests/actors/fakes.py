@@ -84,6 +84,7 @@ class FakeColdStore:
     capacity: int | None = None  # a volume of this many bytes: a store past it is ENOSPC
     store_gate: trio.Event | None = None  # stores wait for it when set
     peak: int = 0  # the most bytes the "disk" ever held
+    plans: int = 0  # write plans made (owner jobs of a save, rule 2 of the cold side)
 
     def shared_lookups(self) -> SharedColdStore | None:
         return None  # only this process writes it
@@ -128,10 +129,15 @@ class FakeColdStore:
         self.peak = max(self.peak, self.disk_bytes)
         return StoreResult(written=True, disk_bytes=nbytes - freed, bytes_written=nbytes)
 
-    def encoded_size(
+    def write_plan(
         self, model: ModelKey, tokens: Sequence[int], caches: list[Any], meta: Mapping[str, str]
-    ) -> int:
+    ) -> object:
+        self.plans += 1
         return sum(c.nbytes for c in caches)  # what store() counts on this "disk"
+
+    def plan_size(self, plan: object) -> int:
+        assert isinstance(plan, int)
+        return plan
 
     async def fetch(
         self, key: str, *, model: ModelKey, tokens: Sequence[int] | None = None
