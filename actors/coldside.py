@@ -25,6 +25,11 @@ Theory of operation
    store reports as out of space (ENOSPC) evicts at least one entry and is retried once.
 4. Removals (supersession, a bad file) run in the background, ordered per key with the
    writes (rule 7); their freed bytes leave ``used`` when the store reports them.
+5. Write-behind yields to the server: while it says it is busy (:meth:`ColdSideMixin.
+   set_foreground`), the writer holds the oldest pending write back, for at most the
+   gate's ``defer`` seconds, and not at all once the pending bytes reach half of
+   ``pending_budget`` or while the cache flushes or closes (:mod:`kvtrio.actors.
+   writegate`). The byte cap of rule 1 holds as ever: what waits is counted there.
 
 Costs: queueing is O(1) amortized (plus the sheds); one eviction is O(1) plus its
 removal's I/O; a write's admission evicts as many entries as its bytes need.
@@ -252,6 +257,7 @@ class ColdSideMixin(CacheParts):
         self._apply(record, ColdEvent.QUEUE)
         self._busy_up()
         self._wake.set()
+        self._gate.poke()  # the pending bytes grew (rule 5)
         while self._ledger.queued_bytes > self.pending_budget:
             victim = self._ledger.oldest_droppable()
             if victim is None or victim is record.cold:
@@ -303,16 +309,33 @@ class ColdSideMixin(CacheParts):
         self._pins_to_record[key] = pinned
         self._wake.set()
 
+    def set_foreground(self, busy: bool, *, defer: float | None = None) -> None:
+        """The server is busy (decoding) or not: while it is, a write-back waits to start
+        for up to ``defer`` seconds (:mod:`kvtrio.actors.writegate`; default
+        :data:`~kvtrio.actors.writegate.DEFAULT_WRITE_DEFER`), unless the pending bytes
+        reach half of ``pending_budget`` or the cache flushes or closes. Loop thread."""
+        self._gate.set_busy(busy, defer=defer)
+
     async def _writer(self) -> None:
         """The one writer task: takes pending writes oldest first, one at a time (and
-        records the last uses of entries in between)."""
+        records the last uses of entries in between); a write-back starts only when the
+        write gate lets it (rule 5)."""
+        held: tuple[str, float] | None = None  # the write held back, and since when
         while True:
             await self._flush_touches()
             side = self._ledger.oldest_queued()
             if side is None:
+                held = None
                 await self._wake.wait()
                 self._wake = trio.Event()
                 continue
+            if held is None or held[0] != side.key:
+                held = (side.key, trio.current_time())
+            pressed = 2 * self._ledger.queued_bytes >= self.pending_budget
+            if self._gate.holds(held_since=held[1], pressed=pressed):
+                await self._gate.wait_changed(held_since=held[1])
+                continue
+            held = None
             record = self._records[side.key]
             if side.write_bytes is None:
                 side.write_bytes = await self._encoded_size(record)

@@ -169,6 +169,7 @@ from kvtrio.actors.tieredtypes import (
     _Prefetch,
     _trim,
 )
+from kvtrio.actors.writegate import WriteGate
 from kvtrio.errors import (
     InvalidInputError,
     ShuttingDown,
@@ -267,6 +268,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
     _busy: int = attrs.field(init=False, default=0)  # queued writes + background tasks
     _wake: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _gate: WriteGate = attrs.field(init=False, factory=WriteGate)  # cold side rule 5
     _refreshed_at: float = attrs.field(init=False, default=-math.inf)
     _refreshing: bool = attrs.field(init=False, default=False)
     _shared_paused_until: float = attrs.field(init=False, default=-math.inf)
@@ -376,6 +378,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
                 )
             try:
                 yield self
+                self._gate.close()  # nothing is held back any more (cold side rule 5)
                 if flush_on_close:
                     await self.flush()
                 await self.wait_writes_settled()
@@ -600,7 +603,8 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
             record = self._records[key]
             if record.cold.state is ColdState.NONE and record.hot is not None:
                 self._queue_write(record, record.hot, {}, droppable=False)
-        await self.wait_writes_settled()
+        with self._gate.hurry():
+            await self.wait_writes_settled()
 
     def statistics(self) -> TieredStatistics:
         c = self._counts.get

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         WritePolicy,
         _Prefetch,
     )
+    from kvtrio.actors.writegate import WriteGate
 
 __all__ = ["CacheParts"]
 
@@ -85,6 +86,7 @@ class CacheParts(abc.ABC):
     _idle: trio.Event
     _busy: int
     _wake: trio.Event
+    _gate: WriteGate
     _touched: dict[str, float]
     _pins_to_record: dict[str, bool]
     _other_models: set[ModelKey]

@@ -29,10 +29,15 @@ Theory of operation:
    its shutdown grace (owner jobs pumped here meanwhile) and the thread ends. A close that
    outlives ``timeout`` gives up: the thread is a daemon, and a write in flight leaves at
    worst a tmp file, which the next open removes.
+6. :meth:`set_foreground` tells the tier when the server decodes: its write-backs then
+   wait to start, for up to ``TierOptions.write_defer`` seconds
+   (:mod:`kvtrio.actors.writegate`), so evicted entries are written between bursts of
+   decoding rather than during them; at close nothing waits.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Sequence
@@ -45,6 +50,7 @@ from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.policy import AdmissionPolicy, PolicyKind
 from kvtrio.actors.prefix import DEFAULT_BLOCK_SIZE, ModelKey, PrefixMatch
 from kvtrio.actors.tiered import TieredPromptCache, WritePolicy, open_tiered_cache
+from kvtrio.actors.writegate import DEFAULT_WRITE_DEFER
 from kvtrio.errors import ShuttingDown
 from kvtrio.runtime.external import ExternalThreadExecutor, Reply
 
@@ -70,6 +76,8 @@ class TierOptions:
     min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS
     eviction: PolicyKind = PolicyKind.COST
     admission: AdmissionPolicy | None = None  # None: default_admission()
+    # Seconds a write-back waits to start while the server decodes (set_foreground).
+    write_defer: float = DEFAULT_WRITE_DEFER
 
 
 class TierThread:
@@ -88,6 +96,7 @@ class TierThread:
         self._nursery: trio.Nursery | None = None
         self._stop: trio.Event | None = None
         self._closed = False
+        self._foreground = False
 
     # -- lifecycle (the owner thread) --------------------------------------------------
 
@@ -132,6 +141,20 @@ class TierThread:
     def pump(self, budget: float = 0.005) -> int:
         """Run the tier's queued MLX jobs for up to ``budget`` seconds (owner thread)."""
         return self.executor.pump(budget)
+
+    def set_foreground(self, busy: bool) -> None:
+        """The server decodes (``busy``) or not (rule 6); only a change reaches the loop.
+        Any one thread (the generation thread)."""
+        token, cache = self._token, self.cache
+        if busy == self._foreground or not self.alive or token is None or cache is None:
+            return
+        self._foreground = busy
+        try:
+            token.run_sync_soon(
+                functools.partial(cache.set_foreground, busy, defer=self.options.write_defer)
+            )
+        except trio.RunFinishedError:
+            pass
 
     def pending(self) -> bool:
         """Whether MLX jobs of the tier wait for the owner (cheap; any thread)."""

@@ -124,6 +124,14 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
         f"(default {DEFAULT_MIN_REUSE_TOKENS}, measured: docs/tiered.md)",
     )
     group.add_argument(
+        "--write-defer",
+        type=float,
+        default=WRITE_DEFER,
+        metavar="S",
+        help="seconds an evicted entry's disk write waits while requests decode "
+        f"(default {WRITE_DEFER:g}; 0: at once)",
+    )
+    group.add_argument(
         "--warm-prompts",
         type=Path,
         default=None,
@@ -158,6 +166,10 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
 
 #: ``--eviction``'s choices: kvtrio.actors.policy.PolicyKind's values.
 EVICTIONS = ("cost", "cost-frequency", "lru")
+
+#: --write-defer's default: kvtrio.actors.writegate.DEFAULT_WRITE_DEFER, written out so
+#: that parsing the flags imports nothing of the tier (docs/serve.md, "Start").
+WRITE_DEFER = 2.0
 
 
 def admission_parts(spec: str) -> list[tuple[str, float | None]]:
@@ -225,6 +237,7 @@ class ServeOptions:
     eviction: str = "cost"
     admission: str = "default"
     prefetch: bool = True
+    write_defer: float = WRITE_DEFER
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -238,6 +251,7 @@ class ServeOptions:
             eviction=getattr(args, "eviction", "cost"),
             admission=getattr(args, "admission", "default"),
             prefetch=getattr(args, "prefetch", True),
+            write_defer=getattr(args, "write_defer", WRITE_DEFER),
         )
 
     def tier_options(self, model: ModelKey) -> TierOptions:
@@ -253,6 +267,7 @@ class ServeOptions:
             min_reuse_tokens=self.min_reuse_tokens,
             eviction=PolicyKind(self.eviction),
             admission=admission_policy(self.admission),
+            write_defer=self.write_defer,
         )
 
 

@@ -57,6 +57,11 @@ Theory of operation:
    generation thread, so the load overlaps the queue wait; rule 3 then adopts it.
    ``--no-prefetch`` turns rules 3 and 7 off: a disk load starts when the generation
    thread looks the request up, and that thread waits for it.
+8. Decoding comes first: while a batch is in flight the generation thread runs one owner
+   job between two decode steps (a pump of budget 0), and tells the tier it decodes
+   (``TierThread.set_foreground``): a write-back of an evicted entry then waits to start
+   until the batch is done, for at most ``--write-defer`` seconds, or less when the
+   pending writes reach half of their byte cap (:mod:`kvtrio.actors.writegate`).
 """
 
 from __future__ import annotations
@@ -337,7 +342,13 @@ def _generator_class() -> type:
                     release_thread_streams()
 
         def _next_request(self, timeout: float | None = None) -> Any:
-            self.adapter.pump()
+            # mlx-lm asks without a timeout while a batch is in flight: the tier's
+            # write-backs then wait (rule 8), and one owner job runs between two steps.
+            decoding = timeout is None
+            if self.adapter.tier is not None:
+                self.adapter.tier.set_foreground(decoding)
+            budget = 0.0 if decoding else None
+            self.adapter.pump(budget)
             ready = self._take_ready()
             if ready is not None:
                 self._set_lookup_mode(self._busy())  # in RAM by now; if not, load only when alone
@@ -355,7 +366,7 @@ def _generator_class() -> type:
                 self._start_open()  # rule 6: no request in flight (or OPEN_DEFER passed)
             if request is _WAKE:
                 self._wake_pending.clear()
-                self.adapter.pump()
+                self.adapter.pump(budget)
                 ready = self._take_ready()
                 if ready is not None:
                     self._set_lookup_mode(self._busy())

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import trio
+import trio.testing
 from kvtrio.actors.owner import MlxOwner
 
-from .fakes import MODEL, FakeColdStore, fake_caches, fake_tiered
+from .fakes import MODEL, FakeColdStore, entry_bytes, fake_caches, fake_tiered
 
 
 async def test_a_spill_describes_and_plans_its_write_in_one_owner_job(tmp_path: Path) -> None:
@@ -24,3 +26,73 @@ async def test_a_spill_describes_and_plans_its_write_in_one_owner_job(tmp_path: 
         assert store.stored == [key] and store.plans == 1
         assert executor.statistics().started - before == 1  # the fake store runs none
         assert cache.statistics().cold_entries == 1
+
+
+async def test_a_write_back_waits_while_the_server_is_busy_and_starts_once_it_is_not(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Cold side rule 5 (kvtrio.actors.writegate): while the server says it decodes, a
+    spilled entry stays pending (queued, counted against the cap); it is written as soon
+    as the server is idle."""
+    store = FakeColdStore(tmp_path, MODEL)
+    async with fake_tiered(store, hot_budget=0) as cache:
+        cache.set_foreground(True, defer=10.0)
+        key = await cache.spill(list(range(8)), fake_caches(8))
+        await trio.sleep(5.0)
+        assert store.stored == [] and cache.statistics().pending_writes == 1
+        cache.set_foreground(False)
+        await cache.wait_writes_settled()
+        assert store.stored == [key] and trio.current_time() < 5.1
+
+
+async def test_a_write_back_starts_after_the_defer_bound_whatever_the_server_does(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Cold side rule 5: a server that never idles still writes: a write-back waits at
+    most ``defer`` seconds from when the writer first held it back."""
+    store = FakeColdStore(tmp_path, MODEL)
+    async with fake_tiered(store, hot_budget=0) as cache:
+        cache.set_foreground(True, defer=2.0)
+        start = trio.current_time()
+        key = await cache.spill(list(range(8)), fake_caches(8))
+        await trio.sleep(1.9)
+        assert store.stored == []
+        await cache.wait_writes_settled()
+        assert store.stored == [key]
+        assert 2.0 <= trio.current_time() - start < 2.1
+
+
+async def test_write_backs_go_at_once_when_pending_bytes_reach_half_the_cap(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Cold side rules 1 and 5: waiting never brings the pending writes near their byte
+    cap (which would shed them): at half of it the writer starts, busy server or not."""
+    store = FakeColdStore(tmp_path, MODEL)
+    async with fake_tiered(store, hot_budget=0, pending_budget=4 * entry_bytes(8)) as cache:
+        cache.set_foreground(True, defer=60.0)
+        first = await cache.spill(list(range(8)), fake_caches(8))
+        await trio.sleep(1.0)
+        assert store.stored == []
+        second = await cache.spill(list(range(100, 108)), fake_caches(8))
+        await trio.sleep(1.0)
+        # Two entries reached half of the cap: the oldest went; one alone waits again.
+        assert store.stored == [first] and cache.statistics().pending_writes == 1
+        assert cache.statistics().pending_dropped == 0
+        cache.set_foreground(False)
+        await cache.wait_writes_settled()
+        assert store.stored == [first, second] and trio.current_time() < 3
+
+
+async def test_a_close_writes_every_held_back_entry_at_once(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Cold side rule 5, kvtrio serve's SIGTERM promise (nothing lost): a close does not
+    wait for a busy server's deferral; every pending write-back is written."""
+    store = FakeColdStore(tmp_path, MODEL)
+    keys = []
+    async with fake_tiered(store, hot_budget=0) as cache:
+        cache.set_foreground(True, defer=60.0)
+        for i in range(3):
+            keys.append(await cache.spill([i * 100 + t for t in range(8)], fake_caches(8)))
+        start = trio.current_time()
+    assert store.stored == keys and trio.current_time() - start < 1.0

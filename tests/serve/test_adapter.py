@@ -190,6 +190,36 @@ def test_a_save_never_makes_the_generation_thread_wait_for_the_disk(
         _pump_until(cache, lambda: _cold_entries(tier) == 5)
 
 
+def test_an_evicted_entry_waits_while_the_server_decodes_and_close_writes_it_anyway(
+    tiny: TinyModel, tmp_path: Path
+) -> None:
+    """docs/serve.md, "Threads": while the server decodes (``TierThread.set_foreground``)
+    an evicted entry's write waits to start, and none of its owner jobs runs; once the
+    server is idle it is written; at close nothing waits (SIGTERM loses nothing)."""
+    a, b, c = list(range(1, 41)), list(range(100, 150)), list(range(200, 240))
+    with _adapter(tiny, tmp_path, max_size=1) as (cache, tier):
+        assert tier.cache is not None
+        tier.set_foreground(True)
+        cache.insert_cache(MODEL, a, _prefilled(tiny, a))
+        cache.insert_cache(MODEL, b, _prefilled(tiny, b))  # evicts a (max_size=1)
+        cold = tier.cache
+        _pump_until(cache, lambda: tier.peek(cold.statistics).pending_writes == 1)
+        jobs = tier.executor.statistics().started  # the spill's one job has run
+        deadline = time.monotonic() + 0.5  # below TierOptions.write_defer (2 s)
+        while time.monotonic() < deadline:
+            cache.pump(0.01)
+            time.sleep(0.005)
+        stats = tier.peek(tier.cache.statistics)
+        assert (stats.cold_entries, stats.pending_writes) == (0, 1)
+        assert tier.executor.statistics().started == jobs  # nothing of it ran meanwhile
+        tier.set_foreground(False)
+        _pump_until(cache, lambda: _cold_entries(tier) == 1)
+        tier.set_foreground(True)
+        cache.insert_cache(MODEL, c, _prefilled(tiny, c))  # evicts b: held back
+    with _adapter(tiny, tmp_path, max_size=1) as (cache, tier):
+        assert _cold_entries(tier) == 3  # a; b and c, written at close
+
+
 def test_a_cold_load_that_outlives_its_timeout_is_a_miss(
     tiny: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
