@@ -126,6 +126,14 @@ def open_now(*, request_taken: bool, in_flight: int, now: float, open_by: float)
     return now > open_by or (not request_taken and in_flight == 0)
 
 
+def between_steps(timeout: float | None) -> tuple[bool, float | None]:
+    """Rule 8, for mlx-lm's ``_next_request(timeout)``: whether a batch is decoding (mlx-lm
+    asks without a timeout while one is in flight) and the budget of the pump then (0:
+    one owner job between two decode steps; None: the adapter's own)."""
+    decoding = timeout is None
+    return decoding, (0.0 if decoding else None)
+
+
 #: Requests tokenized by their handler and not yet taken, kept for the generation thread.
 TOKENIZED_KEPT = 256
 
@@ -342,12 +350,9 @@ def _generator_class() -> type:
                     release_thread_streams()
 
         def _next_request(self, timeout: float | None = None) -> Any:
-            # mlx-lm asks without a timeout while a batch is in flight: the tier's
-            # write-backs then wait (rule 8), and one owner job runs between two steps.
-            decoding = timeout is None
+            decoding, budget = between_steps(timeout)
             if self.adapter.tier is not None:
                 self.adapter.tier.set_foreground(decoding)
-            budget = 0.0 if decoding else None
             self.adapter.pump(budget)
             ready = self._take_ready()
             if ready is not None:

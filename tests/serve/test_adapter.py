@@ -544,3 +544,31 @@ def test_a_tagged_response_queue_hands_tokens_straight_to_mlx_lms_queue() -> Non
     assert tagging.put == inner.put  # the per-token path: mlx-lm's queue itself
     tagging.put("token")
     assert [inner.get_nowait(), inner.get_nowait()] == [ctx, "token"]
+
+
+def test_while_a_batch_decodes_one_owner_job_runs_between_two_steps() -> None:
+    """docs/serve.md, "Threads" (kvtrio serve's rule 8): with a batch in flight (mlx-lm
+    asks for a request without a timeout) the pump between two decode steps runs one
+    queued owner job, not the adapter's 5 ms of them; idle, it runs them all."""
+    from kvtrio.runtime.external import ExternalThreadExecutor
+    from kvtrio.serve.server import between_steps
+
+    executor = ExternalThreadExecutor()
+    ran: list[int] = []
+
+    async def queue_jobs() -> None:
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(executor.run, ran.append, i)
+
+    loop = threading.Thread(target=trio.run, args=(queue_jobs,), daemon=True)
+    loop.start()
+    while executor.statistics().queued < 3:
+        time.sleep(0.001)
+    decoding, budget = between_steps(None)
+    assert decoding and executor.pump(budget if budget is not None else 0.005) == 1
+    assert len(ran) == 1
+    idle, budget = between_steps(0.1)
+    assert not idle and executor.pump(budget if budget is not None else 0.005) == 2
+    loop.join(10)
+    assert sorted(ran) == [0, 1, 2]
