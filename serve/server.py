@@ -369,13 +369,16 @@ def _generator_class() -> type:
                 open_by=self._open_by,
             ):
                 self._start_open()  # rule 6: no request in flight (or OPEN_DEFER passed)
-            if request is _WAKE:
+            while request is _WAKE:
                 self._wake_pending.clear()
                 self.adapter.pump(budget)
                 ready = self._take_ready()
                 if ready is not None:
                     self._set_lookup_mode(self._busy())
-                return ready
+                    return ready
+                # A request queued behind the wake-up is taken now, not after the next
+                # decode time slice (up to 0.5 s) that returning here would start.
+                request = super()._next_request(None)
             if request is None or self._defer(request):
                 return None
             rqueue, body, args = request

@@ -572,3 +572,32 @@ def test_while_a_batch_decodes_one_owner_job_runs_between_two_steps() -> None:
     assert not idle and executor.pump(budget if budget is not None else 0.005) == 2
     loop.join(10)
     assert sorted(ran) == [0, 1, 2]
+
+
+def test_a_request_queued_behind_a_wake_up_is_taken_in_the_same_call() -> None:
+    """kvtrio serve's rule 1: a wake-up (the tier queued an owner job) read from mlx-lm's
+    request queue is followed at once by the request queued behind it. Returning after
+    the wake-up alone made mlx-lm decode another time slice (up to 0.5 s) before it took
+    that request: on the H200 one in two of the decode phase's 8-stream bursts waited so."""
+    from queue import Queue
+
+    from kvtrio.serve.server import _WAKE, _generator_class, _TaggingQueue
+
+    cls: Any = _generator_class()
+    generator: Any = cls.__new__(cls)  # mlx-lm's __init__ would start its thread
+    generator.adapter = TieredLRUPromptCache(max_size=4)
+    generator.requests = Queue()
+    generator._is_distributed, generator._rank = False, 0
+    generator._wake_pending = threading.Event()
+    generator._open_by, generator._ready = None, []
+    generator._deferred, generator._deferred_since = {}, {}
+    generator.prefetching, generator.in_flight = False, 0
+    generator.active, generator._active_lock = {}, threading.Lock()
+    generator._wake()
+    assert generator.requests.qsize() == 1
+    body, args = object(), object()
+    generator.requests.put((Queue(), body, args))
+    taken = generator._next_request(None)  # mlx-lm asks so while a batch is in flight
+    assert taken is not None and taken[1:] == (body, args)
+    assert isinstance(taken[0], _TaggingQueue) and generator.requests.empty()
+    assert _WAKE not in (taken[1], taken[2])
