@@ -75,7 +75,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Hashable, Iterator
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from queue import Queue
@@ -91,6 +91,7 @@ from kvtrio.serve.flags import (
     mlx_server_parser,
     model_identity,
 )
+from kvtrio.serve.steps import between_steps, pumping_budget
 
 if TYPE_CHECKING:  # the tier's modules are imported by the thread that opens it (rule 6)
     from kvtrio.serve.bridge import TierThread
@@ -124,14 +125,6 @@ def open_now(*, request_taken: bool, in_flight: int, now: float, open_by: float)
     no request this time and none is in flight (arrived and not yet answered), or the
     deadline ``open_by`` (``OPEN_DEFER`` after the model's load) has passed."""
     return now > open_by or (not request_taken and in_flight == 0)
-
-
-def between_steps(timeout: float | None) -> tuple[bool, float | None]:
-    """Rule 8, for mlx-lm's ``_next_request(timeout)``: whether a batch is decoding (mlx-lm
-    asks without a timeout while one is in flight) and the budget of the pump then (0:
-    one owner job between two decode steps; None: the adapter's own)."""
-    decoding = timeout is None
-    return decoding, (0.0 if decoding else None)
 
 
 #: Requests tokenized by their handler and not yet taken, kept for the generation thread.
@@ -198,28 +191,6 @@ def _copied(tokenized: Any) -> Any:
     """A copy of mlx-lm's ``_tokenize`` result whose lists its loop may edit."""
     prompt, segments, segment_types, initial_state, vision = tokenized
     return list(prompt), [list(x) for x in segments], list(segment_types), initial_state, vision
-
-
-def _pumping_budget(adapter: TieredLRUPromptCache, released: Callable[[], bool]) -> Any:
-    base = _mlx_server().TimeBudget
-
-    class PumpingBudget(base):  # type: ignore[misc,valid-type]
-        """mlx-lm's decode time slice, ended early (after one step at least) when the tier
-        has MLX jobs queued (rule 1) or a request set aside is ready (rule 3)."""
-
-        def __iter__(self) -> Any:
-            self._kvtrio_steps = 0
-            return super().__iter__()
-
-        def __next__(self) -> Any:
-            self._kvtrio_steps += 1
-            if self._kvtrio_steps > 1 and (
-                released() or (adapter.tier is not None and adapter.tier.pending())
-            ):
-                raise StopIteration
-            return super().__next__()
-
-    return PumpingBudget()
 
 
 def warm_prompts(provider: Any, adapter: TieredLRUPromptCache, path: Path) -> tuple[int, int]:
@@ -319,7 +290,7 @@ def _generator_class() -> type:
             adapter = self.adapter
             if adapter.tier is not None:
                 adapter.tier.bind()
-            self._time_budget = _pumping_budget(adapter, lambda: bool(self._ready))
+            self._time_budget = pumping_budget(adapter, lambda: bool(self._ready))
             if isinstance(adapter, ServeCache):  # rule 6: the model first, then the tier
                 try:
                     self.model_provider.load_default()  # mlx-lm's loop then finds it loaded

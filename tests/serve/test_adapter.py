@@ -551,7 +551,7 @@ def test_while_a_batch_decodes_one_owner_job_runs_between_two_steps() -> None:
     asks for a request without a timeout) the pump between two decode steps runs one
     queued owner job, not the adapter's 5 ms of them; idle, it runs them all."""
     from kvtrio.runtime.external import ExternalThreadExecutor
-    from kvtrio.serve.server import between_steps
+    from kvtrio.serve.steps import between_steps
 
     executor = ExternalThreadExecutor()
     ran: list[int] = []
