@@ -349,16 +349,11 @@ async def _child_misses_async(
         for r in range(MISS_ROUNDS):
             for step in range(len(caches)):
                 i = (r + step) % len(caches)
-                cache, mine = caches[i], []
+                cache = caches[i]
                 gc.collect()
                 gc.disable()
                 try:
-                    for _ in range(per_round):
-                        query = [2_000_000 + rng.randrange(1000), *range(n_tokens)]
-                        start = time.perf_counter()
-                        found = await cache.fetch_nearest(query)
-                        mine.append(time.perf_counter() - start)
-                        assert found.caches is None
+                    mine = await _time_misses(cache, rng, per_round, n_tokens)
                 finally:
                     gc.enable()
                 samples[i] += mine
@@ -372,6 +367,19 @@ async def _child_misses_async(
             "samples": len(mine), "round_p50s": medians,
         }  # fmt: skip
     return out
+
+
+async def _time_misses(cache: Any, rng: random.Random, count: int, n_tokens: int) -> list[float]:
+    """Seconds of each of `count` misses: a first token no entry starts with, then the
+    entries' own tokens, so the lookup walks as far as a miss can."""
+    times = []
+    for _ in range(count):
+        query = [2_000_000 + rng.randrange(1000), *range(n_tokens)]
+        start = time.perf_counter()
+        found = await cache.fetch_nearest(query)
+        times.append(time.perf_counter() - start)
+        assert found.caches is None
+    return times
 
 
 def _model_of(directory: Path) -> Any:
@@ -460,13 +468,7 @@ async def _child_async(
             figures["full_gc_s"] = time.perf_counter() - start
             figures["rss_per_entry"] = (_rss() - before) / n
             rng = random.Random(7)
-            misses = []
-            for _ in range(lookups):
-                query = [2_000_000 + rng.randrange(1000), *range(n_tokens)]
-                start = time.perf_counter()
-                found = await cache.fetch_nearest(query)
-                misses.append(time.perf_counter() - start)
-                assert found.caches is None
+            misses = await _time_misses(cache, rng, lookups, n_tokens)
             stored = [entry.tokens for _, entry in zip(range(lookups), cache._index, strict=False)]
             hits = []
             for tokens in stored:
