@@ -33,7 +33,6 @@ if TYPE_CHECKING:
         LruPolicy,
         PolicyKind,
         PrefillCost,
-        WearAccount,
         default_admission,
         make_eviction_policy,
     )
@@ -51,6 +50,7 @@ if TYPE_CHECKING:
         WritePolicy,
         open_tiered_cache,
     )
+    from kvtrio.actors.wear import WearAccount
     from kvtrio.actors.writer import Writer
 
 _EXPORTS = {
@@ -83,7 +83,7 @@ _EXPORTS = {
     "Tier": "kvtrio.actors.tiered",
     "TieredPromptCache": "kvtrio.actors.tiered",
     "TieredStatistics": "kvtrio.actors.tiered",
-    "WearAccount": "kvtrio.actors.policy",
+    "WearAccount": "kvtrio.actors.wear",
     "WritePolicy": "kvtrio.actors.tiered",
     "Writer": "kvtrio.actors.writer",
     "default_admission": "kvtrio.actors.policy",

@@ -27,7 +27,8 @@ from typing import Protocol
 import attrs
 import trio
 from kvtrio.actors.misses import MissReason, MissStatistics
-from kvtrio.actors.policy import EvictionStatistics, WearStatistics
+from kvtrio.actors.policy import EvictionStatistics
+from kvtrio.actors.wear import WearStatistics
 
 __all__ = [
     "CONTENT_TYPE",

@@ -138,7 +138,6 @@ from kvtrio.actors.policy import (
     EvictionPolicy,
     PolicyKind,
     PrefillCost,
-    WearAccount,
     default_admission,
     make_eviction_policy,
 )
@@ -169,6 +168,7 @@ from kvtrio.actors.tieredtypes import (
     _Prefetch,
     _trim,
 )
+from kvtrio.actors.wear import WearAccount
 from kvtrio.actors.writegate import WriteGate
 from kvtrio.errors import (
     InvalidInputError,

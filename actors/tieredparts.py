@@ -34,7 +34,6 @@ if TYPE_CHECKING:
         EntryCost,
         EvictionPolicy,
         PrefillCost,
-        WearAccount,
     )
     from kvtrio.actors.prefix import ModelKey, PrefixIndex
     from kvtrio.actors.tieredtypes import (
@@ -43,6 +42,7 @@ if TYPE_CHECKING:
         WritePolicy,
         _Prefetch,
     )
+    from kvtrio.actors.wear import WearAccount
     from kvtrio.actors.writegate import WriteGate
 
 __all__ = ["CacheParts"]

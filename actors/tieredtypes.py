@@ -21,13 +21,11 @@ from kvtrio.actors.misses import (
     Explanation,
     MissStatistics,
 )
-from kvtrio.actors.policy import (
-    EvictionStatistics,
-    WearStatistics,
-)
+from kvtrio.actors.policy import EvictionStatistics
 from kvtrio.actors.prefix import (
     PrefixMatch,
 )
+from kvtrio.actors.wear import WearStatistics
 
 __all__ = [
     "DEFAULT_BYTES_PER_TOKEN",

@@ -49,10 +49,10 @@ from kvtrio.actors.policy import (
     PolicyKind,
     PrefillCost,
     SecondUse,
-    WearAccount,
     default_admission,
     make_eviction_policy,
 )
+from kvtrio.actors.wear import WearAccount
 
 __all__ = ["Trace", "add_arguments", "make_trace", "measure", "render", "replay"]
 

@@ -75,9 +75,9 @@ from kvtrio.errors import ShuttingDown, UnsupportedCacheError
 from mlx_lm.models import cache as _mlx_cache
 
 if TYPE_CHECKING:  # the tier's modules load with the tier: ``kvtrio serve`` starts without
-    from kvtrio.actors.policy import WearStatistics
     from kvtrio.actors.prefix import PrefixMatch
     from kvtrio.actors.tiered import Fetched
+    from kvtrio.actors.wear import WearStatistics
     from kvtrio.serve.bridge import TierThread
 
 __all__ = [

@@ -17,13 +17,9 @@ from kvtrio.actors.metrics import (
     watch_loop_lag,
 )
 from kvtrio.actors.misses import Explanation, MissCounter, MissReason
-from kvtrio.actors.policy import (
-    AdmissionCandidate,
-    EntryCost,
-    LruPolicy,
-    WearAccount,
-)
+from kvtrio.actors.policy import AdmissionCandidate, EntryCost, LruPolicy
 from kvtrio.actors.tiered import TieredStatistics
+from kvtrio.actors.wear import WearAccount
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 

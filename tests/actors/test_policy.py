@@ -19,10 +19,10 @@ from kvtrio.actors.policy import (
     PrefillCost,
     RecomputePerByte,
     SecondUse,
-    WearAccount,
     default_admission,
     make_eviction_policy,
 )
+from kvtrio.actors.wear import WearAccount
 from kvtrio.errors import PinLimitError
 
 BPT = 1000  # bytes per token in these traces
