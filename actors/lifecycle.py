@@ -28,6 +28,7 @@ from collections import OrderedDict
 from types import MappingProxyType
 
 import attrs
+from kvtrio.actors.seglru import SegmentedLru
 from kvtrio.errors import LifecycleError
 
 __all__ = [
@@ -138,12 +139,16 @@ class ColdLedger:
 
     :meth:`apply` is the only place a state changes, so none of these can disagree with
     the table. Costs: :meth:`apply`, :meth:`touch`, :meth:`oldest_durable` are O(1)
-    (ordered dicts); :meth:`check` is O(entries), for tests.
+    (ordered dicts; the cold LRU a :class:`~kvtrio.actors.seglru.SegmentedLru`, so no
+    single step of them is O(entries), not even a table's resize); :meth:`check` is
+    O(entries), for tests.
     """
 
     used: int = 0
     _reserved: int = 0
-    _durable: OrderedDict[str, ColdSide] = attrs.field(factory=OrderedDict)
+    # Segmented (:mod:`kvtrio.actors.seglru`): open fills it with every stored entry on a
+    # worker thread, where one OrderedDict's resize held the GIL (the loop) for 13 ms or more.
+    _durable: SegmentedLru[str, ColdSide] = attrs.field(factory=SegmentedLru)
     _queued: OrderedDict[str, ColdSide] = attrs.field(factory=OrderedDict)
     _queued_bytes: int = 0
     _writing: dict[int, ColdSide] = attrs.field(factory=dict)
@@ -202,7 +207,8 @@ class ColdLedger:
             self._durable.move_to_end(side.key)
 
     def oldest_durable(self) -> ColdSide | None:
-        return next(iter(self._durable.values()), None)
+        first = self._durable.first()
+        return None if first is None else first[1]
 
     def oldest_queued(self) -> ColdSide | None:
         return next(iter(self._queued.values()), None)

@@ -10,7 +10,8 @@ the disk was given and what it gave back.
 
 Theory of operation
 -------------------
-1. :class:`LruPolicy`: the least recently used entry is the victim (an ordered dict).
+1. :class:`LruPolicy`: the least recently used entry is the victim (an ordered map in
+   bounded segments, :mod:`~kvtrio.actors.seglru`: no step resizes a table of them all).
 2. :class:`GreedyDualPolicy` (GreedyDual-Size, optionally -Frequency): every entry has a
    priority ``H = L + uses * cost / bytes``, where ``cost`` is the seconds it would take
    to prefill its tokens again (a :class:`PrefillCost`, measured at run time, per model),
@@ -48,6 +49,7 @@ from collections.abc import Callable, Hashable, Iterable
 
 import attrs
 import trio
+from kvtrio.actors.seglru import SegmentedLru
 from kvtrio.errors import PinLimitError
 
 __all__ = [
@@ -397,7 +399,7 @@ class EvictionPolicy(abc.ABC):
 class LruPolicy(EvictionPolicy):
     """Least recently used first (rule 1). O(1) per operation."""
 
-    _lru: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)
+    _lru: SegmentedLru[str, None] = attrs.field(init=False, factory=SegmentedLru)
 
     def _order_add(self, key: str, slot: _Slot) -> None:
         self._lru[key] = None
