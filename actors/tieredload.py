@@ -65,8 +65,9 @@ class IndexAndLoadMixin(CacheParts):
         the tables are built on a worker thread, one store batch per call, while the loop
         only waits: the loop does nothing per entry (docs/design.md invariant 16). What
         holds the GIL in one piece is bounded: a young collection per catalogue batch
-        (:mod:`kvtrio.actors.collector`), and a table's resize (a few ms at 100,000
-        entries; the ledger's OrderedDict, 13 ms or more: docs/benchmarks.md)."""
+        (:mod:`kvtrio.actors.collector`), and a plain dict's resize (the records', the
+        cold policy's slots': a few ms at 100,000 entries). The two LRUs are segmented
+        (:mod:`kvtrio.actors.seglru`): no resize of a table of every entry."""
         self._ledger.used = await self.cold.usage()
         by_order: list[CacheRecord | None] = []
         young = YoungCollections()
