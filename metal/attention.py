@@ -443,7 +443,7 @@ class BatchPagedAttentionView:
                     "output_dtypes": [dtype, mx.float32],
                     "init_value": init,
                 },
-                tail=tail, merge=None, merge_kw={}, table=table,
+                tail=tail, merge=None, merge_kw={},
                 compiled=compiled,
             )
         split = 1024 // dim  # threads of a merge block that share one output element
@@ -463,7 +463,6 @@ class BatchPagedAttentionView:
                 "output_shapes": [(self.batch, q_heads, n, dim)], "output_dtypes": [dtype],
                 "init_value": poison,
             },
-            table=table,
             compiled=compiled,
         )
 

@@ -41,7 +41,6 @@ class Launch:
     tail: tuple[mx.array, ...]  # its inputs after the queries: keys, values, table, ...
     merge: Any  # the merge kernel, or None when the partition kernel merges
     merge_kw: dict[str, Any]
-    table: mx.array
     compiled: bool = False  # replay through mx.compile from the second call on
     mode: str = LaunchMode.PLAIN
     calls: int = 0
@@ -50,6 +49,11 @@ class Launch:
 
     def __attrs_post_init__(self) -> None:
         self._plain = _body(self.partial, self.partial_kw, self.merge, self.merge_kw)
+
+    @property
+    def table(self) -> mx.array:
+        """The kernel block table: the tail's third array (keys, values, table, ...)."""
+        return self.tail[2]
 
     def run(self, queries: mx.array) -> mx.array:
         self.calls += 1

@@ -308,34 +308,25 @@ def _parse_slot(obj: Any, path: str, layout: Layout) -> TensorSlot:
     if "off" in f.obj or "xxh3" in f.obj:
         raise CorruptCacheError(f"{path}: off/xxh3 are not allowed in the blocks layout")
     raw_blocks = f.f_list("blocks", MAX_BLOCKS_PER_TENSOR)
-    plain = _plain_block_refs(raw_blocks)
-    if plain is not None:
-        total = sum(ref.nbytes for ref in plain)
-        if total != nbytes:
-            raise CorruptCacheError(
-                f"{f.name('blocks')}: blocks hold {total} bytes, slot has {nbytes}"
-            )
-        return TensorSlot(shape, dtype, nbytes, token_axis, blocks=tuple(plain))
-    # Something in the list is off: the field by field walk names the first fault.
-    refs: list[BlockRef] = []
-    total = 0
-    for i, raw in enumerate(raw_blocks):
-        bpath = f"{f.name('blocks')}[{i}]"
-        b = _Fields(raw, bpath, frozenset({"sha256", "bytes"}))
-        name = b.f_str("sha256")
-        if BLOCK_NAME_RE.fullmatch(name) is None:
-            raise CorruptCacheError(
-                f"{b.name('sha256')}: not 64 lowercase hex digits: {name!r:.80}"
-            )
-        size = b.f_int("bytes", 0, MAX_BLOCK_BYTES)
-        refs.append(BlockRef(name, size))
-        total += size
+    refs = _plain_block_refs(raw_blocks)
+    if refs is None:  # something in the list is off: the field by field walk names it
+        refs = [_block_ref(raw, f"{f.name('blocks')}[{i}]") for i, raw in enumerate(raw_blocks)]
+    total = sum(ref.nbytes for ref in refs)
     if total != nbytes:
         raise CorruptCacheError(f"{f.name('blocks')}: blocks hold {total} bytes, slot has {nbytes}")
     return TensorSlot(shape, dtype, nbytes, token_axis, blocks=tuple(refs))
 
 
 _BLOCK_KEYS: Final = frozenset({"sha256", "bytes"})
+
+
+def _block_ref(raw: Any, path: str) -> BlockRef:
+    """One block reference, field by field (each fault named by its path)."""
+    b = _Fields(raw, path, _BLOCK_KEYS)
+    name = b.f_str("sha256")
+    if BLOCK_NAME_RE.fullmatch(name) is None:
+        raise CorruptCacheError(f"{b.name('sha256')}: not 64 lowercase hex digits: {name!r:.80}")
+    return BlockRef(name, b.f_int("bytes", 0, MAX_BLOCK_BYTES))
 
 
 def _plain_block_refs(raw: list[Any]) -> list[BlockRef] | None:
