@@ -11,6 +11,7 @@ so a regression fails loudly.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -26,14 +27,22 @@ __all__ = ["KNOWN_FINDINGS", "run_drill_cli"]
 KNOWN_FINDINGS: dict[str, re.Pattern[str]] = {}
 
 
-def run_drill_cli(name: str, tmp_path: Path, *extra: str, timeout: float = 300) -> dict[str, Any]:
-    """``kvtrio drill NAME --json``: fails on any unknown violation, returns the figures."""
+def run_drill_cli(
+    name: str,
+    tmp_path: Path,
+    *extra: str,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """``kvtrio drill NAME --json``: fails on any unknown violation, returns the figures.
+    ``env`` adds variables to the child's environment (the drills' size knobs)."""
     proc = subprocess.run(
         [sys.executable, "-m", "kvtrio", "drill", name, "--json", "--dir", str(tmp_path), *extra],
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
+        env=None if env is None else {**os.environ, **env},
     )
     assert proc.stdout, proc.stderr[-4000:]
     (record,) = json.loads(proc.stdout)

@@ -160,7 +160,7 @@ def test_save_cache_refuses_with_a_typed_error_or_round_trips_bit_exact(
 ) -> None:
     seen = {"refused": 0, "saved": 0}
 
-    @settings(SETTINGS, max_examples=4000)
+    @settings(SETTINGS, max_examples=1500)
     @given(case=cases(), layout=st.sampled_from(["single", "blocks"]))
     def one(case: tuple[str, int, list[Any], dict[str, Any]], layout: Any) -> None:
         kind, n, tokens, meta = case
@@ -186,7 +186,7 @@ def test_save_cache_refuses_with_a_typed_error_or_round_trips_bit_exact(
         seen["saved"] += 1
 
     one()
-    assert seen["refused"] > 800 and seen["saved"] > 800, seen
+    assert seen["refused"] > 300 and seen["saved"] > 300, seen
 
 
 def test_insert_refuses_with_a_typed_error_or_keeps_exactly_what_it_was_given(
@@ -204,7 +204,7 @@ def test_insert_refuses_with_a_typed_error_or_keeps_exactly_what_it_was_given(
     seen = {"refused": 0, "kept": 0}
 
     def run_cases(cache: TieredPromptCache) -> None:
-        @settings(SETTINGS, max_examples=6000)
+        @settings(SETTINGS, max_examples=2000)
         @given(
             case=cases(),
             conversation=st.one_of(st.none(), st.text(max_size=4), st.integers(0, 3)),
@@ -253,4 +253,4 @@ def test_insert_refuses_with_a_typed_error_or_keeps_exactly_what_it_was_given(
             await trio.to_thread.run_sync(run_cases, cache)
 
     trio.run(main)
-    assert seen["refused"] > 1000 and seen["kept"] > 1000, seen
+    assert seen["refused"] > 330 and seen["kept"] > 330, seen
