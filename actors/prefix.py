@@ -30,6 +30,12 @@ Rules the index keeps:
    other than the one that changes the index (kvtrio serve's generation thread, while
    the tier's trio thread adds and removes entries) reads it without a round trip to that
    thread. Each holds it for one operation's Python work (a few hashes and list moves).
+5. Every ``add`` and ``remove`` bumps :attr:`PrefixIndex.epoch`, and the index keeps
+   its last lookup's answer with the epoch it was read at: a lookup of the same model
+   and tokens at the same epoch returns it without walking the chain again (the same
+   answer: nothing else changes what a lookup sees). One request's lookups share one
+   walk: kvtrio serve's arrival prefetch, the generation thread's peek and the tier's
+   own lookup of the same prompt.
 """
 
 from __future__ import annotations
@@ -123,6 +129,24 @@ PackedTokens = NewType("PackedTokens", bytes)
 :func:`kvtrio.storage.catalogue.pack_tokens`): 4 bytes a token in one object the cyclic
 collector does not track, and bytes order (memcmp) is the order of the token tuples, so
 the index's sorted runs compare slices of it."""
+
+
+def _link_bytes(parent: bytes, model: ModelKey, little: bytes) -> bytes:
+    """:func:`_link` of the tokens ``little`` holds as u32 little-endian bytes (the same
+    digest, without converting a block of ints on every link)."""
+    h = hashlib.sha256(parent)
+    h.update(model.fingerprint.encode())
+    h.update((len(little) >> 2).to_bytes(8, "little"))
+    h.update(little)
+    return h.digest()
+
+
+def _big_endian(little: bytes) -> PackedTokens:
+    """u32 little-endian bytes as :data:`PackedTokens` (big-endian)."""
+    values = array.array("I")
+    values.frombytes(little)
+    values.byteswap()  # each u32's bytes reversed, whatever the host's order
+    return PackedTokens(values.tobytes())
 
 
 def pack_tokens(tokens: Sequence[int]) -> PackedTokens:
@@ -342,6 +366,13 @@ class PrefixIndex:
     _nodes: dict[bytes, _Node] = attrs.field(init=False, factory=dict)
     _windows: dict[int, Callable[[PrefixEntry], bytes]] = attrs.field(init=False, factory=dict)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)  # rule 4
+    #: Bumped by every add and remove (rule 5).
+    epoch: int = attrs.field(init=False, default=0)
+    # The last lookup: (epoch, model, query as u32 little-endian bytes, its answer, the
+    # chain nodes its walk reached).
+    _last: tuple[int, ModelKey, bytes, PrefixMatch | None, list[_Node]] | None = attrs.field(
+        init=False, default=None
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.block_size < 1:
@@ -416,6 +447,7 @@ class PrefixIndex:
 
     def _add(self, entry: PrefixEntry, root: bytes | None = None) -> PrefixEntry | None:
         previous = self._remove(entry.key)
+        self.epoch += 1
         path = self._path(entry, root)
         for depth, node_hash in enumerate(path):
             node = self._nodes.get(node_hash)
@@ -441,6 +473,7 @@ class PrefixIndex:
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
+        self.epoch += 1
         path = self._path(entry)
         for depth, node_hash in enumerate(path):
             node = self._nodes[node_hash]
@@ -460,20 +493,45 @@ class PrefixIndex:
 
     def lookup(self, model: ModelKey, tokens: Sequence[int]) -> PrefixMatch | None:
         """The best entry to reuse for ``tokens`` (see rule 3), or None on a miss. Any
-        thread (rule 4)."""
-        query = tuple(int(t) for t in tokens)
-        if not query:
+        thread (rule 4). The same query again, with no add or remove since, is answered
+        from the last lookup without a walk (rule 5)."""
+        if not tokens:
             return None
-        packed = pack_tokens(query)
+        little = _token_bytes(tokens)
         with self._lock:
-            return self._lookup(model, query, packed)
+            last = self._last
+            if last is not None and last[:3] == (self.epoch, model, little):
+                return last[3]
+            path, hashes = self._walk(model, little)
+            match = self._lookup(model, little, _big_endian(little), path, hashes)
+            self._last = (self.epoch, model, little, match, path)
+            return match
 
-    def _lookup(self, model: ModelKey, query: tuple[int, ...], packed: bytes) -> PrefixMatch | None:
-        path, hashes = self._walk(model, query)
-        exact = self._entries.get(entry_key(model, query, self.block_size))
-        if exact is not None and exact.packed == packed:
-            return PrefixMatch(exact, MatchKind.EXACT, len(query))
-        shorter = self._longest_shorter(model, path, hashes, query, packed)
+    def _path_of(self, model: ModelKey, little: bytes) -> list[_Node]:
+        """The query's chain nodes (:meth:`_walk`), from the last lookup's when it was
+        this query's at this epoch (rule 5)."""
+        with self._lock:
+            last = self._last
+            if last is not None and last[:3] == (self.epoch, model, little):
+                return last[4]
+            return self._walk(model, little)[0]
+
+    def _lookup(
+        self,
+        model: ModelKey,
+        little: bytes,
+        packed: bytes,
+        path: list[_Node],
+        hashes: list[bytes],
+    ) -> PrefixMatch | None:
+        n = len(little) >> 2
+        if len(path) - 1 == n // self.block_size:  # every full block's node exists
+            key = _link_bytes(hashes[-1], model, little[4 * (n - n % self.block_size) :])
+            exact = self._entries.get(key.hex())
+            if exact is not None and exact.packed == packed:
+                return PrefixMatch(exact, MatchKind.EXACT, n)
+        # else no exact entry: one is registered at the node of every full block it covers
+        shorter = self._longest_shorter(model, path, hashes, little, packed)
         short_len = shorter.length if shorter is not None else 0
         longer = self._best_longer(path[-1], packed, short_len)
         if longer is not None:
@@ -491,12 +549,12 @@ class PrefixIndex:
         (explained misses, :mod:`kvtrio.actors.misses`): candidates are visited outward
         from the query's place in the deepest node's runs, most tokens kept first, and the
         first refused one is the answer."""
-        query = tuple(int(t) for t in tokens)
-        if not query:
+        if not tokens:
             return None
-        packed = pack_tokens(query)
-        path, _ = self._walk(model, query)
-        deepest = path[-1]
+        little = _token_bytes(tokens)
+        packed = _big_endian(little)
+        n = len(little) >> 2
+        deepest = self._path_of(model, little)[-1]
         start = deepest.depth * self.block_size
         window = self._window(deepest.depth)
         runs = deepest.runs
@@ -508,23 +566,24 @@ class PrefixIndex:
             common = _common_prefix(entry.packed, packed, start)
             if common >= entry.length:
                 continue
-            kept = min(len(query) - 1, common)
+            kept = min(n - 1, common)
             if kept <= reuse:
                 return None
             if not (entry.trimmable and kept >= entry.min_reusable_offset):
                 return entry, kept
         return None
 
-    def _walk(self, model: ModelKey, query: tuple[int, ...]) -> tuple[list[_Node], list[bytes]]:
-        """The nodes of the query's chain that exist (root first), and their hashes."""
+    def _walk(self, model: ModelKey, little: bytes) -> tuple[list[_Node], list[bytes]]:
+        """The nodes of the query's chain that exist (root first), and their hashes;
+        ``little`` is the query as u32 little-endian bytes (:func:`_token_bytes`)."""
         parent = model.root()
         root = self._nodes.get(parent)
         if root is None:
             return [_Node(0)], [parent]
         path, hashes = [root], [parent]
-        b = self.block_size
-        for start in range(0, len(query) - b + 1, b):
-            parent = _link(parent, model, query[start : start + b])
+        step = 4 * self.block_size
+        for start in range(0, len(little) - step + 1, step):
+            parent = _link_bytes(parent, model, little[start : start + step])
             node = self._nodes.get(parent)
             if node is None:
                 break
@@ -537,18 +596,21 @@ class PrefixIndex:
         model: ModelKey,
         path: list[_Node],
         hashes: list[bytes],
-        query: tuple[int, ...],
+        little: bytes,
         packed: bytes,
     ) -> PrefixEntry | None:
-        """The longest entry that is a proper prefix of ``query``: at each node, deepest
-        first, the entries ending there are probed by key, one per tail length present."""
+        """The longest entry that is a proper prefix of the query (``little``: its u32
+        little-endian bytes; ``packed``: big-endian): at each node, deepest first, the
+        entries ending there are probed by key, one per tail length present."""
+        length = len(little) >> 2
         for node, node_hash in zip(reversed(path), reversed(hashes), strict=True):
             start = node.depth * self.block_size
             for tail in sorted(node.tails, reverse=True):
                 n = start + tail
-                if not 0 < n < len(query):
+                if not 0 < n < length:
                     continue
-                entry = self._entries.get(_link(node_hash, model, query[start:n]).hex())
+                key = _link_bytes(node_hash, model, little[4 * start : 4 * n]).hex()
+                entry = self._entries.get(key)
                 if entry is not None and entry.packed == packed[: 4 * n]:
                     return entry
         return None

@@ -264,3 +264,66 @@ def test_add_many_builds_the_index_add_builds() -> None:
         bulk = in_bulk._nodes[node_hash]
         assert [e.key for e in bulk.runs] == [e.key for e in node.runs]
         assert bulk.tails == node.tails
+
+
+def _walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the index's chain walks (one per lookup that is not answered from the
+    last one)."""
+    calls = [0]
+    real = PrefixIndex._walk
+
+    def counted(index: PrefixIndex, model: ModelKey, little: Any) -> Any:
+        calls[0] += 1
+        return real(index, model, little)
+
+    monkeypatch.setattr(PrefixIndex, "_walk", counted)
+    return calls
+
+
+def test_a_lookup_hashes_each_block_of_the_query_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 4k-token lookup walks its 16 blocks once: the exact probe extends the walk's
+    last hash by the tail instead of hashing the whole chain again."""
+    import hashlib
+
+    entry = list(range(1, 4104))  # 16 full blocks of 256 and a tail of 7
+    index = _index(entry, block_size=256)
+    hashes = [0]
+    real = hashlib.sha256
+
+    def counted(*args: Any) -> Any:
+        hashes[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(hashlib, "sha256", counted)
+    match = index.lookup(MODEL, [*entry, *range(9000, 9040)])
+    assert match is not None and (match.kind, match.reuse) == (MatchKind.SHORTER, len(entry))
+    # 16 blocks walked, the query's own key (its tail), the one tail length ending there
+    assert hashes[0] == 16 + 1 + 1
+
+
+def test_a_repeated_lookup_is_answered_from_the_last_until_the_index_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs rule 5 of kvtrio.actors.prefix: the same query at the same epoch is not walked
+    again; every add (one or many) and remove bumps the epoch, and the next lookup sees
+    the change."""
+    index = _index(list(range(10)))
+    walks = _walks(monkeypatch)
+    query = [*range(12), 50]
+    first = index.lookup(MODEL, query)
+    assert first is not None and first.reuse == 10
+    assert index.lookup(MODEL, tuple(query)) == first and walks[0] == 1  # no second walk
+    assert index.lookup(MODEL, query[:-1]) is not None and walks[0] == 2  # another query
+    other = ModelKey("tiny-llama", "fp-b")
+    assert index.lookup(other, query) is None and walks[0] == 3  # another model
+    epoch = index.epoch
+    index.add(index.make_entry(MODEL, list(range(12))))
+    assert index.epoch > epoch
+    match = index.lookup(MODEL, query)
+    assert match is not None and match.reuse == 12 and walks[0] == 4
+    index.add_many([index.make_entry(MODEL, query)])
+    match = index.lookup(MODEL, query)
+    assert match is not None and match.kind is MatchKind.EXACT and walks[0] == 5
+    index.remove(match.entry.key)
+    match = index.lookup(MODEL, query)
+    assert match is not None and match.reuse == 12 and walks[0] == 6

@@ -483,6 +483,40 @@ def test_prefetch_on_arrival_looks_the_index_up_once(
         assert lookups == [len(tokens) + 1]
 
 
+def test_a_cold_hit_after_an_arrival_prefetch_walks_the_index_once(
+    tiny: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/serve.md, "Prefetch": one request's cold hit costs one walk of the cold index
+    (kvtrio.actors.prefix rule 5): the arrival's prefetch, the generation thread's peek,
+    the tier's own lookup and its explanation of the hit share it."""
+    tokens = [t % 500 + 1 for t in range(600)]  # two full blocks of 256 and a tail
+    with _adapter(tiny, tmp_path) as (cache, _):
+        original = _prefilled(tiny, tokens)
+        expected = _bytes(original)
+        cache.insert_cache(MODEL, tokens, original)
+    with _adapter(tiny, tmp_path) as (cache, tier):
+        cold = tier.cache
+        assert cold is not None
+        walks: list[int] = []
+        real = PrefixIndex._walk
+
+        def counted(index: PrefixIndex, model: Any, little: Any) -> Any:
+            if index is cold._index:
+                walks.append(len(little) // 4)
+            return real(index, model, little)
+
+        monkeypatch.setattr(PrefixIndex, "_walk", counted)
+        query = [*tokens, 5, 6]
+        assert cache.prefetch_on_arrival(MODEL, query)
+        got, rest = cache.fetch_nearest_cache(MODEL, query)
+        assert rest == [5, 6] and cache.last_fetch == FetchInfo(CacheTier.COLD, len(tokens))
+        assert _bytes(got) == expected
+        assert walks == [len(query)]
+        stats = tier.peek(lambda: cold.statistics())
+        assert stats.lookups is not None and stats.lookups.lookups == 1
+        assert stats.hits_cold == 1
+
+
 def test_a_tier_still_opening_leaves_lookups_to_ram_and_holds_evictions(
     tiny: TinyModel, tmp_path: Path
 ) -> None:
