@@ -34,6 +34,7 @@ from kvtrio.bench.serve_harness import (
     no_eos,
     pct,
     prompt_words,
+    round_order,
     steady_rate,
 )
 from kvtrio.bench.serve_restart import KINDS, QUESTION, restart, restart_ratios
@@ -143,40 +144,56 @@ def _decode_round(server: Server, tokens: int, streams: int, bias: dict[str, flo
     }
 
 
+#: Keys of a round's record that are not figures (no median is taken of them).
+ROUND_TAGS = ("position", "pid")
+
+
 def _decode(
     model: Path, root: Path, tokens: int, streams: int, rounds: int, log: Path
 ) -> dict[str, Any]:
     """Decode of one stream and of ``streams`` at once on each server, in ``rounds``
-    rounds alternating the servers' order (all three started once, idle while another is
-    measured), no stream ending before ``tokens`` tokens (EOS biased away). One stream's
-    rate is steady (first token to last); the streams' is the burst's, every token over
-    the time from sending the requests to the last token (mlx-lm takes requests that
-    arrive while it decodes only between decode time slices of up to 0.5 s, so the
-    streams do not all start together; ``_steady`` is :func:`steady_rate`, 0 when they
-    never all decoded at once); each figure is the median over the rounds, and
-    ``runs`` keeps every round. For kvtrio serve it counts the RAM entries it handed to
-    disk during the rounds (mlx-lm's evictions, which the others drop)."""
+    rounds, no stream ending before ``tokens`` tokens (EOS biased away). Each round starts
+    all three servers afresh, in :func:`round_order` (reversed every other round: on the
+    H200 the server started first decoded about 10% faster than the others, whichever it
+    was), warms each up (a short round, not counted: kernels, caches), measures each in
+    the same order (the others idle) and stops them. One stream's rate is steady (first
+    token to last); the streams' is the burst's, every token over the time from sending
+    the requests to the last token (mlx-lm takes requests that arrive while it decodes
+    only between decode time slices of up to 0.5 s, so the streams do not all start
+    together; ``_steady`` is :func:`steady_rate`, 0 when they never all decoded at once);
+    each figure is the median over the rounds, and ``runs`` keeps every round (with the
+    server's ``position`` in that round's order and its ``pid``). For kvtrio serve it
+    counts the RAM entries it handed to disk during the measured rounds (mlx-lm's
+    evictions, which the others drop)."""
     bias = no_eos(model)
-    servers = {kind: Server(kind, model, root / f"{kind}-decode", log) for kind in KINDS}
     runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
-    try:
-        for server in servers.values():  # a first round each, not counted: kernels, caches
-            _decode_round(server, 8, streams, bias, -1)
-        spilled_before = _spilled(servers["kvtrio"])
-        for r in range(rounds):
-            for kind in KINDS if r % 2 == 0 else KINDS[::-1]:
-                runs[kind].append(_decode_round(servers[kind], tokens, streams, bias, r))
-        spilled = _spilled(servers["kvtrio"])
-    finally:
-        for server in servers.values():
-            server.stop()
+    spilled = 0
+    for r in range(rounds):
+        order = round_order(KINDS, r)
+        servers: dict[str, Server] = {}
+        try:
+            for kind in order:
+                servers[kind] = Server(kind, model, root / f"{kind}-decode-{r}", log)
+            for kind in order:
+                _decode_round(servers[kind], 8, streams, bias, -1 - r)
+            for position, kind in enumerate(order):
+                server = servers[kind]
+                server.wait_cold_ready()  # kvtrio's open is not measured (0 s for the others)
+                before = _spilled(server)
+                run = _decode_round(server, tokens, streams, bias, r)
+                after = _spilled(server)
+                if before is not None and after is not None:
+                    spilled += after - before
+                runs[kind].append({**run, "position": position, "pid": server.process.pid})
+        finally:
+            for server in servers.values():
+                server.stop()
     out: dict[str, Any] = {}
     for kind in KINDS:
-        keys = runs[kind][0].keys() if runs[kind] else ()
+        keys = [k for k in (runs[kind][0] if runs[kind] else ()) if k not in ROUND_TAGS]
         out[kind] = {key: median([run[key] for run in runs[kind]]) for key in keys}
         out[kind]["runs"] = runs[kind]
-    if spilled is not None and spilled_before is not None:
-        out["kvtrio"]["spilled_during_rounds"] = spilled - spilled_before
+    out["kvtrio"]["spilled_during_rounds"] = spilled
     return out
 
 
@@ -267,9 +284,10 @@ def _spill(
     model: Path, root: Path, length: int, tokens: int, rounds: int, log: Path
 ) -> dict[str, dict[str, Any]]:
     """Inter-token latency of a stream S while other requests make the server save large
-    entries, and of a stream alone, on every server of :data:`SPILL_SERVERS`: all started
-    at once, each round run on each in turn, the order alternating between rounds (the
-    machine's noise then falls on all alike).
+    entries, and of a stream alone, on every server of :data:`SPILL_SERVERS`: each round
+    starts them all afresh in :func:`round_order` (reversed every other round: which
+    server starts first moves its decode rate on the H200), warms each up and runs the
+    round on each in the same order (the machine's noise then falls on all alike).
 
     Each round: a quiet stream (``tokens`` tokens, nothing else running); a
     ``length``-token prompt answered with one token (entry B in RAM); then S and, once S
@@ -285,29 +303,36 @@ def _spill(
     save, the reference of the check. Per server: p50/p99/max over all rounds' samples,
     and per round its p99, the tokens C reused (a hit on every server, or the round
     would measure a recompute), for kvtrio the entries spilled while S ran, and whether
-    S outlived the window.
+    S outlived the window, with the server's ``position`` in the round's order and its
+    ``pid``.
     """
     bias = no_eos(model)  # S must not end on its own
     document = prompt_words(model, length)
-    servers: dict[str, Server] = {}
     quiet: dict[str, list[float]] = {label: [] for label, _, _ in SPILL_SERVERS}
     during: dict[str, list[float]] = {label: [] for label, _, _ in SPILL_SERVERS}
     checks: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in SPILL_SERVERS}
-    try:
-        for label, kind, size in SPILL_SERVERS:
-            extra = ("--prompt-cache-size", str(size))
-            servers[label] = Server(kind, model, root / f"{label}-spill", log, extra=extra)
-            servers[label].chat([{"role": "user", "content": "warm up"}], 4)
-        labels = [label for label, _, _ in SPILL_SERVERS]
-        for r in range(rounds):
-            for label in labels if r % 2 == 0 else labels[::-1]:
-                alone, gaps, check = _spill_round(servers[label], label, document, tokens, r, bias)
+    specs = {label: (kind, size) for label, kind, size in SPILL_SERVERS}
+    for r in range(rounds):
+        order = round_order(list(specs), r)
+        servers: dict[str, Server] = {}
+        try:
+            for label in order:
+                kind, size = specs[label]
+                extra = ("--prompt-cache-size", str(size))
+                work = root / f"{label}-spill-{r}"
+                servers[label] = Server(kind, model, work, log, extra=extra)
+            for label in order:
+                servers[label].chat([{"role": "user", "content": f"warm up {r}"}], 4)
+            for position, label in enumerate(order):
+                server = servers[label]
+                server.wait_cold_ready()
+                alone, gaps, check = _spill_round(server, label, document, tokens, r, bias)
                 quiet[label] += alone
                 during[label] += gaps
-                checks[label].append(check)
-    finally:
-        for server in servers.values():
-            server.stop()
+                checks[label].append({**check, "position": position, "pid": server.process.pid})
+        finally:
+            for server in servers.values():
+                server.stop()
     return {
         label: {
             "itl_p50_ms_quiet": 1e3 * pct(quiet[label], 0.5),
@@ -407,11 +432,12 @@ def _starts(
     on disk (none for mlx_lm.server): seconds from the spawn until it listens, until it
     has answered its first request (a one-token chat, sent as soon as it listens), and,
     for kvtrio serve, until its cold tier is open (naive's index is read before it
-    listens). Medians, and every run."""
+    listens). One server runs at a time, in :func:`round_order` (reversed every other
+    round). Medians, and every run (with its ``position`` in the round's order)."""
     fills = {kind: _fill(kind, model, root / f"{kind}-entries", entries) for kind in KINDS}
     runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
     for r in range(rounds):
-        for kind in KINDS if r % 2 == 0 else KINDS[::-1]:  # alternating, as decode's
+        for position, kind in enumerate(round_order(KINDS, r)):  # alternating, as decode's
             server = Server(kind, model, root / f"{kind}-entries", log)
             try:
                 answer = _first_answer(server, f"hi {r}")
@@ -419,7 +445,8 @@ def _starts(
                 time.sleep(1.0)  # the naive baseline saves after answering: not torn by a stop
             finally:
                 server.stop()
-            runs[kind].append({"listen_s": server.start_s, "answer_s": answer, "cold_s": ready})
+            run = {"listen_s": server.start_s, "answer_s": answer, "cold_s": ready}
+            runs[kind].append({**run, "position": position})
     out: dict[str, dict[str, Any]] = {}
     for kind in KINDS:
         out[kind] = {"fill_s": fills[kind], "runs": runs[kind]}
@@ -567,10 +594,19 @@ def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
                     decode[kind][key] / base if base else float("nan")
                 )
             for kind in ("kvtrio", "naive"):
-                ratios["decode"][f"{key}_{kind}_vs_mlx_lm_per_round"] = [
-                    a[key] / b[key] if b[key] else float("nan")
-                    for a, b in zip(decode[kind]["runs"], decode["mlx_lm"]["runs"], strict=True)
-                ]
+                ratios["decode"][f"{key}_{kind}_vs_mlx_lm_per_round"] = (
+                    per_round := [
+                        a[key] / b[key] if b[key] else float("nan")
+                        for a, b in zip(decode[kind]["runs"], decode["mlx_lm"]["runs"], strict=True)
+                    ]
+                )
+                ratios["decode"][f"{key}_{kind}_vs_mlx_lm_round_median"] = median(per_round)
+            # The start-order effect in this run: a server's median rate in the rounds it
+            # was started first over its median in the rounds it was started last.
+            for kind in ("mlx_lm", "kvtrio"):
+                ratios["decode"][f"{key}_{kind}_started_first_vs_last"] = _first_vs_last(
+                    decode[kind]["runs"], key
+                )
     if "spill" in figures:
         spill = figures["spill"]
         kv, naive, plain = spill["kvtrio"], spill["naive"], spill["mlx_lm"]
@@ -591,6 +627,14 @@ def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             "itl_p99_kvtrio_during_vs_quiet": kv["itl_p99_ms_during"] / kv["itl_p99_ms_quiet"],
             "itl_p99_kvtrio_vs_mlx_lm_during": kv["itl_p99_ms_during"] / plain["itl_p99_ms_during"],
             "itl_p99_naive_vs_kvtrio_during": naive["itl_p99_ms_during"] / kv["itl_p99_ms_during"],
+            # The "2x better than naive during a save" check, per round and its median.
+            "itl_p99_naive_vs_kvtrio_during_per_round": (
+                naive_round := [
+                    a["itl_p99_ms_during"] / b["itl_p99_ms_during"]
+                    for a, b in zip(naive["rounds"], kv["rounds"], strict=True)
+                ]
+            ),
+            "itl_p99_naive_vs_kvtrio_during_round_median": median(naive_round),
             "itl_p99_naive_during_vs_quiet": naive["itl_p99_ms_during"] / naive["itl_p99_ms_quiet"],
         }
     if "shared_system_prompt_disk_bytes" in figures:
@@ -605,6 +649,13 @@ def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             "listen_kvtrio_vs_naive": kv["listen_s"] / naive["listen_s"],
             "cold_ready_kvtrio_vs_naive": kv["cold_s"] / naive["cold_s"],
         }
+        # Per round (the servers started back to back), and their medians.
+        for key, name in (("answer_s", "first_answer"), ("listen_s", "listen")):
+            rounds = [a[key] / b[key] for a, b in zip(kv["runs"], naive["runs"], strict=True)]
+            ratios[f"start_with_{args.entries}_entries"] |= {
+                f"{name}_kvtrio_vs_naive_per_round": rounds,
+                f"{name}_kvtrio_vs_naive_round_median": median(rounds),
+            }
     if "prefetch" in figures:
         pre = figures["prefetch"]
         drop = pre["no_prefetch"]["ttft_s"] - pre["prefetch"]["ttft_s"]
@@ -615,6 +666,17 @@ def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             "ttft_drop_vs_load": drop / pre["load_s"] if pre["load_s"] > 0 else float("nan"),
         }
     return ratios
+
+
+def _first_vs_last(runs: list[dict[str, Any]], key: str) -> float:
+    """Median ``key`` of the rounds a server was started first over that of the rounds it
+    was started last (nan without both)."""
+    last = max((run["position"] for run in runs), default=0)
+    first = [run[key] for run in runs if run["position"] == 0]
+    later = [run[key] for run in runs if run["position"] == last and last > 0]
+    if not first or not later or not median(later):
+        return float("nan")
+    return median(first) / median(later)
 
 
 def render(figures: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "no_eos",
     "pct",
     "prompt_words",
+    "round_order",
     "steady_rate",
 ]
 
@@ -228,6 +229,14 @@ def prompt_words(model: Path, tokens: int) -> str:
         else:
             lo = mid + 1
     return " ".join(words[:lo])
+
+
+def round_order(names: Sequence[str], r: int) -> list[str]:
+    """Round ``r``'s order of ``names``: as given in even rounds, reversed in odd ones
+    (every phase starts and measures its servers in this order, so over two rounds each
+    of the first and last servers is started first once: on the H200 the first-started
+    server decoded about 10% faster than the others)."""
+    return list(names) if r % 2 == 0 else list(names)[::-1]
 
 
 def itl(arrivals: Sequence[float]) -> list[float]:

@@ -88,6 +88,10 @@ def test_bench_serve_spill_phase_prints_latencies_and_ratios_of_the_same_run() -
         for checked in spill[kind]["rounds"]:
             assert checked["continued_cached_tokens"] >= 256, (kind, checked)
     kv, naive, nosave = spill["kvtrio"], spill["naive"], spill["kvtrio_nosave"]
+    # The round started its servers in the order it ran them (reversed every other round).
+    labels = ("mlx_lm", "naive", "kvtrio", "kvtrio_nosave")
+    assert [spill[label]["rounds"][0]["position"] for label in labels] == [0, 1, 2, 3]
+    assert len({spill[label]["rounds"][0]["pid"] for label in labels}) == 4
     # kvtrio saved while the stream ran; with room for every entry it saved nothing.
     assert [r["spilled_while_streaming"] for r in kv["rounds"]] != [0]
     assert [r["spilled_while_streaming"] for r in nosave["rounds"]] == [0]
@@ -100,6 +104,9 @@ def test_bench_serve_spill_phase_prints_latencies_and_ratios_of_the_same_run() -
     assert ratios["itl_p99_naive_vs_kvtrio_during"] == (
         naive["itl_p99_ms_during"] / kv["itl_p99_ms_during"]
     )
+    naive_round = naive["rounds"][0]["itl_p99_ms_during"] / kv["rounds"][0]["itl_p99_ms_during"]
+    assert ratios["itl_p99_naive_vs_kvtrio_during_per_round"] == [naive_round]
+    assert ratios["itl_p99_naive_vs_kvtrio_during_round_median"] == naive_round
 
 
 def test_bench_serve_restart_phase_alternates_rounds_and_reports_medians() -> None:
@@ -214,14 +221,55 @@ def test_bench_serve_decode_phase_alternates_rounds_and_reports_medians() -> Non
     )  # fmt: skip
     figures = json.loads(out.stdout)
     decode, ratios = figures["decode"], figures["ratios"]["decode"]
-    for kind in ("mlx_lm", "naive", "kvtrio"):
+    for kind, positions in (("mlx_lm", [0, 2]), ("naive", [1, 1]), ("kvtrio", [2, 0])):
         runs = decode[kind]["runs"]
         assert len(runs) == 2 and all(run["tok_s_1"] > 0 and run["tok_s_2"] > 0 for run in runs)
         assert all(run["tok_s_2_steady"] >= 0 for run in runs)
         assert decode[kind]["tok_s_2"] == (runs[0]["tok_s_2"] + runs[1]["tok_s_2"]) / 2
+        # Each round started the servers afresh, in the order it measured them: the
+        # server started first (which decoded faster on the H200) alternates.
+        assert [run["position"] for run in runs] == positions, kind
+        assert runs[0]["pid"] != runs[1]["pid"], kind
+        assert "position" not in decode[kind] and "pid" not in decode[kind], kind
+    pids = [run["pid"] for kind in ("mlx_lm", "naive", "kvtrio") for run in decode[kind]["runs"]]
+    assert len(set(pids)) == 6
     assert (
         ratios["tok_s_2_kvtrio_vs_mlx_lm"]
         == decode["kvtrio"]["tok_s_2"] / decode["mlx_lm"]["tok_s_2"]
     )
+    kv, plain = decode["kvtrio"]["runs"], decode["mlx_lm"]["runs"]
+    per_round = [a["tok_s_1"] / b["tok_s_1"] for a, b in zip(kv, plain, strict=True)]
+    assert ratios["tok_s_1_kvtrio_vs_mlx_lm_per_round"] == per_round
+    assert ratios["tok_s_1_kvtrio_vs_mlx_lm_round_median"] == sum(per_round) / 2
     assert len(ratios["tok_s_2_kvtrio_vs_mlx_lm_per_round"]) == 2
+    # The start-order effect of the run: mlx_lm was started first in round 0, last in 1.
+    first_vs_last = (plain[0]["tok_s_1"] / plain[1]["tok_s_1"], kv[1]["tok_s_1"] / kv[0]["tok_s_1"])
+    assert (
+        ratios["tok_s_1_mlx_lm_started_first_vs_last"],
+        ratios["tok_s_1_kvtrio_started_first_vs_last"],
+    ) == first_vs_last
     assert decode["kvtrio"]["spilled_during_rounds"] >= 0
+
+
+def test_bench_serve_start_phase_alternates_rounds_and_reports_per_round_ratios() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtrio", "bench", "serve", "--json", "--phases", "start",
+         "--entries", "12", "--start-rounds", "2"],
+        capture_output=True, text=True, check=True, timeout=300,
+    )  # fmt: skip
+    figures = json.loads(out.stdout)
+    starts, ratios = figures["start_with_12_entries"], figures["ratios"]["start_with_12_entries"]
+    for kind, positions in (("mlx_lm", [0, 2]), ("naive", [1, 1]), ("kvtrio", [2, 0])):
+        runs = starts[kind]["runs"]
+        assert [run["position"] for run in runs] == positions, kind  # the order alternates
+        assert all(0 < run["listen_s"] < run["answer_s"] for run in runs), kind
+        assert starts[kind]["answer_s"] == (runs[0]["answer_s"] + runs[1]["answer_s"]) / 2
+    kv, naive = starts["kvtrio"]["runs"], starts["naive"]["runs"]
+    per_round = [a["answer_s"] / b["answer_s"] for a, b in zip(kv, naive, strict=True)]
+    assert ratios["first_answer_kvtrio_vs_naive_per_round"] == per_round
+    assert ratios["first_answer_kvtrio_vs_naive_round_median"] == sum(per_round) / 2
+    assert ratios["first_answer_kvtrio_vs_naive"] == (
+        starts["kvtrio"]["answer_s"] / starts["naive"]["answer_s"]
+    )
+    listen = [a["listen_s"] / b["listen_s"] for a, b in zip(kv, naive, strict=True)]
+    assert ratios["listen_kvtrio_vs_naive_per_round"] == listen
