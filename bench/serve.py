@@ -35,6 +35,7 @@ from kvtrio.bench.serve_harness import (
     pct,
     prompt_words,
     round_order,
+    running,
     steady_rate,
 )
 from kvtrio.bench.serve_restart import KINDS, QUESTION, restart, restart_ratios
@@ -145,49 +146,41 @@ def _decode_round(server: Server, tokens: int, streams: int, bias: dict[str, flo
 
 
 #: Keys of a round's record that are not figures (no median is taken of them).
-ROUND_TAGS = ("position", "pid")
+ROUND_TAGS = ("position", "pid", "alive")
 
 
 def _decode(
     model: Path, root: Path, tokens: int, streams: int, rounds: int, log: Path
 ) -> dict[str, Any]:
     """Decode of one stream and of ``streams`` at once on each server, in ``rounds``
-    rounds, no stream ending before ``tokens`` tokens (EOS biased away). Each round starts
-    all three servers afresh, in :func:`round_order` (reversed every other round: on the
-    H200 the server started first decoded about 10% faster than the others, whichever it
-    was), warms each up (a short round, not counted: kernels, caches), measures each in
-    the same order (the others idle) and stops them. One stream's rate is steady (first
-    token to last); the streams' is the burst's, every token over the time from sending
-    the requests to the last token (mlx-lm takes requests that arrive while it decodes
-    only between decode time slices of up to 0.5 s, so the streams do not all start
-    together; ``_steady`` is :func:`steady_rate`, 0 when they never all decoded at once);
-    each figure is the median over the rounds, and ``runs`` keeps every round (with the
-    server's ``position`` in that round's order and its ``pid``). For kvtrio serve it
-    counts the RAM entries it handed to disk during the measured rounds (mlx-lm's
-    evictions, which the others drop)."""
+    rounds, no stream ending before ``tokens`` tokens (EOS biased away). Each round runs
+    the servers one at a time, in :func:`round_order` (reversed every other round): each
+    is started afresh, warmed up (a short round, not counted: kernels, caches), measured
+    and stopped before the next starts (on the H200, with all three running, the server
+    started first decoded about 10% faster than the others, whichever it was). One
+    stream's rate is steady (first token to last); the streams' is the burst's, every
+    token over the time from sending the requests to the last token (mlx-lm takes
+    requests that arrive while it decodes only between decode time slices of up to 0.5
+    s, so the streams do not all start together; ``_steady`` is :func:`steady_rate`, 0
+    when they never all decoded at once); each figure is the median over the rounds, and
+    ``runs`` keeps every round (with the server's ``position`` in that round's order, its
+    ``pid`` and the perf-counter times it was ``alive``). For kvtrio serve it counts the
+    RAM entries it handed to disk during the measured rounds (mlx-lm's evictions, which
+    the others drop)."""
     bias = no_eos(model)
-    runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
+    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
     spilled = 0
     for r in range(rounds):
-        order = round_order(KINDS, r)
-        servers: dict[str, Server] = {}
-        try:
-            for kind in order:
-                servers[kind] = Server(kind, model, root / f"{kind}-decode-{r}", log)
-            for kind in order:
-                _decode_round(servers[kind], 8, streams, bias, -1 - r)
-            for position, kind in enumerate(order):
-                server = servers[kind]
+        for position, kind in enumerate(round_order(KINDS, r)):
+            with running(kind, model, root / f"{kind}-decode-{r}", log) as server:
+                _decode_round(server, 8, streams, bias, -1 - r)  # warm-up, not counted
                 server.wait_cold_ready()  # kvtrio's open is not measured (0 s for the others)
                 before = _spilled(server)
                 run = _decode_round(server, tokens, streams, bias, r)
                 after = _spilled(server)
-                if before is not None and after is not None:
-                    spilled += after - before
-                runs[kind].append({**run, "position": position, "pid": server.process.pid})
-        finally:
-            for server in servers.values():
-                server.stop()
+            if before is not None and after is not None:
+                spilled += after - before
+            runs[kind].append({**run, "position": position, **server.tags()})
     out: dict[str, Any] = {}
     for kind in KINDS:
         keys = [k for k in (runs[kind][0] if runs[kind] else ()) if k not in ROUND_TAGS]
@@ -285,9 +278,9 @@ def _spill(
 ) -> dict[str, dict[str, Any]]:
     """Inter-token latency of a stream S while other requests make the server save large
     entries, and of a stream alone, on every server of :data:`SPILL_SERVERS`: each round
-    starts them all afresh in :func:`round_order` (reversed every other round: which
-    server starts first moves its decode rate on the H200), warms each up and runs the
-    round on each in the same order (the machine's noise then falls on all alike).
+    runs them one at a time in :func:`round_order` (reversed every other round), each
+    started afresh, warmed up, measured and stopped before the next starts (with several
+    running, which server started first moved its decode rate on the H200).
 
     Each round: a quiet stream (``tokens`` tokens, nothing else running); a
     ``length``-token prompt answered with one token (entry B in RAM); then S and, once S
@@ -303,8 +296,8 @@ def _spill(
     save, the reference of the check. Per server: p50/p99/max over all rounds' samples,
     and per round its p99, the tokens C reused (a hit on every server, or the round
     would measure a recompute), for kvtrio the entries spilled while S ran, and whether
-    S outlived the window, with the server's ``position`` in the round's order and its
-    ``pid``.
+    S outlived the window, with the server's ``position`` in the round's order, its
+    ``pid`` and when it was ``alive``.
     """
     bias = no_eos(model)  # S must not end on its own
     document = prompt_words(model, length)
@@ -313,26 +306,16 @@ def _spill(
     checks: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in SPILL_SERVERS}
     specs = {label: (kind, size) for label, kind, size in SPILL_SERVERS}
     for r in range(rounds):
-        order = round_order(list(specs), r)
-        servers: dict[str, Server] = {}
-        try:
-            for label in order:
-                kind, size = specs[label]
-                extra = ("--prompt-cache-size", str(size))
-                work = root / f"{label}-spill-{r}"
-                servers[label] = Server(kind, model, work, log, extra=extra)
-            for label in order:
-                servers[label].chat([{"role": "user", "content": f"warm up {r}"}], 4)
-            for position, label in enumerate(order):
-                server = servers[label]
+        for position, label in enumerate(round_order(list(specs), r)):
+            kind, size = specs[label]
+            extra = ("--prompt-cache-size", str(size))
+            with running(kind, model, root / f"{label}-spill-{r}", log, extra) as server:
+                server.chat([{"role": "user", "content": f"warm up {r}"}], 4)
                 server.wait_cold_ready()
                 alone, gaps, check = _spill_round(server, label, document, tokens, r, bias)
-                quiet[label] += alone
-                during[label] += gaps
-                checks[label].append({**check, "position": position, "pid": server.process.pid})
-        finally:
-            for server in servers.values():
-                server.stop()
+            quiet[label] += alone
+            during[label] += gaps
+            checks[label].append({**check, "position": position, **server.tags()})
     return {
         label: {
             "itl_p50_ms_quiet": 1e3 * pct(quiet[label], 0.5),

@@ -14,7 +14,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "pct",
     "prompt_words",
     "round_order",
+    "running",
     "steady_rate",
 ]
 
@@ -65,6 +67,7 @@ class Server:
                 time.sleep(0.05)
         self.started = started
         self.start_s = time.perf_counter() - started
+        self.stopped = float("nan")
 
     def metrics(self) -> str:
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
@@ -100,6 +103,12 @@ class Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        self.stopped = time.perf_counter()
+
+    def tags(self) -> dict[str, Any]:
+        """Which process a round ran on, and when it was alive (spawn to exit, perf-counter
+        seconds of the bench's process): rounds that must not overlap can be checked."""
+        return {"pid": self.process.pid, "alive": [self.started, self.stopped]}
 
     def chat(
         self,
@@ -195,6 +204,18 @@ class Server:
             response.close()  # the response holds the socket: close both to leave
             connection.close()
         return {"arrivals": arrivals}
+
+
+@contextmanager
+def running(
+    kind: str, model: Path, work: Path, log: Path, extra: Sequence[str] = ()
+) -> Iterator[Server]:
+    """A :class:`Server` started for the block and stopped (exited) when it ends."""
+    server = Server(kind, model, work, log, extra)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def no_eos(model: Path) -> dict[str, float]:

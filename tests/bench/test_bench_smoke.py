@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -71,6 +73,21 @@ def test_bench_policy_prints_json_figures_and_headline_ratios() -> None:
     )
 
 
+def _assert_one_server_at_a_time_in_round_order(runs: dict[str, list[dict[str, Any]]]) -> None:
+    """Every round of every server ran on its own process, alive while no other server
+    was, the servers of round ``r`` in order (names as given, reversed in odd rounds)."""
+    names = list(runs)
+    rounds = len(next(iter(runs.values())))
+    lives = []
+    for r in range(rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        assert [runs[name][r]["position"] for name in order] == list(range(len(names)))
+        lives += [tuple(runs[name][r]["alive"]) for name in order]
+    assert len({run["pid"] for name in names for run in runs[name]}) == len(lives)
+    assert all(begin < end for begin, end in lives)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(lives)), lives  # in turn, alone
+
+
 def test_bench_serve_spill_phase_prints_latencies_and_ratios_of_the_same_run() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvtrio", "bench", "serve", "--json", "--phases", "spill",
@@ -88,10 +105,10 @@ def test_bench_serve_spill_phase_prints_latencies_and_ratios_of_the_same_run() -
         for checked in spill[kind]["rounds"]:
             assert checked["continued_cached_tokens"] >= 256, (kind, checked)
     kv, naive, nosave = spill["kvtrio"], spill["naive"], spill["kvtrio_nosave"]
-    # The round started its servers in the order it ran them (reversed every other round).
+    # The round ran its servers one at a time, each started afresh, in round order.
     labels = ("mlx_lm", "naive", "kvtrio", "kvtrio_nosave")
     assert [spill[label]["rounds"][0]["position"] for label in labels] == [0, 1, 2, 3]
-    assert len({spill[label]["rounds"][0]["pid"] for label in labels}) == 4
+    _assert_one_server_at_a_time_in_round_order({label: spill[label]["rounds"] for label in labels})
     # kvtrio saved while the stream ran; with room for every entry it saved nothing.
     assert [r["spilled_while_streaming"] for r in kv["rounds"]] != [0]
     assert [r["spilled_while_streaming"] for r in nosave["rounds"]] == [0]
@@ -226,13 +243,15 @@ def test_bench_serve_decode_phase_alternates_rounds_and_reports_medians() -> Non
         assert len(runs) == 2 and all(run["tok_s_1"] > 0 and run["tok_s_2"] > 0 for run in runs)
         assert all(run["tok_s_2_steady"] >= 0 for run in runs)
         assert decode[kind]["tok_s_2"] == (runs[0]["tok_s_2"] + runs[1]["tok_s_2"]) / 2
-        # Each round started the servers afresh, in the order it measured them: the
-        # server started first (which decoded faster on the H200) alternates.
+        # Each round started the servers afresh, one at a time, in the order it measured
+        # them (reversed every other round): with all three running, the server started
+        # first decoded faster on the H200.
         assert [run["position"] for run in runs] == positions, kind
         assert runs[0]["pid"] != runs[1]["pid"], kind
-        assert "position" not in decode[kind] and "pid" not in decode[kind], kind
-    pids = [run["pid"] for kind in ("mlx_lm", "naive", "kvtrio") for run in decode[kind]["runs"]]
-    assert len(set(pids)) == 6
+        assert not {"position", "pid", "alive"} & set(decode[kind]), kind
+    _assert_one_server_at_a_time_in_round_order(
+        {kind: decode[kind]["runs"] for kind in ("mlx_lm", "naive", "kvtrio")}
+    )
     assert (
         ratios["tok_s_2_kvtrio_vs_mlx_lm"]
         == decode["kvtrio"]["tok_s_2"] / decode["mlx_lm"]["tok_s_2"]
