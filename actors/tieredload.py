@@ -19,13 +19,14 @@ from kvtrio.actors.coldstore import (
     FoundRows,
 )
 from kvtrio.actors.collector import YoungCollections, collector_paused
-from kvtrio.actors.lifecycle import ColdEvent, ColdState
+from kvtrio.actors.lifecycle import ColdEvent, ColdSide, ColdState
 from kvtrio.actors.misses import (
     MissReason,
 )
 from kvtrio.actors.policy import EntryCost
 from kvtrio.actors.prefix import (
     ModelKey,
+    PackedTokens,
     PrefixEntry,
 )
 from kvtrio.actors.tieredtypes import (
@@ -118,21 +119,31 @@ class IndexAndLoadMixin(CacheParts):
         as :meth:`_apply` keeps it); the index follows in token order (:meth:`_index_found`)."""
         records, ledger = self._records, self._ledger
         arrivals: list[tuple[str, EntryCost]] = []
+        sides: list[ColdSide] = []
         pinned_found: list[CacheRecord] = []
         # _cold_cost of a found entry depends on its length and model alone (it shares one
         # cost object per pair): asked once per pair and batch.
         costs: dict[tuple[int, int], EntryCost] = {}
+        own = self.model
+        own_id, own_fingerprint = own.model_id, own.fingerprint
+        new_entry = PrefixEntry.of_checked  # the catalogue checked every field (check)
         for row in batch.rows:
             key, model_id, fingerprint, packed, trimmable, min_offset, conv, _, pinned, rank = row
             if key in records:
                 continue
-            model = models.get((model_id, fingerprint))
-            if model is None:
-                model = models[model_id, fingerprint] = ModelKey(model_id, fingerprint)
-                self._other_models.add(model)
-            entry = PrefixEntry(key, model, packed, trimmable != 0, min_offset)
-            record = records[key] = CacheRecord.of(entry)
-            ledger.found(record.cold)  # NONE -> DURABLE
+            if model_id == own_id and fingerprint == own_fingerprint:
+                model = own
+            else:
+                found_model = models.get((model_id, fingerprint))
+                if found_model is None:
+                    found_model = models[model_id, fingerprint] = ModelKey(model_id, fingerprint)
+                    self._other_models.add(found_model)
+                model = found_model
+            side = ColdSide(key, 0)
+            record = records[key] = CacheRecord(
+                new_entry(key, model, PackedTokens(packed), trimmable != 0, min_offset), side
+            )
+            sides.append(side)
             cost = costs.get((len(packed), id(model)))
             if cost is None:
                 cost = costs[len(packed), id(model)] = self._cold_cost(record)
@@ -145,6 +156,7 @@ class IndexAndLoadMixin(CacheParts):
             by_order[rank] = record
             if conv != "[]":
                 self._note_conversations(record, conversations_of(row))
+        ledger.found_many(sides)  # NONE -> DURABLE, each in the batch's order
         self.cold_policy.insert_found(arrivals)
         for record in pinned_found:
             try:
