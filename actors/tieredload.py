@@ -122,8 +122,12 @@ class IndexAndLoadMixin(CacheParts):
         sides: list[ColdSide] = []
         pinned_found: list[CacheRecord] = []
         # _cold_cost of a found entry depends on its length and model alone (it shares one
-        # cost object per pair): asked once per pair and batch.
+        # cost object per pair): asked once per pair and batch, when it changes from the
+        # row before's.
         costs: dict[tuple[int, int], EntryCost] = {}
+        last_length: int = -1  # the first row asks: no length is -1
+        last_model: ModelKey | None = None
+        cost: EntryCost
         own = self.model
         own_id, own_fingerprint = own.model_id, own.fingerprint
         new_entry = PrefixEntry.of_checked  # the catalogue checked every field (check)
@@ -144,9 +148,12 @@ class IndexAndLoadMixin(CacheParts):
                 new_entry(key, model, PackedTokens(packed), trimmable != 0, min_offset), side
             )
             sides.append(side)
-            cost = costs.get((len(packed), id(model)))
-            if cost is None:
-                cost = costs[len(packed), id(model)] = self._cold_cost(record)
+            if len(packed) != last_length or model is not last_model:
+                last_length, last_model = len(packed), model
+                shared = costs.get((last_length, id(model)))
+                if shared is None:
+                    shared = costs[last_length, id(model)] = self._cold_cost(record)
+                cost = shared
             arrivals.append((key, cost))
             if pinned:
                 record.pinned = True  # rule 12: pins survive a restart
