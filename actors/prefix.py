@@ -239,11 +239,6 @@ def probe_keys(model: ModelKey, tokens: Sequence[int], block_size: int) -> list[
     return out
 
 
-# A frozen entry's fields set as attrs' own __init__ sets them (PrefixEntry.of_checked).
-_new_object = object.__new__
-_set_slot = object.__setattr__
-
-
 @attrs.frozen
 class PrefixEntry:
     """One cached token sequence, as the index sees it. Its tokens are held packed
@@ -259,28 +254,6 @@ class PrefixEntry:
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.min_reusable_offset <= self.length:
             raise ValueError("min_reusable_offset must lie in [0, len(tokens)]")
-
-    @classmethod
-    def of_checked(
-        cls,
-        key: str,
-        model: ModelKey,
-        packed: PackedTokens,
-        trimmable: bool,
-        min_reusable_offset: int,
-    ) -> PrefixEntry:
-        """The entry ``PrefixEntry(key, model, packed, trimmable, min_reusable_offset)``
-        makes, from fields its caller has checked as that would (``packed`` whole u32
-        values, ``min_reusable_offset`` within its length): open's catalogue rows,
-        checked in bulk by :meth:`kvtrio.storage.catalogue.Catalogue.check`. Nothing is
-        converted or checked again (the bulk add at open, one per stored entry)."""
-        entry = _new_object(cls)
-        _set_slot(entry, "key", key)
-        _set_slot(entry, "model", model)
-        _set_slot(entry, "packed", packed)
-        _set_slot(entry, "trimmable", trimmable)
-        _set_slot(entry, "min_reusable_offset", min_reusable_offset)
-        return entry
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -465,33 +438,12 @@ class PrefixIndex:
         order: each is appended to its nodes' runs), with each model's root hash looked up
         once."""
         roots: dict[int, bytes] = {}  # by id(): the models stay alive in their entries
-        nodes, known, step = self._nodes, self._entries, 4 * self.block_size
         with self._lock:
             for entry in entries:
-                model = entry.model
-                root = roots.get(id(model))
+                root = roots.get(id(entry.model))
                 if root is None:
-                    root = roots[id(model)] = model.root()
-                if entry.key in known:  # a replacement: the general path
-                    self._add(entry, root)
-                    continue
-                # _add of a new entry, its path walked as it is made (no list of it).
-                packed, parent = entry.packed, root
-                full = len(packed) // step
-                for depth in range(full + 1):
-                    start = depth * step
-                    if depth:  # the node after block depth - 1
-                        parent = _link_packed(parent, model, packed[start - step : start])
-                    found = nodes.get(parent)
-                    node = nodes.setdefault(parent, _Node(depth)) if found is None else found
-                    runs, window = node.runs, packed[start : start + step]
-                    if not runs or runs[-1].packed[start : start + step] <= window:
-                        runs.append(entry)  # in token order (open adds them so): no search
-                    else:
-                        bisect.insort(runs, entry, key=self._window(depth))
-                tail = (len(packed) >> 2) - full * self.block_size
-                node.tails[tail] = node.tails.get(tail, 0) + 1
-                known[entry.key] = entry
+                    root = roots[id(entry.model)] = entry.model.root()
+                self._add(entry, root)
 
     def _add(self, entry: PrefixEntry, root: bytes | None = None) -> PrefixEntry | None:
         previous = self._remove(entry.key)

@@ -50,7 +50,28 @@ if TYPE_CHECKING:
 else:
     CacheParts = object
 
-__all__ = ["IndexAndLoadMixin"]
+__all__ = ["IndexAndLoadMixin", "entry_of_checked"]
+
+# A frozen entry's fields set as attrs' own __init__ sets them (entry_of_checked).
+_new_object = object.__new__
+_set_slot = object.__setattr__
+
+
+def entry_of_checked(
+    key: str, model: ModelKey, packed: PackedTokens, trimmable: bool, min_reusable_offset: int
+) -> PrefixEntry:
+    """The entry ``PrefixEntry(key, model, packed, trimmable, min_reusable_offset)`` makes,
+    from fields its caller has checked as that would (``packed`` whole u32 values,
+    ``min_reusable_offset`` within its length): open's catalogue rows, checked in bulk by
+    :meth:`kvtrio.storage.catalogue.Catalogue.check`. Nothing is converted or checked
+    again (one per stored entry at open)."""
+    entry: PrefixEntry = _new_object(PrefixEntry)
+    _set_slot(entry, "key", key)
+    _set_slot(entry, "model", model)
+    _set_slot(entry, "packed", packed)
+    _set_slot(entry, "trimmable", trimmable)
+    _set_slot(entry, "min_reusable_offset", min_reusable_offset)
+    return entry
 
 
 class IndexAndLoadMixin(CacheParts):
@@ -130,7 +151,7 @@ class IndexAndLoadMixin(CacheParts):
         cost: EntryCost
         own = self.model
         own_id, own_fingerprint = own.model_id, own.fingerprint
-        new_entry = PrefixEntry.of_checked  # the catalogue checked every field (check)
+        new_entry = entry_of_checked  # the catalogue checked every field (check)
         for row in batch.rows:
             key, model_id, fingerprint, packed, trimmable, min_offset, conv, _, pinned, rank = row
             if key in records:

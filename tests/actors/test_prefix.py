@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import pytest
 from kvtrio.actors.prefix import (
     MatchKind,
     ModelKey,
-    PrefixEntry,
     PrefixIndex,
     chain_hashes,
     entry_key,
-    pack_tokens,
 )
 
 MODEL = ModelKey("tiny-llama", "fp-a")
@@ -254,7 +251,9 @@ def test_add_many_builds_the_index_add_builds() -> None:
     other = ModelKey("other", "fp-b")
     seqs = [[rng.randrange(4) for _ in range(rng.randrange(1, 12))] for _ in range(60)]
     one_by_one, in_bulk = PrefixIndex(block_size=3), PrefixIndex(block_size=3)
-    entries = [one_by_one.make_entry(MODEL if i % 3 else other, seq) for i, seq in enumerate(seqs)]
+    entries = [
+        one_by_one.make_entry(MODEL if i % 3 else other, seq) for i, seq in enumerate(seqs)
+    ]
     for entry in entries:
         one_by_one.add(entry)
     in_bulk.add_many(entries[:25])
@@ -328,15 +327,3 @@ def test_a_repeated_lookup_is_answered_from_the_last_until_the_index_changes(
     index.remove(match.entry.key)
     match = index.lookup(MODEL, query)
     assert match is not None and match.reuse == 12 and walks[0] == 6
-
-
-def test_an_entry_of_checked_fields_is_the_entry_init_makes() -> None:
-    """``PrefixEntry.of_checked`` (open's, from catalogue rows checked in bulk) makes the
-    entry ``PrefixEntry(...)`` makes: equal, of equal hash, as frozen."""
-    packed = pack_tokens([5, 6, 7])
-    made = PrefixEntry("k", MODEL, packed, False, 2)
-    checked = PrefixEntry.of_checked("k", MODEL, packed, False, 2)
-    assert checked == made and hash(checked) == hash(made)
-    assert checked.tokens == (5, 6, 7) and checked.length == 3 and not checked.trimmable
-    with pytest.raises(attrs.exceptions.FrozenInstanceError):
-        checked.key = "other"  # type: ignore[misc]
