@@ -195,11 +195,19 @@ class ColdLedger:
         side.state = new
         return new
 
-    def found(self, side: ColdSide) -> None:
-        """:meth:`apply` of FOUND, which the table allows only from NONE (to DURABLE), as
-        open enters what the store holds: the same checks and outcome in fewer steps."""
-        side.state = next_state(side.state, ColdEvent.FOUND)
-        self._durable[side.key] = side
+    def found_many(self, sides: list[ColdSide]) -> None:
+        """:meth:`apply` of FOUND to each side, in order, as open enters a batch of what
+        the store holds: the same checks and outcome in fewer steps. The table allows FOUND
+        only from NONE (to DURABLE): that pair is read from it once, every side's state is
+        checked against it (LifecycleError, before any side moves, for one the table does
+        not let FOUND leave), and the cold LRU is extended in one call."""
+        ((source, target),) = [(s, t) for (s, e), t in TRANSITIONS.items() if e is _E.FOUND]
+        for side in sides:
+            if side.state is not source:
+                next_state(side.state, ColdEvent.FOUND)  # raises: not a legal pair
+        for side in sides:
+            side.state = target
+        self._durable.extend([(side.key, side) for side in sides])
 
     def touch(self, side: ColdSide) -> None:
         """Mark a DURABLE entry as the most recently used."""

@@ -258,15 +258,19 @@ class EvictionPolicy(abc.ABC):
             return
         slots, forever = self._slots, float("inf")
         fresh: list[tuple[str, _Slot]] = []
+        added = 0  # the fresh slots' bytes, into _nbytes before any on_insert in between
         for key, cost in arrivals:
             if key in slots:  # known already: replaced, as on_insert does, in its turn
+                self._nbytes += added
+                added = 0
                 self._order_extend(fresh)
                 fresh = []
                 self.on_insert(key, cost)
                 continue
             slot = slots[key] = _Slot(cost, None, forever)
-            self._nbytes += cost.nbytes
+            added += cost.nbytes
             fresh.append((key, slot))
+        self._nbytes += added
         self._order_extend(fresh)
 
     def on_hit(self, key: str) -> None:
@@ -461,12 +465,17 @@ class GreedyDualPolicy(EvictionPolicy):
         move in between: nothing is evicted)."""
         values: dict[int, float] = {}  # by id(): the costs stay alive in their slots
         heap, priority, seq, inflation = self._heap, self._priority, self._seq, self._inflation
+        push, last_cost, last_h = heapq.heappush, None, 0.0
         for key, slot in added:
-            value = values.get(id(slot.cost))
-            if value is None:
-                value = values[id(slot.cost)] = self.value(slot.cost, slot.uses)
-            item = priority[key] = (inflation + value, next(seq))
-            heapq.heappush(heap, (*item, key))
+            cost = slot.cost
+            if cost is not last_cost:  # found entries come in runs of one shared cost
+                value = values.get(id(cost))
+                if value is None:
+                    value = values[id(cost)] = self.value(cost, slot.uses)
+                last_cost, last_h = cost, inflation + value
+            number = next(seq)
+            priority[key] = (last_h, number)
+            push(heap, (last_h, number, key))
         if len(heap) > 2 * len(priority) + 64:
             self._heap = [(h, seq_, k) for k, (h, seq_) in priority.items()]
             heapq.heapify(self._heap)

@@ -448,19 +448,21 @@ class PrefixIndex:
     def _add(self, entry: PrefixEntry, root: bytes | None = None) -> PrefixEntry | None:
         previous = self._remove(entry.key)
         self.epoch += 1
-        path = self._path(entry, root)
-        for depth, node_hash in enumerate(path):
-            node = self._nodes.get(node_hash)
-            if node is None:
-                node = self._nodes[node_hash] = _Node(depth)
-            window, runs = self._window(depth), node.runs
-            if not runs or window(runs[-1]) <= window(entry):
+        model, packed, step, nodes = entry.model, entry.packed, 4 * self.block_size, self._nodes
+        parent, full = (model.root() if root is None else root), len(packed) // step
+        for depth in range(full + 1):  # the path (_path) walked as it is made, root first
+            start = depth * step
+            if depth:  # the node after block depth - 1
+                parent = _link_packed(parent, model, packed[start - step : start])
+            found = nodes.get(parent)
+            node = nodes.setdefault(parent, _Node(depth)) if found is None else found
+            runs, window = node.runs, packed[start : start + step]  # its window (_window)
+            if not runs or runs[-1].packed[start : start + step] <= window:
                 runs.append(entry)  # in token order (open adds them so): no search
             else:
-                bisect.insort(runs, entry, key=window)
-        tail = entry.length - (len(path) - 1) * self.block_size
-        last = self._nodes[path[-1]]
-        last.tails[tail] = last.tails.get(tail, 0) + 1
+                bisect.insort(runs, entry, key=self._window(depth))
+        tail = (len(packed) >> 2) - full * self.block_size
+        node.tails[tail] = node.tails.get(tail, 0) + 1
         self._entries[entry.key] = entry
         return previous
 

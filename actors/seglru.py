@@ -22,14 +22,14 @@ Theory of operation
    most ``2 N / (SEGMENT_KEYS // 4 + 1) + 2`` segments (about ``8 N / SEGMENT_KEYS``).
 
 Costs: add, touch, get, pop, ``popitem`` (either end) and the first item are O(1) (a
-merge is a bounded ``SEGMENT_KEYS // 4`` moves); iteration is O(N) in Python steps, none
-of them proportional to N.
+merge is a bounded ``SEGMENT_KEYS // 4`` moves), ``extend`` of k items O(k); iteration is
+O(N) in Python steps, none of them proportional to N.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Generic, TypeVar
 
 __all__ = ["PARTS", "SEGMENT_KEYS", "SegmentedLru"]
@@ -107,6 +107,26 @@ class SegmentedLru(Generic[K, V]):
             return
         part[key] = self._append(key, value)
         self._len += 1
+
+    def extend(self, items: Iterable[tuple[K, V]]) -> None:
+        """``self[key] = value`` of each item in order (a present key keeps its place),
+        in one call: the new keys go into the newest segment a segment's room at a time
+        (open's bulk add: no method call per key)."""
+        parts, seg, room, added = self._parts, self._newest, 0, 0
+        for key, value in items:
+            part = parts[hash(key) & _MASK]
+            present = part.get(key)
+            if present is not None:
+                present[key] = value
+                continue
+            if room == 0 or seg is None:
+                seg = self._tail()
+                room = SEGMENT_KEYS - len(seg)
+            seg[key] = value
+            part[key] = seg
+            room -= 1
+            added += 1
+        self._len += added
 
     def _append(self, key: K, value: V) -> _Segment[K, V]:
         seg = self._tail()

@@ -19,13 +19,14 @@ from kvtrio.actors.coldstore import (
     FoundRows,
 )
 from kvtrio.actors.collector import YoungCollections, collector_paused
-from kvtrio.actors.lifecycle import ColdEvent, ColdState
+from kvtrio.actors.lifecycle import ColdEvent, ColdSide, ColdState
 from kvtrio.actors.misses import (
     MissReason,
 )
 from kvtrio.actors.policy import EntryCost
 from kvtrio.actors.prefix import (
     ModelKey,
+    PackedTokens,
     PrefixEntry,
 )
 from kvtrio.actors.tieredtypes import (
@@ -49,7 +50,28 @@ if TYPE_CHECKING:
 else:
     CacheParts = object
 
-__all__ = ["IndexAndLoadMixin"]
+__all__ = ["IndexAndLoadMixin", "entry_of_checked"]
+
+# A frozen entry's fields set as attrs' own __init__ sets them (entry_of_checked).
+_new_object = object.__new__
+_set_slot = object.__setattr__
+
+
+def entry_of_checked(
+    key: str, model: ModelKey, packed: PackedTokens, trimmable: bool, min_reusable_offset: int
+) -> PrefixEntry:
+    """The entry ``PrefixEntry(key, model, packed, trimmable, min_reusable_offset)`` makes,
+    from fields its caller has checked as that would (``packed`` whole u32 values,
+    ``min_reusable_offset`` within its length): open's catalogue rows, checked in bulk by
+    :meth:`kvtrio.storage.catalogue.Catalogue.check`. Nothing is converted or checked
+    again (one per stored entry at open)."""
+    entry: PrefixEntry = _new_object(PrefixEntry)
+    _set_slot(entry, "key", key)
+    _set_slot(entry, "model", model)
+    _set_slot(entry, "packed", packed)
+    _set_slot(entry, "trimmable", trimmable)
+    _set_slot(entry, "min_reusable_offset", min_reusable_offset)
+    return entry
 
 
 class IndexAndLoadMixin(CacheParts):
@@ -118,24 +140,41 @@ class IndexAndLoadMixin(CacheParts):
         as :meth:`_apply` keeps it); the index follows in token order (:meth:`_index_found`)."""
         records, ledger = self._records, self._ledger
         arrivals: list[tuple[str, EntryCost]] = []
+        sides: list[ColdSide] = []
         pinned_found: list[CacheRecord] = []
         # _cold_cost of a found entry depends on its length and model alone (it shares one
-        # cost object per pair): asked once per pair and batch.
+        # cost object per pair): asked once per pair and batch, when it changes from the
+        # row before's.
         costs: dict[tuple[int, int], EntryCost] = {}
+        last_length: int = -1  # the first row asks: no length is -1
+        last_model: ModelKey | None = None
+        cost: EntryCost
+        own = self.model
+        own_id, own_fingerprint = own.model_id, own.fingerprint
+        new_entry = entry_of_checked  # the catalogue checked every field (check)
         for row in batch.rows:
             key, model_id, fingerprint, packed, trimmable, min_offset, conv, _, pinned, rank = row
             if key in records:
                 continue
-            model = models.get((model_id, fingerprint))
-            if model is None:
-                model = models[model_id, fingerprint] = ModelKey(model_id, fingerprint)
-                self._other_models.add(model)
-            entry = PrefixEntry(key, model, packed, trimmable != 0, min_offset)
-            record = records[key] = CacheRecord.of(entry)
-            ledger.found(record.cold)  # NONE -> DURABLE
-            cost = costs.get((len(packed), id(model)))
-            if cost is None:
-                cost = costs[len(packed), id(model)] = self._cold_cost(record)
+            if model_id == own_id and fingerprint == own_fingerprint:
+                model = own
+            else:
+                found_model = models.get((model_id, fingerprint))
+                if found_model is None:
+                    found_model = models[model_id, fingerprint] = ModelKey(model_id, fingerprint)
+                    self._other_models.add(found_model)
+                model = found_model
+            side = ColdSide(key, 0)
+            record = records[key] = CacheRecord(
+                new_entry(key, model, PackedTokens(packed), trimmable != 0, min_offset), side
+            )
+            sides.append(side)
+            if len(packed) != last_length or model is not last_model:
+                last_length, last_model = len(packed), model
+                shared = costs.get((last_length, id(model)))
+                if shared is None:
+                    shared = costs[last_length, id(model)] = self._cold_cost(record)
+                cost = shared
             arrivals.append((key, cost))
             if pinned:
                 record.pinned = True  # rule 12: pins survive a restart
@@ -145,6 +184,7 @@ class IndexAndLoadMixin(CacheParts):
             by_order[rank] = record
             if conv != "[]":
                 self._note_conversations(record, conversations_of(row))
+        ledger.found_many(sides)  # NONE -> DURABLE, each in the batch's order
         self.cold_policy.insert_found(arrivals)
         for record in pinned_found:
             try:

@@ -71,6 +71,10 @@ __all__ = [
 ]
 
 MANIFEST_NAME_RE = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,199}")
+# Names a newline each, every one a MANIFEST_NAME_RE (LocalManifestStore.names).
+_NAMES_RE = re.compile(rf"(?:{MANIFEST_NAME_RE.pattern}\n)*")
+_NAMES_BATCH = 1024
+_TMP_END = TMP_SUFFIX + "\n"  # a temporary file's name, at its end
 # A manifest lists blocks, not data: even a 1M-token cache of a deep model stays far below.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 # A local store's record of its pinned names (hidden: no manifest name, no cache file).
@@ -297,11 +301,26 @@ class LocalManifestStore(ManifestStore):
         return sorted(self.names())
 
     def names(self) -> builtins.list[str]:
-        return [
-            name
-            for name in self.file_ops.listdir(self.directory)
-            if MANIFEST_NAME_RE.fullmatch(name) and not name.endswith(TMP_SUFFIX)
-        ]
+        """The listing's manifest names (no temporary file), checked :data:`_NAMES_BATCH`
+        at a time: names joined by newlines (counted: none may hold one) in one regex call
+        and one search for the temporary suffix; a batch that fails is checked name by name
+        (an open lists every entry: 100,000 regex calls were a tenth of a second)."""
+        listed = self.file_ops.listdir(self.directory)
+        out: builtins.list[str] = []
+        for start in range(0, len(listed), _NAMES_BATCH):
+            batch = listed[start : start + _NAMES_BATCH]
+            joined = "\n".join(batch) + "\n"
+            if (
+                joined.count("\n") == len(batch)  # no name holds a newline of its own
+                and _NAMES_RE.fullmatch(joined) is not None
+                and _TMP_END not in joined
+            ):
+                out += batch
+            else:
+                out += [
+                    n for n in batch if MANIFEST_NAME_RE.fullmatch(n) and not n.endswith(TMP_SUFFIX)
+                ]
+        return out
 
     def touch(self, last_use: Mapping[str, float]) -> None:
         # A local manifest's mtime is its last use.

@@ -106,17 +106,23 @@ def _path_home(state: ColdState) -> list[ColdEvent]:
     }[state]
 
 
-def test_found_is_apply_of_found() -> None:
-    """``ColdLedger.found`` (open's) is ``apply(FOUND)``: NONE to DURABLE, last in the cold
-    LRU; from any other state the table refuses it (LifecycleError), changing nothing."""
+def test_found_many_is_apply_of_found_to_each() -> None:
+    """``ColdLedger.found_many`` (open's, a batch at a time) is ``apply(FOUND)`` of each in
+    order: NONE to DURABLE, last in the cold LRU, a key found again keeping its place; from
+    any other state the table refuses it (LifecycleError) before any side of the batch
+    moves."""
     by_apply, by_found = ColdLedger(), ColdLedger()
-    for i in range(3):
-        by_apply.apply(ColdSide(f"k{i}", 10), ColdEvent.FOUND)
-        by_found.found(ColdSide(f"k{i}", 10))
-    assert by_found.durable_keys() == by_apply.durable_keys() == ["k0", "k1", "k2"]
+    keys = ["k0", "k1", "k2", "k1", "k3"]
+    for key in keys:
+        by_apply.apply(ColdSide(key, 10), ColdEvent.FOUND)
+    by_found.found_many([ColdSide(key, 10) for key in keys[:2]])
+    by_found.found_many([ColdSide(key, 10) for key in keys[2:]])
+    assert by_found.durable_keys() == by_apply.durable_keys() == ["k0", "k1", "k2", "k3"]
     by_found.check()
     side = by_found.oldest_durable()
     assert side is not None and side.state is ColdState.DURABLE
+    fresh = ColdSide("k9", 10)
     with pytest.raises(LifecycleError):
-        by_found.found(side)
-    assert by_found.durable_keys() == ["k0", "k1", "k2"] and side.state is ColdState.DURABLE
+        by_found.found_many([fresh, side])
+    assert fresh.state is ColdState.NONE and side.state is ColdState.DURABLE
+    assert by_found.durable_keys() == ["k0", "k1", "k2", "k3"]

@@ -124,3 +124,34 @@ def test_a_small_segment_merges_after_the_older_one_in_order(small_segments: Non
         model.move_to_end(key)
     _check(lru, model)
     assert lru.segment_sizes()[0] == 4 and list(lru)[:4] == [6, 7, 14, 15]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=_FIXTURE_KEPT)
+@given(
+    before=st.lists(st.tuples(_KEYS, st.integers(0, 9)), max_size=30),
+    gone=st.sets(_KEYS),
+    items=st.lists(
+        st.tuples(_KEYS | st.integers(16, 60).map(lambda n: f"k{n}"), st.integers(0, 9))
+    ),
+)
+def test_extend_is_setitem_of_each(
+    tiny_segments: None,
+    before: list[tuple[str, int]],
+    gone: set[str],
+    items: list[tuple[str, int]],
+) -> None:
+    """``extend`` (open's bulk add) leaves the order, values and segments that
+    ``lru[key] = value`` of each item leaves, present keys included (their places kept),
+    over a map whose newest segment is full, part full or gone."""
+    lru: SegmentedLru[str, int] = SegmentedLru()
+    model: OrderedDict[str, int] = OrderedDict()
+    for key, value in before:
+        lru[key] = value
+        model[key] = value
+    for key in gone:
+        lru.pop(key)
+        model.pop(key, None)
+    lru.extend(items)
+    for key, value in items:
+        model[key] = value
+    _check(lru, model)

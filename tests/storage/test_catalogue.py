@@ -126,6 +126,31 @@ def test_a_scan_ranks_the_entries_in_token_order(tmp_path: Path) -> None:
     catalogue.close()
 
 
+def test_the_token_order_is_read_from_an_index_even_of_an_older_catalogue(
+    tmp_path: Path,
+) -> None:
+    """The scan's token order walks the ``entries_by_tokens`` index (no sort of N rows at
+    open), which a catalogue made without it gets at its next open, its ranks unchanged."""
+    catalogue = Catalogue.open(str(tmp_path))
+    tokens = [(3, 1), (1, 70000), (1, 2, 3), (70000,), (1, 2)]
+    for i, t in enumerate(tokens):
+        catalogue.put(attrs.evolve(_row(f"k{i}", float(i)), tokens=t, min_offset=0), {})
+    catalogue.close()
+    db = sqlite3.connect(tmp_path / CATALOGUE_NAME)
+    db.execute("DROP INDEX entries_by_tokens")  # as a catalogue before the index
+    db.commit()
+    db.close()
+    catalogue = Catalogue.open(str(tmp_path))
+    plan = catalogue._db.execute(
+        "EXPLAIN QUERY PLAN SELECT rowid FROM entries ORDER BY tokens, key"
+    ).fetchall()
+    assert [row[-1] for row in plan] == ["SCAN entries USING COVERING INDEX entries_by_tokens"]
+    rows = [row for batch in catalogue.scan() for row in batch]
+    by_rank = sorted(rows, key=lambda row: row[-1])
+    assert [tuple(unpack_tokens(row[3])) for row in by_rank] == sorted(tokens)
+    catalogue.close()
+
+
 @pytest.mark.parametrize(
     "damage",
     [
