@@ -29,6 +29,7 @@ from typing import Any
 
 from kvtrio.bench.serve_harness import (
     Server,
+    first_vs_last,
     itl,
     median,
     no_eos,
@@ -587,7 +588,7 @@ def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             # The start-order effect in this run: a server's median rate in the rounds it
             # was started first over its median in the rounds it was started last.
             for kind in ("mlx_lm", "kvtrio"):
-                ratios["decode"][f"{key}_{kind}_started_first_vs_last"] = _first_vs_last(
+                ratios["decode"][f"{key}_{kind}_started_first_vs_last"] = first_vs_last(
                     decode[kind]["runs"], key
                 )
     if "spill" in figures:
@@ -649,17 +650,6 @@ def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             "ttft_drop_vs_load": drop / pre["load_s"] if pre["load_s"] > 0 else float("nan"),
         }
     return ratios
-
-
-def _first_vs_last(runs: list[dict[str, Any]], key: str) -> float:
-    """Median ``key`` of the rounds a server was started first over that of the rounds it
-    was started last (nan without both)."""
-    last = max((run["position"] for run in runs), default=0)
-    first = [run[key] for run in runs if run["position"] == 0]
-    later = [run[key] for run in runs if run["position"] == last and last > 0]
-    if not first or not later or not median(later):
-        return float("nan")
-    return median(first) / median(later)
 
 
 def render(figures: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 __all__ = [
     "Server",
+    "first_vs_last",
     "free_port",
     "itl",
     "median",
@@ -275,3 +276,14 @@ def median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     n = len(ordered)
     return (ordered[n // 2] + ordered[(n - 1) // 2]) / 2 if n else float("nan")
+
+
+def first_vs_last(runs: list[dict[str, Any]], key: str) -> float:
+    """Median ``key`` of the rounds a server was started first over that of the rounds it
+    was started last (nan without both)."""
+    last = max((run["position"] for run in runs), default=0)
+    first = [run[key] for run in runs if run["position"] == 0]
+    later = [run[key] for run in runs if run["position"] == last and last > 0]
+    if not first or not later or not median(later):
+        return float("nan")
+    return median(first) / median(later)
