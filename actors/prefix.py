@@ -117,11 +117,7 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
 
 
 def _link(parent: bytes, model: ModelKey, tokens: Sequence[int]) -> bytes:
-    h = hashlib.sha256(parent)
-    h.update(model.fingerprint.encode())
-    h.update(len(tokens).to_bytes(8, "little"))
-    h.update(_token_bytes(tokens))
-    return h.digest()
+    return _link_bytes(parent, model, _token_bytes(tokens))
 
 
 PackedTokens = NewType("PackedTokens", bytes)
@@ -132,8 +128,9 @@ the index's sorted runs compare slices of it."""
 
 
 def _link_bytes(parent: bytes, model: ModelKey, little: bytes) -> bytes:
-    """:func:`_link` of the tokens ``little`` holds as u32 little-endian bytes (the same
-    digest, without converting a block of ints on every link)."""
+    """A chain link's digest: the parent's, the model's fingerprint, then the tokens
+    ``little`` holds as u32 little-endian bytes (:func:`_token_bytes`) and their count.
+    :func:`_link` and :func:`_link_packed` are this digest of other forms of the tokens."""
     h = hashlib.sha256(parent)
     h.update(model.fingerprint.encode())
     h.update((len(little) >> 2).to_bytes(8, "little"))
@@ -141,21 +138,23 @@ def _link_bytes(parent: bytes, model: ModelKey, little: bytes) -> bytes:
     return h.digest()
 
 
+def _swap_u32(data: bytes) -> bytes:
+    """Each u32's bytes reversed, whatever the host's order: little-endian to big-endian
+    and back."""
+    values = array.array("I")
+    values.frombytes(data)
+    values.byteswap()
+    return values.tobytes()
+
+
 def _big_endian(little: bytes) -> PackedTokens:
     """u32 little-endian bytes as :data:`PackedTokens` (big-endian)."""
-    values = array.array("I")
-    values.frombytes(little)
-    values.byteswap()  # each u32's bytes reversed, whatever the host's order
-    return PackedTokens(values.tobytes())
+    return PackedTokens(_swap_u32(little))
 
 
 def pack_tokens(tokens: Sequence[int]) -> PackedTokens:
     """``tokens`` as :data:`PackedTokens` (ValueError for ids outside [0, 2**32))."""
-    packed = array.array("I")
-    packed.frombytes(_token_bytes(tokens))
-    if sys.byteorder == "little":
-        packed.byteswap()
-    return PackedTokens(packed.tobytes())
+    return _big_endian(_token_bytes(tokens))
 
 
 def _host_order(packed: bytes) -> array.array[int]:
@@ -168,16 +167,7 @@ def _host_order(packed: bytes) -> array.array[int]:
 
 def _link_packed(parent: bytes, model: ModelKey, packed: bytes) -> bytes:
     """:func:`_link` of the tokens ``packed`` holds (the same digest)."""
-    h = hashlib.sha256(parent)
-    h.update(model.fingerprint.encode())
-    h.update((len(packed) >> 2).to_bytes(8, "little"))
-    if sys.byteorder == "little":
-        h.update(_host_order(packed).tobytes())  # u32 little-endian, as _token_bytes
-    else:
-        swapped = _host_order(packed)
-        swapped.byteswap()
-        h.update(swapped.tobytes())
-    return h.digest()
+    return _link_bytes(parent, model, _swap_u32(packed))
 
 
 def _as_packed(tokens: Sequence[int] | PackedTokens) -> PackedTokens:

@@ -149,21 +149,15 @@ class IndexAndLoadMixin(CacheParts):
         last_length: int = -1  # the first row asks: no length is -1
         last_model: ModelKey | None = None
         cost: EntryCost
-        own = self.model
-        own_id, own_fingerprint = own.model_id, own.fingerprint
         new_entry = entry_of_checked  # the catalogue checked every field (check)
         for row in batch.rows:
             key, model_id, fingerprint, packed, trimmable, min_offset, conv, _, pinned, rank = row
             if key in records:
                 continue
-            if model_id == own_id and fingerprint == own_fingerprint:
-                model = own
-            else:
-                found_model = models.get((model_id, fingerprint))
-                if found_model is None:
-                    found_model = models[model_id, fingerprint] = ModelKey(model_id, fingerprint)
-                    self._other_models.add(found_model)
-                model = found_model
+            model = models.get((model_id, fingerprint))  # the cache's own is there already
+            if model is None:
+                model = models[model_id, fingerprint] = ModelKey(model_id, fingerprint)
+                self._other_models.add(model)
             side = ColdSide(key, 0)
             record = records[key] = CacheRecord(
                 new_entry(key, model, PackedTokens(packed), trimmable != 0, min_offset), side
