@@ -422,13 +422,10 @@ def _starts(
     runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
     for r in range(rounds):
         for position, kind in enumerate(round_order(KINDS, r)):  # alternating, as decode's
-            server = Server(kind, model, root / f"{kind}-entries", log)
-            try:
+            with running(kind, model, root / f"{kind}-entries", log) as server:
                 answer = _first_answer(server, f"hi {r}")
                 ready = server.wait_cold_ready() if kind == "kvtrio" else server.start_s
                 time.sleep(1.0)  # the naive baseline saves after answering: not torn by a stop
-            finally:
-                server.stop()
             run = {"listen_s": server.start_s, "answer_s": answer, "cold_s": ready}
             runs[kind].append({**run, "position": position})
     out: dict[str, dict[str, Any]] = {}
