@@ -549,9 +549,9 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
         a copy in RAM; return its key. The caller hands them over: it must not change them
         (a server's own RAM tier evicting an entry). Findable once durable (rule 3); an
         entry already on disk, or being written, is left as it is. The write waits with
-        the others (rule 3's byte cap may shed it, counted). The admission policy decides
-        whether it is written (rule 11), unless ``flush`` (a graceful close's write). Its
-        arguments are checked as :meth:`insert` checks them."""
+        the others (rule 3's byte cap may shed it, counted; never a ``flush``'s). The
+        admission policy decides whether it is written (rule 11), unless ``flush`` (a
+        graceful close's write). Its arguments are checked as :meth:`insert` checks them."""
         if self._nursery is None:
             raise ShuttingDown("tiered prompt cache is closed: spill refused")
         tokens = check_token_ids(tokens)
@@ -586,7 +586,10 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
             return entry.key
         if record.conversations:  # their meta was not in the plan: the writer plans it
             planned = None
-        self._queue_write(record, caches, meta, nbytes=nbytes, plan=planned)
+        # A flush's write (a server's close handing over every RAM entry at once) is not
+        # shed by the pending byte cap (rule 3), as flush()'s own are not: those bytes
+        # were held in RAM anyway, and shedding one loses it (the oldest conversation).
+        self._queue_write(record, caches, meta, droppable=not flush, nbytes=nbytes, plan=planned)
         self._set_hot(record, None)  # the RAM copy, if any, goes: the caller keeps its own
         await trio.lowlevel.checkpoint()
         return entry.key

@@ -46,6 +46,7 @@ from typing import TypeVar, TypeVarTuple
 import attrs
 import trio
 from kvtrio.actors.callerchecks import DEFAULT_MIN_REUSE_TOKENS
+from kvtrio.actors.coldside import DEFAULT_PENDING_BYTES
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.policy import AdmissionPolicy, PolicyKind
 from kvtrio.actors.prefix import DEFAULT_BLOCK_SIZE, ModelKey, PrefixMatch
@@ -78,6 +79,9 @@ class TierOptions:
     admission: AdmissionPolicy | None = None  # None: default_admission()
     # Seconds a write-back waits to start while the server decodes (set_foreground).
     write_defer: float = DEFAULT_WRITE_DEFER
+    # Byte cap of the write-backs waiting for the writer (RAM evictions; at shutdown
+    # every RAM entry is written whatever it says).
+    pending_budget: int = DEFAULT_PENDING_BYTES
 
 
 class TierThread:
@@ -295,6 +299,7 @@ class TierThread:
             min_reuse_tokens=options.min_reuse_tokens,
             eviction=options.eviction,
             admission=options.admission,
+            pending_budget=options.pending_budget,
         ) as cache:
             async with trio.open_nursery() as nursery:
                 self.cache = cache

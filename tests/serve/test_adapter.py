@@ -51,6 +51,7 @@ def _adapter(
     tiny: TinyModel,
     directory: Path,
     admission: AdmissionPolicy | None = None,
+    options: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> Iterator[tuple[TieredLRUPromptCache, TierThread]]:
     tier = TierThread(
@@ -60,6 +61,7 @@ def _adapter(
             block_size=BLOCK,
             min_reuse_tokens=0,  # prompts of 40-50 tokens: every cold match is loaded
             admission=admission,
+            **(options or {}),
         )
     )
     tier.start()
@@ -116,6 +118,28 @@ def test_an_evicted_entry_is_served_from_disk_bit_exact_after_a_restart(
             assert rest == [] and _bytes(got) == expected
             assert cache.statistics().hits_cold == 2
     assert guard.calls > 0 and guard.violations == []
+
+
+def test_a_close_writes_every_ram_entry_even_past_the_pending_byte_cap(
+    tiny: TinyModel, tmp_path: Path
+) -> None:
+    """kvtrio serve's SIGTERM promise on a model whose entries are large beside the pending
+    writes' byte cap (256 MiB: three 4k-token entries of a SmolLM2-135M-shaped float16
+    model are 300 MB): the close hands every RAM entry to the tier at once, and none of
+    them may be shed by the cap, which is for RAM evictions while serving. Here the cap
+    holds two of three entries; after the restart all three are found on disk."""
+    prompts = [[100 * (i + 1), *range(1, 60)] for i in range(3)]
+    entry = sum(c.nbytes for c in _prefilled(tiny, prompts[0]))
+    small = {"pending_budget": 2 * entry + entry // 2}
+    with _adapter(tiny, tmp_path, options=small) as (cache, tier):
+        for prompt in prompts:
+            cache.insert_cache(MODEL, prompt, _prefilled(tiny, prompt))
+        assert len(cache) == 3 and _cold_entries(tier) == 0
+    with _adapter(tiny, tmp_path, options=small) as (cache, tier):
+        assert _cold_entries(tier) == 3
+        for prompt in prompts:
+            _, rest = cache.fetch_nearest_cache(MODEL, prompt)
+            assert rest == [] and cache.last_fetch == FetchInfo(CacheTier.COLD, len(prompt))
 
 
 def test_ram_semantics_are_mlx_lms(tiny: TinyModel) -> None:
