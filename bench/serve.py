@@ -21,7 +21,6 @@ import argparse
 import http.client
 import json
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from kvtrio.bench.serve_harness import (
     round_order,
     running,
     steady_rate,
+    workdir,
 )
 from kvtrio.bench.serve_restart import KINDS, QUESTION, restart, restart_ratios
 from kvtrio.serve.modeldir import SHAPES
@@ -59,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-tokens", type=int, default=128, help="tokens per decode stream (128)"
     )
     parser.add_argument("--streams", type=int, default=8, help="concurrent streams (8)")
-    parser.add_argument("--dir", help="working directory (default: a tmp dir)")
+    parser.add_argument(
+        "--dir", help="parent of the working directory, which is kept (default: a tmp dir)"
+    )
     parser.add_argument(
         "--entries", type=int, default=1000, help="entries on disk for the restart time (1000)"
     )
@@ -518,8 +520,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     lengths = [int(x) for x in str(args.lengths).split(",") if x]
     phases = _phases(args.phases)
     figures: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        root = Path(tmp)
+    with workdir(args.dir) as root:
         log = root / "servers.log"
         if args.model:
             model = Path(args.model)

@@ -8,10 +8,12 @@ import http.client
 import itertools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -21,6 +23,7 @@ from typing import Any
 
 __all__ = [
     "Server",
+    "exit_counters",
     "first_vs_last",
     "free_port",
     "itl",
@@ -31,6 +34,7 @@ __all__ = [
     "round_order",
     "running",
     "steady_rate",
+    "workdir",
 ]
 
 
@@ -55,6 +59,8 @@ class Server:
             "naive": [exe, "-m", "kvtrio.bench.serve_naive", *common],
             "kvtrio": [exe, "-m", "kvtrio", "serve", *common, "--cache-dir", str(work / "kv")],
         }[kind]
+        self.log = log
+        self.log_from = log.stat().st_size if log.exists() else 0
         started = time.perf_counter()
         with log.open("a") as out:
             self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -90,6 +96,16 @@ class Server:
                 raise RuntimeError("kvtrio serve: the cold tier did not open")
             time.sleep(0.02)
         return time.perf_counter() - self.started
+
+    def output(self) -> str:
+        """What this server wrote to the log so far (the bench runs one at a time)."""
+        with self.log.open("rb") as f:
+            f.seek(self.log_from)
+            return f.read().decode(errors="replace")
+
+    def exit_counters(self) -> dict[str, dict[str, float]]:
+        """kvtrio serve's lines at exit (:func:`exit_counters`), once it stopped."""
+        return exit_counters(self.output())
 
     def settle(self, seconds: float) -> None:
         """Wait until the cold tier is open and ``seconds`` have passed since the server
@@ -137,6 +153,7 @@ class Server:
         )
         response = connection.getresponse()
         headers = time.perf_counter()
+        cache = response.getheader("X-Kvtrio-Cache")  # kvtrio serve: hot, cold or miss
         arrivals: list[float] = []
         text, usage = "", {}
         for raw in response:
@@ -160,6 +177,7 @@ class Server:
             "done": done,
             "text": text,
             "usage": usage,
+            "cache": cache,
         }
 
     def chat_watching(
@@ -217,6 +235,41 @@ def running(
         yield server
     finally:
         server.stop()
+
+
+def exit_counters(text: str) -> dict[str, dict[str, float]]:
+    """kvtrio serve's counting lines (``kvtrio serve: LABEL (NAME VALUE, ...)``: "stopped",
+    "cold tier at exit", "disk wear") as {LABEL: {NAME: VALUE}}: what a restart found or
+    lost is in them (RAM entries written, pending writes dropped, entries on disk)."""
+    found: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        match = re.match(r"kvtrio serve: ([^(]+?) \((.*)\)$", line.strip())
+        if match is None:
+            continue
+        counts: dict[str, float] = {}
+        for item in match.group(2).split(", "):
+            name, _, value = item.rpartition(" ")
+            try:
+                counts[name.rstrip(":")] = float(value)
+            except ValueError:
+                continue
+        if counts:
+            found[match.group(1)] = counts
+    return found
+
+
+@contextmanager
+def workdir(parent: str | None) -> Iterator[Path]:
+    """The bench's working directory: a new one under ``parent``, kept (its servers.log
+    and cold tiers explain a run afterwards), or a temporary one, removed."""
+    if parent is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            yield Path(tmp)
+    else:
+        Path(parent).mkdir(parents=True, exist_ok=True)
+        kept = Path(tempfile.mkdtemp(dir=parent))
+        print(f"kvtrio bench: working directory {kept} (kept)", file=sys.stderr, flush=True)
+        yield kept
 
 
 def no_eos(model: Path) -> dict[str, float]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from kvtrio.bench.serve_harness import Server, median, prompt_words
 
-__all__ = ["KINDS", "QUESTION", "restart", "restart_ratios"]
+__all__ = ["KINDS", "QUESTION", "metric_samples", "restart", "restart_ratios"]
 
 KINDS = ("mlx_lm", "naive", "kvtrio")
 QUESTION = "Please summarise the document above in one sentence."
@@ -35,6 +35,7 @@ def restart(
     document = prompt_words(model, length)
     turns1 = [[{"role": "user", "content": f"Conversation {r}. {document}"}] for r in range(rounds)]
     turns2: dict[str, list[list[dict[str, str]]]] = {}
+    turn1_exit: dict[str, dict[str, float]] = {}
     for kind in ("naive", "kvtrio"):  # mlx_lm.server keeps nothing over a restart
         server = Server(kind, model, root / f"{kind}-{length}", log)
         try:
@@ -46,6 +47,8 @@ def restart(
             time.sleep(NAIVE_SAVE_S if kind == "naive" else 0.0)
         finally:
             server.stop()
+        if kind == "kvtrio":  # its SIGTERM wrote the rounds' entries: how many, and lost
+            turn1_exit = server.exit_counters()
     # Plain mlx_lm.server recomputes turn 2 whatever it did before its restart: its turn
     # 2 is the naive baseline's (mlx-lm's own answer to turn 1 at temperature 0).
     turns2["mlx_lm"] = turns2["naive"]
@@ -66,6 +69,7 @@ def restart(
             "answer": done[0]["answer"],
             "runs": done,
         }
+    out["kvtrio"]["turn1_exit"] = turn1_exit
     return out
 
 
@@ -79,21 +83,60 @@ def _turn2(
 ) -> dict[str, Any]:
     """One round of :func:`_restart` on one server: start, settle, turn 2, stop."""
     server = Server(kind, model, work, log)
+    seen: dict[str, Any] = {}
     try:
         server.settle(settle)
+        if kind == "kvtrio":  # what the tier held when turn 2 was sent
+            seen["before"] = metric_samples(server.metrics(), BEFORE)
         two = server.chat(turn2, 8)
+        if kind == "kvtrio":  # how turn 2 was looked up (served, miss reasons, loads)
+            seen["after"] = metric_samples(server.metrics(), AFTER)
         time.sleep(NAIVE_SAVE_S if kind == "naive" else 0.0)
     finally:
         server.stop()
     first = two["arrivals"][0] if two["arrivals"] else time.perf_counter()
     details = two["usage"].get("prompt_tokens_details") or {}
-    return {
+    run = {
         "ttft_s": first - two["sent"],
         "restart_s": server.start_s,
         "prompt_tokens": two["usage"].get("prompt_tokens", 0),
         "cached_tokens": details.get("cached_tokens", 0),
         "answer": two["text"],
     }
+    if kind == "kvtrio":
+        run["tier"] = {**seen, "cache_header": two["cache"], "exit": server.exit_counters()}
+    return run
+
+
+#: kvtrio serve's /metrics samples a restart round keeps (name prefixes; zeros left out):
+#: before turn 2, what the cold tier held; after it, how the lookup went.
+BEFORE = ("kvtrio_serve_cold_ready", "kvtrio_cache_entries", "kvtrio_cache_bytes")
+AFTER = (
+    "kvtrio_serve_lookups_total",
+    "kvtrio_serve_cold_unavailable_total",
+    "kvtrio_cache_lookup_reasons_total",
+    "kvtrio_cache_hits_total",
+    "kvtrio_cold_read_bytes_total",
+    "kvtrio_cold_drops_total",
+    "kvtrio_serve_prefetches_total",
+)
+
+
+def metric_samples(text: str, prefixes: tuple[str, ...]) -> dict[str, float]:
+    """The non-zero samples of Prometheus ``text`` whose names start with ``prefixes``
+    (``name{labels}`` to value)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(prefixes):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        if number:
+            out[name] = number
+    return out
 
 
 def restart_ratios(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -77,6 +77,7 @@ from mlx_lm.models import cache as _mlx_cache
 if TYPE_CHECKING:  # the tier's modules load with the tier: ``kvtrio serve`` starts without
     from kvtrio.actors.prefix import PrefixMatch
     from kvtrio.actors.tiered import Fetched
+    from kvtrio.actors.tieredtypes import TieredStatistics
     from kvtrio.actors.wear import WearStatistics
     from kvtrio.serve.bridge import TierThread
 
@@ -480,6 +481,21 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
             except ShuttingDown:
                 pass
         return cache.wear.statistics()
+
+    def cold_statistics(self) -> TieredStatistics | None:
+        """The cold tier's counters (entries and bytes on disk, writes dropped by the
+        pending byte cap, evictions), once it is closed or from any thread but the owner's
+        while it is open; None without a tier."""
+        tier = self.tier
+        if tier is None or tier.cache is None:
+            return None
+        cache = tier.cache
+        if tier.alive:
+            try:
+                return tier.read(lambda: cache.statistics())
+            except ShuttingDown:
+                pass
+        return cache.statistics()
 
     # -- internals ---------------------------------------------------------------------
 

@@ -670,6 +670,15 @@ def serve(args: argparse.Namespace) -> int:
         f"{adapter.lookups_before_open})",
         flush=True,
     )
+    cold = adapter.cold_statistics()
+    if cold is not None:  # what a restart will find (the bench keeps this line per round)
+        print(
+            f"kvtrio serve: cold tier at exit (entries {cold.cold_entries}, bytes "
+            f"{cold.cold_bytes}, budget {cold.cold_budget}, pending writes dropped "
+            f"{cold.pending_dropped}, drops {cold.drops}, evictions {cold.cold_evictions}, "
+            f"write errors {cold.cold_errors}, pending writes left {cold.pending_writes})",
+            flush=True,
+        )
     wear = adapter.wear()
     if wear is not None:
         print(

@@ -143,6 +143,19 @@ def test_bench_serve_restart_phase_alternates_rounds_and_reports_medians() -> No
         # the round's own conversation from disk.
         cached = [run["cached_tokens"] for run in runs]
         assert cached == [0, 0] if kind == "mlx_lm" else min(cached) >= 256, (kind, cached)
+    # What explains a round's hit or miss is kept: the SIGTERM after turn 1 wrote every
+    # round's entry and shed none; each round found them all on disk, served turn 2 from
+    # it, and exited with them still there.
+    written = restart["kvtrio"]["turn1_exit"]
+    assert written["stopped"]["RAM entries written"] == 2, written
+    assert written["cold tier at exit"]["entries"] == 2, written
+    assert written["cold tier at exit"]["pending writes dropped"] == 0, written
+    for r, run in enumerate(restart["kvtrio"]["runs"]):  # each round adds its turn 2's
+        tier = run["tier"]
+        assert tier["before"]['kvtrio_cache_entries{tier="cold"}'] == 2 + r, tier
+        assert tier["after"]['kvtrio_serve_lookups_total{served="disk"}'] == 1, tier
+        assert tier["cache_header"] == "cold", tier
+        assert tier["exit"]["cold tier at exit"]["entries"] == 3 + r, tier
     kv, naive, plain = (restart[k]["runs"] for k in ("kvtrio", "naive", "mlx_lm"))
     assert ratios["ttft_kvtrio_vs_naive_per_round"] == [
         a["ttft_s"] / b["ttft_s"] for a, b in zip(kv, naive, strict=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvtrio.bench.serve_harness import exit_counters
 from kvtrio.serve.modeldir import write_tiny_model_dir
 from kvtrio.tests.serve.servers import (
     Server,
@@ -372,6 +373,11 @@ def test_metrics_endpoint_parses_and_wear_is_printed_at_shutdown(
     wear = exit_wear(server)
     # The close wrote the RAM entry (a flush: not offered to the admission policy).
     assert wear["written"] > 0 and (wear["admitted"], wear["refused"]) == (0, 0)
+    # And says what a restart will find: the entry on disk, no write shed or failed.
+    at_exit = exit_counters(server.output())["cold tier at exit"]
+    assert at_exit["entries"] == 1 and at_exit["bytes"] > 0, server.output()
+    assert at_exit["pending writes dropped"] == at_exit["drops"] == 0, server.output()
+    assert at_exit["write errors"] == at_exit["pending writes left"] == 0, server.output()
 
 
 def test_warm_prompts_are_stored_at_start_and_skipped_when_on_disk(
