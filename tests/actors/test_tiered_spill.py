@@ -96,3 +96,24 @@ async def test_a_close_writes_every_held_back_entry_at_once(
             keys.append(await cache.spill([i * 100 + t for t in range(8)], fake_caches(8)))
         start = trio.current_time()
     assert store.stored == keys and trio.current_time() - start < 1.0
+
+
+async def test_a_flushs_spills_are_not_shed_by_the_pending_byte_cap(tmp_path: Path) -> None:
+    """Cold side rule 1 and kvtrio serve's SIGTERM promise: a close hands every RAM entry
+    over at once (``spill(flush=True)``); the byte cap, there to bound what RAM evictions
+    hold while serving, sheds none of them, as it sheds none of :meth:`flush`'s. With the
+    disk stalled the writes pile up past the cap (the first one written, two waiting
+    beside a cap of one and a half) and all reach the disk (before, the older of the two
+    waiting was shed)."""
+    store = FakeColdStore(tmp_path, MODEL, store_gate=trio.Event())
+    async with fake_tiered(store, hot_budget=0, pending_budget=3 * entry_bytes(8) // 2) as cache:
+        keys = [
+            await cache.spill([i * 100 + t for t in range(8)], fake_caches(8), flush=True)
+            for i in range(1, 4)
+        ]
+        stats = cache.statistics()
+        assert stats.pending_dropped == 0 and stats.pending_bytes > stats.pending_budget
+        assert store.store_gate is not None
+        store.store_gate.set()
+        await cache.wait_writes_settled()
+    assert sorted(store.stored) == sorted(keys)
