@@ -289,17 +289,21 @@ class ColdTierStore:
         self, keys: list[str], report: OpenReport, young: YoungCollections
     ) -> Iterator[CatalogueRow]:
         """Worker thread: the catalogue rows of the manifests of ``keys`` (bad or unreadable
-        ones skipped), each counted in the store's tables as it is read. The young
-        generations are collected after each :data:`SCAN_BATCH` manifests, as the block
-        lists' batches are: a rebuild of N manifests leaves no pile of young objects for
-        one pass of the collector on the event loop (docs/design.md invariant 16)."""
+        ones skipped), counted in the store's tables, :data:`SCAN_BATCH` manifests at a
+        time: a batch is read (one run of file reads and parses), yielded to the
+        catalogue's insert, freed, and then the young generations are collected, as the
+        block lists' batches are. So a rebuild of N manifests holds one batch of rows, and
+        leaves neither N rows to free nor a pile of young objects for one pass of the
+        collector on the event loop (docs/design.md invariant 16)."""
         for start in range(0, len(keys), SCAN_BATCH):
-            for key in keys[start : start + SCAN_BATCH]:
-                row = self._manifest_row(key)
-                if row is not None:
-                    report.parsed += 1
-                    self._note_row(row)
-                    yield row
+            read = [self._manifest_row(key) for key in keys[start : start + SCAN_BATCH]]
+            batch = [row for row in read if row is not None]
+            del read
+            report.parsed += len(batch)
+            for row in batch:
+                self._note_row(row)
+            yield from batch
+            del batch  # written: freed before the collection, so none is kept as old
             young.after_batch()
 
     def _manifest_row(self, key: str) -> CatalogueRow | None:

@@ -91,7 +91,9 @@ async def test_a_rebuild_reads_on_a_worker_and_holds_at_most_a_batch_of_rows(
     assert report.parsed == BATCH * BATCHES and not report.clean
     assert rows.read_on and rows.loop not in rows.read_on
     assert rows.alive == 0 and rows.loop not in rows.freed_on
-    assert rows.most_alive <= BATCH  # was every row: freed in one piece at the end
+    # A batch, the last of the one before (referenced until the next row is read) and the
+    # first (read to learn whether anything changed): was every row, freed in one piece.
+    assert rows.most_alive <= BATCH + 2
 
 
 async def test_a_rebuild_leaves_no_pile_of_young_objects_for_the_loop(
