@@ -31,12 +31,12 @@ Theory of operation
 
 Costs (N entries in the policy): LRU is O(1) per operation. GreedyDual keeps a binary
 heap with lazy deletion (an item is live while its entry's slot holds its number: no
-second table of every entry beside the slots): ``on_insert`` and ``on_hit`` push one item (O(log N)),
-``on_remove`` is O(1) (its item goes stale), ``victim`` pops stale items until a live
-one, O(log N) amortized: the heap is rebuilt (O(N)) whenever it holds more than twice
-the live entries plus 64, so stale items never outnumber live ones for long. ``expire``
-costs O(log N) per entry it takes out, plus the stale deadlines it skips (rebuilt the same
-way when they outnumber the entries).
+second table of every entry beside the slots): ``on_insert`` and ``on_hit`` push one
+item (O(log N)), ``on_remove`` is O(1) (its item goes stale), ``victim`` pops stale
+items until a live one, O(log N) amortized: the heap is rebuilt (O(N)) whenever it
+holds more than twice the live entries plus 64, so stale items never outnumber live ones
+for long. ``expire`` costs O(log N) per entry it takes out, plus the stale deadlines it
+skips (rebuilt the same way when they outnumber the entries).
 """
 
 from __future__ import annotations
