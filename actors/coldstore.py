@@ -263,8 +263,8 @@ class ColdTierStore:
             if count > 0:
                 name = digest.hex()
                 refs[name] = refs.get(name, 0) + count
-        # Manifests the catalogue lacks (all of them after a rebuild): read as the catalogue
-        # writes their rows, a batch at a time, none held after its row is written.
+        # Manifests the catalogue lacks (all of them after a rebuild): read a batch at a time
+        # as the catalogue writes their rows, each batch freed once written (_rows_of).
         rows = self._rows_of([key for key in keys if key not in entry_bytes], report, young)
         first = next(rows, None)
         report.clean = catalogue.was_clean and not (report.rebuilt or gone or first)
