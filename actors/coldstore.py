@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import errno
 import functools
+import itertools
 import json
 import logging
 import struct
@@ -57,7 +58,7 @@ from kvtrio.errors import (
 )
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.cacheio import snapshot
-from kvtrio.storage.catalogue import Catalogue, CatalogueRow, CompactRow
+from kvtrio.storage.catalogue import SCAN_BATCH, Catalogue, CatalogueRow, CompactRow
 from kvtrio.storage.format import Header
 from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.writable import encoded_size
@@ -262,27 +263,48 @@ class ColdTierStore:
             if count > 0:
                 name = digest.hex()
                 refs[name] = refs.get(name, 0) + count
-        fresh: list[CatalogueRow] = []
-        for key in [key for key in keys if key not in entry_bytes]:  # manifests it lacks
-            row = self._manifest_row(key)
-            if row is not None:
-                fresh.append(row)
-                self._note_row(row)
-        report.parsed = len(fresh)
-        report.clean = catalogue.was_clean and not (report.rebuilt or gone or fresh)
+        # Manifests the catalogue lacks (all of them after a rebuild): read a batch at a time
+        # as the catalogue writes their rows, each batch freed once written (_rows_of).
+        rows = self._rows_of([key for key in keys if key not in entry_bytes], report, young)
+        first = next(rows, None)
+        report.clean = catalogue.was_clean and not (report.rebuilt or gone or first)
         if not report.clean:
+            fresh = rows if first is None else itertools.chain((first,), rows)
             # After a crash, a rebuild or a change behind its back, what exists is what the
-            # block directory holds now; blocks no manifest names (debris) go.
-            blocks = self._present_blocks(report)
+            # block directory holds now (listed once every row is noted); blocks no
+            # manifest names (debris) go.
+            present = functools.partial(self._present_blocks, report)
             if report.rebuilt:
-                catalogue.replace_all(fresh, blocks)
+                blocks = catalogue.replace_all(fresh, present)
             else:
-                catalogue.reconcile(gone, fresh, blocks)
+                blocks = catalogue.reconcile(gone, fresh, present)
             # The rows' pins may be stale or lost with the catalogue: the manifest store's
             # record is the truth.
             catalogue.replace_pins(self._pinned_keys(keys))
+        young.after_batch()  # the last batch's objects too, before the loop resumes them
         self._usage = sum(self._entry_bytes.values()) + sum(blocks.values())
         return catalogue, blocks, report
+
+    def _rows_of(
+        self, keys: list[str], report: OpenReport, young: YoungCollections
+    ) -> Iterator[CatalogueRow]:
+        """Worker thread: the catalogue rows of the manifests of ``keys`` (bad or unreadable
+        ones skipped), counted in the store's tables, :data:`SCAN_BATCH` manifests at a
+        time: a batch is read (one run of file reads and parses), yielded to the
+        catalogue's insert, freed, and then the young generations are collected, as the
+        block lists' batches are. So a rebuild of N manifests holds one batch of rows, and
+        leaves neither N rows to free nor a pile of young objects for one pass of the
+        collector on the event loop (docs/design.md invariant 16)."""
+        for start in range(0, len(keys), SCAN_BATCH):
+            read = [self._manifest_row(key) for key in keys[start : start + SCAN_BATCH]]
+            batch = [row for row in read if row is not None]
+            del read
+            report.parsed += len(batch)
+            for row in batch:
+                self._note_row(row)
+            yield from batch
+            del batch  # written: freed before the collection, so none is kept as old
+            young.after_batch()
 
     def _manifest_row(self, key: str) -> CatalogueRow | None:
         try:
@@ -299,14 +321,21 @@ class ColdTierStore:
         return attrs.evolve(row, manifest_mtime_ns=mtime_ns)
 
     def _present_blocks(self, report: OpenReport) -> dict[str, int]:
+        """Worker thread: the size of each stored block a manifest names; the others
+        (debris) deleted. One pass over the listing, no object kept per block."""
         assert self._blocks is not None
         named = self._refs
-        stored = list(self._blocks.iter_blocks())
-        orphans = [b.name for b in stored if b.name not in named]
+        present: dict[str, int] = {}
+        orphans = []
+        for block in self._blocks.iter_blocks():
+            if block.name in named:
+                present[block.name] = block.size
+            else:
+                orphans.append(block.name)
         if orphans:
             self._blocks.delete_many(orphans)
         report.orphans_swept = len(orphans)
-        return {b.name: b.size for b in stored if b.name in named}
+        return present
 
     @property
     def directory(self) -> Path | None:

@@ -30,12 +30,13 @@ Theory of operation
    :meth:`EvictionPolicy.expire` takes the expired entries out and names them.
 
 Costs (N entries in the policy): LRU is O(1) per operation. GreedyDual keeps a binary
-heap with lazy deletion: ``on_insert`` and ``on_hit`` push one item (O(log N)),
-``on_remove`` is O(1) (its item goes stale), ``victim`` pops stale items until a live
-one, O(log N) amortized: the heap is rebuilt (O(N)) whenever it holds more than twice
-the live entries plus 64, so stale items never outnumber live ones for long. ``expire``
-costs O(log N) per entry it takes out, plus the stale deadlines it skips (rebuilt the same
-way when they outnumber the entries).
+heap with lazy deletion (an item is live while its entry's slot holds its number: no
+second table of every entry beside the slots): ``on_insert`` and ``on_hit`` push one
+item (O(log N)), ``on_remove`` is O(1) (its item goes stale), ``victim`` pops stale
+items until a live one, O(log N) amortized: the heap is rebuilt (O(N)) whenever it
+holds more than twice the live entries plus 64, so stale items never outnumber live ones
+for long. ``expire`` costs O(log N) per entry it takes out, plus the stale deadlines it
+skips (rebuilt the same way when they outnumber the entries).
 """
 
 from __future__ import annotations
@@ -190,6 +191,10 @@ class _Slot:
     deadline: float  # +inf without a TTL
     pinned: bool = False
     uses: int = 1
+    # GreedyDual's place in its order: the priority H and the number of its live heap item
+    # (-1: not in the order). Kept here, not in a second table of every entry.
+    priority: float = 0.0
+    number: int = -1
 
 
 @attrs.define(eq=False)
@@ -430,8 +435,10 @@ class GreedyDualPolicy(EvictionPolicy):
     prefill: PrefillCost = attrs.field(factory=PrefillCost)
     frequency: bool = False
     _inflation: float = attrs.field(init=False, default=0.0)  # L
+    # Items (H, number, key); an item is live while its entry's slot holds its number
+    # (older ones are stale, dropped as they surface or when the heap is rebuilt).
     _heap: list[tuple[float, int, str]] = attrs.field(init=False, factory=list)
-    _priority: dict[str, tuple[float, int]] = attrs.field(init=False, factory=dict)
+    _ordered: int = attrs.field(init=False, default=0)  # entries in the order (live items)
 
     @property
     def inflation(self) -> float:
@@ -440,8 +447,8 @@ class GreedyDualPolicy(EvictionPolicy):
 
     def priority(self, key: str) -> float | None:
         """The entry's current H (None: absent or pinned)."""
-        found = self._priority.get(key)
-        return None if found is None else found[0]
+        slot = self._slots.get(key)
+        return None if slot is None or slot.number < 0 else slot.priority
 
     def value(self, cost: EntryCost, uses: int) -> float:
         """What losing the entry costs, per byte: its recompute seconds, or its reload
@@ -453,18 +460,18 @@ class GreedyDualPolicy(EvictionPolicy):
         return weight * seconds / max(1, cost.nbytes)
 
     def _order_add(self, key: str, slot: _Slot) -> None:
-        item = (self._inflation + self.value(slot.cost, slot.uses), next(self._seq))
-        self._priority[key] = item
-        heapq.heappush(self._heap, (*item, key))
-        if len(self._heap) > 2 * len(self._priority) + 64:
-            self._heap = [(h, seq, k) for k, (h, seq) in self._priority.items()]
-            heapq.heapify(self._heap)
+        if slot.number < 0:
+            self._ordered += 1
+        slot.priority = self._inflation + self.value(slot.cost, slot.uses)
+        slot.number = next(self._seq)
+        heapq.heappush(self._heap, (slot.priority, slot.number, key))
+        self._compact()
 
     def _order_extend(self, added: list[tuple[str, _Slot]]) -> None:
         """:meth:`_order_add` of each, valuing each distinct cost object once (L does not
         move in between: nothing is evicted)."""
         values: dict[int, float] = {}  # by id(): the costs stay alive in their slots
-        heap, priority, seq, inflation = self._heap, self._priority, self._seq, self._inflation
+        heap, seq, inflation = self._heap, self._seq, self._inflation
         push, last_cost, last_h = heapq.heappush, None, 0.0
         for key, slot in added:
             cost = slot.cost
@@ -473,24 +480,38 @@ class GreedyDualPolicy(EvictionPolicy):
                 if value is None:
                     value = values[id(cost)] = self.value(cost, slot.uses)
                 last_cost, last_h = cost, inflation + value
-            number = next(seq)
-            priority[key] = (last_h, number)
+            if slot.number < 0:
+                self._ordered += 1
+            number = slot.number = next(seq)
+            slot.priority = last_h
             push(heap, (last_h, number, key))
-        if len(heap) > 2 * len(priority) + 64:
-            self._heap = [(h, seq_, k) for k, (h, seq_) in priority.items()]
+        self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the heap from the live items once stale ones outnumber them (O(N))."""
+        if len(self._heap) > 2 * self._ordered + 64:
+            self._heap = [
+                (slot.priority, slot.number, key)
+                for key, slot in self._slots.items()
+                if slot.number >= 0
+            ]
             heapq.heapify(self._heap)
 
     def _order_touch(self, key: str, slot: _Slot) -> None:
         self._order_add(key, slot)  # the old item goes stale
 
     def _order_discard(self, key: str, slot: _Slot) -> None:
-        self._priority.pop(key, None)
+        if slot.number >= 0:
+            slot.number = -1
+            self._ordered -= 1
 
     def _order_pop(self) -> str | None:
         while self._heap:
-            h, seq, key = heapq.heappop(self._heap)
-            if self._priority.get(key) == (h, seq):
-                del self._priority[key]
+            h, number, key = heapq.heappop(self._heap)
+            slot = self._slots.get(key)
+            if slot is not None and slot.number == number:
+                slot.number = -1
+                self._ordered -= 1
                 self._inflation = max(self._inflation, h)
                 return key
         return None

@@ -436,7 +436,8 @@ class PrefixIndex:
                 self._add(entry, root)
 
     def _add(self, entry: PrefixEntry, root: bytes | None = None) -> PrefixEntry | None:
-        previous = self._remove(entry.key)
+        # A new key (every one at open) costs one lookup, not a call of _remove.
+        previous = self._remove(entry.key) if entry.key in self._entries else None
         self.epoch += 1
         model, packed, step, nodes = entry.model, entry.packed, 4 * self.block_size, self._nodes
         parent, full = (model.root() if root is None else root), len(packed) // step

@@ -53,7 +53,7 @@ import os
 import sqlite3
 import stat
 import sys
-from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -385,10 +385,15 @@ class Catalogue:
 
     # -- writing ------------------------------------------------------------------------
 
-    def replace_all(self, rows: Iterable[CatalogueRow], blocks: dict[str, int]) -> None:
-        """Rebuild: every row and every existing block, in one transaction. The token
-        index is made after the rows (one sorted build, its pages in token order for the
-        scan's walk, rather than N inserts in the manifests' order)."""
+    def replace_all(
+        self, rows: Iterable[CatalogueRow], blocks: Callable[[], dict[str, int]]
+    ) -> dict[str, int]:
+        """Rebuild: every row, then every existing block, in one transaction; returns what
+        ``blocks()`` gave. ``rows`` is consumed as it is inserted (a caller reading
+        manifests never holds them all) and ``blocks`` called after the last row (the
+        rows name the blocks that are kept). The token index is made after the rows (one
+        sorted build, its pages in token order for the scan's walk, rather than N inserts
+        in the manifests' order)."""
         self._checked = False
         with self._db:
             self._db.execute("BEGIN")
@@ -400,16 +405,22 @@ class Catalogue:
                 (_values(row) for row in rows),
             )
             self._db.execute(_TOKEN_INDEX)
+            present = blocks()
             self._db.executemany(
                 "INSERT INTO blocks VALUES (?, ?)",
-                ((bytes.fromhex(name), size) for name, size in blocks.items()),
+                ((bytes.fromhex(name), size) for name, size in present.items()),
             )
+        return present
 
     def reconcile(
-        self, gone: Iterable[str], fresh: Iterable[CatalogueRow], blocks: dict[str, int] | None
-    ) -> None:
-        """In one transaction: drop the rows of ``gone`` keys, upsert ``fresh`` rows, and
-        (given) replace the table of existing blocks with ``blocks``."""
+        self,
+        gone: Iterable[str],
+        fresh: Iterable[CatalogueRow],
+        blocks: Callable[[], dict[str, int]],
+    ) -> dict[str, int]:
+        """In one transaction: drop the rows of ``gone`` keys, upsert ``fresh`` rows (consumed
+        as they are written), then replace the table of existing blocks with ``blocks()``
+        (called after the last row), which it returns."""
         self._checked = False
         with self._db:
             self._db.execute("BEGIN")
@@ -418,12 +429,13 @@ class Catalogue:
                 "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (_values(row) for row in fresh),
             )
-            if blocks is not None:
-                self._db.execute("DELETE FROM blocks")
-                self._db.executemany(
-                    "INSERT INTO blocks VALUES (?, ?)",
-                    ((bytes.fromhex(name), size) for name, size in blocks.items()),
-                )
+            present = blocks()
+            self._db.execute("DELETE FROM blocks")
+            self._db.executemany(
+                "INSERT INTO blocks VALUES (?, ?)",
+                ((bytes.fromhex(name), size) for name, size in present.items()),
+            )
+        return present
 
     def put(self, row: CatalogueRow, new_blocks: dict[str, int]) -> None:
         """An entry was published (its blocks in ``new_blocks`` are new on disk)."""

@@ -141,6 +141,55 @@ def test_greedy_dual_matches_a_brute_force_reference() -> None:
         assert gds.nbytes == sum(costs[k].nbytes for k in ref)
 
 
+def test_greedy_dual_with_pins_matches_a_brute_force_reference() -> None:
+    """The same reference with pins: a pinned entry leaves the order (never a victim), a
+    rewrite keeps it pinned, an unpinned one re-enters as if just used. Guards the order
+    kept in the slots (a live heap item is the one whose number its slot holds)."""
+    rng = random.Random(11)
+    prefill = _quadratic()
+    gds = GreedyDualPolicy(clock=lambda: 0.0, prefill=prefill, pin_limit=1 << 62)
+    ref: dict[str, tuple[float, int]] = {}
+    pinned: set[str] = set()
+    costs: dict[str, EntryCost] = {}
+    inflation, seq = 0.0, 0
+
+    def value(c: EntryCost) -> float:
+        return prefill.seconds("m", c.tokens) / c.nbytes
+
+    for step in range(4000):
+        op, key = rng.random(), f"k{rng.randrange(40)}"
+        if op < 0.4:
+            costs[key] = EntryCost(rng.randrange(1, 50) * 997, rng.randrange(1, 20_000), "m")
+            gds.on_insert(key, costs[key])
+            if key not in pinned:
+                seq += 1
+                ref[key] = (inflation + value(costs[key]), seq)
+        elif op < 0.55 and key in ref:
+            gds.on_hit(key)
+            seq += 1
+            ref[key] = (inflation + value(costs[key]), seq)
+        elif op < 0.65 and key in ref:
+            gds.pin(key)
+            del ref[key]
+            pinned.add(key)
+            assert gds.priority(key) is None
+        elif op < 0.75 and key in pinned:
+            gds.unpin(key)
+            pinned.remove(key)
+            seq += 1
+            ref[key] = (inflation + value(costs[key]), seq)
+        elif op < 0.82:
+            gds.on_remove(key)
+            ref.pop(key, None)
+            pinned.discard(key)
+        elif ref:
+            expected = min(ref, key=lambda k: ref[k])
+            inflation = max(inflation, ref.pop(expected)[0])
+            assert gds.victim() == expected, step
+        assert len(gds) == len(ref) + len(pinned)
+        assert all(gds.priority(k) == h for k, (h, _) in ref.items())
+
+
 def test_victim_costs_stay_logarithmic_in_heap_size() -> None:
     """Stale heap items (hits, removals) never outnumber live entries by more than 2x + 64."""
     gds = GreedyDualPolicy(clock=lambda: 0.0)

@@ -4,6 +4,7 @@ another schema is refused with CorruptCacheError (the tier then rebuilds it)."""
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -200,4 +201,36 @@ def test_rows_that_pass_the_check_are_yielded_as_stored(tmp_path: Path) -> None:
     assert [tuple(unpack_tokens(row[3])) for row in rows] == [(0, 1, 2**32 - 1)] * 2
     lists = sorted(row for batch in catalogue.block_lists() for row in batch)
     assert lists == [(k, 100, bytes.fromhex("00" * 32 + "01" * 32)) for k in ("a", "b")]
+    catalogue.close()
+
+
+@pytest.mark.parametrize("write", ["replace_all", "reconcile"])
+def test_a_rebuilds_rows_are_consumed_as_written_and_its_blocks_listed_after_the_last(
+    tmp_path: Path, write: str
+) -> None:
+    """``replace_all`` and ``reconcile`` take the rows as an iterable, read one at a time
+    (a rebuild never holds them all), and call ``blocks`` once, after the last row (the
+    rows name the blocks that are kept); they write what it returns, and return it."""
+    catalogue = Catalogue.open(str(tmp_path))
+    catalogue.put(_row("gone", 0.5), {"09" * 32: 9})
+    consumed: list[str] = []
+
+    def rows() -> Iterator[CatalogueRow]:
+        for i in range(5):
+            consumed.append(f"k{i}")
+            yield _row(f"k{i}", float(i))
+
+    calls: list[list[str]] = []
+
+    def blocks() -> dict[str, int]:
+        calls.append(list(consumed))
+        return {"00" * 32: 10, "01" * 32: 11}
+
+    if write == "replace_all":
+        written = catalogue.replace_all(rows(), blocks)
+    else:
+        written = catalogue.reconcile(["gone"], rows(), blocks)
+    assert calls == [[f"k{i}" for i in range(5)]]
+    assert written == catalogue.block_sizes() == {"00" * 32: 10, "01" * 32: 11}
+    assert [row.key for row in catalogue.rows()] == [f"k{i}" for i in range(5)]
     catalogue.close()
