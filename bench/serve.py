@@ -29,10 +29,12 @@ from typing import Any
 
 from kvtrio.bench.serve_harness import (
     Server,
+    compile_kvtrio,
     first_vs_last,
     itl,
     median,
     no_eos,
+    paired,
     pct,
     prompt_words,
     round_order,
@@ -513,7 +515,7 @@ def _phases(text: str) -> set[str]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     lengths = [int(x) for x in str(args.lengths).split(",") if x]
     phases = _phases(args.phases)
-    figures: dict[str, Any] = {}
+    figures: dict[str, Any] = {"kvtrio_bytecode": compile_kvtrio()}  # as installed: no compiles
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         log = root / "servers.log"
@@ -630,12 +632,16 @@ def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             "listen_kvtrio_vs_naive": kv["listen_s"] / naive["listen_s"],
             "cold_ready_kvtrio_vs_naive": kv["cold_s"] / naive["cold_s"],
         }
-        # Per round (the servers started back to back), and their medians.
-        for key, name in (("answer_s", "first_answer"), ("listen_s", "listen")):
-            rounds = [a[key] / b[key] for a, b in zip(kv["runs"], naive["runs"], strict=True)]
+        # Per round (the servers started back to back): ratios, medians, rounds lower; and
+        # mlx_lm against naive, the control (less to do: no index, none of kvtrio's imports).
+        for kind, key, name in (
+            ("kvtrio", "answer_s", "first_answer"),
+            ("kvtrio", "listen_s", "listen"),
+            ("mlx_lm", "answer_s", "first_answer"),
+        ):
+            pairs = paired(starts[kind]["runs"], naive["runs"], key)
             ratios[f"start_with_{args.entries}_entries"] |= {
-                f"{name}_kvtrio_vs_naive_per_round": rounds,
-                f"{name}_kvtrio_vs_naive_round_median": median(rounds),
+                f"{name}_{kind}_vs_naive_{k}": v for k, v in pairs.items() if k != "rounds"
             }
     if "prefetch" in figures:
         pre = figures["prefetch"]
