@@ -416,24 +416,25 @@ def _starts(
 ) -> dict[str, dict[str, Any]]:
     """Each server started ``rounds`` times, alternating, on ``entries`` entries of its own
     on disk (none for mlx_lm.server): seconds from the spawn until it listens, until it
-    has answered its first request (a one-token chat, sent as soon as it listens), and,
-    for kvtrio serve, until its cold tier is open (naive's index is read before it
-    listens). One server runs at a time, in :func:`round_order` (reversed every other
-    round). Medians, and every run (with its ``position`` in the round's order)."""
+    has answered its first request (a one-token chat, sent once it listens; ``cpu_s``: the
+    CPU time it used to then), and kvtrio's until its cold tier is open (naive's index is
+    read before it listens). One server at a time, in :func:`round_order` (reversed every
+    other round). Medians, and every run (with its ``position`` in the round's order)."""
     fills = {kind: _fill(kind, model, root / f"{kind}-entries", entries) for kind in KINDS}
     runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
     for r in range(rounds):
         for position, kind in enumerate(round_order(KINDS, r)):  # alternating, as decode's
             with running(kind, model, root / f"{kind}-entries", log) as server:
                 answer = _first_answer(server, f"hi {r}")
+                cpu = server.cpu_s()  # the CPU time of the start, to its first answer
                 ready = server.wait_cold_ready() if kind == "kvtrio" else server.start_s
                 time.sleep(1.0)  # the naive baseline saves after answering: not torn by a stop
-            run = {"listen_s": server.start_s, "answer_s": answer, "cold_s": ready}
+            run = {"listen_s": server.start_s, "answer_s": answer, "cold_s": ready, "cpu_s": cpu}
             runs[kind].append({**run, "position": position})
     out: dict[str, dict[str, Any]] = {}
     for kind in KINDS:
         out[kind] = {"fill_s": fills[kind], "runs": runs[kind]}
-        for key in ("listen_s", "answer_s", "cold_s"):
+        for key in ("listen_s", "answer_s", "cold_s", "cpu_s"):
             out[kind][key] = median([r[key] for r in runs[kind]])
     return out
 
@@ -637,7 +638,9 @@ def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         for kind, key, name in (
             ("kvtrio", "answer_s", "first_answer"),
             ("kvtrio", "listen_s", "listen"),
+            ("kvtrio", "cpu_s", "first_answer_cpu"),
             ("mlx_lm", "answer_s", "first_answer"),
+            ("mlx_lm", "cpu_s", "first_answer_cpu"),
         ):
             pairs = paired(starts[kind]["runs"], naive["runs"], key)
             ratios[f"start_with_{args.entries}_entries"] |= {

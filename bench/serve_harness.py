@@ -40,6 +40,12 @@ __all__ = [
 ]
 
 
+#: Seconds between two attempts to connect to a starting server: the resolution of its
+#: time to listening, and so of the first answer sent then (it was 50 ms, as large as
+#: what the start phase compares).
+LISTEN_POLL = 0.005
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -71,7 +77,7 @@ class Server:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
                 break
             except OSError:
-                time.sleep(0.05)
+                time.sleep(LISTEN_POLL)
         self.started = started
         self.start_s = time.perf_counter() - started
         self.stopped = float("nan")
@@ -111,6 +117,16 @@ class Server:
             self.process.kill()
             self.process.wait()
         self.stopped = time.perf_counter()
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server has used so far, all its threads (nan without Linux's
+        /proc): the work of a start, less moved by other processes than its wall time."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1]
+        except OSError:
+            return float("nan")
+        utime, stime = fields.split()[11:13]  # fields 14 and 15 of proc(5)
+        return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
 
     def tags(self) -> dict[str, Any]:
         """Which process a round ran on, and when it was alive (spawn to exit, perf-counter

@@ -334,4 +334,7 @@ def test_bench_serve_start_phase_alternates_rounds_and_reports_per_round_ratios(
     mlx_lm = starts["mlx_lm"]["runs"]
     plain = [a["answer_s"] / b["answer_s"] for a, b in zip(mlx_lm, naive, strict=True)]
     assert ratios["first_answer_mlx_lm_vs_naive_per_round"] == plain  # the control
+    cpu = [a["cpu_s"] / b["cpu_s"] for a, b in zip(kv, naive, strict=True)]
+    assert ratios["first_answer_cpu_kvtrio_vs_naive_per_round"] == cpu
+    assert all(0 < run["cpu_s"] for kind in starts.values() for run in kind["runs"])
     assert figures["kvtrio_bytecode"] is True
