@@ -42,6 +42,7 @@ from kvtrio.bench.serve_harness import (
     steady_rate,
 )
 from kvtrio.bench.serve_restart import KINDS, QUESTION, restart, restart_ratios
+from kvtrio.serve.modeldir import SHAPES
 
 __all__ = ["add_arguments", "measure", "render"]
 
@@ -52,7 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lengths", default="1024,4096", help="turn-1 prompt lengths in tokens (1024,4096)"
     )
-    parser.add_argument("--model", help="a model directory (default: the tiny llama, built)")
+    parser.add_argument("--model", help="a model directory (default: --model-shape, built)")
+    parser.add_argument(
+        "--model-shape", default="tiny", choices=sorted(SHAPES), help="random llama built (tiny)"
+    )
     parser.add_argument(
         "--decode-tokens", type=int, default=128, help="tokens per decode stream (128)"
     )
@@ -525,7 +529,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         else:
             from kvtrio.serve.modeldir import write_tiny_model_dir
 
-            model = write_tiny_model_dir(root / "tiny-llama")
+            model = write_tiny_model_dir(root / "llama", **SHAPES[args.model_shape])
         if "restart" in phases:
             figures["restart"] = {
                 str(length): restart(model, root, length, args.restart_rounds, args.settle, log)
@@ -553,7 +557,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 model, root, args.prefetch_length, args.prefetch_rounds, args.settle, log
             )
     return {
-        "model": str(args.model or "tiny random llama (kvtrio.serve.modeldir)"),
+        "model": str(args.model or f"{args.model_shape} random llama (kvtrio.serve.modeldir)"),
         **figures,
         "ratios": _ratios(figures, args),
         "command": "kvtrio bench serve " + " ".join(sys.argv[3:]),

@@ -16,7 +16,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHAT_TEMPLATE", "MODEL_CONFIG", "SPECIAL_TOKENS", "write_tiny_model_dir"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "MODEL_CONFIG",
+    "SHAPES",
+    "SMOLLM2_135M_CONFIG",
+    "SPECIAL_TOKENS",
+    "write_tiny_model_dir",
+]
 
 #: The llama written by default: the shape of kvtrio.tinymodel's TINY_CONFIG.
 MODEL_CONFIG: Mapping[str, Any] = {
@@ -31,6 +38,27 @@ MODEL_CONFIG: Mapping[str, Any] = {
     "rope_theta": 10000.0,
     "tie_word_embeddings": True,
     "max_position_embeddings": 16384,
+}
+
+#: SmolLM2-135M's shape (random weights; the tokenizer stays the small local one, and the
+#: ids it lacks decode as mlx-lm's "!" fallback): a 4,096-token float16 KV cache of it is
+#: 94,371,840 bytes (30 layers, 3 kv heads of 64), where the tiny model's is about 4 MB.
+SMOLLM2_135M_CONFIG: Mapping[str, Any] = {
+    **MODEL_CONFIG,
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "rope_theta": 100000.0,
+}
+
+#: Model shapes by name (``kvtrio bench serve --model-shape``): keyword arguments of
+#: :func:`write_tiny_model_dir`.
+SHAPES: Mapping[str, Mapping[str, Any]] = {
+    "tiny": {"config": MODEL_CONFIG},
+    "smollm2-135m": {"config": SMOLLM2_135M_CONFIG, "dtype": "float16"},
 }
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -68,9 +96,15 @@ def _tokenizer(vocab_size: int) -> Any:
 
 
 def write_tiny_model_dir(
-    path: str | Path, *, config: Mapping[str, Any] = MODEL_CONFIG, seed: int = 0
+    path: str | Path,
+    *,
+    config: Mapping[str, Any] = MODEL_CONFIG,
+    seed: int = 0,
+    dtype: str | None = None,
 ) -> Path:
-    """Write the model directory at ``path`` (created); return it."""
+    """Write the model directory at ``path`` (created); return it. ``dtype`` (an MLX
+    floating dtype's name, e.g. ``"float16"``) casts the weights, and so the KV caches
+    mlx-lm makes of the model; None keeps MLX's float32."""
     import mlx.core as mx
     from mlx_lm.models import llama
     from mlx_lm.utils import save_model
@@ -85,6 +119,9 @@ def write_tiny_model_dir(
     mx.random.seed(seed)
     from_dict: Any = llama.ModelArgs.from_dict
     model = llama.Model(from_dict(dict(full)))
+    if dtype is not None:
+        model.set_dtype(getattr(mx, dtype))
+        full["torch_dtype"] = dtype
     mx.eval(model.parameters())
     save_model(out, model)
     (out / "config.json").write_text(json.dumps(full, indent=2, sort_keys=True))
