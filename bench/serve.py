@@ -34,11 +34,11 @@ from kvtrio.bench.serve_harness import (
     itl,
     median,
     no_eos,
-    paired,
     pct,
     prompt_words,
     round_order,
     running,
+    start_pairs,
     steady_rate,
 )
 from kvtrio.bench.serve_restart import KINDS, QUESTION, restart, restart_ratios
@@ -637,19 +637,7 @@ def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             "listen_kvtrio_vs_naive": kv["listen_s"] / naive["listen_s"],
             "cold_ready_kvtrio_vs_naive": kv["cold_s"] / naive["cold_s"],
         }
-        # Per round (the servers started back to back): ratios, medians, rounds lower; and
-        # mlx_lm against naive, the control (less to do: no index, none of kvtrio's imports).
-        for kind, key, name in (
-            ("kvtrio", "answer_s", "first_answer"),
-            ("kvtrio", "listen_s", "listen"),
-            ("kvtrio", "cpu_s", "first_answer_cpu"),
-            ("mlx_lm", "answer_s", "first_answer"),
-            ("mlx_lm", "cpu_s", "first_answer_cpu"),
-        ):
-            pairs = paired(starts[kind]["runs"], naive["runs"], key)
-            ratios[f"start_with_{args.entries}_entries"] |= {
-                f"{name}_{kind}_vs_naive_{k}": v for k, v in pairs.items() if k != "rounds"
-            }
+        ratios[f"start_with_{args.entries}_entries"] |= start_pairs(starts)
     if "prefetch" in figures:
         pre = figures["prefetch"]
         drop = pre["no_prefetch"]["ttft_s"] - pre["prefetch"]["ttft_s"]

@@ -36,6 +36,7 @@ __all__ = [
     "round_order",
     "running",
     "sign_test_p",
+    "start_pairs",
     "steady_rate",
 ]
 
@@ -346,3 +347,21 @@ def paired(
         "rounds": len(ratios),
         "lower_sign_test_p": sign_test_p(lower, len(ratios)),
     }
+
+
+def start_pairs(starts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The start phase's rounds, paired (:func:`paired`) with the naive baseline started
+    next to them: kvtrio's first answer, listener and CPU seconds to its first answer, and
+    mlx_lm.server's first answer and CPU seconds, the control (it does less than the naive
+    baseline: no index to read, none of kvtrio's modules)."""
+    out: dict[str, Any] = {}
+    for kind, key, name in (
+        ("kvtrio", "answer_s", "first_answer"),
+        ("kvtrio", "listen_s", "listen"),
+        ("kvtrio", "cpu_s", "first_answer_cpu"),
+        ("mlx_lm", "answer_s", "first_answer"),
+        ("mlx_lm", "cpu_s", "first_answer_cpu"),
+    ):
+        pairs = paired(starts[kind]["runs"], starts["naive"]["runs"], key)
+        out |= {f"{name}_{kind}_vs_naive_{k}": v for k, v in pairs.items() if k != "rounds"}
+    return out
