@@ -28,6 +28,7 @@ from typing import Any
 
 from kvtrio.bench.serve_harness import (
     Server,
+    compile_kvtrio,
     first_vs_last,
     itl,
     median,
@@ -36,6 +37,7 @@ from kvtrio.bench.serve_harness import (
     prompt_words,
     round_order,
     running,
+    start_pairs,
     steady_rate,
     workdir,
 )
@@ -420,24 +422,25 @@ def _starts(
 ) -> dict[str, dict[str, Any]]:
     """Each server started ``rounds`` times, alternating, on ``entries`` entries of its own
     on disk (none for mlx_lm.server): seconds from the spawn until it listens, until it
-    has answered its first request (a one-token chat, sent as soon as it listens), and,
-    for kvtrio serve, until its cold tier is open (naive's index is read before it
-    listens). One server runs at a time, in :func:`round_order` (reversed every other
-    round). Medians, and every run (with its ``position`` in the round's order)."""
+    has answered its first request (a one-token chat, sent once it listens; ``cpu_s``: the
+    CPU time it used to then), and kvtrio's until its cold tier is open (naive's index is
+    read before it listens). One server at a time, in :func:`round_order` (reversed every
+    other round). Medians, and every run (with its ``position`` in the round's order)."""
     fills = {kind: _fill(kind, model, root / f"{kind}-entries", entries) for kind in KINDS}
     runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
     for r in range(rounds):
         for position, kind in enumerate(round_order(KINDS, r)):  # alternating, as decode's
             with running(kind, model, root / f"{kind}-entries", log) as server:
                 answer = _first_answer(server, f"hi {r}")
+                cpu = server.cpu_s()  # the CPU time of the start, to its first answer
                 ready = server.wait_cold_ready() if kind == "kvtrio" else server.start_s
                 time.sleep(1.0)  # the naive baseline saves after answering: not torn by a stop
-            run = {"listen_s": server.start_s, "answer_s": answer, "cold_s": ready}
+            run = {"listen_s": server.start_s, "answer_s": answer, "cold_s": ready, "cpu_s": cpu}
             runs[kind].append({**run, "position": position})
     out: dict[str, dict[str, Any]] = {}
     for kind in KINDS:
         out[kind] = {"fill_s": fills[kind], "runs": runs[kind]}
-        for key in ("listen_s", "answer_s", "cold_s"):
+        for key in ("listen_s", "answer_s", "cold_s", "cpu_s"):
             out[kind][key] = median([r[key] for r in runs[kind]])
     return out
 
@@ -519,7 +522,7 @@ def _phases(text: str) -> set[str]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     lengths = [int(x) for x in str(args.lengths).split(",") if x]
     phases = _phases(args.phases)
-    figures: dict[str, Any] = {}
+    figures: dict[str, Any] = {"kvtrio_bytecode": compile_kvtrio()}  # as installed: no compiles
     with workdir(args.dir) as root:
         log = root / "servers.log"
         if args.model:
@@ -635,13 +638,7 @@ def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             "listen_kvtrio_vs_naive": kv["listen_s"] / naive["listen_s"],
             "cold_ready_kvtrio_vs_naive": kv["cold_s"] / naive["cold_s"],
         }
-        # Per round (the servers started back to back), and their medians.
-        for key, name in (("answer_s", "first_answer"), ("listen_s", "listen")):
-            rounds = [a[key] / b[key] for a, b in zip(kv["runs"], naive["runs"], strict=True)]
-            ratios[f"start_with_{args.entries}_entries"] |= {
-                f"{name}_kvtrio_vs_naive_per_round": rounds,
-                f"{name}_kvtrio_vs_naive_round_median": median(rounds),
-            }
+        ratios[f"start_with_{args.entries}_entries"] |= start_pairs(starts)
     if "prefetch" in figures:
         pre = figures["prefetch"]
         drop = pre["no_prefetch"]["ttft_s"] - pre["prefetch"]["ttft_s"]

@@ -4,9 +4,11 @@ against it, and the percentiles the phases report (:mod:`kvtrio.bench.serve`).""
 
 from __future__ import annotations
 
+import compileall
 import http.client
 import itertools
 import json
+import math
 import os
 import re
 import signal
@@ -23,19 +25,29 @@ from typing import Any
 
 __all__ = [
     "Server",
+    "compile_kvtrio",
     "exit_counters",
     "first_vs_last",
     "free_port",
     "itl",
     "median",
     "no_eos",
+    "paired",
     "pct",
     "prompt_words",
     "round_order",
     "running",
+    "sign_test_p",
+    "start_pairs",
     "steady_rate",
     "workdir",
 ]
+
+
+#: Seconds between two attempts to connect to a starting server: the resolution of its
+#: time to listening, and so of the first answer sent then (it was 50 ms, as large as
+#: what the start phase compares).
+LISTEN_POLL = 0.005
 
 
 def free_port() -> int:
@@ -71,7 +83,7 @@ class Server:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
                 break
             except OSError:
-                time.sleep(0.05)
+                time.sleep(LISTEN_POLL)
         self.started = started
         self.start_s = time.perf_counter() - started
         self.stopped = float("nan")
@@ -121,6 +133,16 @@ class Server:
             self.process.kill()
             self.process.wait()
         self.stopped = time.perf_counter()
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server has used so far, all its threads (nan without Linux's
+        /proc): the work of a start, less moved by other processes than its wall time."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1]
+        except OSError:
+            return float("nan")
+        utime, stime = fields.split()[11:13]  # fields 14 and 15 of proc(5)
+        return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
 
     def tags(self) -> dict[str, Any]:
         """Which process a round ran on, and when it was alive (spawn to exit, perf-counter
@@ -340,3 +362,58 @@ def first_vs_last(runs: list[dict[str, Any]], key: str) -> float:
     if not first or not later or not median(later):
         return float("nan")
     return median(first) / median(later)
+
+
+def compile_kvtrio() -> bool:
+    """Write the bytecode of kvtrio's own modules (not its tests), so that the servers
+    start from it as an installed package would: an editable install run with
+    ``PYTHONDONTWRITEBYTECODE`` (this VM's environment) has none, and every start of
+    ``kvtrio serve`` compiled its modules from source (about 20 ms more of its start, 5 ms
+    of the naive baseline's, none of mlx-lm's, which pip compiled). True when every module
+    has its bytecode (False where the package's directory cannot be written)."""
+    import kvtrio
+
+    root = Path(kvtrio.__file__).parent
+    skip = re.compile(re.escape(str(root)) + r"[/\\](\.|tests|build)")
+    return bool(compileall.compile_dir(root, quiet=2, rx=skip))
+
+
+def sign_test_p(lower: int, rounds: int) -> float:
+    """One-sided sign test: the chance of at least ``lower`` of ``rounds`` paired rounds
+    going one way if either way were a coin toss (1.0 for no rounds)."""
+    return sum(math.comb(rounds, k) for k in range(lower, rounds + 1)) / (1 << rounds)
+
+
+def paired(
+    runs: Sequence[dict[str, Any]], references: Sequence[dict[str, Any]], key: str
+) -> dict[str, Any]:
+    """Round by round, ``key`` of ``runs`` over that of ``references`` (the server each
+    was started next to, in the same round): the ratios, their median, in how many rounds
+    it was lower, and :func:`sign_test_p` of that count."""
+    ratios = [a[key] / b[key] for a, b in zip(runs, references, strict=True)]
+    lower = sum(1 for ratio in ratios if ratio < 1)
+    return {
+        "per_round": ratios,
+        "round_median": median(ratios),
+        "lower_rounds": lower,
+        "rounds": len(ratios),
+        "lower_sign_test_p": sign_test_p(lower, len(ratios)),
+    }
+
+
+def start_pairs(starts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The start phase's rounds, paired (:func:`paired`) with the naive baseline started
+    next to them: kvtrio's first answer, listener and CPU seconds to its first answer, and
+    mlx_lm.server's first answer and CPU seconds, the control (it does less than the naive
+    baseline: no index to read, none of kvtrio's modules)."""
+    out: dict[str, Any] = {}
+    for kind, key, name in (
+        ("kvtrio", "answer_s", "first_answer"),
+        ("kvtrio", "listen_s", "listen"),
+        ("kvtrio", "cpu_s", "first_answer_cpu"),
+        ("mlx_lm", "answer_s", "first_answer"),
+        ("mlx_lm", "cpu_s", "first_answer_cpu"),
+    ):
+        pairs = paired(starts[kind]["runs"], starts["naive"]["runs"], key)
+        out |= {f"{name}_{kind}_vs_naive_{k}": v for k, v in pairs.items() if k != "rounds"}
+    return out

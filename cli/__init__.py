@@ -10,7 +10,9 @@ module serves several commands. Benchmarks run through :mod:`kvtrio.bench`'s one
 The environment is read here and nowhere else: the ``KVTRIO_*`` tuning variables
 (docs/tuning.md) become ``args.io_options``, an
 :class:`~kvtrio.storage.options.IoOptions` that commands and benchmarks pass to the
-library explicitly.
+library explicitly. A command that declares it does not use them (``io_options=False``:
+``kvtrio serve``, whose start path stays as short as mlx_lm.server's) skips that, and
+with it the import of :mod:`kvtrio.storage`.
 
 Errors a user can act on (a missing directory, a bad flag value) are printed as one line
 ``kvtrio COMMAND: message`` with exit status 2 (see :class:`UsageError`), never as a
@@ -24,9 +26,12 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import attrs
+
+if TYPE_CHECKING:
+    from kvtrio.storage.options import IoOptions
 
 __all__ = ["BENCHES", "COMMANDS", "Command", "UsageError", "main"]
 
@@ -46,6 +51,8 @@ class Command:
     module: str
     add_arguments: str = "add_arguments"
     run: str = "run"
+    #: Whether it uses ``args.io_options`` (the ``KVTRIO_*`` I/O tuning, read at start).
+    io_options: bool = True
 
     def load(self) -> tuple[AddArgs, Run]:
         module = importlib.import_module(self.module)
@@ -63,6 +70,7 @@ COMMANDS: dict[str, Command] = {
     "serve": Command(
         "mlx_lm.server with a prompt cache that survives restarts and spills to disk",
         "kvtrio.cli.serve",
+        io_options=False,
     ),
     "showcase": Command(
         "the actor runtime, live: backpressure, supervision, shutdown", "kvtrio.cli.showcase"
@@ -183,16 +191,13 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvtrio.storage.options import IoOptions
-
     words = list(sys.argv[1:] if argv is None else argv)
     args = _build_parser(words).parse_args(words)
     run: Run = args._run
     try:
-        try:
-            args.io_options = IoOptions.from_environ(os.environ)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
+        command = COMMANDS.get(args.command)
+        if command is None or command.io_options:  # every benchmark reads them
+            args.io_options = _io_options()
         return run(args)
     except BaseException as exc:
         error = _user_facing(exc)
@@ -200,6 +205,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"kvtrio {args.command}: {_one_line(error)}", file=sys.stderr)
         return 2
+
+
+def _io_options() -> IoOptions:
+    from kvtrio.storage.options import IoOptions
+
+    try:
+        return IoOptions.from_environ(os.environ)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _user_facing(exc: BaseException) -> BaseException | None:

@@ -243,6 +243,40 @@ def test_steady_rate_counts_only_the_window_where_every_stream_decodes() -> None
     assert steady_rate([a, [1.0]]) == 0.0
 
 
+def test_paired_rounds_count_the_rounds_a_server_was_lower_with_their_sign_test() -> None:
+    from kvtrio.bench.serve_harness import paired, sign_test_p
+
+    runs = [{"s": 1.0}, {"s": 3.0}, {"s": 2.0}]
+    references = [{"s": 2.0}, {"s": 2.0}, {"s": 4.0}]
+    assert paired(runs, references, "s") == {
+        "per_round": [0.5, 1.5, 0.5],
+        "round_median": 0.5,
+        "lower_rounds": 2,
+        "rounds": 3,
+        "lower_sign_test_p": (3 + 1) / 8,  # 2 or 3 of 3 lower by chance
+    }
+    assert sign_test_p(10, 10) == 1 / 1024
+    assert sign_test_p(0, 7) == 1.0 and sign_test_p(0, 0) == 1.0
+    with pytest.raises(ValueError):  # every round must have its reference
+        paired(runs, references[:2], "s")
+
+
+def test_the_serve_bench_starts_servers_from_kvtrios_bytecode() -> None:
+    """Under PYTHONDONTWRITEBYTECODE an editable kvtrio has no bytecode, and its servers
+    paid a compile of its modules at every start; the bench writes it first."""
+    import importlib.util
+    from pathlib import Path
+
+    import kvtrio.serve.server
+    from kvtrio.bench.serve_harness import compile_kvtrio
+
+    assert compile_kvtrio()
+    source = kvtrio.serve.server.__file__
+    assert source is not None
+    cached = Path(importlib.util.cache_from_source(source))
+    assert cached.stat().st_mtime_ns >= Path(source).stat().st_mtime_ns
+
+
 def test_bench_serve_decode_phase_alternates_rounds_and_reports_medians() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvtrio", "bench", "serve", "--json", "--phases", "decode",
@@ -284,6 +318,8 @@ def test_bench_serve_decode_phase_alternates_rounds_and_reports_medians() -> Non
 
 
 def test_bench_serve_start_phase_alternates_rounds_and_reports_per_round_ratios() -> None:
+    from kvtrio.bench.serve_harness import sign_test_p
+
     out = subprocess.run(
         [sys.executable, "-m", "kvtrio", "bench", "serve", "--json", "--phases", "start",
          "--entries", "12", "--start-rounds", "2"],
@@ -305,3 +341,13 @@ def test_bench_serve_start_phase_alternates_rounds_and_reports_per_round_ratios(
     )
     listen = [a["listen_s"] / b["listen_s"] for a, b in zip(kv, naive, strict=True)]
     assert ratios["listen_kvtrio_vs_naive_per_round"] == listen
+    lower = sum(1 for ratio in per_round if ratio < 1)
+    assert ratios["first_answer_kvtrio_vs_naive_lower_rounds"] == lower
+    assert ratios["first_answer_kvtrio_vs_naive_lower_sign_test_p"] == sign_test_p(lower, 2)
+    mlx_lm = starts["mlx_lm"]["runs"]
+    plain = [a["answer_s"] / b["answer_s"] for a, b in zip(mlx_lm, naive, strict=True)]
+    assert ratios["first_answer_mlx_lm_vs_naive_per_round"] == plain  # the control
+    cpu = [a["cpu_s"] / b["cpu_s"] for a, b in zip(kv, naive, strict=True)]
+    assert ratios["first_answer_cpu_kvtrio_vs_naive_per_round"] == cpu
+    assert all(0 < run["cpu_s"] for kind in starts.values() for run in kind["runs"])
+    assert figures["kvtrio_bytecode"] is True

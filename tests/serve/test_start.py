@@ -167,3 +167,54 @@ def test_a_bad_admission_part_is_refused_without_the_tier() -> None:
             admission_parts(bad)
     assert admission_policy("min-tokens:8") == MinimumTokens(8)
     assert admission_policy("all+per-gib:2.5") == AllOf((AdmitAll(), RecomputePerByte(2.5)))
+
+
+#: Every kvtrio module ``kvtrio serve`` imports before it listens: its command line, the
+#: adapter and the server (docs/serve.md, "Start"). Not the tier's modules (they load on
+#: the thread that opens it), nor :mod:`kvtrio.storage` (serve reads no ``KVTRIO_*`` I/O
+#: tuning at start).
+START_PATH_MODULES = [
+    "kvtrio",
+    "kvtrio._lazy",
+    "kvtrio.actors",
+    "kvtrio.actors.callerchecks",
+    "kvtrio.cli",
+    "kvtrio.cli.paths",
+    "kvtrio.cli.serve",
+    "kvtrio.errors",
+    "kvtrio.serve",
+    "kvtrio.serve.adapter",
+    "kvtrio.serve.coldopen",
+    "kvtrio.serve.flags",
+    "kvtrio.serve.server",
+    "kvtrio.serve.steps",
+]
+
+
+def test_kvtrio_serve_listens_having_imported_only_its_start_path_modules(
+    tmp_path: Path,
+) -> None:
+    """docs/serve.md, "Start": up to its listener, ``kvtrio serve`` imports of kvtrio only
+    ``START_PATH_MODULES`` (what mlx_lm.server does not do is kept to those). The real
+    command runs, through ``kvtrio.cli.main``, on the tiny model; the tier's open is kept
+    from starting, so that a fast model load cannot race the snapshot taken as it listens."""
+    model = write_tiny_model_dir(tmp_path / "model")
+    code = (
+        "import os, socketserver, sys\n"
+        "activate = socketserver.TCPServer.server_activate\n"
+        "def listening(self):\n"
+        "    activate(self)\n"
+        "    mods = sorted(m for m in sys.modules if m == 'kvtrio' or m.startswith('kvtrio.'))\n"
+        "    print(mods, flush=True)\n"
+        "    os._exit(0)\n"
+        "socketserver.TCPServer.server_activate = listening\n"
+        "import kvtrio.serve.coldopen as coldopen\n"  # on the start path already
+        "coldopen.ColdOpening.start = lambda self: None\n"
+        "from kvtrio.cli import main\n"
+        "main(sys.argv[1:])\n"
+    )
+    argv = [sys.executable, "-c", code, "serve", "--model", str(model), "--port"]
+    argv += [str(free_port()), "--cache-dir", str(tmp_path / "cache"), "--log-level", "WARNING"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == str(START_PATH_MODULES)
