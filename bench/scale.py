@@ -1,22 +1,41 @@
 """``kvtrio bench scale``: the cold store at N = 1k, 10k, 100k entries (1M with --million).
 
-Per N, in a fresh child process over a directory of N small entries (blocks layout; the
-entries differ in their tokens and share their blocks, so populating costs N manifest
-files): the first open, which builds the catalogue from the manifests ("rebuild"); the
-open after a clean close, which reads the catalogue ("open"), measured ``--repeat`` times
-(default 3 up to 10,000 entries, 1 above), each in a fresh process after an untimed open,
-every open's wall and CPU seconds and stall kept, their medians the figures the ratios
-divide and their min/max printed beside them; the longest loop stall
-during that open (a 1 ms heartbeat's worst lateness); RSS per indexed entry; lookup
-latency p50/p99 of a miss (``fetch_nearest``) and of a hit (the index lookup alone, the
-part that could grow with N), in that N's own child; the one full collection of Python's
-cyclic collector after open (what the index costs a process that does not
-``gc.freeze``); then ``kvtrio gc``'s pass (from the catalogue) and ``kvtrio verify``'s
-(every file read), with their time per entry and their ratios between sizes (linear:
-about the ratio of the sizes). For the miss ratio the target bounds, every N's misses
-again in one more fresh process that opens every N's cache and interleaves their misses
-round by round (``misses``: the same moment of the machine for every N, each share timed
-after a full collection with the collector off, the same for every N).
+Per N, over a directory of N small entries (blocks layout; the entries differ in their
+tokens and share their blocks, so populating costs N manifest files):
+
+- the first child process (``--child``) opens the directory, which has no catalogue yet:
+  that first open builds the catalogue from the manifests and is the "rebuild"
+  (``rebuild_s``, ``rebuild_cpu_s``, ``rebuild_stall_s``: its wall and CPU seconds and
+  its longest loop stall). The same child then opens the cache again, untimed, for the
+  lookups: latency p50/p99 of a miss (``fetch_nearest``) and of a hit (the index lookup
+  alone, the part that could grow with N); then ``kvtrio gc``'s pass (from the
+  catalogue) and ``kvtrio verify``'s (every file read), with their time per entry and
+  their ratios between sizes (linear: about the ratio of the sizes);
+- the open after a clean close, which reads the catalogue ("open"), is measured
+  ``--repeat`` times (default 3 up to 10,000 entries, 1 above), every time as the FIRST
+  open of the cold tier in a fresh process (``--child-open``), as a restarted server
+  opens it: that process first imports, explicitly and untimed, the modules the open
+  uses (:data:`OPEN_IMPORTS`; the sample's ``open_new_modules`` counts any module the
+  open still imported, 0 when none), starts the MLX owner, runs one full collection
+  (``full_gc_base_s``: the process without an index) and reads its RSS; then the timed
+  open: its wall and CPU seconds (``open_s``, ``open_cpu_s``; CPU of all the process's
+  threads), its longest loop stall (``open_stall_s``: a 1 ms heartbeat's worst lateness),
+  its minor page faults (``open_minor_faults``, the process's, during the open); then,
+  with the cache open, one full collection (``full_gc_s``: what the index costs a
+  process that does not ``gc.freeze``) and RSS again: ``rss_per_entry`` is (RSS with the
+  cache open - RSS just before the open, after the imports) / N, from that same fresh
+  process. ``prior_opens`` is the number of opens the process made before the timed one
+  (always 0). Every sample is kept ("opens"); the median of each figure is the figure
+  itself (what the ratios divide), with ``<key>_min``/``<key>_max`` beside it.
+
+Before branch bench9 the timed open was the process's second open (after the rebuild,
+or after an untimed open), which reused memory the first had freed: its RSS per entry
+and its CPU seconds were not a restart's.
+
+For the miss ratio the target bounds, every N's misses again in one more fresh process
+that opens every N's cache and interleaves their misses round by round (``misses``: the
+same moment of the machine for every N, each share timed after a full collection with
+the collector off, the same for every N).
 Then a burst: write-back inserts with nobody waiting for the disk, against a cold budget
 of about ``--burst-fit`` entries, printing the most bytes ever on disk over the budget
 and the entries kept over those that fit.
@@ -118,8 +137,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             directory = Path(work) / f"n{n}"
             populate = _populate(directory, n, args.tokens)
             figures = _child(directory, n, args.lookups, not args.no_maintenance, args.tokens)
-            opens = [_open_sample(figures)]
-            opens += [_child_open(directory) for _ in range(repeats(n, args.repeat) - 1)]
+            opens = [_child_open(directory) for _ in range(repeats(n, args.repeat))]
             runs[str(n)] = {"populate_s": populate, **figures, **summarise_opens(opens)}
             print(json.dumps({str(n): runs[str(n)]}), file=sys.stderr, flush=True)
         misses = _child_misses([Path(work) / f"n{n}" for n in sizes], args.lookups, args.tokens)
@@ -131,11 +149,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
-OPEN_KEYS = ("open_s", "open_cpu_s", "open_stall_s", "load_1m")
-
-
-def _open_sample(figures: dict[str, Any]) -> dict[str, float]:
-    return {key: figures[key] for key in OPEN_KEYS}
+OPEN_KEYS = (
+    "open_s", "open_cpu_s", "open_stall_s", "open_minor_faults", "rss_per_entry",
+    "full_gc_s", "full_gc_base_s", "load_1m",
+)  # fmt: skip
 
 
 def summarise_opens(opens: list[dict[str, float]]) -> dict[str, Any]:
@@ -278,25 +295,67 @@ def _child_open(directory: Path) -> dict[str, float]:
     return sample
 
 
+# The modules a first open of the cold tier uses, imported before it is timed: a restarted
+# server has imported them (to serve at all) before it opens its cache. The open's sample
+# counts whatever it still imported (``open_new_modules``), so a module missing here shows.
+OPEN_IMPORTS = (
+    "trio",
+    "mlx.core",
+    "kvtrio.actors.factory",
+    "kvtrio.actors.owner",
+    "kvtrio.actors.prefix",
+    "kvtrio.actors.tier",
+    "kvtrio.actors.tiered",
+    "kvtrio.storage.catalogue",
+    "kvtrio.storage.reader",
+)
+
+_opens_in_process = 0  # opens of the tiered cache this bench made in this process
+
+
 def child_open_main(directory: Path) -> dict[str, Any]:
-    """One more measured open of a directory whose catalogue exists, in a fresh process,
-    as the first child measures its own: an untimed open first (there, the rebuild), then
-    the timed one."""
+    """One measured open of a directory whose catalogue exists, as a restart's: the first
+    open of the cold tier in this fresh process, after the imports it uses."""
+    import importlib
+
+    for name in OPEN_IMPORTS:
+        importlib.import_module(name)
     import trio
 
     return trio.run(_child_open_async, directory)
 
 
 async def _child_open_async(directory: Path) -> dict[str, Any]:
+    import gc
+
     from kvtrio.actors.owner import MlxOwner
 
     model = _model_of(directory)
+    prior_opens = _opens_in_process
     async with MlxOwner.inline() as owner:
-        await _timed_open(directory, model, owner)
-        open_s, stall, _, open_cpu = await _timed_open(directory, model, owner)
+        start = time.perf_counter()
+        gc.collect()
+        full_gc_base_s = time.perf_counter() - start  # the process, no index
+        before = _rss()
+        modules = set(sys.modules)
+        sample: dict[str, Any] = {}
+
+        def with_open(cache: Any) -> None:
+            sample["open_new_modules"] = sorted(set(sys.modules) - modules)
+            start = time.perf_counter()
+            gc.collect()  # the one full pass the index costs the process (no gc.freeze)
+            sample["full_gc_s"] = time.perf_counter() - start
+            sample["rss_per_entry"] = (_rss() - before) / cache.statistics().cold_entries
+
+        opened = await _timed_open(directory, model, owner, with_open)
+    new_modules = sample.pop("open_new_modules")
     return {
-        "open_s": open_s, "open_cpu_s": open_cpu, "open_stall_s": stall,
-        "load_1m": os.getloadavg()[0],
+        "open_s": opened["seconds"], "open_cpu_s": opened["cpu_s"],
+        "open_stall_s": opened["stall_s"], "open_minor_faults": opened["minor_faults"],
+        "rss_per_entry": sample["rss_per_entry"], "full_gc_s": sample["full_gc_s"],
+        "full_gc_base_s": full_gc_base_s, "entries": opened["entries"],
+        "prior_opens": prior_opens, "open_new_modules": len(new_modules),
+        "open_new_module_names": new_modules, "load_1m": os.getloadavg()[0],
     }  # fmt: skip
 
 
@@ -405,68 +464,87 @@ def _rss() -> int:
 
 
 async def _heartbeat(worst: list[float], stop: Any) -> None:
+    """A 1 ms tick's worst lateness in ``worst[0]``; ``worst[1]`` is when the pending tick
+    began, so that the caller can count the lateness up to the moment it stops the
+    heartbeat (:func:`_stop_heartbeat`): a wake after that is not the open's."""
     import trio
 
     while not stop.is_set():
-        before = time.perf_counter()
+        worst[1] = before = time.perf_counter()
         await trio.sleep(0.001)
+        if stop.is_set():
+            break
         worst[0] = max(worst[0], time.perf_counter() - before - 0.001)
 
 
+def _stop_heartbeat(worst: list[float], stop: Any) -> float:
+    """Stop the heartbeat now; the worst lateness up to now, the pending tick's included."""
+    stop.set()
+    return max(worst[0], time.perf_counter() - worst[1] - 0.001)
+
+
 async def _timed_open(
-    directory: Path, model: Any, owner: Any
-) -> tuple[float, float, Any, float]:
+    directory: Path, model: Any, owner: Any, with_open: Any = None
+) -> dict[str, Any]:
     """Open (and close) the tiered cache, timing the open and its worst loop stall; also
     the process's CPU seconds during the open (all threads: on a shared machine, the
-    figure that other processes' load does not stretch)."""
+    figure that other processes' load does not stretch) and its minor page faults.
+    ``with_open(cache)``, where given, runs with the cache open, after the timing."""
+    import resource
+
     import trio
     from kvtrio.actors.tiered import open_tiered_cache
 
-    worst = [0.0]
+    global _opens_in_process
+    _opens_in_process += 1
+    worst = [0.0, time.perf_counter()]
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_heartbeat, worst, stop)
         await trio.sleep(0.01)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start, cpu = time.perf_counter(), time.process_time()
         async with open_tiered_cache(
             directory, model, owner=owner, hot_budget=1 << 30, cold_budget=1 << 50,
             block_size=BLOCK, min_free_bytes=0,
         ) as cache:  # fmt: skip
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-            stop.set()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            stall = _stop_heartbeat(worst, stop)
             entries = cache.statistics().cold_entries
-    return elapsed, worst[0], entries, cpu
+            if with_open is not None:
+                with_open(cache)
+    return {
+        "seconds": elapsed, "stall_s": stall, "entries": entries, "cpu_s": cpu,
+        "minor_faults": faults,
+    }  # fmt: skip
 
 
 async def _child_async(
     directory: Path, n: int, lookups: int, maintenance: bool, n_tokens: int
 ) -> dict[str, Any]:
-    import gc
-
+    """The rebuild (this process's first open, of a directory without catalogue), then
+    the lookups in a second, untimed open. The timed open is not here: every one is a
+    fresh process's first (:func:`child_open_main`)."""
     from kvtrio.actors.owner import MlxOwner
     from kvtrio.actors.tiered import open_tiered_cache
 
+    global _opens_in_process
     model = _model_of(directory)
     figures: dict[str, Any] = {"n": n}
     async with MlxOwner.inline() as owner:
-        rebuild_s, rebuild_stall, entries, _ = await _timed_open(directory, model, owner)
-        assert entries == n, (entries, n)
-        start = time.perf_counter()
-        gc.collect()
-        figures["full_gc_base_s"] = time.perf_counter() - start  # the process, no index
-        before = _rss()
-        open_s, stall, _, open_cpu = await _timed_open(directory, model, owner)
-        figures.update(rebuild_s=rebuild_s, rebuild_stall_s=rebuild_stall)
-        figures.update(open_s=open_s, open_stall_s=stall, open_cpu_s=open_cpu)
-        figures["load_1m"] = os.getloadavg()[0]
+        rebuild = await _timed_open(directory, model, owner)
+        assert rebuild["entries"] == n, (rebuild["entries"], n)
+        figures.update(
+            rebuild_s=rebuild["seconds"], rebuild_cpu_s=rebuild["cpu_s"],
+            rebuild_stall_s=rebuild["stall_s"], rebuild_minor_faults=rebuild["minor_faults"],
+            rebuild_load_1m=os.getloadavg()[0],
+        )  # fmt: skip
+        _opens_in_process += 1
         async with open_tiered_cache(
             directory, model, owner=owner, hot_budget=1 << 30, cold_budget=1 << 50,
             block_size=BLOCK, min_free_bytes=0,
         ) as cache:  # fmt: skip
-            start = time.perf_counter()
-            gc.collect()  # the one full pass the index costs the process (no gc.freeze)
-            figures["full_gc_s"] = time.perf_counter() - start
-            figures["rss_per_entry"] = (_rss() - before) / n
             rng = random.Random(7)
             misses = await _time_misses(cache, rng, lookups, n_tokens)
             stored = [entry.tokens for _, entry in zip(range(lookups), cache._index, strict=False)]
@@ -627,7 +705,7 @@ def render(figures: dict[str, Any]) -> None:
     tokens = figures.get("tokens", TOKENS)
     table = Table(
         title=f"kvtrio cold store at scale ({tokens}-token entries; per N, a fresh process;"
-        " open: the median of K opens, each in its own process)"
+        " open: the median of K opens, each a fresh process's first)"
     )
     for column in ("N", "rebuild s", "open s (cpu s)", "opens: s min-max (K)",
                    "open stall ms (max)", "RSS/entry B",

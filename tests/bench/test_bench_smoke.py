@@ -178,8 +178,9 @@ def test_bench_scale_long_entries_repeated_opens_and_interleaved_misses() -> Non
 
     - ``--tokens``: entries past one index block (their chain hashes are part of the
       open's index build); every entry is found again at each N, the lookups run;
-    - ``--repeat``: K opens per N, every one's figures kept, the median the figure the
-      ratios divide, the spread beside it;
+    - ``--repeat``: K opens per N, every one a fresh process's first open of the cold
+      tier (its RSS per entry included), every one's figures kept, the median the figure
+      the ratios divide, the spread beside it;
     - the miss ratio the target bounds divides medians taken in one process, every N's
       misses interleaved round by round, each round's median kept for the spread.
     """
@@ -208,6 +209,11 @@ def test_bench_scale_long_entries_repeated_opens_and_interleaved_misses() -> Non
         assert (run["open_s_min"], run["open_s_max"]) == (min(walls), max(walls))
         stalls = [sample["open_stall_s"] for sample in run["opens"]]
         assert run["open_stall_s_max"] == max(stalls)
+        # Every sample a restart's open: a fresh process's first, the imports done before.
+        assert all(sample["prior_opens"] == 0 for sample in run["opens"])
+        assert all(sample["open_new_modules"] == 0 for sample in run["opens"])
+        rss = [sample["rss_per_entry"] for sample in run["opens"]]
+        assert run["rss_per_entry"] == statistics.median(rss)
     assert figures["open_40_over_20"] == runs["40"]["open_s"] / runs["20"]["open_s"]
 
     misses = figures["misses"]
