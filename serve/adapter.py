@@ -68,7 +68,7 @@ import enum
 import logging
 import threading
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 from kvtrio.errors import ShuttingDown, UnsupportedCacheError
@@ -76,7 +76,7 @@ from mlx_lm.models import cache as _mlx_cache
 
 if TYPE_CHECKING:  # the tier's modules load with the tier: ``kvtrio serve`` starts without
     from kvtrio.actors.prefix import PrefixMatch
-    from kvtrio.actors.tiered import Fetched
+    from kvtrio.actors.tiered import Fetched, TieredPromptCache
     from kvtrio.actors.tieredtypes import TieredStatistics
     from kvtrio.actors.wear import WearStatistics
     from kvtrio.serve.bridge import TierThread
@@ -91,6 +91,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 mlx_cache: Any = _mlx_cache
 
@@ -471,31 +473,27 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
     def wear(self) -> WearStatistics | None:
         """The cold tier's wear (bytes written, read, read back), once it is closed or from
         any thread but the owner's while it is open; None without a tier."""
-        tier = self.tier
-        if tier is None or tier.cache is None:
-            return None
-        cache = tier.cache
-        if tier.alive:
-            try:
-                return tier.read(lambda: cache.wear.statistics())
-            except ShuttingDown:
-                pass
-        return cache.wear.statistics()
+        return self._tier_read(lambda cache: cache.wear.statistics())
 
     def cold_statistics(self) -> TieredStatistics | None:
         """The cold tier's counters (entries and bytes on disk, writes dropped by the
         pending byte cap, evictions), once it is closed or from any thread but the owner's
         while it is open; None without a tier."""
+        return self._tier_read(lambda cache: cache.statistics())
+
+    def _tier_read(self, fn: Callable[[TieredPromptCache], T]) -> T | None:
+        """``fn(cache)`` of the cold tier's cache: on its loop while it is open (from any
+        thread but the owner's), directly once it is closed; None without a tier."""
         tier = self.tier
         if tier is None or tier.cache is None:
             return None
         cache = tier.cache
         if tier.alive:
             try:
-                return tier.read(lambda: cache.statistics())
+                return tier.read(lambda: fn(cache))
             except ShuttingDown:
                 pass
-        return cache.statistics()
+        return fn(cache)
 
     # -- internals ---------------------------------------------------------------------
 
