@@ -577,18 +577,15 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
         if record is None:
             record = self._records[entry.key] = CacheRecord.of(entry, nbytes)
         record.entry = entry
-        if not flush and not self._admit(
-            record, nbytes
-        ):  # rule 11: the caller's RAM tier evicted it
+        if not flush and not self._admit(record, nbytes):  # rule 11: RAM's eviction
             record.leaving = MissReason.DROPPED
             self._set_hot(record, None)
             await trio.lowlevel.checkpoint()
             return entry.key
         if record.conversations:  # their meta was not in the plan: the writer plans it
             planned = None
-        # A flush's write (a server's close handing over every RAM entry at once) is not
-        # shed by the pending byte cap (rule 3), as flush()'s own are not: those bytes
-        # were held in RAM anyway, and shedding one loses it (the oldest conversation).
+        # A flush's write (a server's close hands over every RAM entry at once) is not shed
+        # by rule 3's byte cap, as flush()'s are not: shedding one would lose it.
         self._queue_write(record, caches, meta, droppable=not flush, nbytes=nbytes, plan=planned)
         self._set_hot(record, None)  # the RAM copy, if any, goes: the caller keeps its own
         await trio.lowlevel.checkpoint()
