@@ -313,6 +313,19 @@ OPEN_IMPORTS = (
 _opens_in_process = 0  # opens of the tiered cache this bench made in this process
 
 
+def _open_cache(directory: Path, model: Any, owner: Any) -> Any:
+    """The bench's open of a directory's tiered cache (all of it held: no budget evicts,
+    no free-space floor), counted in ``_opens_in_process``."""
+    from kvtrio.actors.tiered import open_tiered_cache
+
+    global _opens_in_process
+    _opens_in_process += 1
+    return open_tiered_cache(
+        directory, model, owner=owner, hot_budget=1 << 30, cold_budget=1 << 50,
+        block_size=BLOCK, min_free_bytes=0,
+    )  # fmt: skip
+
+
 def child_open_main(directory: Path) -> dict[str, Any]:
     """One measured open of a directory whose catalogue exists, as a restart's: the first
     open of the cold tier in this fresh process, after the imports it uses."""
@@ -391,17 +404,13 @@ async def _child_misses_async(
     from contextlib import AsyncExitStack
 
     from kvtrio.actors.owner import MlxOwner
-    from kvtrio.actors.tiered import open_tiered_cache
 
     per_round = max(1, lookups // MISS_ROUNDS)
     rng = random.Random(7)
     async with MlxOwner.inline() as owner, AsyncExitStack() as stack:
         caches = []
         for directory in directories:
-            opened = open_tiered_cache(
-                directory, _model_of(directory), owner=owner, hot_budget=1 << 30,
-                cold_budget=1 << 50, block_size=BLOCK, min_free_bytes=0,
-            )  # fmt: skip
+            opened = _open_cache(directory, _model_of(directory), owner)
             caches.append(await stack.enter_async_context(opened))
         samples: list[list[float]] = [[] for _ in caches]
         rounds: list[list[float]] = [[] for _ in caches]
@@ -493,10 +502,7 @@ async def _timed_open(
     import resource
 
     import trio
-    from kvtrio.actors.tiered import open_tiered_cache
 
-    global _opens_in_process
-    _opens_in_process += 1
     worst = [0.0, time.perf_counter()]
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
@@ -504,10 +510,7 @@ async def _timed_open(
         await trio.sleep(0.01)
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start, cpu = time.perf_counter(), time.process_time()
-        async with open_tiered_cache(
-            directory, model, owner=owner, hot_budget=1 << 30, cold_budget=1 << 50,
-            block_size=BLOCK, min_free_bytes=0,
-        ) as cache:  # fmt: skip
+        async with _open_cache(directory, model, owner) as cache:
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             stall = _stop_heartbeat(worst, stop)
@@ -527,9 +530,7 @@ async def _child_async(
     the lookups in a second, untimed open. The timed open is not here: every one is a
     fresh process's first (:func:`child_open_main`)."""
     from kvtrio.actors.owner import MlxOwner
-    from kvtrio.actors.tiered import open_tiered_cache
 
-    global _opens_in_process
     model = _model_of(directory)
     figures: dict[str, Any] = {"n": n}
     async with MlxOwner.inline() as owner:
@@ -540,11 +541,7 @@ async def _child_async(
             rebuild_stall_s=rebuild["stall_s"], rebuild_minor_faults=rebuild["minor_faults"],
             rebuild_load_1m=os.getloadavg()[0],
         )  # fmt: skip
-        _opens_in_process += 1
-        async with open_tiered_cache(
-            directory, model, owner=owner, hot_budget=1 << 30, cold_budget=1 << 50,
-            block_size=BLOCK, min_free_bytes=0,
-        ) as cache:  # fmt: skip
+        async with _open_cache(directory, model, owner) as cache:
             rng = random.Random(7)
             misses = await _time_misses(cache, rng, lookups, n_tokens)
             stored = [entry.tokens for _, entry in zip(range(lookups), cache._index, strict=False)]
