@@ -37,11 +37,17 @@ for spec in "$@"; do
   echo "== $name ($secs s): $args; $(date -u +%T), load $(cut -d' ' -f1-3 /proc/loadavg)"
   t0=$(date +%s)
   mkdir -p "$WORK/$name"
+  if [ -n "${TRACE:-}" ]; then  # gpu10trace in every server (trace/sitecustomize.py)
+    export KVTRIO_TRACE_DIR=$WORK/$name/traces
+    case ":$PYTHONPATH:" in *":$PWD/.gpu10/trace:"*) ;; *) export PYTHONPATH=$PWD/.gpu10/trace:$PYTHONPATH;; esac
+  fi
   timeout "$secs" $PY -m kvtrio bench serve --json --model "$MODEL" --dir "$WORK/$name" $args \
     > "$OUT/$name.json" 2> "$WORK/$name/bench.err"
   rc=$?
   echo "== $name rc=$rc in $(( $(date +%s) - t0 )) s"
   tail -c 1200 "$WORK/$name/bench.err"
-  (cd "$WORK/$name" && find . -name servers.log -o -name bench.err -o -name 'trace*.jsonl' | tar czf "$OUT/logs-$name.tar.gz" -T -) || true
   $PY .gpu10/summary.py "$OUT/$name.json" || true
+  [ -n "${TRACE:-}" ] && $PY .gpu10/analyze.py "$WORK/$name/traces" | tee "$WORK/$name/analysis.txt"
+  [ -n "${KVTRIO_TRACE_STALLS:-}" ] && $PY .gpu10/stalls.py "$WORK/$name/traces" | tee -a "$WORK/$name/analysis.txt"
+  (cd "$WORK/$name" && find . -name servers.log -o -name bench.err -o -name 'trace*.jsonl' -o -name analysis.txt | tar czf "$OUT/logs-$name.tar.gz" -T -) || true
 done
