@@ -183,7 +183,9 @@ class LoadBuffers:
     piece ``j``'s bytes of ``arrays[i][0]``: the reader's ``readinto`` fills MLX memory
     directly, and :func:`adopt` turns the arrays into caches with no copy (block layout:
     one MLX concatenate per tensor of several arrays). Keep the views only until
-    :func:`adopt` returns.
+    :func:`adopt` returns. A tier's load joins each step once it is read
+    (``ColdTier._read_pipelined``): ``arrays[i]`` is then slot ``i``'s joined tensor
+    alone, and ``buffers[i]`` the views of the pieces it was joined from.
     """
 
     arrays: tuple[tuple[Any, ...], ...]

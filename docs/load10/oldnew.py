@@ -47,8 +47,9 @@ def main() -> None:
         naive_path = str(Path(root) / "naive.safetensors")
         loadcost.mlx_cache.save_prompt_cache(naive_path, caches)
         kvtrio = loadcost._Kvtrio(str(Path(root) / "tier"), tokens, caches)
-        # main's modules, executed only once the entry is written (main's hostbuffers
-        # executed before it: the entry was not found after the restart; not looked into).
+        # main's modules, executed only once the entry is written: executing main's
+        # hostbuffers re-declares the argtypes of ctypes' shared PyObject_GetBuffer with
+        # its own _PyBuffer class, so this branch's zero-copy save raises ArgumentError.
         old_buffers = _main_module(checkout, "storage/hostbuffers.py", "main_hostbuffers")
         old_tier = _main_module(checkout, "actors/tier.py", "main_tier")
         old_owner = _main_module(checkout, "actors/owner.py", "main_owner")

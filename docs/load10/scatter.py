@@ -132,8 +132,8 @@ def main() -> None:
             f"{name:12s} median {statistics.median(values) * 1e3:7.1f} ms  "
             f"({', '.join(f'{v * 1e3:.0f}' for v in values)})"
         )
-        for part, seconds in parts[name].items():
-            print(f"  {part:10s} {statistics.median(seconds) * 1e3:7.1f}")
+        for part, per_round in parts[name].items():
+            print(f"  {part:10s} {statistics.median(per_round) * 1e3:7.1f}")
 
 
 if __name__ == "__main__":
