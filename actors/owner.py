@@ -20,7 +20,8 @@ Theory of operation (docs/design.md "Threads, and who may touch what"):
 3. Loads never copy tensor bytes: ``allocate`` makes each destination array on the owner
    and lends its memory (a writable, zero-copy memoryview) to a worker thread that reads
    the file straight into it; the caches are then built from those arrays on the owner
-   (``restore``; the block layout joins each tensor's token blocks, one job per tensor).
+   (``join``, one job per tensor of several token blocks, as soon as its step is read;
+   then ``restore``).
 4. A job whose caller was cancelled before it started never runs; a started job finishes
    and its result is dropped (the executor's rules).
 5. kvtrio's threads are background threads to the scheduler: the owner thread (and the
@@ -47,7 +48,7 @@ from kvtrio.runtime.executor import DedicatedThreadExecutor, InlineExecutor
 from kvtrio.runtime.external import ExternalThreadExecutor
 from kvtrio.storage import cacheio, hostbuffers
 from kvtrio.storage.cacheio import AttachmentData, CacheSnapshot, HostTensor, Restored
-from kvtrio.storage.format import Header
+from kvtrio.storage.format import Header, TensorSlot
 from kvtrio.storage.hostbuffers import LoadBuffers
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 
@@ -236,17 +237,22 @@ class MlxOwner:
         :func:`steps`)."""
         return await self.run(_allocate_group, header, indices, options)
 
+    async def join(self, slot: TensorSlot, pieces: Sequence[Any]) -> Any:
+        """Slot ``slot``'s tensor from its filled pieces: the one piece itself, or the
+        block layout's token blocks joined in one owner job (one copy of the tensor)."""
+        if len(pieces) == 1:
+            return pieces[0]
+        axis = slot.token_axis if slot.token_axis is not None else 0
+        return await self.run(_join, pieces, axis)
+
     async def restore(self, header: Header, loaded: LoadBuffers) -> Restored:
-        """Build the caches from filled buffers: one owner job per multi-piece tensor (the
-        block layout joins its token blocks), then one that evaluates the (zero-copy)
-        views of the rest and assembles the caches."""
-        arrays: list[Any] = []
-        for slot, pieces in zip(header.slots(), loaded.arrays, strict=True):
-            if len(pieces) == 1:
-                arrays.append(pieces[0])
-            else:
-                axis = slot.token_axis if slot.token_axis is not None else 0
-                arrays.append(await self.run(_join, pieces, axis))
+        """Build the caches from filled buffers: :meth:`join` of each tensor not joined
+        yet (a load that joins step by step leaves one piece per tensor), then one job
+        that evaluates the (zero-copy) views of the rest and assembles the caches."""
+        arrays = [
+            await self.join(slot, pieces)
+            for slot, pieces in zip(header.slots(), loaded.arrays, strict=True)
+        ]
         return await self.run(_assemble, header, arrays)
 
 

@@ -551,10 +551,13 @@ class ColdTier:
         on a worker thread (``options.load_streams`` reads at once, within
         ``io_threads``; one by default, :data:`~kvtrio.storage.options.TIER_LOAD_STREAMS`
         says why). The same knob bounds :func:`kvtrio.load_cache`'s reads. A step is one tensor, or
-        several small ones up to :data:`~kvtrio.actors.owner.STEP_BYTES`. The first failing
-        slot, in slot order, raises; the other reads stop at their next boundary and are
-        waited for."""
+        several small ones up to :data:`~kvtrio.actors.owner.STEP_BYTES`. Once a step is
+        read (and verified), its tensors of several token blocks are joined on the owner
+        (:meth:`MlxOwner.join`, one job per tensor) while the next step is read, instead
+        of all after the last read. The first failing slot, in slot order, raises; the
+        other reads stop at their next boundary and are waited for."""
         header = cache_file.header
+        slots = list(header.slots())
         arrays: list[tuple[Any, ...]] = []
         buffers: list[tuple[memoryview, ...]] = []
         errors: list[tuple[int, Exception]] = []
@@ -567,8 +570,15 @@ class ColdTier:
             except Exception as exc:
                 errors.append((step.start, exc))
                 nursery.cancel_scope.cancel()
+                return
             finally:
                 reading.release()
+            try:
+                for index in step:
+                    arrays[index] = (await self.owner.join(slots[index], arrays[index]),)
+            except Exception as exc:
+                errors.append((step.start, exc))
+                nursery.cancel_scope.cancel()
 
         async with trio.open_nursery() as nursery:
             for step in steps([slot.nbytes for slot in header.slots()]):

@@ -183,7 +183,9 @@ class LoadBuffers:
     piece ``j``'s bytes of ``arrays[i][0]``: the reader's ``readinto`` fills MLX memory
     directly, and :func:`adopt` turns the arrays into caches with no copy (block layout:
     one MLX concatenate per tensor of several arrays). Keep the views only until
-    :func:`adopt` returns.
+    :func:`adopt` returns. A tier's load joins each step once it is read
+    (``ColdTier._read_pipelined``): ``arrays[i]`` is then slot ``i``'s joined tensor
+    alone, and ``buffers[i]`` the views of the pieces it was joined from.
     """
 
     arrays: tuple[tuple[Any, ...], ...]
@@ -218,18 +220,22 @@ def allocate_slot(
     first byte is 4 KiB aligned: the reader can then fill it with O_DIRECT reads. A
     block-layout tensor whose pieces are consecutive bytes of it (every axis before the
     token axis of length 1) gets one array and one backing, with a view per piece
-    (:func:`_allocate_contiguous`): nothing is joined after the read. The
-    arrays are lazy views; :func:`adopt` evaluates them after the bytes are in. Sizes come
-    from the validated header (single layout: bounded by the file size). Without a fill
-    unless ``options.alloc_untouched`` is off (:func:`_untouched_uint8`).
+    (:func:`_allocate_contiguous`): nothing is joined after the read. Any other
+    block-layout tensor gets one backing too, with an array per piece
+    (:func:`_allocate_blockwise`), joined after the read. The arrays are lazy views;
+    :func:`adopt` evaluates them after the bytes are in. Sizes come from the validated
+    header (single layout: bounded by the file size). Without a fill unless
+    ``options.alloc_untouched`` is off (:func:`_untouched_uint8`).
     """
     slot = nth_slot(header, index)
     check_allocatable(slot.nbytes)
     block_tokens = header.block_tokens if header.layout == "blocks" else None
     ranges = piece_ranges(slot, block_tokens)
-    if len(ranges) > 1 and _pieces_contiguous(slot.shape, slot.token_axis):
-        assert slot.token_axis is not None
-        return _allocate_contiguous(slot.shape, slot.dtype, slot.token_axis, ranges, options)
+    if len(ranges) > 1 and slot.token_axis is not None:
+        if _pieces_contiguous(slot.shape, slot.token_axis):
+            return _allocate_contiguous(slot.shape, slot.dtype, slot.token_axis, ranges, options)
+        if slot.nbytes:
+            return _allocate_blockwise(slot.shape, slot.dtype, slot.token_axis, ranges, options)
     arrays = []
     views = []
     for start, stop in ranges:
@@ -282,6 +288,42 @@ def _allocate_contiguous(
     array = backing[skip : skip + nbytes].view(MX_DTYPES[dtype]).reshape(list(shape))
     views = tuple(raw[skip + start * per_token : skip + stop * per_token] for start, stop in ranges)
     return (array,), views
+
+
+def _allocate_blockwise(
+    shape: tuple[int, ...],
+    dtype: str,
+    token_axis: int,
+    ranges: list[tuple[int, int]],
+    options: IoOptions,
+) -> tuple[tuple[Any, ...], tuple[memoryview, ...]]:
+    """:func:`allocate_slot` for a tensor whose pieces are not consecutive (several kv
+    heads: each token block holds a run of every head).
+
+    One backing for every piece, each piece at the next 4 KiB boundary after the one
+    before, and one MLX array per piece viewing it (:func:`adopt` joins them): one
+    allocation per tensor instead of one per token block. An allocation costs about
+    0.1 ms on the owner thread whatever its size, so a 4k-token entry of 30 layers in
+    256-token blocks (1,020 pieces) spent about 0.1-0.2 s of the generation thread's time
+    allocating (docs/benchmarks.md, "a 94 MB cold load, part by part")."""
+    per_token = DTYPE_SIZES[dtype] * math.prod(shape) // shape[token_axis]
+    sizes = [(stop - start) * per_token for start, stop in ranges]
+    offsets = [0]
+    for size in sizes[:-1]:
+        offsets.append(offsets[-1] + size + -size % _ALIGN)
+    total = offsets[-1] + sizes[-1]
+    backing = _untouched_uint8(total + _ALIGN, options.alloc_untouched)
+    raw = _writable_bytes(backing)
+    skip = -int(np.frombuffer(raw, dtype=np.uint8).ctypes.data) % _ALIGN
+    arrays = []
+    views = []
+    for (start, stop), size, offset in zip(ranges, sizes, offsets, strict=True):
+        piece_shape = list(shape)
+        piece_shape[token_axis] = stop - start
+        at = skip + offset
+        arrays.append(backing[at : at + size].view(MX_DTYPES[dtype]).reshape(piece_shape))
+        views.append(raw[at : at + size])
+    return tuple(arrays), tuple(views)
 
 
 class _UnfilledNpy(io.RawIOBase):
