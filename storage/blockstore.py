@@ -95,7 +95,7 @@ class BlockStore(abc.ABC):
     """
 
     #: :meth:`read_many_into` reads a batch in one round trip (the block reader then
-    #: sends batches of up to ``BLOCK_BATCH_BYTES``, else one block per call).
+    #: sends batches of up to ``BLOCK_BATCH_BYTES``, else of up to ``SMALL_BATCH_BYTES``).
     supports_batched_reads: ClassVar[bool] = False
     #: :meth:`read_many_verified_into` re-hashes each block as it arrives (the block
     #: reader then leaves the sha256 check to the store).
@@ -338,11 +338,32 @@ class LocalBlockStore(BlockStore):
             self.file_ops.close(fd)
 
     def read_into(self, name: str, buffer: memoryview) -> bool:
-        path = self.path_of(name)
         if self._linked():
             return False
+        return self._read_block(self.path_of(name), name, buffer, dir_fd=None)
+
+    def read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
+        """:meth:`read_into` for each item through one descriptor of the directory: one
+        link check and one walk from the root per batch instead of per block, and each
+        block opened relative to the descriptor (under the tier's rooted file operations
+        a block costs 4 system calls, not 6: no link check and no second fstat)."""
+        if self._linked():
+            return [False for _ in items]
         try:
-            fd = self.file_ops.open(path, os.O_RDONLY | O_NOFOLLOW | O_NONBLOCK)
+            fd = self.file_ops.open_dir(self.directory)
+        except FileNotFoundError:
+            return [False for _ in items]
+        try:
+            return [
+                self._read_block(check_block_name(name), name, buffer, dir_fd=fd)
+                for name, buffer in items
+            ]
+        finally:
+            self.file_ops.close(fd)
+
+    def _read_block(self, path: str, name: str, buffer: memoryview, *, dir_fd: int | None) -> bool:
+        try:
+            fd = self.file_ops.open(path, os.O_RDONLY | O_NOFOLLOW | O_NONBLOCK, dir_fd=dir_fd)
         except FileNotFoundError:
             return False
         except NotRegularFileError:

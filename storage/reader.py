@@ -17,8 +17,9 @@ hashes
 when asked to verify, and never trusts a header field it has not bounds-checked. Every
 validation failure is a CorruptCacheError naming the field; a missing block is a
 CacheMissError (a clean miss). ``cancel()`` is polled at every tensor, chunk and block
-boundary (between batches of blocks for stores that declare ``supports_batched_reads``,
-such as Redis: at most :data:`BLOCK_BATCH_BYTES` per round trip); when it returns True,
+boundary (between batches of blocks: at most :data:`BLOCK_BATCH_BYTES` per round trip
+for stores that declare ``supports_batched_reads``, such as Redis, and
+:data:`SMALL_BATCH_BYTES` for the others); when it returns True,
 :class:`~kvtrio.errors.OperationCancelled` is raised.
 """
 
@@ -54,6 +55,7 @@ from kvtrio.storage.rootfd import NotRegularFileError
 
 __all__ = [
     "BLOCK_BATCH_BYTES",
+    "SMALL_BATCH_BYTES",
     "CacheFile",
     "allocate_buffers",
     "check_blocks",
@@ -84,6 +86,10 @@ _BEHIND = 2
 # bytes per call (one pipelined round trip on Redis): enough to amortize the round trip, bounded so
 # cancellation is polled often and the store buffers little.
 BLOCK_BATCH_BYTES = 16 * 1024 * 1024
+# Any other store gets up to this many bytes per ``read_many_into`` call (the local store
+# opens its directory once per call, not once per block; cancellation is polled between
+# calls, and the batch is still in cache when its blocks are hashed).
+SMALL_BATCH_BYTES = 1024 * 1024
 
 Cancel = Callable[[], bool] | None
 
@@ -497,7 +503,7 @@ def _read_blocks(
                 )
             wanted.append((f"{name}.blocks[{j}]", ref.sha256, piece))
     # A store that declares batched reads (RedisBlockStore: one pipelined round trip per
-    # batch) gets up to BLOCK_BATCH_BYTES per call; the others are read one block per call.
+    # batch) gets up to BLOCK_BATCH_BYTES per call; the others SMALL_BATCH_BYTES.
     batched = store.supports_batched_reads
     # A store that declares verified reads (RedisBlockStore: each block re-hashed while
     # the bytes are cache-hot and the next replies are still on the wire) verifies for us.
@@ -516,10 +522,8 @@ def _read_blocks(
                 if named is None:
                     raise
                 raise named from exc
-        elif batched:
-            found = store.read_many_into([(sha, piece) for _, sha, piece in items])
         else:
-            found = [store.read_into(sha, piece) for _, sha, piece in items]
+            found = store.read_many_into([(sha, piece) for _, sha, piece in items])
         for (label, sha, piece), ok in zip(items, found, strict=True):
             if not ok:
                 raise CacheMissError(f"{label}: block {sha} is missing")
@@ -539,12 +543,14 @@ def _name_block_field(
 
 
 def _block_batches(sizes: Sequence[int], batched: bool) -> Iterator[range]:
-    """Index ranges of about BLOCK_BATCH_BYTES (one block each when not ``batched``)."""
+    """Index ranges of about BLOCK_BATCH_BYTES (SMALL_BATCH_BYTES when not ``batched``),
+    at least one block each."""
+    limit = BLOCK_BATCH_BYTES if batched else SMALL_BATCH_BYTES
     start = 0
     while start < len(sizes):
         end = start + 1
         total = sizes[start]
-        while batched and end < len(sizes) and total + sizes[end] <= BLOCK_BATCH_BYTES:
+        while end < len(sizes) and total + sizes[end] <= limit:
             total += sizes[end]
             end += 1
         yield range(start, end)
