@@ -236,7 +236,10 @@ class ColdTierStore:
         entry_blocks, entry_bytes = self._entry_blocks, self._entry_bytes
         try:
             for batch in catalogue.block_lists():
-                names, sizes, lists = zip(*batch, strict=True)
+                keys_, sizes, lists = zip(*batch, strict=True)
+                # Interned: the cache's scan interns the same keys (Catalogue.scan), so
+                # the store's tables and the cache's share one str per entry.
+                names = tuple(map(sys.intern, keys_))
                 entry_blocks.update(zip(names, lists, strict=True))
                 entry_bytes.update(zip(names, sizes, strict=True))
                 counts.update(_DIGESTS.iter_unpack(b"".join(lists)))
@@ -358,8 +361,9 @@ class ColdTierStore:
         names = tuple(sys.intern(name) for name, _ in row.blocks)  # one str per block
         for name in names:
             self._refs[name] = self._refs.get(name, 0) + 1
-        self._entry_blocks[row.key] = names
-        self._entry_bytes[row.key] = row.file_bytes
+        key = sys.intern(row.key)  # the str the cache's scan gets too (Catalogue.scan)
+        self._entry_blocks[key] = names
+        self._entry_bytes[key] = row.file_bytes
 
     async def _sweep_locked(self) -> None:
         """Local tier: delete stored blocks no manifest names (rule 2)."""
