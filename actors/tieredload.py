@@ -26,7 +26,6 @@ from kvtrio.actors.misses import (
 from kvtrio.actors.policy import EntryCost
 from kvtrio.actors.prefix import (
     ModelKey,
-    PackedTokens,
     PrefixEntry,
 )
 from kvtrio.actors.tieredtypes import (
@@ -58,13 +57,14 @@ _set_slot = object.__setattr__
 
 
 def entry_of_checked(
-    key: str, model: ModelKey, packed: PackedTokens, trimmable: bool, min_reusable_offset: int
+    key: str, model: ModelKey, packed: bytes, trimmable: bool, min_reusable_offset: int
 ) -> PrefixEntry:
     """The entry ``PrefixEntry(key, model, packed, trimmable, min_reusable_offset)`` makes,
     from fields its caller has checked as that would (``packed`` whole u32 values,
     ``min_reusable_offset`` within its length): open's catalogue rows, checked in bulk by
     :meth:`kvtrio.storage.catalogue.Catalogue.check`. Nothing is converted or checked
-    again (one per stored entry at open)."""
+    again (one per stored entry at open); ``packed`` is taken as the
+    :data:`PackedTokens` it is (no call of the NewType per entry)."""
     entry: PrefixEntry = _new_object(PrefixEntry)
     _set_slot(entry, "key", key)
     _set_slot(entry, "model", model)
@@ -160,7 +160,7 @@ class IndexAndLoadMixin(CacheParts):
                 self._other_models.add(model)
             side = ColdSide(key, 0)
             record = records[key] = CacheRecord(
-                new_entry(key, model, PackedTokens(packed), trimmable != 0, min_offset), side
+                new_entry(key, model, packed, trimmable != 0, min_offset), side
             )
             sides.append(side)
             if len(packed) != last_length or model is not last_model:
