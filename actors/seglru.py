@@ -9,9 +9,10 @@ Theory of operation
 -------------------
 1. The keys live in *segments*: small plain dicts (insertion-ordered; a third of an
    OrderedDict's memory per key, which open pays for every stored entry) chained oldest
-   to newest, each of at most :data:`SEGMENT_KEYS` keys. The map's order is the segments' order, then each
-   segment's own. A key is added, or touched (``move_to_end``), at the end of the newest
-   segment; a new newest segment starts when it is full.
+   to newest, each of at most :data:`SEGMENT_KEYS` keys. The map's order is the
+   segments' order, then each segment's own. A key is added, or touched
+   (``move_to_end``), at the end of the newest segment; a new newest segment starts
+   when it is full.
 2. Which segment holds a key is a second table, split by the key's hash into
    :data:`PARTS` plain dicts (the hash of a ``str`` is cached, so that costs nothing
    more), so at 1,000,000 keys each part holds ~16,000 and its resize stays under a
