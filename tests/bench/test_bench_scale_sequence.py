@@ -66,8 +66,12 @@ def test_the_timed_open_is_the_process_first_open_of_the_cold_tier(
 def test_every_timed_sample_comes_from_a_fresh_open_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Per N: one rebuild child, then K --child-open processes (K = the repeat), every
-    sample of the figure from those; none from the rebuild's process."""
+    """Per N: one rebuild child; then K --child-open processes per N (K = the repeat),
+    the N's taking turns round by round, every sample of the figure from those; none from
+    the rebuild's process.
+
+    Regression: all of one N's opens ran before the next N's, so a busy minute of a shared
+    machine fell on one N's samples alone and bent the ratio of their medians."""
     calls: list[tuple[str, int]] = []
 
     def child(directory: Path, n: int, *_: Any) -> dict[str, Any]:
@@ -101,7 +105,12 @@ def test_every_timed_sample_comes_from_a_fresh_open_process(
     scale.add_arguments(parser)
     args = parser.parse_args(["--sizes", "10,20", "--repeat", "3", "--dir", str(tmp_path)])
     figures = scale.measure(args)
-    assert calls == [("rebuild", 10), *[("open", 10)] * 3, ("rebuild", 20), *[("open", 20)] * 3]
+    assert calls == [
+        ("rebuild", 10), ("rebuild", 20),
+        ("open", 10), ("open", 20),  # round 0
+        ("open", 20), ("open", 10),  # round 1: the other N first
+        ("open", 10), ("open", 20),  # round 2
+    ]  # fmt: skip
     for n in ("10", "20"):
         run = figures["runs"][n]
         assert run["repeat"] == 3 and len(run["opens"]) == 3
@@ -110,3 +119,10 @@ def test_every_timed_sample_comes_from_a_fresh_open_process(
         assert run["rss_per_entry"] == 1602.0
         assert (run["rss_per_entry_min"], run["rss_per_entry_max"]) == (1601.0, 1603.0)
         assert run["rebuild_s"] == 1.0
+        assert [sample["round"] for sample in run["opens"]] == [0, 1, 2]
+    # Beside the ratio of medians (the target's figure), the same ratio within each round.
+    assert figures["open_20_over_10"] == 2.0
+    assert (figures["open_20_over_10_rounds_min"], figures["open_20_over_10_rounds_max"]) == (
+        2.0,
+        2.0,
+    )
