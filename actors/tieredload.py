@@ -158,11 +158,10 @@ class IndexAndLoadMixin(CacheParts):
             if model is None:
                 model = models[model_id, fingerprint] = ModelKey(model_id, fingerprint)
                 self._other_models.add(model)
-            side = ColdSide(key, 0)
             record = records[key] = CacheRecord(
-                new_entry(key, model, packed, trimmable != 0, min_offset), side
+                key, 0, entry=new_entry(key, model, packed, trimmable != 0, min_offset)
             )
-            sides.append(side)
+            sides.append(record)  # its own cold side
             if len(packed) != last_length or model is not last_model:
                 last_length, last_model = len(packed), model
                 shared = costs.get((last_length, id(model)))
