@@ -6,31 +6,33 @@ tokens and share their blocks, so populating costs N manifest files):
 - the first child process (``--child``) opens the directory, which has no catalogue yet:
   that first open builds the catalogue from the manifests and is the "rebuild"
   (``rebuild_s``, ``rebuild_cpu_s``, ``rebuild_stall_s``: its wall and CPU seconds and
-  its longest loop stall). The same child then opens the cache again, untimed, for the
-  lookups: latency p50/p99 of a miss (``fetch_nearest``) and of a hit (the index lookup
-  alone, the part that could grow with N); then ``kvtrio gc``'s pass (from the
-  catalogue) and ``kvtrio verify``'s (every file read), with their time per entry and
-  their ratios between sizes (linear: about the ratio of the sizes);
+  its longest loop stall), timed after the imports of :data:`OPEN_IMPORTS` as the timed
+  opens are (``rebuild_new_modules``: any module it still imported; before branch open10
+  it imported 30, the tiered cache's, inside the timing: most of its stall at 1k). The
+  same child then opens the cache again, untimed, for the lookups: latency p50/p99 of a
+  miss (``fetch_nearest``) and of a hit (the index lookup alone, the part that could
+  grow with N); then ``kvtrio gc``'s pass (from the catalogue) and ``kvtrio verify``'s
+  (every file read), with their time per entry and their ratios between sizes (linear:
+  about the ratio of the sizes);
 - the open after a clean close, which reads the catalogue ("open"), is measured
   ``--repeat`` times (default 5 up to 100,000 entries, 1 above), the N's taking turns
   (:func:`~kvtrio.bench.scale_opens.interleaved_opens`: round by round, so a drift of
   the machine's load reaches every N alike; each sample records its ``round``), every
-  time as the FIRST
-  open of the cold tier in a fresh process (``--child-open``), as a restarted server
-  opens it: that process first imports, explicitly and untimed, the modules the open
-  uses (:data:`OPEN_IMPORTS`; the sample's ``open_new_modules`` counts any module the
-  open still imported, 0 when none), starts the MLX owner, runs one full collection
-  (``full_gc_base_s``: the process without an index) and reads its RSS; then the timed
-  open: its wall and CPU seconds (``open_s``, ``open_cpu_s``; CPU of all the process's
-  threads), its longest loop stall (``open_stall_s``: a 1 ms heartbeat's worst lateness),
-  its minor page faults (``open_minor_faults``, the process's, during the open); then,
-  with the cache open, one full collection (``full_gc_s``: what the index costs a
-  process that does not ``gc.freeze``) and RSS again: ``rss_per_entry`` is (RSS with the
-  cache open - RSS just before the open, after the imports) / N, from that same fresh
-  process. ``prior_opens`` is the number of opens the process made before the timed one
-  (always 0). Every sample is kept ("opens"); the median of each figure is the figure
-  itself (what the ratios divide), with ``<key>_min``/``<key>_max`` beside it; beside
-  each ratio of medians, the min and max of the same ratio within one round
+  time as the FIRST open of the cold tier in a fresh process (``--child-open``), as a
+  restarted server opens it: that process first imports, explicitly and untimed, the
+  modules the open uses (:data:`OPEN_IMPORTS`; the sample's ``open_new_modules`` counts
+  any module the open still imported, 0 when none), starts the MLX owner, runs one full
+  collection (``full_gc_base_s``: the process without an index) and reads its RSS; then
+  the timed open: its wall and CPU seconds (``open_s``, ``open_cpu_s``; CPU of all the
+  process's threads), its longest loop stall (``open_stall_s``: a 1 ms heartbeat's worst
+  lateness), its minor page faults (``open_minor_faults``, the process's, during the
+  open); then, with the cache open, one full collection (``full_gc_s``: what the index
+  costs a process that does not ``gc.freeze``) and RSS again: ``rss_per_entry`` is (RSS
+  with the cache open - RSS just before the open, after the imports) / N, from that same
+  fresh process. ``prior_opens`` is the number of opens the process made before the
+  timed one (always 0). Every sample is kept ("opens"); the median of each figure is the
+  figure itself (what the ratios divide), with ``<key>_min``/``<key>_max`` beside it;
+  beside each ratio of medians, the min and max of the same ratio within one round
   (``open_<big>_over_<small>_rounds_min``/``_max``: the pairs measured minutes apart at
   most), shown, never used for the target.
 
@@ -457,6 +459,14 @@ def _model_of(directory: Path) -> Any:
 def child_main(
     directory: Path, n: int, lookups: int, maintenance: bool, n_tokens: int = TOKENS
 ) -> dict[str, Any]:
+    """The rebuild and the lookups of one N, in this fresh process: after the imports of
+    :data:`OPEN_IMPORTS`, as :func:`child_open_main` (a server imports them before it
+    opens its cache), so the rebuild's time and loop stall are the rebuild's, not those of
+    importing the modules it uses (``rebuild_new_modules`` counts any it still imported)."""
+    import importlib
+
+    for name in OPEN_IMPORTS:
+        importlib.import_module(name)
     import trio
 
     return trio.run(_child_async, directory, n, lookups, maintenance, n_tokens)
@@ -529,12 +539,14 @@ async def _child_async(
     model = _model_of(directory)
     figures: dict[str, Any] = {"n": n}
     async with MlxOwner.inline() as owner:
+        modules = set(sys.modules)
         rebuild = await _timed_open(directory, model, owner)
         assert rebuild["entries"] == n, (rebuild["entries"], n)
         figures.update(
             rebuild_s=rebuild["seconds"], rebuild_cpu_s=rebuild["cpu_s"],
             rebuild_stall_s=rebuild["stall_s"], rebuild_minor_faults=rebuild["minor_faults"],
             rebuild_load_1m=os.getloadavg()[0],
+            rebuild_new_modules=sorted(set(sys.modules) - modules),
         )  # fmt: skip
         async with _open_cache(directory, model, owner) as cache:
             rng = random.Random(7)
