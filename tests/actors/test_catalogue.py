@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtrio.actors.coldstore import ColdTierStore, OpenReport
+from kvtrio.actors.coldstore import ColdTierStore, OpenReport, _block_names
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import ModelKey
 from kvtrio.actors.tiered import Tier, TieredPromptCache, WritePolicy, open_tiered_cache
@@ -257,13 +257,15 @@ async def test_block_counts_read_from_the_catalogue_match_the_manifests_and_free
             assert _report(cache).parsed == 3  # from the manifests
             assert isinstance(cache.cold, ColdTierStore)
             parsed = dict(cache.cold._refs)
-            named = {key: set(names) for key, names in cache.cold._entry_blocks.items()}
+            named = {
+                key: set(_block_names(record)) for key, record in cache.cold._entry_blocks.items()
+            }
         assert any(count == 3 for count in parsed.values())  # the shared block
         async with _open(tmp_path, tiny, owner) as cache:
             store = cache.cold
             assert isinstance(store, ColdTierStore) and _report(cache).clean
             assert store._refs == parsed
-            assert sorted(store._entry_bytes) == sorted(named)
+            assert sorted(store._entry_blocks) == sorted(named)
             for key in sorted(named):
                 await store.remove(key)
                 store.check()
@@ -337,3 +339,42 @@ async def test_an_indexed_entry_holds_three_objects_for_the_collector(populated:
     # Three each, plus the open cache's own fixed objects (a few hundred: ~0.6 per entry
     # here); four each, as before, is 4.6.
     assert 3 <= per_entry < 4, per_entry
+
+
+async def test_the_store_keeps_one_table_of_every_entry_and_counts_what_is_on_disk(
+    populated: Path,
+) -> None:
+    """A clean open's store keeps one dict of every entry (its record: the manifest's
+    bytes, then its block digests), not one per figure; the usage it derives from it is
+    the bytes of the manifests and blocks on disk, and it names each entry's blocks as the
+    manifest does. Regression: a second dict of every entry held its manifest's bytes
+    (~75 bytes per entry at 100,000)."""
+    import attrs
+    from kvtrio.actors.coldstore import _file_bytes
+    from kvtrio.bench.scale import BLOCK, _model_of
+
+    model = _model_of(populated)
+    async with MlxOwner.inline() as owner:
+        for clean in (False, True):  # the rebuild, then a clean open of its catalogue
+            async with open_tiered_cache(
+                populated, model, owner=owner, hot_budget=1 << 30, cold_budget=1 << 50,
+                block_size=BLOCK, min_free_bytes=0,
+            ) as cache:  # fmt: skip
+                store = cache.cold
+                assert isinstance(store, ColdTierStore) and _report(cache).clean is clean
+                store.check()
+                tables = [
+                    field.name
+                    for field in attrs.fields(ColdTierStore)
+                    if isinstance(value := getattr(store, field.name), dict)
+                    and len(value) == POPULATED
+                ]
+                assert tables == ["_entry_blocks"]
+                on_disk = sum(p.stat().st_size for p in (populated / "caches").iterdir())
+                on_disk += sum(p.stat().st_size for p in (populated / "blocks").iterdir())
+                assert await store.usage() == on_disk
+                key, record = next(iter(store._entry_blocks.items()))
+                assert _file_bytes(record) == (populated / "caches" / f"{key}.kvc").stat().st_size
+                assert set(_block_names(record)) == {
+                    p.name for p in (populated / "blocks").iterdir()
+                }
