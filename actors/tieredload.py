@@ -150,14 +150,22 @@ class IndexAndLoadMixin(CacheParts):
         last_model: ModelKey | None = None
         cost: EntryCost
         new_entry = entry_of_checked  # the catalogue checked every field (check)
+        # The row before's model strings: rows of one model in a row compare their strings
+        # (equal contents) instead of hashing a new pair each to look the model up.
+        last_id: str | None = None  # none yet: the first row looks its model up
+        last_fingerprint: str | None = None
+        model = self.model
         for row in batch.rows:
             key, model_id, fingerprint, packed, trimmable, min_offset, conv, _, pinned, rank = row
             if key in records:
                 continue
-            model = models.get((model_id, fingerprint))  # the cache's own is there already
-            if model is None:
-                model = models[model_id, fingerprint] = ModelKey(model_id, fingerprint)
-                self._other_models.add(model)
+            if model_id != last_id or fingerprint != last_fingerprint:
+                last_id, last_fingerprint = model_id, fingerprint
+                found = models.get((model_id, fingerprint))  # the cache's own is there already
+                if found is None:
+                    found = models[model_id, fingerprint] = ModelKey(model_id, fingerprint)
+                    self._other_models.add(found)
+                model = found
             record = records[key] = CacheRecord(
                 key, 0, entry=new_entry(key, model, packed, trimmable != 0, min_offset)
             )

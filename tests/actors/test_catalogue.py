@@ -378,3 +378,34 @@ async def test_the_store_keeps_one_table_of_every_entry_and_counts_what_is_on_di
                 assert set(_block_names(record)) == {
                     p.name for p in (populated / "blocks").iterdir()
                 }
+
+
+async def test_entries_of_two_models_in_turn_each_keep_their_model(
+    tmp_path: Path, tiny: TinyModel
+) -> None:
+    """An open whose catalogue rows alternate between models (least recently used first:
+    this model's, another's, this model's) gives each entry its own model (open compares a
+    row's model with the row before's): the other model's entry never answers this
+    model's lookup, and this model's entries do."""
+    own = ModelKey(tiny.model_id, tiny.fingerprint)
+    other = ModelKey(tiny.model_id, "another-fingerprint")
+    prompts = [_prompt(seed) for seed in range(3)]
+    async with MlxOwner.inline() as owner:
+        for model, tokens in zip((own, other, own), prompts, strict=True):
+            async with open_tiered_cache(
+                tmp_path, model, owner=owner, policy=WritePolicy.WRITE_THROUGH,
+                hot_budget=1 << 30, cold_budget=1 << 40, block_size=BLOCK, min_free_bytes=0,
+            ) as cache:  # fmt: skip
+                caches = make_caches(tiny)
+                prefill(tiny, caches, tokens)
+                await cache.insert(tokens, caches)
+                await cache.wait_writes_settled()
+        async with _open(tmp_path, tiny, owner) as cache:
+            assert _report(cache).clean
+            models = [record.entry.model for record in cache._records.values()]
+            assert sorted(m.fingerprint for m in models) == sorted(
+                [own.fingerprint, other.fingerprint, own.fingerprint]
+            )
+            assert cache._other_models == {other}
+            found = [await cache.fetch_nearest([*tokens, 1]) for tokens in prompts]
+            assert [f.tier for f in found] == [Tier.COLD, None, Tier.COLD]
