@@ -114,7 +114,9 @@ _KEY = operator.attrgetter("key")
 
 @attrs.define(eq=False)
 class ColdSide:
-    """One entry's cold side: its state, and what the ledger counts for it."""
+    """One entry's cold side: its state, and what the ledger counts for it. The tiered
+    cache's :class:`~kvtrio.actors.coldside.CacheRecord` is a subclass: the ledger holds
+    the cache's records themselves."""
 
     key: str
     nbytes: int  # its caches' bytes in RAM: what its pending write holds
