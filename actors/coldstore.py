@@ -265,7 +265,9 @@ class ColdTierStore:
                 # Interned: the cache's scan interns the same keys (Catalogue.scan), so
                 # the store's tables and the cache's share one str per entry.
                 names = map(sys.intern, keys_)
-                entry_blocks.update(zip(names, map(_entry_record, sizes, lists), strict=True))
+                # Each record (_entry_record) made by C calls alone: no Python step per row.
+                records = map(bytes.__add__, map(_FILE_BYTES.pack, sizes), lists)
+                entry_blocks.update(zip(names, records, strict=True))
                 manifest_bytes += sum(sizes)
                 counts.update(_DIGESTS.iter_unpack(b"".join(lists)))
                 young.after_batch()
