@@ -104,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="restarts per server and length, alternating (3; median)",
     )
     parser.add_argument(
+        "--restart-warmup", action="store_true", help="each server answers a warm-up first"
+    )
+    parser.add_argument(
         "--settle",
         type=float,
         default=3.0,
@@ -532,8 +535,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
             model = write_tiny_model_dir(root / "llama", **SHAPES[args.model_shape])
         if "restart" in phases:
+            warm = args.restart_warmup  # every server's turn 2 after a warm-up request
             figures["restart"] = {
-                str(length): restart(model, root, length, args.restart_rounds, args.settle, log)
+                str(length): restart(
+                    model, root, length, args.restart_rounds, args.settle, log, warmup=warm
+                )
                 for length in lengths
             }
         if "decode" in phases:

@@ -4,20 +4,36 @@ ratios (per round and of the medians)."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 from kvtrio.bench.serve_harness import Server, median, prompt_words
 
-__all__ = ["KINDS", "QUESTION", "metric_samples", "restart", "restart_ratios"]
+__all__ = ["KINDS", "QUESTION", "WARMUP", "metric_samples", "restart", "restart_ratios"]
 
 KINDS = ("mlx_lm", "naive", "kvtrio")
 QUESTION = "Please summarise the document above in one sentence."
+#: ``--restart-warmup``: the unrelated short request every server (all three alike) answers
+#: after its start and before turn 2, untimed by the ratios: a restarted production server
+#: has served other traffic (MLX's first-request compiles) before a returning conversation.
+#: A plain completion, not a chat: with no chat template it shares no token with turn 2,
+#: so no server's lookup prefers it (the naive baseline reads its files only when RAM
+#: matches nothing, and a warm-up chat's template start would be such a match).
+WARMUP = "Warm-up request: say hello."
 
 
 def restart(
-    model: Path, root: Path, length: int, rounds: int, settle: float, log: Path
+    model: Path,
+    root: Path,
+    length: int,
+    rounds: int,
+    settle: float,
+    log: Path,
+    *,
+    warmup: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Turn 2 after a restart, ``rounds`` times on every server, alternating their order.
 
@@ -31,7 +47,10 @@ def restart(
     conversation ``r``'s turn 2, streamed.
     A server's time to first token and start time are medians over the rounds; ``runs``
     keeps every round (with the server's ``position`` in that round's order; its answer is
-    compared with mlx_lm.server's of the same round)."""
+    compared with mlx_lm.server's of the same round).
+    ``warmup``: every server, once settled, first answers :data:`WARMUP` (8 tokens, not
+    streamed; its time kept as the run's ``warmup_s``) and waits NAIVE_SAVE_S, the same
+    for all three, so turn 2 is not the process's first request."""
     document = prompt_words(model, length)
     turns1 = [[{"role": "user", "content": f"Conversation {r}. {document}"}] for r in range(rounds)]
     turns2: dict[str, list[list[dict[str, str]]]] = {}
@@ -56,7 +75,7 @@ def restart(
     for r in range(rounds):
         for position, kind in enumerate(KINDS if r % 2 == 0 else KINDS[::-1]):
             work = root / f"{kind}-{length}"
-            run = _turn2(kind, model, work, turns2[kind][r], settle, log)
+            run = _turn2(kind, model, work, turns2[kind][r], settle, log, warmup)
             runs[kind].append({**run, "position": position})
     out: dict[str, dict[str, Any]] = {}
     for kind in KINDS:
@@ -79,13 +98,23 @@ NAIVE_SAVE_S = 0.5
 
 
 def _turn2(
-    kind: str, model: Path, work: Path, turn2: list[dict[str, str]], settle: float, log: Path
+    kind: str,
+    model: Path,
+    work: Path,
+    turn2: list[dict[str, str]],
+    settle: float,
+    log: Path,
+    warmup: bool = False,
 ) -> dict[str, Any]:
-    """One round of :func:`_restart` on one server: start, settle, turn 2, stop."""
+    """One round of :func:`_restart` on one server: start, settle, (warm-up,) turn 2, stop."""
     server = Server(kind, model, work, log)
     seen: dict[str, Any] = {}
+    warm: float | None = None
     try:
         server.settle(settle)
+        if warmup:  # the same for every kind: answered, then the naive save's wait
+            warm = _warm(server)
+            time.sleep(NAIVE_SAVE_S)
         if kind == "kvtrio":  # what the tier held when turn 2 was sent
             seen["before"] = metric_samples(server.metrics(), BEFORE)
         two = server.chat(turn2, 8)
@@ -102,10 +131,27 @@ def _turn2(
         "prompt_tokens": two["usage"].get("prompt_tokens", 0),
         "cached_tokens": details.get("cached_tokens", 0),
         "answer": two["text"],
+        "warmup_s": warm,
     }
     if kind == "kvtrio":
         run["tier"] = {**seen, "cache_header": two["cache"], "exit": server.exit_counters()}
     return run
+
+
+def _warm(server: Server) -> float:
+    """Seconds ``server`` took to answer :data:`WARMUP` (a plain completion, 8 tokens)."""
+    body = {"prompt": WARMUP, "max_tokens": 8, "temperature": 0.0}
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
+    sent = time.perf_counter()
+    connection.request(
+        "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
+    response = connection.getresponse()
+    response.read()
+    connection.close()
+    if response.status != 200:
+        raise RuntimeError(f"{server.kind}: the warm-up request failed ({response.status})")
+    return time.perf_counter() - sent
 
 
 #: kvtrio serve's /metrics samples a restart round keeps (name prefixes; zeros left out):

@@ -22,7 +22,8 @@ Theory of operation:
 
 1. RAM is mlx-lm's: this class *is* an LRUPromptCache (its trie, its per-``cache_type``
    LRU ordering, ``max_size``/``max_bytes``, ``trim_to``); nothing of its semantics
-   changes. The trie is replaced by one that records what LRUPromptCache evicts.
+   changes. The trie is replaced by one that records what LRUPromptCache evicts, and
+   whose search gives mlx-lm's answers in linear time (:mod:`kvtrio.serve.triesearch`).
 2. An entry LRUPromptCache evicts (count, bytes, ``trim_to``) is handed to the cold tier
    (:meth:`TieredPromptCache.spill`): the call returns at once; the snapshot, the
    materialization and the release run later as owner jobs on this thread
@@ -72,6 +73,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 from kvtrio.errors import ShuttingDown, UnsupportedCacheError
+from kvtrio.serve import triesearch
 from mlx_lm.models import cache as _mlx_cache
 
 if TYPE_CHECKING:  # the tier's modules load with the tier: ``kvtrio serve`` starts without
@@ -205,8 +207,8 @@ class _RecordingTrie(mlx_cache.PromptTrie):  # type: ignore[misc]
             return super().get(model, tokens)
 
     def search(self, model: Any, tokens: list[int]) -> Any:
-        with self.lock:
-            return super().search(model, tokens)
+        with self.lock:  # mlx-lm's answer, in linear time (kvtrio.serve.triesearch)
+            return triesearch.search(self, model, tokens)
 
     def pop_prefixes(self, model: Any, tokens: list[int]) -> Any:
         with self.lock:

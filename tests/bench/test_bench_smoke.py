@@ -138,6 +138,7 @@ def test_bench_serve_restart_phase_alternates_rounds_and_reports_medians() -> No
         runs = restart[kind]["runs"]
         assert [run["position"] for run in runs] == positions, kind  # the order alternates
         assert all(run["ttft_s"] > 0 and "answer" not in run for run in runs), kind
+        assert all(run["warmup_s"] is None for run in runs), kind  # no --restart-warmup
         assert restart[kind]["ttft_s"] == (runs[0]["ttft_s"] + runs[1]["ttft_s"]) / 2, kind
         # Every round restarted the server: mlx_lm.server recomputes, the other two load
         # the round's own conversation from disk.
@@ -171,6 +172,25 @@ def test_bench_serve_restart_phase_alternates_rounds_and_reports_medians() -> No
     )
     assert ratios["same_answer_as_mlx_lm_per_round"] == [True, True]
     assert ratios["same_answer_as_mlx_lm"] is True
+
+
+def test_bench_serve_restart_warmup_answers_one_request_on_every_server_before_turn_2() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtrio", "bench", "serve", "--json", "--phases", "restart",
+         "--lengths", "256", "--restart-rounds", "1", "--settle", "0", "--restart-warmup"],
+        capture_output=True, text=True, check=True, timeout=300,
+    )  # fmt: skip
+    restart = json.loads(out.stdout)["restart"]["256"]
+    for kind in ("mlx_lm", "naive", "kvtrio"):  # every server alike, untimed by the ratios
+        (run,) = restart[kind]["runs"]
+        assert run["warmup_s"] > 0, kind
+        # The warm-up (a plain completion) shares no token with turn 2: the two that
+        # persist still load it from disk, mlx_lm.server recomputes all of it.
+        cached = run["cached_tokens"]
+        assert cached == 0 if kind == "mlx_lm" else cached >= 256, (kind, cached)
+    tier = restart["kvtrio"]["runs"][0]["tier"]
+    assert tier["after"]['kvtrio_serve_lookups_total{served="disk"}'] == 1, tier
+    assert tier["cache_header"] == "cold", tier
 
 
 def test_bench_scale_long_entries_repeated_opens_and_interleaved_misses() -> None:

@@ -188,6 +188,7 @@ START_PATH_MODULES = [
     "kvtrio.serve.flags",
     "kvtrio.serve.server",
     "kvtrio.serve.steps",
+    "kvtrio.serve.triesearch",  # the RAM trie's search (mlx-lm's cache module, nothing more)
 ]
 
 
