@@ -73,11 +73,14 @@ DEFAULT_PENDING_BYTES = 256 << 20
 
 
 @attrs.define(eq=False)
-class CacheRecord:
-    """One entry: its hot side (caches in RAM) and its cold side (a state, rule 9)."""
+class CacheRecord(ColdSide):
+    """One entry: its hot side (caches in RAM) and its cold side (a state, rule 9).
 
-    entry: PrefixEntry
-    cold: ColdSide
+    The record is its own cold side (a :class:`ColdSide`, :attr:`cold` is itself): the
+    ledger holds the records, one object per entry where a record and a side were two
+    (open makes one per stored entry: ~90 bytes and an object for the collector each)."""
+
+    entry: PrefixEntry = attrs.field(kw_only=True)
     # Small per entry (open indexes every stored one): empty immutable defaults, replaced
     # when they change.
     conversations: frozenset[str] = frozenset()
@@ -96,7 +99,12 @@ class CacheRecord:
 
     @classmethod
     def of(cls, entry: PrefixEntry, nbytes: int = 0) -> CacheRecord:
-        return cls(entry, ColdSide(entry.key, nbytes))
+        return cls(entry.key, nbytes, entry=entry)
+
+    @property
+    def cold(self) -> ColdSide:
+        """Its cold side: the record itself."""
+        return self
 
     @property
     def findable(self) -> bool:

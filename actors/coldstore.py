@@ -80,14 +80,36 @@ _DIGEST = 32  # bytes of a block name (sha256)
 
 
 _DIGESTS = struct.Struct(f"{_DIGEST}s")  # a catalogue block list: digests end to end
+_FILE_BYTES = struct.Struct("<Q")  # an entry's record begins with its manifest's bytes
 
 
-def _block_names(blocks: tuple[str, ...] | bytes) -> tuple[str, ...]:
-    """An entry's block names (hex), from either form :attr:`ColdTierStore._entry_blocks`
-    keeps."""
-    if isinstance(blocks, bytes):
-        return tuple(digest.hex() for (digest,) in _DIGESTS.iter_unpack(blocks))
-    return blocks
+def _entry_record(file_bytes: int, digests: bytes) -> bytes:
+    """What :attr:`ColdTierStore._entry_blocks` keeps of an entry: its manifest's bytes (u64
+    little-endian), then its block list as the catalogue stores it (32-byte digests end to
+    end)."""
+    return _FILE_BYTES.pack(file_bytes) + digests
+
+
+def _record_of(file_bytes: int, names: Iterable[str]) -> bytes:
+    """:func:`_entry_record` of block names in hex (a header's; the parser checked them as
+    64 lowercase hex digits, so :func:`_block_names` gives them back as they were)."""
+    return _entry_record(file_bytes, b"".join(map(bytes.fromhex, names)))
+
+
+def _block_names(record: bytes) -> tuple[str, ...]:
+    """An entry's block names (hex), from its record (:func:`_entry_record`)."""
+    digests = memoryview(record)[_FILE_BYTES.size :]
+    return tuple(digest.hex() for (digest,) in _DIGESTS.iter_unpack(digests))
+
+
+def _file_bytes(record: bytes) -> int:
+    """An entry's manifest bytes, from its record (:func:`_entry_record`)."""
+    size: int = _FILE_BYTES.unpack_from(record)[0]
+    return size
+
+
+def _manifest_bytes(records: Iterable[bytes]) -> int:
+    return sum(map(_file_bytes, records))
 
 
 def _conversations_of(meta: Mapping[str, str]) -> tuple[str, ...]:
@@ -159,11 +181,11 @@ class ColdTierStore:
     opening: OpenReport | None = None  # what the open found in the catalogue
     _refs: dict[str, int] = attrs.field(factory=dict)
     _block_sizes: dict[str, int] = attrs.field(factory=dict)  # blocks that exist (rule 1)
-    # Per entry, the blocks its manifest names: hex names, or (entries read from the
-    # catalogue at open) its block list as stored, 32-byte digests end to end, named only
-    # when the entry is removed (:func:`_block_names`): one bytes object per entry.
-    _entry_blocks: dict[str, tuple[str, ...] | bytes] = attrs.field(factory=dict)
-    _entry_bytes: dict[str, int] = attrs.field(factory=dict)
+    # Per entry, one bytes object (:func:`_entry_record`): its manifest's bytes, then the
+    # blocks it names as the catalogue stores them, 32-byte digests end to end, named only
+    # when the entry is removed (:func:`_block_names`). One table of every entry, not two
+    # (a second dict and an int per entry: ~75 bytes each at 100,000 entries).
+    _entry_blocks: dict[str, bytes] = attrs.field(factory=dict)
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
     _usage: int = 0
     _shared: ManifestStore | None = None  # the shared manifest store with a prefix index
@@ -208,7 +230,9 @@ class ColdTierStore:
                 attrs.evolve(_entry_info(entry), mtime=used, pinned=entry.key in pinned)
                 for entry, used in zip(entries, uses, strict=True)
             ]
-            self._usage = sum(self._entry_bytes.values()) + sum(self._block_sizes.values())
+            self._usage = _manifest_bytes(self._entry_blocks.values()) + sum(
+                self._block_sizes.values()
+            )
         return self
 
     def _open_catalogue(self) -> tuple[Catalogue, dict[str, int], OpenReport]:
@@ -233,12 +257,18 @@ class ColdTierStore:
         # into digests and counted by a Counter): no Python step per row. Hex names only
         # once per distinct block, at the end.
         counts: collections.Counter[tuple[bytes]] = collections.Counter()
-        entry_blocks, entry_bytes = self._entry_blocks, self._entry_bytes
+        entry_blocks = self._entry_blocks
+        manifest_bytes = 0  # of the rows in entry_blocks
         try:
             for batch in catalogue.block_lists():
-                names, sizes, lists = zip(*batch, strict=True)
-                entry_blocks.update(zip(names, lists, strict=True))
-                entry_bytes.update(zip(names, sizes, strict=True))
+                keys_, sizes, lists = zip(*batch, strict=True)
+                # Interned: the cache's scan interns the same keys (Catalogue.scan), so
+                # the store's tables and the cache's share one str per entry.
+                names = map(sys.intern, keys_)
+                # Each record (_entry_record) made by C calls alone: no Python step per row.
+                records = map(bytes.__add__, map(_FILE_BYTES.pack, sizes), lists)
+                entry_blocks.update(zip(names, records, strict=True))
+                manifest_bytes += sum(sizes)
                 counts.update(_DIGESTS.iter_unpack(b"".join(lists)))
                 young.after_batch()
             blocks = catalogue.block_sizes()
@@ -247,17 +277,16 @@ class ColdTierStore:
             report.rebuilt = True
             counts.clear()
             entry_blocks.clear()
-            entry_bytes.clear()
-        # Every catalogued key is in entry_bytes now. Differences by Python loops, not set
+            manifest_bytes = 0
+        # Every catalogued key is in entry_blocks now. Differences by Python loops, not set
         # operators: one C call over 100,000 names would hold the GIL (and so the event
         # loop) for milliseconds in one piece.
-        gone = [key for key in entry_bytes if key not in keys]  # rows whose manifest is gone
+        gone = [key for key in entry_blocks if key not in keys]  # rows whose manifest is gone
         report.dropped = len(gone)
         for key in gone:  # not entries of this store: their references go
-            del entry_bytes[key]
             dropped = entry_blocks.pop(key)
-            assert isinstance(dropped, bytes)
-            counts.subtract(_DIGESTS.iter_unpack(dropped))
+            manifest_bytes -= _file_bytes(dropped)
+            counts.subtract(_DIGESTS.iter_unpack(memoryview(dropped)[_FILE_BYTES.size :]))
         refs = self._refs
         for (digest,), count in counts.items():
             if count > 0:
@@ -265,7 +294,7 @@ class ColdTierStore:
                 refs[name] = refs.get(name, 0) + count
         # Manifests the catalogue lacks (all of them after a rebuild): read a batch at a time
         # as the catalogue writes their rows, each batch freed once written (_rows_of).
-        rows = self._rows_of([key for key in keys if key not in entry_bytes], report, young)
+        rows = self._rows_of([key for key in keys if key not in entry_blocks], report, young)
         first = next(rows, None)
         report.clean = catalogue.was_clean and not (report.rebuilt or gone or first)
         if not report.clean:
@@ -281,8 +310,9 @@ class ColdTierStore:
             # The rows' pins may be stale or lost with the catalogue: the manifest store's
             # record is the truth.
             catalogue.replace_pins(self._pinned_keys(keys))
+            manifest_bytes = _manifest_bytes(entry_blocks.values())  # rows were added: recount
         young.after_batch()  # the last batch's objects too, before the loop resumes them
-        self._usage = sum(self._entry_bytes.values()) + sum(blocks.values())
+        self._usage = manifest_bytes + sum(blocks.values())
         return catalogue, blocks, report
 
     def _rows_of(
@@ -351,15 +381,14 @@ class ColdTierStore:
         for name, size in refs:
             self._refs[name] = self._refs.get(name, 0) + 1
             sizes.setdefault(name, size)
-        self._entry_blocks[key] = tuple(name for name, _ in refs)
-        self._entry_bytes[key] = file_bytes
+        self._entry_blocks[key] = _record_of(file_bytes, (name for name, _ in refs))
 
     def _note_row(self, row: CatalogueRow) -> None:
         names = tuple(sys.intern(name) for name, _ in row.blocks)  # one str per block
         for name in names:
             self._refs[name] = self._refs.get(name, 0) + 1
-        self._entry_blocks[row.key] = names
-        self._entry_bytes[row.key] = row.file_bytes
+        key = sys.intern(row.key)  # the str the cache's scan gets too (Catalogue.scan)
+        self._entry_blocks[key] = _record_of(row.file_bytes, names)
 
     async def _sweep_locked(self) -> None:
         """Local tier: delete stored blocks no manifest names (rule 2)."""
@@ -380,7 +409,7 @@ class ColdTierStore:
         meta: Mapping[str, str],
     ) -> StoreResult:
         async with self._lock:
-            freed = await self._remove_locked(key) if key in self._entry_bytes else 0
+            freed = await self._remove_locked(key) if key in self._entry_blocks else 0
             try:
                 ticket = await self.tier.save(
                     key,
@@ -467,9 +496,9 @@ class ColdTierStore:
 
     async def _remove_locked(self, key: str) -> int:
         freed = await self.tier.delete(key)
-        self._entry_bytes.pop(key, None)
+        record = self._entry_blocks.pop(key, None)
         orphans = []
-        for name in _block_names(self._entry_blocks.pop(key, ())):
+        for name in () if record is None else _block_names(record):
             self._refs[name] -= 1
             if self._refs[name] == 0:
                 del self._refs[name]
@@ -497,7 +526,7 @@ class ColdTierStore:
         """Record pins in the manifest store (the truth: it survives the catalogue's
         loss), then in the catalogue's copy (what a clean open reads)."""
         async with self._lock:
-            held = {key: pinned for key, pinned in pins.items() if key in self._entry_bytes}
+            held = {key: pinned for key, pinned in pins.items() if key in self._entry_blocks}
             if not held:
                 return
             named = {key + SUFFIX: pinned for key, pinned in held.items()}
@@ -545,7 +574,7 @@ class ColdTierStore:
     def check(self) -> None:
         """Recompute the usage from the tables (tests): AssertionError if it drifted."""
         assert set(self._block_sizes) <= set(self._refs), "an unreferenced block is counted"
-        expected = sum(self._entry_bytes.values()) + sum(self._block_sizes.values())
+        expected = _manifest_bytes(self._entry_blocks.values()) + sum(self._block_sizes.values())
         assert self._usage == expected, f"usage drifted: {self._usage} != {expected}"
 
     async def entries(self) -> AsyncGenerator[Sequence[ColdEntryInfo], None]:

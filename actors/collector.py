@@ -2,7 +2,7 @@
 
 A full collection traverses every tracked object while holding the GIL, and the
 collector starts one each time the tracked objects have grown by a quarter: an open of
-100,000 entries (four tracked objects each, docs/tiered.md) would run several, each
+100,000 entries (three tracked objects each, docs/tiered.md) would run several, each
 holding the event loop for 0.3-0.5 s on a loaded 2-core machine. So open pauses the
 automatic collections while it builds (:func:`collector_paused`) and collects the young
 generations itself between batches (:class:`YoungCollections`), a bounded cost each.

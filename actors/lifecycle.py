@@ -24,6 +24,7 @@ Keeps docs/design.md invariants 11 and 13.
 from __future__ import annotations
 
 import enum
+import operator
 from collections import OrderedDict
 from types import MappingProxyType
 
@@ -108,11 +109,14 @@ def next_state(state: ColdState, event: ColdEvent) -> ColdState:
 
 
 _RESERVING = frozenset({ColdState.WRITING, ColdState.WRITING_DOOMED})
+_KEY = operator.attrgetter("key")
 
 
 @attrs.define(eq=False)
 class ColdSide:
-    """One entry's cold side: its state, and what the ledger counts for it."""
+    """One entry's cold side: its state, and what the ledger counts for it. The tiered
+    cache's :class:`~kvtrio.actors.coldside.CacheRecord` is a subclass: the ledger holds
+    the cache's records themselves."""
 
     key: str
     nbytes: int  # its caches' bytes in RAM: what its pending write holds
@@ -207,7 +211,8 @@ class ColdLedger:
                 next_state(side.state, ColdEvent.FOUND)  # raises: not a legal pair
         for side in sides:
             side.state = target
-        self._durable.extend([(side.key, side) for side in sides])
+        # zip reuses its pair once the LRU has unpacked it: no tuple made per side.
+        self._durable.extend(zip(map(_KEY, sides), sides, strict=True))
 
     def touch(self, side: ColdSide) -> None:
         """Mark a DURABLE entry as the most recently used."""

@@ -7,10 +7,12 @@ call is a stall of the trio loop. :class:`SegmentedLru` keeps the same order in 
 
 Theory of operation
 -------------------
-1. The keys live in *segments*: small ordered dicts chained oldest to newest, each of at
-   most :data:`SEGMENT_KEYS` keys. The map's order is the segments' order, then each
-   segment's own. A key is added, or touched (``move_to_end``), at the end of the newest
-   segment; a new newest segment starts when it is full.
+1. The keys live in *segments*: small plain dicts (insertion-ordered; a third of an
+   OrderedDict's memory per key, which open pays for every stored entry) chained oldest
+   to newest, each of at most :data:`SEGMENT_KEYS` keys. The map's order is the
+   segments' order, then each segment's own. A key is added, or touched
+   (``move_to_end``), at the end of the newest segment; a new newest segment starts
+   when it is full.
 2. Which segment holds a key is a second table, split by the key's hash into
    :data:`PARTS` plain dicts (the hash of a ``str`` is cached, so that costs nothing
    more), so at 1,000,000 keys each part holds ~16,000 and its resize stays under a
@@ -21,14 +23,16 @@ Theory of operation
    is checked again), so no two small segments are neighbours and the chain holds at
    most ``2 N / (SEGMENT_KEYS // 4 + 1) + 2`` segments (about ``8 N / SEGMENT_KEYS``).
 
-Costs: add, touch, get, pop, ``popitem`` (either end) and the first item are O(1) (a
-merge is a bounded ``SEGMENT_KEYS // 4`` moves), ``extend`` of k items O(k); iteration is
-O(N) in Python steps, none of them proportional to N.
+Costs: add, touch, get, pop and the newest item are O(1) (a merge is a bounded
+``SEGMENT_KEYS`` moves); the oldest item (``first``, ``popitem(last=False)``) is O(1)
+plus a skip over the keys already taken from the front of its segment, which a plain dict
+leaves as holes until it merges: fewer than :data:`SEGMENT_KEYS`, a few microseconds at
+most; ``extend`` of k items O(k); iteration is O(N) in Python steps, none of them
+proportional to N.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Generic, TypeVar
 
@@ -47,7 +51,7 @@ _MASK = PARTS - 1
 _SMALL = SEGMENT_KEYS // 4
 
 
-class _Segment(OrderedDict[K, V]):
+class _Segment(dict[K, V]):
     """One piece of the order, linked to its older and newer neighbours."""
 
     __slots__ = ("newer", "older")
@@ -151,7 +155,7 @@ class SegmentedLru(Generic[K, V]):
         part = self._parts[hash(key) & _MASK]
         seg = part[key]
         if seg is self._newest:
-            seg.move_to_end(key)
+            seg[key] = seg.pop(key)  # re-inserted: at its dict's end
             return
         value = seg.pop(key)
         part[key] = self._append(key, value)
@@ -177,7 +181,11 @@ class SegmentedLru(Generic[K, V]):
         seg = self._newest if last else self._oldest
         if seg is None:
             raise KeyError("popitem(): SegmentedLru is empty")
-        key, value = seg.popitem(last=last)
+        if last:
+            key, value = seg.popitem()  # a dict pops its last item
+        else:
+            key = next(iter(seg))
+            value = seg.pop(key)
         del self._parts[hash(key) & _MASK][key]
         self._len -= 1
         self._shrunk(seg)
@@ -201,9 +209,10 @@ class SegmentedLru(Generic[K, V]):
             older.update(seg)  # after the older one's keys: order kept
             into = older
         elif newer is not None and len(newer) + size <= SEGMENT_KEYS:
-            for key in reversed(seg):  # in front of the newer one's keys, order kept
-                newer[key] = seg[key]
-                newer.move_to_end(key, last=False)
+            kept = list(newer.items())  # in front of the newer one's keys, order kept
+            newer.clear()
+            newer.update(seg)
+            newer.update(kept)
             into = newer
         else:
             return

@@ -26,7 +26,6 @@ from kvtrio.actors.misses import (
 from kvtrio.actors.policy import EntryCost
 from kvtrio.actors.prefix import (
     ModelKey,
-    PackedTokens,
     PrefixEntry,
 )
 from kvtrio.actors.tieredtypes import (
@@ -58,13 +57,14 @@ _set_slot = object.__setattr__
 
 
 def entry_of_checked(
-    key: str, model: ModelKey, packed: PackedTokens, trimmable: bool, min_reusable_offset: int
+    key: str, model: ModelKey, packed: bytes, trimmable: bool, min_reusable_offset: int
 ) -> PrefixEntry:
     """The entry ``PrefixEntry(key, model, packed, trimmable, min_reusable_offset)`` makes,
     from fields its caller has checked as that would (``packed`` whole u32 values,
     ``min_reusable_offset`` within its length): open's catalogue rows, checked in bulk by
     :meth:`kvtrio.storage.catalogue.Catalogue.check`. Nothing is converted or checked
-    again (one per stored entry at open)."""
+    again (one per stored entry at open); ``packed`` is taken as the
+    :data:`PackedTokens` it is (no call of the NewType per entry)."""
     entry: PrefixEntry = _new_object(PrefixEntry)
     _set_slot(entry, "key", key)
     _set_slot(entry, "model", model)
@@ -150,19 +150,26 @@ class IndexAndLoadMixin(CacheParts):
         last_model: ModelKey | None = None
         cost: EntryCost
         new_entry = entry_of_checked  # the catalogue checked every field (check)
+        # The row before's model strings: rows of one model in a row compare their strings
+        # (equal contents) instead of hashing a new pair each to look the model up.
+        last_id: str | None = None  # none yet: the first row looks its model up
+        last_fingerprint: str | None = None
+        model = self.model
         for row in batch.rows:
             key, model_id, fingerprint, packed, trimmable, min_offset, conv, _, pinned, rank = row
             if key in records:
                 continue
-            model = models.get((model_id, fingerprint))  # the cache's own is there already
-            if model is None:
-                model = models[model_id, fingerprint] = ModelKey(model_id, fingerprint)
-                self._other_models.add(model)
-            side = ColdSide(key, 0)
+            if model_id != last_id or fingerprint != last_fingerprint:
+                last_id, last_fingerprint = model_id, fingerprint
+                found = models.get((model_id, fingerprint))  # the cache's own is there already
+                if found is None:
+                    found = models[model_id, fingerprint] = ModelKey(model_id, fingerprint)
+                    self._other_models.add(found)
+                model = found
             record = records[key] = CacheRecord(
-                new_entry(key, model, PackedTokens(packed), trimmable != 0, min_offset), side
+                key, 0, entry=new_entry(key, model, packed, trimmable != 0, min_offset)
             )
-            sides.append(side)
+            sides.append(record)  # its own cold side
             if len(packed) != last_length or model is not last_model:
                 last_length, last_model = len(packed), model
                 shared = costs.get((last_length, id(model)))

@@ -368,8 +368,9 @@ class Catalogue:
                 "SELECT key, model_id, fingerprint, tokens, trimmable, min_offset,"
                 " conversations, last_use, pinned, rowid FROM entries ORDER BY last_use, key"
             )
+            intern = sys.intern  # the key str the store's tables hold (one per entry)
             for batch in _batches(self._db.execute(query)):
-                yield [(*row[:9], ranks[row[9]]) for row in batch]
+                yield [(intern(row[0]), *row[1:9], ranks[row[9]]) for row in batch]
         except sqlite3.Error as exc:
             raise CorruptCacheError(f"catalogue {self.path}: {exc}") from exc
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtrio.actors.coldstore import ColdTierStore, OpenReport
+from kvtrio.actors.coldstore import ColdTierStore, OpenReport, _block_names
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import ModelKey
 from kvtrio.actors.tiered import Tier, TieredPromptCache, WritePolicy, open_tiered_cache
@@ -257,13 +257,15 @@ async def test_block_counts_read_from_the_catalogue_match_the_manifests_and_free
             assert _report(cache).parsed == 3  # from the manifests
             assert isinstance(cache.cold, ColdTierStore)
             parsed = dict(cache.cold._refs)
-            named = {key: set(names) for key, names in cache.cold._entry_blocks.items()}
+            named = {
+                key: set(_block_names(record)) for key, record in cache.cold._entry_blocks.items()
+            }
         assert any(count == 3 for count in parsed.values())  # the shared block
         async with _open(tmp_path, tiny, owner) as cache:
             store = cache.cold
             assert isinstance(store, ColdTierStore) and _report(cache).clean
             assert store._refs == parsed
-            assert sorted(store._entry_bytes) == sorted(named)
+            assert sorted(store._entry_blocks) == sorted(named)
             for key in sorted(named):
                 await store.remove(key)
                 store.check()
@@ -273,3 +275,137 @@ async def test_block_counts_read_from_the_catalogue_match_the_manifests_and_free
                 assert {name for name in on_disk if name in parsed} == left
                 assert set(store._refs) == left
             assert not store._refs
+
+
+async def test_the_store_and_the_index_share_one_key_str_per_entry(
+    tmp_path: Path, tiny: TinyModel
+) -> None:
+    """An open (from the catalogue, and a rebuild from the manifests) keeps one str per
+    entry's key: the store's tables and the cache's records hold the same object, not two
+    equal copies (one per catalogue query), which cost ~110 bytes per entry."""
+    async with MlxOwner.inline() as owner:
+        await _fill(tmp_path, tiny, owner, range(4))
+        for rebuild in (False, True):
+            if rebuild:
+                (tmp_path / CATALOGUE_NAME).unlink()
+            async with _open(tmp_path, tiny, owner) as cache:
+                assert isinstance(cache.cold, ColdTierStore)
+                assert _report(cache).parsed == (4 if rebuild else 0)
+                stored = {key: key for key in cache.cold._entry_blocks}
+                assert len(cache._records) == len(stored) == 4
+                assert all(stored[key] is key for key in cache._records)
+
+
+@pytest.fixture
+def populated(tmp_path: Path) -> Path:
+    from kvtrio.bench.scale import _populate
+
+    _populate(tmp_path, POPULATED)
+    return tmp_path
+
+
+POPULATED = 600
+
+
+async def test_an_indexed_entry_holds_three_objects_for_the_collector(populated: Path) -> None:
+    """Each entry a clean open indexes holds three objects the cyclic collector tracks (its
+    record, which is its own cold side; its prefix entry; the cold policy's slot): the
+    objects a full collection traverses per entry, and most of an entry's memory.
+
+    Regression: the record and its cold side were two objects (four per entry)."""
+    import gc
+
+    from kvtrio.bench.scale import BLOCK, _model_of
+
+    n, tmp_path = POPULATED, populated
+    model = _model_of(tmp_path)
+
+    async def tracked_per_entry(owner: MlxOwner) -> float:
+        gc.collect()
+        before = len(gc.get_objects())
+        async with open_tiered_cache(
+            tmp_path, model, owner=owner, hot_budget=1 << 30, cold_budget=1 << 50,
+            block_size=BLOCK, min_free_bytes=0,
+        ) as cache:  # fmt: skip
+            gc.collect()
+            assert cache.statistics().cold_entries == n
+            record = next(iter(cache._records.values()))
+            assert record.cold is record
+            return (len(gc.get_objects()) - before) / n
+
+    async with MlxOwner.inline() as owner:
+        await tracked_per_entry(owner)  # the rebuild: the catalogue is made
+        per_entry = await tracked_per_entry(owner)
+    # Three each, plus the open cache's own fixed objects (a few hundred: ~0.6 per entry
+    # here); four each, as before, is 4.6.
+    assert 3 <= per_entry < 4, per_entry
+
+
+async def test_the_store_keeps_one_table_of_every_entry_and_counts_what_is_on_disk(
+    populated: Path,
+) -> None:
+    """A clean open's store keeps one dict of every entry (its record: the manifest's
+    bytes, then its block digests), not one per figure; the usage it derives from it is
+    the bytes of the manifests and blocks on disk, and it names each entry's blocks as the
+    manifest does. Regression: a second dict of every entry held its manifest's bytes
+    (~75 bytes per entry at 100,000)."""
+    import attrs
+    from kvtrio.actors.coldstore import _file_bytes
+    from kvtrio.bench.scale import BLOCK, _model_of
+
+    model = _model_of(populated)
+    async with MlxOwner.inline() as owner:
+        for clean in (False, True):  # the rebuild, then a clean open of its catalogue
+            async with open_tiered_cache(
+                populated, model, owner=owner, hot_budget=1 << 30, cold_budget=1 << 50,
+                block_size=BLOCK, min_free_bytes=0,
+            ) as cache:  # fmt: skip
+                store = cache.cold
+                assert isinstance(store, ColdTierStore) and _report(cache).clean is clean
+                store.check()
+                tables = [
+                    field.name
+                    for field in attrs.fields(ColdTierStore)
+                    if isinstance(value := getattr(store, field.name), dict)
+                    and len(value) == POPULATED
+                ]
+                assert tables == ["_entry_blocks"]
+                on_disk = sum(p.stat().st_size for p in (populated / "caches").iterdir())
+                on_disk += sum(p.stat().st_size for p in (populated / "blocks").iterdir())
+                assert await store.usage() == on_disk
+                key, record = next(iter(store._entry_blocks.items()))
+                assert _file_bytes(record) == (populated / "caches" / f"{key}.kvc").stat().st_size
+                assert set(_block_names(record)) == {
+                    p.name for p in (populated / "blocks").iterdir()
+                }
+
+
+async def test_entries_of_two_models_in_turn_each_keep_their_model(
+    tmp_path: Path, tiny: TinyModel
+) -> None:
+    """An open whose catalogue rows alternate between models (least recently used first:
+    this model's, another's, this model's) gives each entry its own model (open compares a
+    row's model with the row before's): the other model's entry never answers this
+    model's lookup, and this model's entries do."""
+    own = ModelKey(tiny.model_id, tiny.fingerprint)
+    other = ModelKey(tiny.model_id, "another-fingerprint")
+    prompts = [_prompt(seed) for seed in range(3)]
+    async with MlxOwner.inline() as owner:
+        for model, tokens in zip((own, other, own), prompts, strict=True):
+            async with open_tiered_cache(
+                tmp_path, model, owner=owner, policy=WritePolicy.WRITE_THROUGH,
+                hot_budget=1 << 30, cold_budget=1 << 40, block_size=BLOCK, min_free_bytes=0,
+            ) as cache:  # fmt: skip
+                caches = make_caches(tiny)
+                prefill(tiny, caches, tokens)
+                await cache.insert(tokens, caches)
+                await cache.wait_writes_settled()
+        async with _open(tmp_path, tiny, owner) as cache:
+            assert _report(cache).clean
+            models = [record.entry.model for record in cache._records.values()]
+            assert sorted(m.fingerprint for m in models) == sorted(
+                [own.fingerprint, other.fingerprint, own.fingerprint]
+            )
+            assert cache._other_models == {other}
+            found = [await cache.fetch_nearest([*tokens, 1]) for tokens in prompts]
+            assert [f.tier for f in found] == [Tier.COLD, None, Tier.COLD]

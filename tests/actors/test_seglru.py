@@ -155,3 +155,22 @@ def test_extend_is_setitem_of_each(
     for key, value in items:
         model[key] = value
     _check(lru, model)
+
+
+def test_a_key_costs_the_lru_about_a_plain_dicts_memory() -> None:
+    """Open puts every stored entry in the cold LRU: its segments are plain dicts (with
+    the key -> segment table, about 59 bytes a key here), not OrderedDicts (a linked node
+    per key: about 106)."""
+    import tracemalloc
+
+    keys = [f"{n:064x}" for n in range(3 * seglru.SEGMENT_KEYS)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        lru: SegmentedLru[str, None] = SegmentedLru()
+        lru.extend((key, None) for key in keys)
+        per_key = (tracemalloc.get_traced_memory()[0] - before) / len(keys)
+    finally:
+        tracemalloc.stop()
+    assert len(lru) == len(keys)
+    assert per_key < 80, per_key
