@@ -157,7 +157,7 @@ SELECT key FROM entries WHERE NOT (
     AND (conversations = '[]' OR (
         json_valid(conversations) AND json_type(conversations) = 'array'
         AND NOT EXISTS (SELECT 1 FROM json_each(conversations) WHERE type != 'text')))
-    AND typeof(last_use) = 'real' AND typeof(file_bytes) = 'integer'
+    AND typeof(last_use) = 'real' AND typeof(file_bytes) = 'integer' AND file_bytes >= 0
     AND typeof(block_names) = 'blob' AND length(block_names) % 32 = 0
 ) LIMIT 1
 """

@@ -114,7 +114,15 @@ async def test_a_damaged_catalogue_is_rebuilt_with_nothing_lost(
 
 
 @pytest.mark.parametrize(
-    "damage", ["min_offset = 1000", "conversations = '[1]'", "tokens = zeroblob(6)"]
+    "damage",
+    [
+        "min_offset = 1000",
+        "conversations = '[1]'",
+        "tokens = zeroblob(6)",
+        # Regression: open packs each row's manifest bytes as a u64 (coldstore
+        # _entry_record); a negative one failed the open with struct.error, no rebuild.
+        "file_bytes = -1",
+    ],
 )
 async def test_a_catalogue_row_of_the_wrong_shape_is_rebuilt_with_nothing_lost(
     tmp_path: Path, tiny: TinyModel, damage: str
