@@ -26,7 +26,7 @@ Theory of operation
 Costs: add, touch, get, pop and the newest item are O(1) (a merge is a bounded
 ``SEGMENT_KEYS`` moves); the oldest item (``first``, ``popitem(last=False)``) is O(1)
 plus a skip over the keys already taken from the front of its segment, which a plain dict
-leaves as holes until it is merged or resized: about 1.4 :data:`SEGMENT_KEYS` at most (a
+leaves as holes until it is merged or resized: about 4/3 :data:`SEGMENT_KEYS` at most (a
 segment churned first in, first out holds up to its dict's usable size in holes, 5,460
 at 4,096 keys), a few microseconds; ``extend`` of k items O(k); iteration is O(N) in
 Python steps, none of them proportional to N.
