@@ -251,12 +251,19 @@ def allocate_slot(
             arrays.append(empty)
             views.append(memoryview(bytearray()))
             continue
-        backing = _untouched_uint8(nbytes + _ALIGN, options.alloc_untouched)
-        raw = _writable_bytes(backing)
-        skip = -int(np.frombuffer(raw, dtype=np.uint8).ctypes.data) % _ALIGN
+        backing, raw, skip = _aligned_backing(nbytes, options)
         arrays.append(backing[skip : skip + nbytes].view(MX_DTYPES[slot.dtype]).reshape(shape))
         views.append(raw[skip : skip + nbytes])
     return tuple(arrays), tuple(views)
+
+
+def _aligned_backing(nbytes: int, options: IoOptions) -> tuple[Any, memoryview, int]:
+    """An MLX uint8 backing of ``nbytes`` plus 4 KiB, its writable memory, and the skip
+    to its first 4 KiB-aligned byte (where the tensor's bytes start)."""
+    backing = _untouched_uint8(nbytes + _ALIGN, options.alloc_untouched)
+    raw = _writable_bytes(backing)
+    skip = -int(np.frombuffer(raw, dtype=np.uint8).ctypes.data) % _ALIGN
+    return backing, raw, skip
 
 
 def _pieces_contiguous(shape: tuple[int, ...], token_axis: int | None) -> bool:
@@ -282,9 +289,7 @@ def _allocate_contiguous(
     (others are read buffered, as any unaligned destination)."""
     nbytes = DTYPE_SIZES[dtype] * math.prod(shape)
     per_token = nbytes // shape[token_axis]  # > 0 tokens: a tensor of several pieces
-    backing = _untouched_uint8(nbytes + _ALIGN, options.alloc_untouched)
-    raw = _writable_bytes(backing)
-    skip = -int(np.frombuffer(raw, dtype=np.uint8).ctypes.data) % _ALIGN
+    backing, raw, skip = _aligned_backing(nbytes, options)
     array = backing[skip : skip + nbytes].view(MX_DTYPES[dtype]).reshape(list(shape))
     views = tuple(raw[skip + start * per_token : skip + stop * per_token] for start, stop in ranges)
     return (array,), views
@@ -312,9 +317,7 @@ def _allocate_blockwise(
     for size in sizes[:-1]:
         offsets.append(offsets[-1] + size + -size % _ALIGN)
     total = offsets[-1] + sizes[-1]
-    backing = _untouched_uint8(total + _ALIGN, options.alloc_untouched)
-    raw = _writable_bytes(backing)
-    skip = -int(np.frombuffer(raw, dtype=np.uint8).ctypes.data) % _ALIGN
+    backing, raw, skip = _aligned_backing(total, options)
     arrays = []
     views = []
     for (start, stop), size, offset in zip(ranges, sizes, offsets, strict=True):
