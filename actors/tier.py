@@ -548,14 +548,13 @@ class ColdTier:
 
     async def _read_pipelined(self, cache_file: CacheFile, verify: bool) -> LoadBuffers:
         """Allocate the next step's tensors on the owner while the previous step's are read
-        on a worker thread (``options.load_streams`` reads at once, within
-        ``io_threads``; one by default, :data:`~kvtrio.storage.options.TIER_LOAD_STREAMS`
-        says why). The same knob bounds :func:`kvtrio.load_cache`'s reads. A step is one tensor, or
-        several small ones up to :data:`~kvtrio.actors.owner.STEP_BYTES`. Once a step is
-        read (and verified), its tensors of several token blocks are joined on the owner
-        (:meth:`MlxOwner.join`, one job per tensor) while the next step is read, instead
-        of all after the last read. The first failing slot, in slot order, raises; the
-        other reads stop at their next boundary and are waited for."""
+        on a worker thread (``options.load_streams`` reads at once, within ``io_threads``;
+        :data:`~kvtrio.storage.options.TIER_LOAD_STREAMS` says why one; the same knob
+        bounds :func:`kvtrio.load_cache`'s reads). A step is one tensor, or several small
+        ones up to :data:`~kvtrio.actors.owner.STEP_BYTES`. A step read (and verified) has
+        its tensors of several token blocks joined on the owner (:meth:`MlxOwner.join`)
+        while the next is read. The first failing slot, in slot order, raises; the other
+        reads stop at their next boundary and are waited for."""
         header = cache_file.header
         slots = list(header.slots())
         arrays: list[tuple[Any, ...]] = []
