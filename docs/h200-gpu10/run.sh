@@ -27,6 +27,7 @@ echo "mlx $($PY -c 'import mlx.core as mx; print(mx.__version__, mx.default_devi
 if [ "${1:-}" = build ]; then
   shift
   if [ ! -f "$MODEL/config.json" ]; then
+    # .gpu10/build_model.py was a copy of docs/h200-gpu9/build_model.py (the same file)
     timeout ${BUILD_S:-240} $PY .gpu10/build_model.py "$MODEL" ${DTYPE:-float16} | tee "$OUT/model.json" || exit 1
   else
     echo "model already at $MODEL"
