@@ -551,10 +551,9 @@ class ColdTier:
         on a worker thread (``options.load_streams`` reads at once, within ``io_threads``;
         :data:`~kvtrio.storage.options.TIER_LOAD_STREAMS` says why one; the same knob
         bounds :func:`kvtrio.load_cache`'s reads). A step is one tensor, or several small
-        ones up to :data:`~kvtrio.actors.owner.STEP_BYTES`. A step read (and verified) has
-        its tensors of several token blocks joined on the owner (:meth:`MlxOwner.join`)
-        while the next is read. The first failing slot, in slot order, raises; the other
-        reads stop at their next boundary and are waited for."""
+        ones up to :data:`~kvtrio.actors.owner.STEP_BYTES`; a step read is joined on the
+        owner (:meth:`MlxOwner.join`) while the next is read. The first failing slot, in
+        slot order, raises; the other reads stop at their next boundary and are waited for."""
         header = cache_file.header
         slots = list(header.slots())
         arrays: list[tuple[Any, ...]] = []
