@@ -402,6 +402,7 @@ class ColdSideMixin(CacheParts):
                     self._note_pin(key, True)
             else:
                 self._count("drops")
+                self._count(f"unwritten_{result.unwritten or 'failed'}")
                 record.leaving = MissReason.DROPPED
                 self._apply(record, ColdEvent.FAILED)
             if record.cold.state is ColdState.EVICTING:  # removed while it was written
@@ -431,10 +432,10 @@ class ColdSideMixin(CacheParts):
             if result.written:
                 self.save_seconds.observe(time.perf_counter() - started)
         except KvtrioError:
-            result = StoreResult(written=False)
+            result = StoreResult(written=False, unwritten="refused")
         except OSError:  # the disk failed under the write: a counted drop (issue 15)
             self._count("cold_errors")
-            result = StoreResult(written=False)
+            result = StoreResult(written=False, unwritten="error")
         self._ledger.used += result.disk_bytes  # a failed rewrite may still have freed bytes
         return result
 

@@ -422,12 +422,15 @@ class ColdTierStore:
                 result = await ticket.wait()
             except KvtrioError:
                 await self._take_back_locked()
-                return StoreResult(written=False, disk_bytes=-freed)
+                return StoreResult(written=False, disk_bytes=-freed, unwritten="refused")
             if not result.written or result.write is None:
                 await self._take_back_locked()
                 error = result.error
                 no_space = isinstance(error, OSError) and error.errno == errno.ENOSPC
-                return StoreResult(written=False, disk_bytes=-freed, no_space=no_space)
+                why = "failed" if result.written else result.outcome.value
+                return StoreResult(
+                    written=False, disk_bytes=-freed, no_space=no_space, unwritten=why
+                )
             write = result.write
             declared: dict[str, int] = {}
             self._note(key, write.header, write.file_bytes, declared)

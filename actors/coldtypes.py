@@ -98,6 +98,10 @@ class StoreResult:
     bytes_written: int = 0
     bytes_deduplicated: int = 0
     no_space: bool = False  # not written: the volume was full (ENOSPC); evict and retry
+    # Not written, why: "dropped" (the tier's queue shed it), "cancelled" (superseded,
+    # cut by the shutdown grace, aborted), "failed" (the write raised), "refused" (the
+    # tier's ``save`` raised: closing, or the input refused), "error" (an OSError).
+    unwritten: str | None = None
 
 
 class ColdStore(Protocol):

@@ -459,7 +459,6 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
         self._count("misses")
         return Fetched(None, query, None, None, self._explained(query, None, unreachable))
 
-
     def _leave_one(self, exact: PrefixMatch, query: tuple[int, ...]) -> PrefixMatch | None:
         entry = exact.entry
         keep = len(query) - 1
@@ -635,6 +634,11 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
             pending_bytes=self._ledger.queued_bytes,
             pending_budget=self.pending_budget,
             pending_dropped=c("pending_dropped", 0),
+            unwritten_dropped=c("unwritten_dropped", 0),
+            unwritten_cancelled=c("unwritten_cancelled", 0),
+            unwritten_failed=c("unwritten_failed", 0),
+            unwritten_refused=c("unwritten_refused", 0),
+            unwritten_error=c("unwritten_error", 0),
             no_space_retries=c("no_space_retries", 0),
             cold_errors=c("cold_errors", 0),
             cold_skipped=c("cold_skipped", 0),
@@ -648,7 +652,6 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
             prefetch_wasted_bytes=c("prefetch_wasted_bytes", 0),
             prefetch_bytes=self._prefetch_bytes,
         )
-
 
     def check(self) -> None:
         """Check every derived figure against the records (tests; O(entries)):
@@ -684,7 +687,6 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
 
     # -- internals: the policies (rules 10-12) -------------------------------------------
 
-
     def _touch(self, record: CacheRecord) -> None:
         """Mark a hit as most recent in both tiers (it may have left them while cloning)."""
         key = record.entry.key
@@ -693,8 +695,3 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
             self._hot_lru.move_to_end(key)
             self.hot_policy.on_hit(key)
         self._touch_cold(record)
-
-
-    # -- internals: the cold side -------------------------------------------------------
-
-

@@ -148,6 +148,14 @@ class TieredStatistics:
     pending_bytes: int = 0
     pending_budget: int = 0
     pending_dropped: int = 0  # pending write-backs shed by the byte cap (also in drops)
+    # Writes begun that did not land (also in drops), by why (StoreResult.unwritten): shed
+    # by the tier's own queue, cancelled (superseded, cut by its shutdown grace), failed,
+    # refused by the tier (closing), or an OSError (also in cold_errors).
+    unwritten_dropped: int = 0
+    unwritten_cancelled: int = 0
+    unwritten_failed: int = 0
+    unwritten_refused: int = 0
+    unwritten_error: int = 0
     no_space_retries: int = 0  # writes that found the volume full, evicted and retried
     # OSErrors around the cold tier (EIO on a load, a block replaced by a directory, ...),
     # each turned into a miss or a dropped write: a request never fails for the disk.

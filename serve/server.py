@@ -676,7 +676,10 @@ def serve(args: argparse.Namespace) -> int:
             f"kvtrio serve: cold tier at exit (entries {cold.cold_entries}, bytes "
             f"{cold.cold_bytes}, budget {cold.cold_budget}, pending writes dropped "
             f"{cold.pending_dropped}, drops {cold.drops}, evictions {cold.cold_evictions}, "
-            f"write errors {cold.cold_errors}, pending writes left {cold.pending_writes})",
+            f"write errors {cold.cold_errors}, pending writes left {cold.pending_writes}, "
+            f"writes not landed: shed {cold.unwritten_dropped}, cancelled "
+            f"{cold.unwritten_cancelled}, failed {cold.unwritten_failed}, refused "
+            f"{cold.unwritten_refused}, disk error {cold.unwritten_error})",
             flush=True,
         )
     wear = adapter.wear()

@@ -1,0 +1,78 @@
+"""A write that does not land says why (StoreResult.unwritten, TieredStatistics'
+``unwritten_*``, kvtrio serve's exit line): its ``drops`` alone lumped together a write
+shed by the tier's queue, one cut by the shutdown grace, one that failed and one the
+tier refused, which a restart that lost an entry could not tell apart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvtrio.actors.coldstore import ColdTierStore
+from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.prefix import ModelKey
+from kvtrio.actors.spill import SpillOutcome
+from kvtrio.actors.tier import ColdTier
+from kvtrio.actors.tierrecords import SaveResult
+from kvtrio.errors import ShuttingDown
+
+from .fakes import MODEL, FakeColdStore, fake_caches, fake_tiered
+
+
+class _Settled:
+    """A save ticket that has settled as ``outcome``."""
+
+    def __init__(self, outcome: SpillOutcome) -> None:
+        self.outcome = outcome
+
+    async def wait(self) -> SaveResult:
+        failed = self.outcome is SpillOutcome.FAILED
+        return SaveResult(self.outcome, RuntimeError("injected") if failed else None)
+
+
+@pytest.mark.parametrize(
+    "outcome", [SpillOutcome.DROPPED, SpillOutcome.CANCELLED, SpillOutcome.FAILED]
+)
+async def test_the_tiers_store_names_how_a_save_that_did_not_land_settled(
+    tmp_path: Path, outcome: SpillOutcome, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with MlxOwner.inline() as owner, ColdTier.open(tmp_path, owner=owner) as tier:
+        store = await ColdTierStore.create(tier)
+
+        async def settled(*args: Any, **kwargs: Any) -> _Settled:
+            return _Settled(outcome)
+
+        monkeypatch.setattr(tier, "save", settled)
+        result = await store.store("k", ModelKey("m", "f"), [1, 2, 3], [], meta={})
+    assert not result.written and result.unwritten == outcome.value
+
+
+async def test_the_tiers_store_names_a_save_the_tier_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with MlxOwner.inline() as owner, ColdTier.open(tmp_path, owner=owner) as tier:
+        store = await ColdTierStore.create(tier)
+
+        async def closing(*args: Any, **kwargs: Any) -> None:
+            raise ShuttingDown("closing")
+
+        monkeypatch.setattr(tier, "save", closing)
+        result = await store.store("k", ModelKey("m", "f"), [1, 2, 3], [], meta={})
+    assert not result.written and result.unwritten == "refused"
+
+
+async def test_a_write_that_did_not_land_is_counted_by_why(tmp_path: Path) -> None:
+    store = FakeColdStore(tmp_path, MODEL, fail_stores=True)  # its store raises KvtrioError
+    async with fake_tiered(store, hot_budget=0) as cache:
+        await cache.spill(list(range(8)), fake_caches(8))
+        await cache.wait_writes_settled()
+        stats = cache.statistics()
+    assert stats.drops == 1 and stats.cold_entries == 0
+    assert stats.unwritten_refused == 1
+    assert (
+        stats.unwritten_dropped,
+        stats.unwritten_cancelled,
+        stats.unwritten_failed,
+        stats.unwritten_error,
+    ) == (0, 0, 0, 0)
