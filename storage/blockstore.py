@@ -17,7 +17,7 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar, Literal
 
 import attrs
@@ -326,14 +326,22 @@ class LocalBlockStore(BlockStore):
         return True
 
     def has_many(self, names: Sequence[str]) -> list[bool]:
+        return self._in_directory(
+            len(names),
+            lambda fd: [self._exists(check_block_name(name), dir_fd=fd) for name in names],
+        )
+
+    def _in_directory(self, count: int, each: Callable[[int], list[bool]]) -> list[bool]:
+        """``each(fd)`` with one descriptor of the block directory (one link check and one
+        walk from the root for the whole batch); ``count`` Falses when there is none."""
         if self._linked():
-            return [False for _ in names]
+            return [False] * count
         try:
             fd = self.file_ops.open_dir(self.directory)
         except FileNotFoundError:
-            return [False for _ in names]
+            return [False] * count
         try:
-            return [self._exists(check_block_name(name), dir_fd=fd) for name in names]
+            return each(fd)
         finally:
             self.file_ops.close(fd)
 
@@ -347,19 +355,13 @@ class LocalBlockStore(BlockStore):
         link check and one walk from the root per batch instead of per block, and each
         block opened relative to the descriptor (under the tier's rooted file operations
         a block costs 4 system calls, not 6: no link check and no second fstat)."""
-        if self._linked():
-            return [False for _ in items]
-        try:
-            fd = self.file_ops.open_dir(self.directory)
-        except FileNotFoundError:
-            return [False for _ in items]
-        try:
-            return [
+        return self._in_directory(
+            len(items),
+            lambda fd: [
                 self._read_block(check_block_name(name), name, buffer, dir_fd=fd)
                 for name, buffer in items
-            ]
-        finally:
-            self.file_ops.close(fd)
+            ],
+        )
 
     def _read_block(self, path: str, name: str, buffer: memoryview, *, dir_fd: int | None) -> bool:
         try:
