@@ -96,10 +96,14 @@ def _record_of(file_bytes: int, names: Iterable[str]) -> bytes:
     return _entry_record(file_bytes, b"".join(map(bytes.fromhex, names)))
 
 
+def _digests(record: bytes) -> memoryview:
+    """An entry's block list as the catalogue stores it, from its record (no copy)."""
+    return memoryview(record)[_FILE_BYTES.size :]
+
+
 def _block_names(record: bytes) -> tuple[str, ...]:
     """An entry's block names (hex), from its record (:func:`_entry_record`)."""
-    digests = memoryview(record)[_FILE_BYTES.size :]
-    return tuple(digest.hex() for (digest,) in _DIGESTS.iter_unpack(digests))
+    return tuple(digest.hex() for (digest,) in _DIGESTS.iter_unpack(_digests(record)))
 
 
 def _file_bytes(record: bytes) -> int:
@@ -286,7 +290,7 @@ class ColdTierStore:
         for key in gone:  # not entries of this store: their references go
             dropped = entry_blocks.pop(key)
             manifest_bytes -= _file_bytes(dropped)
-            counts.subtract(_DIGESTS.iter_unpack(memoryview(dropped)[_FILE_BYTES.size :]))
+            counts.subtract(_DIGESTS.iter_unpack(_digests(dropped)))
         refs = self._refs
         for (digest,), count in counts.items():
             if count > 0:
