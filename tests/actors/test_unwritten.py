@@ -76,3 +76,18 @@ async def test_a_write_that_did_not_land_is_counted_by_why(tmp_path: Path) -> No
         stats.unwritten_failed,
         stats.unwritten_error,
     ) == (0, 0, 0, 0)
+
+
+async def test_a_write_that_did_not_land_is_in_the_metrics_by_why(tmp_path: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    store = FakeColdStore(tmp_path, MODEL, fail_stores=True)  # its store raises KvtrioError
+    async with fake_tiered(store, hot_budget=0) as cache:
+        await cache.spill(list(range(8)), fake_caches(8))
+        await cache.wait_writes_settled()
+        text = cache.metrics_text()
+    family = next(
+        f for f in text_string_to_metric_families(text) if f.name == "kvtrio_cold_unwritten"
+    )
+    got = {s.labels["reason"]: s.value for s in family.samples}
+    assert got == {"dropped": 0, "cancelled": 0, "failed": 0, "refused": 1, "error": 0}
