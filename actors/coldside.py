@@ -8,8 +8,9 @@ part carries each decision out against the store while keeping the ledger right.
 Theory of operation
 -------------------
 1. A write is queued (NONE -> QUEUED) with the caches it will store; the queue is capped
-   by bytes (``pending_budget``): when it is exceeded the oldest droppable pending write
-   is shed (counted in ``pending_dropped`` and ``drops``), never the newest.
+   by bytes (``pending_budget``): when a droppable write (a RAM eviction) exceeds it,
+   the oldest droppable pending write is shed (counted in ``pending_dropped`` and
+   ``drops``), never the newest. A flush's write is undroppable and sheds none.
 2. One writer task takes pending writes oldest first. Each write's encoded size (header
    and tensor payload: the bytes it puts on disk if no block is there yet) comes from its
    plan, made on the owner from the caches' shapes and dtypes (by the spill's one owner
@@ -266,7 +267,9 @@ class ColdSideMixin(CacheParts):
         self._busy_up()
         self._wake.set()
         self._gate.poke()  # the pending bytes grew (rule 5)
-        while self._ledger.queued_bytes > self.pending_budget:
+        # A flush's write (a close hands every RAM entry over at once, all in RAM anyway)
+        # sheds nothing: what the tier admitted before it lands too.
+        while droppable and self._ledger.queued_bytes > self.pending_budget:
             victim = self._ledger.oldest_droppable()
             if victim is None or victim is record.cold:
                 break

@@ -547,8 +547,9 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
         """Write ``caches`` (which hold exactly ``tokens``) to the cold tier without keeping
         a copy in RAM; return its key. The caller hands them over: it must not change them
         (a server's own RAM tier evicting an entry). Findable once durable (rule 3); an
-        entry already on disk, or being written, is left as it is. The write waits with
-        the others (rule 3's byte cap may shed it, counted; never a ``flush``'s). The
+        entry already on disk, or being written, is left as it is (a queued one made
+        unsheddable by a ``flush``). The write waits with the others (rule 3's byte cap
+        may shed it, counted; never a ``flush``'s, which sheds none). The
         admission policy decides whether it is written (rule 11), unless ``flush`` (a
         graceful close's write). Its arguments are checked as :meth:`insert` checks them."""
         if self._nursery is None:
@@ -568,6 +569,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
         if record is not None:
             state = record.cold.state
             if state in (ColdState.QUEUED, ColdState.WRITING, ColdState.DURABLE):
+                record.cold.droppable &= not flush  # a flush's write is never shed
                 return entry.key
             if state is not ColdState.NONE:  # on its way out: start afresh (rule 7 orders it)
                 self._set_hot(record, None)
