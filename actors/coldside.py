@@ -31,6 +31,10 @@ Theory of operation
    gate's ``defer`` seconds, and not at all once the pending bytes reach half of
    ``pending_budget`` or while the cache flushes or closes (:mod:`kvtrio.actors.
    writegate`). The byte cap of rule 1 holds as ever: what waits is counted there.
+6. Each flush's write that did not land is noted with why (a :class:`~kvtrio.actors.
+   tieredtypes.Landing`): :meth:`ColdSideMixin.landing` tells a closing server, entry by
+   entry, which of the RAM entries it handed over are on disk, still on their way (its
+   deadline passed), or lost and why.
 
 Costs: queueing is O(1) amortized (plus the sheds); one eviction is O(1) plus its
 removal's I/O; a write's admission evicts as many entries as its bytes need.
@@ -43,7 +47,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -52,6 +56,7 @@ from kvtrio.actors.coldstore import CONVERSATIONS_META, StoreResult
 from kvtrio.actors.lifecycle import FINDABLE_COLD, ColdEvent, ColdSide, ColdState
 from kvtrio.actors.misses import MissReason
 from kvtrio.actors.prefix import PrefixEntry
+from kvtrio.actors.tieredtypes import Landing
 from kvtrio.errors import KvtrioError
 
 if TYPE_CHECKING:
@@ -71,6 +76,13 @@ __all__ = [
 DEFAULT_MIN_FREE_SHARE = 0.05
 # Pending write-backs hold at most this many bytes of caches by default (rule 1).
 DEFAULT_PENDING_BYTES = 256 << 20
+# What landing() says of an entry in these states (rule 6).
+_LANDINGS = {
+    ColdState.DURABLE: Landing.DURABLE,
+    ColdState.QUEUED: Landing.QUEUED,
+    ColdState.WRITING: Landing.WRITING,
+    ColdState.WRITING_DOOMED: Landing.WRITING,
+}
 
 
 @attrs.define(eq=False)
@@ -320,6 +332,20 @@ class ColdSideMixin(CacheParts):
         self._pins_to_record[key] = pinned
         self._wake.set()
 
+    def landing(self, keys: Iterable[str]) -> dict[str, Landing]:
+        """Where the writes of ``keys`` stand (keys :meth:`spill` returned): on disk,
+        queued, writing, or, for a flush's write that did not land, why (rule 6). Loop
+        thread; O(len(keys))."""
+        out = {}
+        for key in keys:
+            record = self._records.get(key)
+            state = record.cold.state if record is not None else ColdState.NONE
+            if state in _LANDINGS:
+                out[key] = _LANDINGS[state]
+            else:
+                out[key] = self._flush_unwritten.get(key, Landing.GONE)
+        return out
+
     def set_foreground(self, busy: bool, *, defer: float | None = None) -> None:
         """The server is busy (decoding) or not: while it is, a write-back waits to start
         for up to ``defer`` seconds (:mod:`kvtrio.actors.writegate`; default
@@ -406,6 +432,8 @@ class ColdSideMixin(CacheParts):
             else:
                 self._count("drops")
                 self._count(f"unwritten_{result.unwritten or 'failed'}")
+                if not record.cold.droppable:  # a flush's: landing() names it
+                    self._flush_unwritten[key] = Landing.of_unwritten(result.unwritten)
                 record.leaving = MissReason.DROPPED
                 self._apply(record, ColdEvent.FAILED)
             if record.cold.state is ColdState.EVICTING:  # removed while it was written

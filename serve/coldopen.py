@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvtrio.serve.adapter import TieredLRUPromptCache
+from kvtrio.serve.flushreport import FlushedEntry, HandOver
 
 if TYPE_CHECKING:
     from kvtrio.serve.bridge import TierOptions, TierThread
@@ -135,7 +136,12 @@ class ServeCache(TieredLRUPromptCache):
         if self.tier is None and self.opening.started:
             self.opening.done.wait(timeout)  # rule 3
             self.attach()
-        return super().close(timeout=timeout)
+        closed = super().close(timeout=timeout)
+        if self.tier is None:  # still opening: RAM's entries stay held, and are reported
+            for model, tokens, _ in self._trie.evicted:
+                if model == self.tier_model and tokens:
+                    self._flushed.append(FlushedEntry(len(tokens), why=HandOver.TIER_NOT_OPEN))
+        return closed
 
     def metrics_text(self) -> str:
         from kvtrio.actors.metrics import MetricFamily, render

@@ -91,3 +91,35 @@ async def test_a_write_that_did_not_land_is_in_the_metrics_by_why(tmp_path: Path
     )
     got = {s.labels["reason"]: s.value for s in family.samples}
     assert got == {"dropped": 0, "cancelled": 0, "failed": 0, "refused": 1, "error": 0}
+
+
+async def test_landing_names_each_flushed_write_on_disk_on_its_way_or_lost_and_why(
+    tmp_path: Path,
+) -> None:
+    """What a closing server prints entry by entry when its deadline passed: the writes
+    it handed over that are on disk, queued, in flight, and a lost one with its reason
+    (counters alone said how many, not which)."""
+    import trio
+    import trio.testing
+    from kvtrio.actors.tieredtypes import Landing
+
+    gate = trio.Event()
+    store = FakeColdStore(tmp_path, MODEL)
+    async with fake_tiered(store, hot_budget=0) as cache:
+        durable = await cache.spill(list(range(8)), fake_caches(8), flush=True)
+        await cache.wait_writes_settled()
+        store.fail_stores = True
+        refused = await cache.spill(list(range(100, 108)), fake_caches(8), flush=True)
+        await cache.wait_writes_settled()
+        store.fail_stores, store.store_gate = False, gate
+        writing = await cache.spill(list(range(200, 208)), fake_caches(8), flush=True)
+        await trio.testing.wait_all_tasks_blocked()
+        queued = await cache.spill(list(range(300, 308)), fake_caches(8), flush=True)
+        assert cache.landing([durable, refused, writing, queued]) == {
+            durable: Landing.DURABLE,
+            refused: Landing.REFUSED,
+            writing: Landing.WRITING,
+            queued: Landing.QUEUED,
+        }
+        gate.set()
+
