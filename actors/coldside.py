@@ -465,8 +465,9 @@ class ColdSideMixin(CacheParts):
         except KvtrioError:
             result = StoreResult(written=False, unwritten="refused")
         except OSError:  # the disk failed under the write: a counted drop (issue 15)
-            self._count("cold_errors")
             result = StoreResult(written=False, unwritten="error")
+        if result.unwritten == "error":  # here, or under the tier's own write
+            self._count("cold_errors")
         self._ledger.used += result.disk_bytes  # a failed rewrite may still have freed bytes
         return result
 
