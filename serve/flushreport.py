@@ -122,10 +122,10 @@ def print_exit(adapter: TieredLRUPromptCache, *, lookups_before_open: int) -> No
         flush=True,
     )
     report = adapter.flush_report()
-    counts = ", ".join(f"{why} {n}" for why, n in report.counts().items()) or "none"
+    whys = "".join(f", {why} {n}" for why, n in report.counts().items())
     print(
-        f"kvtrio serve: RAM entries at exit {report.handed}: on disk {report.landed}, "
-        f"not landed {len(report.lost)} ({counts})",
+        f"kvtrio serve: RAM entries at exit (handed {report.handed}, on disk "
+        f"{report.landed}, not landed {len(report.lost)}{whys})",
         flush=True,
     )
     for tokens, key, why in report.lost:

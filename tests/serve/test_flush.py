@@ -129,7 +129,7 @@ def test_the_exit_lines_name_each_entry_not_on_disk(
     lines = capsys.readouterr().out.splitlines()
     summary = [line for line in lines if "RAM entries at exit" in line]
     assert len(summary) == 1 and summary[0].startswith(
-        "kvtrio serve: RAM entries at exit 1: on disk 0, not landed 1 ("
+        "kvtrio serve: RAM entries at exit (handed 1, on disk 0, not landed 1, "
     )
     named = [line for line in lines if line.startswith("kvtrio serve: not on disk: 40 tokens")]
     assert len(named) == 1

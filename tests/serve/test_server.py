@@ -378,6 +378,43 @@ def test_metrics_endpoint_parses_and_wear_is_printed_at_shutdown(
     assert at_exit["entries"] == 1 and at_exit["bytes"] > 0, server.output()
     assert at_exit["pending writes dropped"] == at_exit["drops"] == 0, server.output()
     assert at_exit["write errors"] == at_exit["pending writes left"] == 0, server.output()
+    flushed = exit_counters(server.output())["RAM entries at exit"]
+    assert flushed == {"handed": 1, "on disk": 1, "not landed": 0}, server.output()
+    unwritten = {
+        labels[0][1]: value
+        for (name, labels), value in samples.items()
+        if name == "kvtrio_cold_unwritten_total"
+    }
+    assert unwritten == dict.fromkeys(("dropped", "cancelled", "failed", "refused", "error"), 0)
+
+
+def test_a_close_past_its_flush_deadline_exits_one_and_names_each_entry_not_written(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """``--flush-timeout 0``: the deadline has passed when the close starts, so no RAM
+    entry can reach the disk (their spills wait for owner jobs nobody runs any more),
+    whatever the timing. The server exits 1, and its exit lines count the entries by why
+    and name each one; the next start finds none of them."""
+    server = start_kvtrio(
+        model_dir, tmp_path / "cache", tmp_path / "a.txt", "--flush-timeout", "0"
+    )
+    _chat(server.client(), TURN1)
+    assert server.stop() == 1, server.output()
+    output = server.output()
+    assert "to disk, deadline 0.0s" in output
+    flushed = exit_counters(output)["RAM entries at exit"]
+    handed = flushed["handed"]
+    assert handed >= 1, output
+    assert flushed == {
+        "handed": handed, "on disk": 0, "not landed": handed, "not queued": handed
+    }, output
+    named = [line for line in output.splitlines() if line.startswith("kvtrio serve: not on disk:")]
+    assert len(named) == handed and all(line.endswith(": not queued") for line in named)
+    again = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "b.txt")
+    with urllib.request.urlopen(f"http://127.0.0.1:{again.port}/metrics") as response:
+        text = response.read().decode()
+    assert again.stop() == 0, again.output()
+    assert 'kvtrio_cache_entries{tier="cold"} 0' in text
 
 
 def test_warm_prompts_are_stored_at_start_and_skipped_when_on_disk(
