@@ -345,6 +345,48 @@ def test_a_second_signal_exits_at_once_with_status_one(model_dir: Path, tmp_path
     connection.close()
 
 
+STALL_MANIFESTS = """\
+import os, time
+from kvtrio.storage import manifeststore
+
+def put(self, name, data, *, index_keys=()):
+    open(os.environ["KVTRIO_TEST_STALLED"], "w").close()  # the close's write is here
+    time.sleep(3600)  # its blocks are on disk, its manifest never published
+
+manifeststore.LocalManifestStore.put = put
+"""
+
+
+def test_a_second_signal_during_the_close_exits_at_once_and_tears_nothing(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The close's write stalls before its manifest is published (a sitecustomize in the
+    server only), so the flush cannot end before the second signal, whatever the timing:
+    the server exits 1 at once, and the next start opens the directory cleanly, finds no
+    entry (none was published: no half-written one) and exits 0."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(STALL_MANIFESTS)
+    stalled = tmp_path / "stalled"
+    with monkeypatch.context() as env:
+        env.setenv("PYTHONPATH", str(site))
+        env.setenv("KVTRIO_TEST_STALLED", str(stalled))
+        server = start_kvtrio(
+            model_dir, tmp_path / "cache", tmp_path / "a.txt", "--flush-timeout", "600"
+        )
+    _chat(server.client(), TURN1)
+    server.process.send_signal(signal.SIGTERM)
+    while not stalled.exists():
+        assert server.process.poll() is None, server.output()
+        time.sleep(0.05)
+    assert server.stop(signal.SIGTERM, timeout=30) == 1, server.output()
+    assert "RAM entries at exit" not in server.output()  # not the deadline's exit
+    again = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "b.txt")
+    assert again.stop() == 0, again.output()
+    at_exit = exit_counters(again.output())["cold tier at exit"]
+    assert at_exit["entries"] == 0 and at_exit["drops"] == 0, again.output()
+
+
 def test_metrics_endpoint_parses_and_wear_is_printed_at_shutdown(
     model_dir: Path, tmp_path: Path
 ) -> None:
