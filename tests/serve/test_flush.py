@@ -133,3 +133,41 @@ def test_the_exit_lines_name_each_entry_not_on_disk(
     )
     named = [line for line in lines if line.startswith("kvtrio serve: not on disk: 40 tokens")]
     assert len(named) == 1
+
+
+def test_a_close_while_the_tier_still_opens_names_the_entries_it_could_not_write(
+    tiny: TinyModel, tmp_path: Path
+) -> None:
+    """kvtrio serve stopped before its cold tier opened (its open outlived the close's
+    wait): RAM's entries cannot be written, and each is named ``cold tier not open``
+    (before, they vanished without a line: the tier's exit line needs a tier)."""
+    from kvtrio.actors.prefix import ModelKey
+    from kvtrio.serve.bridge import TierOptions
+    from kvtrio.serve.coldopen import ColdOpening, ServeCache
+
+    release = threading.Event()
+
+    def never_in_time() -> TierOptions:
+        release.wait(60)
+        return TierOptions(str(tmp_path), ModelKey(tiny.model_id, tiny.fingerprint))
+
+    opening = ColdOpening(never_in_time)
+    opening.start()
+    serving = ServeCache(1, 1 << 63, opening=opening, tier_model=MODEL, load_timeout=30)
+    first, second = PROMPTS[0], PROMPTS[1]
+    serving.insert_cache(MODEL, first, _prefilled(tiny, first))
+    serving.insert_cache(MODEL, second, _prefilled(tiny, second))  # evicts the first: held
+    serving.close(timeout=0.1)
+    report = serving.flush_report()
+    assert report == FlushReport(
+        handed=2,
+        landed=0,
+        lost=(
+            (len(second), None, "cold tier not open"),
+            (len(first), None, "cold tier not open"),
+        ),
+    )
+    release.set()
+    assert opening.done.wait(60) and opening.tier is not None
+    opening.tier.bind()
+    assert opening.tier.close(timeout=30)
