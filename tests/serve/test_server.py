@@ -387,6 +387,53 @@ def test_a_second_signal_during_the_close_exits_at_once_and_tears_nothing(
     assert at_exit["entries"] == 0 and at_exit["drops"] == 0, again.output()
 
 
+FAIL_ONE_WRITE = """\
+from kvtrio.actors import owner
+
+materialize = owner.MlxOwner.materialize
+calls = [0]
+
+async def failing_once(self, *args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 2:
+        raise RuntimeError("injected: a probe's wrapper failed")
+    return await materialize(self, *args, **kwargs)
+
+owner.MlxOwner.materialize = failing_once
+"""
+
+
+def test_a_close_whose_write_raised_names_the_entry_and_logs_the_error(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe run's restart miss (4 of 5 RAM entries on disk, 'drops 1', no write
+    error, no write shed, exit 0) is what a write that raised gives: reproduced by
+    failing the second write's materialization (a sitecustomize in the server only). The
+    exit lines now name the entry and say 'failed', and the log carries what it raised."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAIL_ONE_WRITE)
+    with monkeypatch.context() as env:
+        env.setenv("PYTHONPATH", str(site))
+        server = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "a.txt")
+    client = server.client()
+    for n in range(3):
+        _chat(client, [{"role": "user", "content": f"Conversation {n}. " + "word " * 40}])
+    assert server.stop() == 0, server.output()
+    output = server.output()
+    counters = exit_counters(output)
+    flushed = counters["RAM entries at exit"]
+    handed = flushed["handed"]
+    assert flushed == {
+        "handed": handed, "on disk": handed - 1, "not landed": 1, "failed": 1
+    }, output
+    at_exit = counters["cold tier at exit"]
+    assert (at_exit["drops"], at_exit["failed"], at_exit["write errors"]) == (1, 1, 0), output
+    named = [line for line in output.splitlines() if line.startswith("kvtrio serve: not on disk:")]
+    assert len(named) == 1 and named[0].endswith(": failed"), output
+    assert "did not land (failed)" in output and "injected: a probe's wrapper failed" in output
+
+
 def test_metrics_endpoint_parses_and_wear_is_printed_at_shutdown(
     model_dir: Path, tmp_path: Path
 ) -> None:
