@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from kvtrio.actors.tiered import (
         ColdEntryInfo,
         Fetched,
+        Landing,
         Tier,
         TieredPromptCache,
         TieredStatistics,
@@ -62,6 +63,7 @@ _EXPORTS = {
     "EvictionPolicy": "kvtrio.actors.policy",
     "Explanation": "kvtrio.actors.misses",
     "Fetched": "kvtrio.actors.tiered",
+    "Landing": "kvtrio.actors.tiered",
     "GreedyDualPolicy": "kvtrio.actors.policy",
     "Histogram": "kvtrio.actors.metrics",
     "LruPolicy": "kvtrio.actors.policy",
@@ -105,6 +107,7 @@ __all__ = [
     "Fetched",
     "GreedyDualPolicy",
     "Histogram",
+    "Landing",
     "LruPolicy",
     "MatchKind",
     "MissReason",

@@ -8,8 +8,9 @@ part carries each decision out against the store while keeping the ledger right.
 Theory of operation
 -------------------
 1. A write is queued (NONE -> QUEUED) with the caches it will store; the queue is capped
-   by bytes (``pending_budget``): when it is exceeded the oldest droppable pending write
-   is shed (counted in ``pending_dropped`` and ``drops``), never the newest.
+   by bytes (``pending_budget``): when a droppable write (a RAM eviction) exceeds it,
+   the oldest droppable pending write is shed (counted in ``pending_dropped`` and
+   ``drops``), never the newest. A flush's write is undroppable and sheds none.
 2. One writer task takes pending writes oldest first. Each write's encoded size (header
    and tensor payload: the bytes it puts on disk if no block is there yet) comes from its
    plan, made on the owner from the caches' shapes and dtypes (by the spill's one owner
@@ -30,6 +31,10 @@ Theory of operation
    gate's ``defer`` seconds, and not at all once the pending bytes reach half of
    ``pending_budget`` or while the cache flushes or closes (:mod:`kvtrio.actors.
    writegate`). The byte cap of rule 1 holds as ever: what waits is counted there.
+6. Each flush's write that did not land is noted with why (a :class:`~kvtrio.actors.
+   tieredtypes.Landing`): :meth:`ColdSideMixin.landing` tells a closing server, entry by
+   entry, which of the RAM entries it handed over are on disk, still on their way (its
+   deadline passed), or lost and why.
 
 Costs: queueing is O(1) amortized (plus the sheds); one eviction is O(1) plus its
 removal's I/O; a write's admission evicts as many entries as its bytes need.
@@ -42,7 +47,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -51,6 +56,7 @@ from kvtrio.actors.coldstore import CONVERSATIONS_META, StoreResult
 from kvtrio.actors.lifecycle import FINDABLE_COLD, ColdEvent, ColdSide, ColdState
 from kvtrio.actors.misses import MissReason
 from kvtrio.actors.prefix import PrefixEntry
+from kvtrio.actors.tieredtypes import Landing
 from kvtrio.errors import KvtrioError
 
 if TYPE_CHECKING:
@@ -70,6 +76,13 @@ __all__ = [
 DEFAULT_MIN_FREE_SHARE = 0.05
 # Pending write-backs hold at most this many bytes of caches by default (rule 1).
 DEFAULT_PENDING_BYTES = 256 << 20
+# What landing() says of an entry in these states (rule 6).
+_LANDINGS = {
+    ColdState.DURABLE: Landing.DURABLE,
+    ColdState.QUEUED: Landing.QUEUED,
+    ColdState.WRITING: Landing.WRITING,
+    ColdState.WRITING_DOOMED: Landing.WRITING,
+}
 
 
 @attrs.define(eq=False)
@@ -266,7 +279,9 @@ class ColdSideMixin(CacheParts):
         self._busy_up()
         self._wake.set()
         self._gate.poke()  # the pending bytes grew (rule 5)
-        while self._ledger.queued_bytes > self.pending_budget:
+        # A flush's write (a close hands every RAM entry over at once, all in RAM anyway)
+        # sheds nothing: what the tier admitted before it lands too.
+        while droppable and self._ledger.queued_bytes > self.pending_budget:
             victim = self._ledger.oldest_droppable()
             if victim is None or victim is record.cold:
                 break
@@ -316,6 +331,20 @@ class ColdSideMixin(CacheParts):
             self._busy_up()
         self._pins_to_record[key] = pinned
         self._wake.set()
+
+    def landing(self, keys: Iterable[str]) -> dict[str, Landing]:
+        """Where the writes of ``keys`` stand (keys :meth:`spill` returned): on disk,
+        queued, writing, or, for a flush's write that did not land, why (rule 6). Loop
+        thread; O(len(keys))."""
+        out = {}
+        for key in keys:
+            record = self._records.get(key)
+            state = record.cold.state if record is not None else ColdState.NONE
+            if state in _LANDINGS:
+                out[key] = _LANDINGS[state]
+            else:
+                out[key] = self._flush_unwritten.get(key, Landing.GONE)
+        return out
 
     def set_foreground(self, busy: bool, *, defer: float | None = None) -> None:
         """The server is busy (decoding) or not: while it is, a write-back waits to start
@@ -403,6 +432,8 @@ class ColdSideMixin(CacheParts):
             else:
                 self._count("drops")
                 self._count(f"unwritten_{result.unwritten or 'failed'}")
+                if not record.cold.droppable:  # a flush's: landing() names it
+                    self._flush_unwritten[key] = Landing.of_unwritten(result.unwritten)
                 record.leaving = MissReason.DROPPED
                 self._apply(record, ColdEvent.FAILED)
             if record.cold.state is ColdState.EVICTING:  # removed while it was written
@@ -434,8 +465,9 @@ class ColdSideMixin(CacheParts):
         except KvtrioError:
             result = StoreResult(written=False, unwritten="refused")
         except OSError:  # the disk failed under the write: a counted drop (issue 15)
-            self._count("cold_errors")
             result = StoreResult(written=False, unwritten="error")
+        if result.unwritten == "error":  # here, or under the tier's own write
+            self._count("cold_errors")
         self._ledger.used += result.disk_bytes  # a failed rewrite may still have freed bytes
         return result
 

@@ -432,6 +432,9 @@ class ColdTierStore:
                 error = result.error
                 no_space = isinstance(error, OSError) and error.errno == errno.ENOSPC
                 why = "failed" if result.written else result.outcome.value
+                why = "error" if isinstance(error, OSError) and not no_space else why
+                if error is not None and not no_space:  # why it raised: said once, here
+                    _log.warning("cold write of %s did not land (%s)", key, why, exc_info=error)
                 return StoreResult(
                     written=False, disk_bytes=-freed, no_space=no_space, unwritten=why
                 )

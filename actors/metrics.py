@@ -149,6 +149,16 @@ class CacheCounters(Protocol):
     def cold_evictions(self) -> int: ...
     @property
     def drops(self) -> int: ...
+    @property
+    def unwritten_dropped(self) -> int: ...
+    @property
+    def unwritten_cancelled(self) -> int: ...
+    @property
+    def unwritten_failed(self) -> int: ...
+    @property
+    def unwritten_refused(self) -> int: ...
+    @property
+    def unwritten_error(self) -> int: ...
 
 
 Labels = tuple[tuple[str, str], ...]
@@ -290,6 +300,20 @@ def tiered_metrics(
             "kvtrio_cold_drops_total",
             "Cold writes dropped or failed and cold entries found missing or corrupt.",
             stats.drops,
+        ),
+        _labelled(
+            "kvtrio_cold_unwritten_total",
+            "counter",
+            "Cold writes begun that did not land (each also a drop), by why: shed by the "
+            "tier's queue, cancelled, failed, refused by the tier, or a disk error.",
+            "reason",
+            [
+                ("dropped", stats.unwritten_dropped),
+                ("cancelled", stats.unwritten_cancelled),
+                ("failed", stats.unwritten_failed),
+                ("refused", stats.unwritten_refused),
+                ("error", stats.unwritten_error),
+            ],
         ),
     ]
     if misses is not None:

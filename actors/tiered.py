@@ -127,11 +127,7 @@ from kvtrio.actors.coldstore import (
 )
 from kvtrio.actors.lifecycle import ColdLedger, ColdState
 from kvtrio.actors.metrics import LAG_BUCKETS, Histogram, watch_loop_lag
-from kvtrio.actors.misses import (
-    Departures,
-    MissCounter,
-    MissReason,
-)
+from kvtrio.actors.misses import Departures, MissCounter, MissReason
 from kvtrio.actors.plainerrors import plain_errors
 from kvtrio.actors.policy import (
     AdmissionPolicy,
@@ -157,6 +153,7 @@ from kvtrio.actors.tieredtypes import (
     DEFAULT_PREFETCH_BYTES,
     DEFAULT_PREFETCH_DEADLINE,
     Fetched,
+    Landing,
     OwnerLike,
     Tier,
     TieredStatistics,
@@ -170,10 +167,7 @@ from kvtrio.actors.tieredtypes import (
 )
 from kvtrio.actors.wear import WearAccount
 from kvtrio.actors.writegate import WriteGate
-from kvtrio.errors import (
-    InvalidInputError,
-    ShuttingDown,
-)
+from kvtrio.errors import InvalidInputError, ShuttingDown
 from kvtrio.storage.writable import check_meta, check_token_ids
 
 if TYPE_CHECKING:
@@ -189,6 +183,7 @@ __all__ = [
     "ColdStore",
     "ColdTierStore",
     "Fetched",
+    "Landing",
     "OwnerLike",
     "SharedColdStore",
     "StoreResult",
@@ -265,6 +260,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
     _touched: dict[str, float] = attrs.field(init=False, factory=dict)  # last uses to record
     _pins_to_record: dict[str, bool] = attrs.field(init=False, factory=dict)  # ... and pins
     _counts: dict[str, int] = attrs.field(init=False, factory=dict)
+    _flush_unwritten: dict[str, Landing] = attrs.field(init=False, factory=dict)  # by key
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
     _busy: int = attrs.field(init=False, default=0)  # queued writes + background tasks
     _wake: trio.Event = attrs.field(init=False, factory=trio.Event)
@@ -547,8 +543,9 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
         """Write ``caches`` (which hold exactly ``tokens``) to the cold tier without keeping
         a copy in RAM; return its key. The caller hands them over: it must not change them
         (a server's own RAM tier evicting an entry). Findable once durable (rule 3); an
-        entry already on disk, or being written, is left as it is. The write waits with
-        the others (rule 3's byte cap may shed it, counted; never a ``flush``'s). The
+        entry already on disk, or being written, is left as it is (a queued one made
+        unsheddable by a ``flush``). The write waits with the others (rule 3's byte cap
+        may shed it, counted; never a ``flush``'s, which sheds none). The
         admission policy decides whether it is written (rule 11), unless ``flush`` (a
         graceful close's write). Its arguments are checked as :meth:`insert` checks them."""
         if self._nursery is None:
@@ -568,6 +565,7 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
         if record is not None:
             state = record.cold.state
             if state in (ColdState.QUEUED, ColdState.WRITING, ColdState.DURABLE):
+                record.cold.droppable &= not flush  # a flush's write is never shed
                 return entry.key
             if state is not ColdState.NONE:  # on its way out: start afresh (rule 7 orders it)
                 self._set_hot(record, None)

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     )
     from kvtrio.actors.prefix import ModelKey, PrefixIndex
     from kvtrio.actors.tieredtypes import (
+        Landing,
         OwnerLike,
         TieredStatistics,
         WritePolicy,
@@ -83,6 +84,7 @@ class CacheParts(abc.ABC):
     _hot_bytes: int
     _key_tail: dict[str, trio.Event]
     _counts: dict[str, int]
+    _flush_unwritten: dict[str, Landing]
     _idle: trio.Event
     _busy: int
     _wake: trio.Event

@@ -33,6 +33,7 @@ __all__ = [
     "DEFAULT_LAG_INTERVAL",
     "DEFAULT_PREFETCH_DEADLINE",
     "Fetched",
+    "Landing",
     "OPEN_BATCH",
     "OwnerLike",
     "RELOAD_BYTES_PER_SECOND",
@@ -69,6 +70,35 @@ class WritePolicy(enum.Enum):
 
     WRITE_BACK = "write-back"  # when it is evicted from RAM
     WRITE_THROUGH = "write-through"  # at insert
+
+
+class Landing(enum.Enum):
+    """Where a flush's write stands (:meth:`TieredPromptCache.landing`): on disk, on its
+    way, or not written and why (the ``unwritten_*`` counters' reasons)."""
+
+    DURABLE = "on disk"
+    QUEUED = "queued"  # waiting for the writer
+    WRITING = "writing"  # the write in flight
+    SHED = "shed"  # by the tier's own queue
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    REFUSED = "refused"  # by the tier (closing)
+    DISK_ERROR = "disk error"
+    GONE = "gone"  # on disk once, since evicted by the cold budget or removed
+
+    @classmethod
+    def of_unwritten(cls, why: str | None) -> Landing:
+        """The landing of a write that did not land, from ``StoreResult.unwritten``."""
+        return _UNWRITTEN.get(why or "failed", cls.FAILED)
+
+
+_UNWRITTEN = {
+    "dropped": Landing.SHED,
+    "cancelled": Landing.CANCELLED,
+    "failed": Landing.FAILED,
+    "refused": Landing.REFUSED,
+    "error": Landing.DISK_ERROR,
+}
 
 
 class Tier(enum.Enum):

@@ -44,8 +44,10 @@ Theory of operation:
    batch cache of several sequences, or a class without a codec, is refused with
    :class:`~kvtrio.errors.UnsupportedCacheError` by :func:`saveable`, counted, and kept
    RAM-only.
-6. :meth:`close` spills every RAM entry, then closes the tier (its writes drain within
-   the tier's shutdown grace), pumping owner jobs meanwhile.
+6. :meth:`close` spills every RAM entry (a flush: never refused by admission, never
+   shed), then closes the tier, pumping owner jobs meanwhile, for at most its
+   ``timeout``; :meth:`flush_report` then says, entry by entry, which did not land and
+   why (:mod:`kvtrio.serve.flushreport`).
 7. :meth:`prefetch` is rule 3 without the wait, for a server that can set a request
    aside (kvtrio serve does): it starts the disk load and returns; the loaded entry is
    inserted into RAM by an owner job, and the server's callback then releases the
@@ -74,6 +76,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 from kvtrio.errors import ShuttingDown, UnsupportedCacheError
 from kvtrio.serve import triesearch
+from kvtrio.serve.flushreport import FlushedEntry, FlushReport, HandOver
 from mlx_lm.models import cache as _mlx_cache
 
 if TYPE_CHECKING:  # the tier's modules load with the tier: ``kvtrio serve`` starts without
@@ -250,6 +253,7 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         self.fetch_count = 0  # lookups made so far (kvtrio serve tags requests with them)
         self._counts: dict[str, int] = {}
         self._closing = False
+        self._flushed: list[FlushedEntry] = []  # the close's RAM entries (rule 6)
 
     # -- mlx-lm's interface ------------------------------------------------------------
 
@@ -400,6 +404,15 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
             return True
         return self.tier.close(timeout=timeout)
 
+    def flush_report(self) -> FlushReport:
+        """Where the writes of the entries :meth:`close` handed over stand (rule 6): read
+        on the tier's loop while it runs (its close may have outlived its timeout),
+        directly once it ended. Any thread but the owner's while the loop runs."""
+        entries = list(self._flushed)
+        keys = [entry.key for entry in entries if entry.key is not None]
+        landings = self._tier_read(lambda cache: cache.landing(keys)) if keys else None
+        return FlushReport.of(entries, landings or {})
+
     def statistics(self) -> TieredLRUStatistics:
         c = self._counts.get
         return TieredLRUStatistics(
@@ -490,12 +503,10 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         if tier is None or tier.cache is None:
             return None
         cache = tier.cache
-        if tier.alive:
-            try:
-                return tier.read(lambda: fn(cache))
-            except ShuttingDown:
-                pass
-        return fn(cache)
+        try:  # on the loop while it runs, even past a close that gave up (rule 6)
+            return tier.read(lambda: fn(cache))
+        except ShuttingDown:
+            return fn(cache)
 
     # -- internals ---------------------------------------------------------------------
 
@@ -538,19 +549,30 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         trie: _RecordingTrie = self._trie
         evicted, trie.evicted = trie.evicted, []
         for model, tokens, entry in evicted:
+            flushed = None
+            if self._closing and model == self.tier_model and tokens:
+                flushed = FlushedEntry(len(tokens))
+                self._flushed.append(flushed)
             tier = self._cold_for(model)
             if tier is None or not tokens:
+                if flushed is not None:
+                    not_open = self.tier is None
+                    flushed.why = HandOver.TIER_NOT_OPEN if not_open else HandOver.TIER_CLOSED
                 continue
             try:
                 saveable(entry.prompt_cache)
             except UnsupportedCacheError:
                 self._count("refused")
+                if flushed is not None:
+                    flushed.why = HandOver.NOT_SAVEABLE
                 continue
             cold = tier.cache
             assert cold is not None
             meta = {"mlx_lm.cache_type": str(entry.cache_type)}
-            if tier.submit(_spill, cold, tokens, entry.prompt_cache, meta, self._closing):
+            if tier.submit(_spill, cold, tokens, entry.prompt_cache, meta, flushed):
                 self._count("spilled")
+            elif flushed is not None:
+                flushed.why = HandOver.TIER_CLOSED
 
 
 async def _fetch_unadmitted(cold: Any, tokens: list[int]) -> Fetched:
@@ -579,6 +601,18 @@ async def _prefetch(
 
 
 async def _spill(
-    cold: Any, tokens: list[int], caches: list[Any], meta: dict[str, str], flush: bool
+    cold: Any,
+    tokens: list[int],
+    caches: list[Any],
+    meta: dict[str, str],
+    flushed: FlushedEntry | None,
 ) -> None:
-    await cold.spill(tokens, caches, meta=meta, flush=flush)
+    """Hand an entry RAM evicted to the tier; the close's (``flushed``) as a flush."""
+    try:
+        key = await cold.spill(tokens, caches, meta=meta, flush=flushed is not None)
+    except Exception:
+        if flushed is not None:
+            flushed.why = HandOver.SPILL_FAILED
+        raise
+    if flushed is not None:
+        flushed.key = key

@@ -257,10 +257,10 @@ class TierThread:
     def read(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
         """Run the plain function ``fn(*args)`` on the loop's thread and return its result,
         from any thread but the owner's and the loop's (an HTTP handler reading the
-        statistics): it waits for the loop, pumping nothing. ShuttingDown once the loop
-        is closed or gone."""
+        statistics; the exit lines, after a close that gave up while the loop still runs):
+        it waits for the loop, pumping nothing. ShuttingDown once the loop is gone."""
         token = self._token
-        if not self.alive or token is None:
+        if token is None:
             raise ShuttingDown("the cold tier is closed")
         try:
             return trio.from_thread.run_sync(fn, *args, trio_token=token)

@@ -13,8 +13,9 @@ Theory of operation:
    the MLX owner) at its next pump or lookup after that. Until then a lookup of the
    tier's model is RAM's answer, counted by reason (``opening``; ``failed`` when the open
    failed), and what RAM evicts is held in RAM, then written once the tier is there.
-3. :meth:`ServeCache.close` waits for an open still in progress (at most its timeout), so
-   RAM entries still reach the disk at shutdown.
+3. :meth:`ServeCache.close` waits for an open still in progress (its timeout bounds the
+   wait and the writes together), so RAM entries still reach the disk at shutdown; if
+   the tier is still opening then, each RAM entry is reported ``cold tier not open``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvtrio.serve.adapter import TieredLRUPromptCache
+from kvtrio.serve.flushreport import FlushedEntry, HandOver
 
 if TYPE_CHECKING:
     from kvtrio.serve.bridge import TierOptions, TierThread
@@ -132,10 +134,18 @@ class ServeCache(TieredLRUPromptCache):
         super()._spill_evicted()
 
     def close(self, *, timeout: float | None = None) -> bool:
+        """Rule 3; the open's wait and the writes share the one ``timeout``."""
+        due = None if timeout is None else time.monotonic() + timeout
         if self.tier is None and self.opening.started:
-            self.opening.done.wait(timeout)  # rule 3
+            self.opening.done.wait(timeout)
             self.attach()
-        return super().close(timeout=timeout)
+        left = None if due is None else max(0.0, due - time.monotonic())
+        closed = super().close(timeout=left)
+        if self.tier is None:  # still opening: RAM's entries stay held, and are reported
+            for model, tokens, _ in self._trie.evicted:
+                if model == self.tier_model and tokens:
+                    self._flushed.append(FlushedEntry(len(tokens), why=HandOver.TIER_NOT_OPEN))
+        return closed
 
     def metrics_text(self) -> str:
         from kvtrio.actors.metrics import MetricFamily, render

@@ -111,6 +111,15 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
         help="seconds for requests in flight at shutdown, and again for the disk writes",
     )
     group.add_argument(
+        "--flush-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds the shutdown's disk writes of the RAM entries get at most (default: "
+        "2 x --grace + 5, plus 1 s per 50 MB of RAM entries); past it the server exits 1 "
+        "and names each entry not written",
+    )
+    group.add_argument(
         "--cold-load-timeout",
         type=float,
         default=30.0,

@@ -34,7 +34,9 @@ Theory of operation:
 4. Shutdown (first SIGTERM or SIGINT): stop accepting (the listener closes), let requests
    in flight finish for ``--grace`` seconds, then cut the rest (each stops at its next
    step) and give them ``--grace`` more; stop the generation thread, which writes every
-   RAM entry to disk (the tier drains its queue within the same grace) and ends; exit 0.
+   RAM entry to disk within the stated deadline (``--flush-timeout``, by default growing
+   with the bytes: :mod:`kvtrio.serve.flushreport`) and ends; exit 0 (1 past the
+   deadline, each entry not written named at exit).
    A second signal exits at once with status 1: every file is published by rename after
    fsync, so nothing on disk is torn (a tmp file at worst, removed by the next start).
    At exit it prints the disk's wear: bytes written, read, read back, and admissions.
@@ -91,6 +93,7 @@ from kvtrio.serve.flags import (
     mlx_server_parser,
     model_identity,
 )
+from kvtrio.serve.flushreport import flush_deadline, print_exit
 from kvtrio.serve.steps import between_steps, pumping_budget
 
 if TYPE_CHECKING:  # the tier's modules are imported by the thread that opens it (rule 6)
@@ -311,9 +314,18 @@ def _generator_class() -> type:
                     )
                 super()._generate()
             finally:
-                grace = float(getattr(self.cli_args, "grace", 10.0))
+                deadline = flush_deadline(
+                    float(getattr(self.cli_args, "grace", 10.0)),
+                    adapter.nbytes,
+                    getattr(self.cli_args, "flush_timeout", None),
+                )
+                print(
+                    f"kvtrio serve: writing {len(adapter)} RAM entries ({adapter.nbytes} "
+                    f"bytes) to disk, deadline {deadline:.1f}s",
+                    flush=True,
+                )
                 try:
-                    self.closed_in_time = adapter.close(timeout=grace * 2 + 5)
+                    self.closed_in_time = adapter.close(timeout=deadline)
                 finally:
                     from kvtrio.actors.owner import release_thread_streams
 
@@ -662,35 +674,7 @@ def serve(args: argparse.Namespace) -> int:
         logger.info("kvtrio serve: cutting %d requests after the grace", generator.cut_all())
         in_flight.wait_idle(options.grace)
     generator.stop_and_join()
-    stats = adapter.statistics()
-    print(
-        f"kvtrio serve: stopped (RAM entries written: {stats.spilled}, "
-        f"hot hits {stats.hits_hot}, cold hits {stats.hits_cold}, misses {stats.misses}, "
-        f"disk loads set aside {stats.prefetches}, lookups before the cold tier was open "
-        f"{adapter.lookups_before_open})",
-        flush=True,
-    )
-    cold = adapter.cold_statistics()
-    if cold is not None:  # what a restart will find (the bench keeps this line per round)
-        print(
-            f"kvtrio serve: cold tier at exit (entries {cold.cold_entries}, bytes "
-            f"{cold.cold_bytes}, budget {cold.cold_budget}, pending writes dropped "
-            f"{cold.pending_dropped}, drops {cold.drops}, evictions {cold.cold_evictions}, "
-            f"write errors {cold.cold_errors}, pending writes left {cold.pending_writes}, "
-            f"writes not landed: shed {cold.unwritten_dropped}, cancelled "
-            f"{cold.unwritten_cancelled}, failed {cold.unwritten_failed}, refused "
-            f"{cold.unwritten_refused}, disk error {cold.unwritten_error})",
-            flush=True,
-        )
-    wear = adapter.wear()
-    if wear is not None:
-        print(
-            f"kvtrio serve: disk wear (bytes written {wear.bytes_written}, "
-            f"bytes read {wear.bytes_read}, bytes read back {wear.bytes_reused}, "
-            f"reuse ratio {wear.reuse_ratio:.3f}, admitted {wear.admitted}, "
-            f"refused {wear.refused}, bytes refused {wear.bytes_refused})",
-            flush=True,
-        )
+    print_exit(adapter, lookups_before_open=adapter.lookups_before_open)
     if opening.failure is not None:
         return 2
     return 0 if generator.closed_in_time else 1

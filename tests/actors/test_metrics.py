@@ -29,7 +29,8 @@ def _stats() -> TieredStatistics:
         hot_entries=3, hot_bytes=3000, hot_budget=4096, cold_entries=7, cold_bytes=70_000,
         cold_budget=1 << 40, hits_hot=11, hits_cold=5, misses=2, bytes_written=123_456,
         bytes_read=65_536, bytes_deduplicated=4096, hot_evictions=9, cold_evictions=1,
-        drops=4, superseded=0,
+        drops=4, superseded=0, unwritten_dropped=1, unwritten_cancelled=2,
+        unwritten_failed=3, unwritten_refused=4, unwritten_error=5,
     )
 
 
@@ -99,6 +100,17 @@ def test_metrics_parse_and_carry_the_statistics() -> None:
     assert samples["kvtrio_event_loop_lag_seconds_count", ()] == 0
 
 
+def test_writes_that_did_not_land_are_exported_by_why() -> None:
+    """TieredStatistics' unwritten_* (why a write did not land, issue 17's SIGTERM
+    promise) reach /metrics, one series per reason, not only the exit line."""
+    samples = _samples(_full_text())
+    got = {
+        reason: samples["kvtrio_cold_unwritten_total", (("reason", reason),)]
+        for reason in ("dropped", "cancelled", "failed", "refused", "error")
+    }
+    assert got == {"dropped": 1, "cancelled": 2, "failed": 3, "refused": 4, "error": 5}
+
+
 def test_every_family_follows_prometheus_naming() -> None:
     """kvtrio_ prefix; counters end _total; byte and second quantities name their unit;
     histograms carry buckets up to +Inf, a sum and a count; no family repeats."""
@@ -119,7 +131,7 @@ def test_every_family_follows_prometheus_naming() -> None:
         assert family.documentation, family.name
         if "bytes" in family.name:
             assert family.name.endswith(("_bytes", "_bytes_total")), family.name
-    assert len(seen) == 22  # with the two prefetch families
+    assert len(seen) == 23  # with the two prefetch families and the unwritten writes
 
 
 def test_help_and_label_values_are_escaped() -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import trio
 import trio.testing
 from kvtrio.actors.owner import MlxOwner
+from kvtrio.actors.tiered import TieredPromptCache
 
 from .fakes import MODEL, FakeColdStore, entry_bytes, fake_caches, fake_tiered
 
@@ -117,3 +118,47 @@ async def test_a_flushs_spills_are_not_shed_by_the_pending_byte_cap(tmp_path: Pa
         store.store_gate.set()
         await cache.wait_writes_settled()
     assert sorted(store.stored) == sorted(keys)
+
+
+async def _stalled_with_one_queued(cache: TieredPromptCache) -> str:
+    """One write in flight (stalled at the store) and one RAM eviction queued behind it,
+    droppable: the key of the queued one."""
+    await cache.spill(list(range(8)), fake_caches(8))
+    await trio.testing.wait_all_tasks_blocked()
+    queued = await cache.spill(list(range(500, 508)), fake_caches(8))
+    assert cache.statistics().pending_writes == 1
+    return queued
+
+
+async def test_a_flush_re_handing_a_queued_eviction_makes_it_unsheddable(tmp_path: Path) -> None:
+    """A flush's write is never shed (cold side rule 1), even one of an entry already
+    queued as a RAM eviction (droppable): kvtrio serve's close hands over again an entry
+    RAM evicted and took back (a system prompt's segment is inserted at every request
+    that has it). The spill found it queued and left it droppable, so a later write-back
+    past the pending byte cap shed it."""
+    store = FakeColdStore(tmp_path, MODEL, store_gate=trio.Event())
+    async with fake_tiered(store, hot_budget=0, pending_budget=3 * entry_bytes(8) // 2) as cache:
+        queued = await _stalled_with_one_queued(cache)
+        again = await cache.spill(list(range(500, 508)), fake_caches(8), flush=True)
+        assert again == queued
+        await cache.spill(list(range(600, 608)), fake_caches(8))  # past the cap
+        assert cache.statistics().pending_dropped == 0
+        assert store.store_gate is not None
+        store.store_gate.set()
+    assert queued in store.stored and len(store.stored) == 3
+
+
+async def test_a_flushs_spills_shed_no_write_queued_before_them(tmp_path: Path) -> None:
+    """The close hands every RAM entry over at once, past the pending byte cap (they are
+    in RAM anyway): those writes shed nothing, not even a RAM eviction queued before
+    them, which the tier had admitted (before, the close's spills shed it)."""
+    store = FakeColdStore(tmp_path, MODEL, store_gate=trio.Event())
+    async with fake_tiered(store, hot_budget=0, pending_budget=3 * entry_bytes(8) // 2) as cache:
+        queued = await _stalled_with_one_queued(cache)
+        for i in range(2):
+            await cache.spill([700 + 10 * i + t for t in range(8)], fake_caches(8), flush=True)
+        stats = cache.statistics()
+        assert stats.pending_dropped == 0 and stats.pending_writes == 3
+        assert store.store_gate is not None
+        store.store_gate.set()
+    assert queued in store.stored and len(store.stored) == 4

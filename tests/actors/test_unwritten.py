@@ -48,6 +48,31 @@ async def test_the_tiers_store_names_how_a_save_that_did_not_land_settled(
     assert not result.written and result.unwritten == outcome.value
 
 
+async def test_a_write_the_disk_failed_under_is_a_disk_error_and_its_error_is_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An OSError under the tier's own write (EIO) is ``error`` (counted in cold_errors
+    too), not ``failed``; and a write that raised says what it raised, once, in the log
+    (the counters alone could not tell a probe's failing wrapper from a disk)."""
+    import errno
+
+    class EioTicket:
+        async def wait(self) -> SaveResult:
+            return SaveResult(SpillOutcome.FAILED, OSError(errno.EIO, "injected EIO"))
+
+    async with MlxOwner.inline() as owner, ColdTier.open(tmp_path, owner=owner) as tier:
+        store = await ColdTierStore.create(tier)
+
+        async def eio(*args: Any, **kwargs: Any) -> EioTicket:
+            return EioTicket()
+
+        monkeypatch.setattr(tier, "save", eio)
+        result = await store.store("k", ModelKey("m", "f"), [1, 2, 3], [], meta={})
+    assert not result.written and result.unwritten == "error"
+    logged = [r for r in caplog.records if "cold write of k did not land (error)" in r.message]
+    assert len(logged) == 1 and "injected EIO" in str(logged[0].exc_info)
+
+
 async def test_the_tiers_store_names_a_save_the_tier_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -76,3 +101,69 @@ async def test_a_write_that_did_not_land_is_counted_by_why(tmp_path: Path) -> No
         stats.unwritten_failed,
         stats.unwritten_error,
     ) == (0, 0, 0, 0)
+
+
+async def test_a_write_that_did_not_land_is_in_the_metrics_by_why(tmp_path: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    store = FakeColdStore(tmp_path, MODEL, fail_stores=True)  # its store raises KvtrioError
+    async with fake_tiered(store, hot_budget=0) as cache:
+        await cache.spill(list(range(8)), fake_caches(8))
+        await cache.wait_writes_settled()
+        text = cache.metrics_text()
+    family = next(
+        f for f in text_string_to_metric_families(text) if f.name == "kvtrio_cold_unwritten"
+    )
+    got = {s.labels["reason"]: s.value for s in family.samples}
+    assert got == {"dropped": 0, "cancelled": 0, "failed": 0, "refused": 1, "error": 0}
+
+
+async def test_landing_names_each_flushed_write_on_disk_on_its_way_or_lost_and_why(
+    tmp_path: Path,
+) -> None:
+    """What a closing server prints entry by entry when its deadline passed: the writes
+    it handed over that are on disk, queued, in flight, and a lost one with its reason
+    (counters alone said how many, not which)."""
+    import trio
+    import trio.testing
+    from kvtrio.actors.tieredtypes import Landing
+
+    gate = trio.Event()
+    store = FakeColdStore(tmp_path, MODEL)
+    async with fake_tiered(store, hot_budget=0) as cache:
+        durable = await cache.spill(list(range(8)), fake_caches(8), flush=True)
+        await cache.wait_writes_settled()
+        store.fail_stores = True
+        refused = await cache.spill(list(range(100, 108)), fake_caches(8), flush=True)
+        await cache.wait_writes_settled()
+        store.fail_stores, store.store_gate = False, gate
+        writing = await cache.spill(list(range(200, 208)), fake_caches(8), flush=True)
+        await trio.testing.wait_all_tasks_blocked()
+        queued = await cache.spill(list(range(300, 308)), fake_caches(8), flush=True)
+        assert cache.landing([durable, refused, writing, queued]) == {
+            durable: Landing.DURABLE,
+            refused: Landing.REFUSED,
+            writing: Landing.WRITING,
+            queued: Landing.QUEUED,
+        }
+        gate.set()
+
+
+async def test_a_disk_error_under_the_tiers_write_is_counted_in_cold_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``cold_errors`` counts every OSError around the cold tier: one the tier's own
+    write met (its store's result says ``error``) as well as one the store raised."""
+    from kvtrio.actors.coldstore import StoreResult
+
+    store = FakeColdStore(tmp_path, MODEL)
+
+    async def eio(*args: Any, **kwargs: Any) -> StoreResult:
+        return StoreResult(written=False, unwritten="error")
+
+    monkeypatch.setattr(FakeColdStore, "store", eio)
+    async with fake_tiered(store, hot_budget=0) as cache:
+        await cache.spill(list(range(8)), fake_caches(8))
+        await cache.wait_writes_settled()
+        stats = cache.statistics()
+    assert (stats.drops, stats.unwritten_error, stats.cold_errors) == (1, 1, 1)

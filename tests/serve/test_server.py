@@ -345,6 +345,95 @@ def test_a_second_signal_exits_at_once_with_status_one(model_dir: Path, tmp_path
     connection.close()
 
 
+STALL_MANIFESTS = """\
+import os, time
+from kvtrio.storage import manifeststore
+
+def put(self, name, data, *, index_keys=()):
+    open(os.environ["KVTRIO_TEST_STALLED"], "w").close()  # the close's write is here
+    time.sleep(3600)  # its blocks are on disk, its manifest never published
+
+manifeststore.LocalManifestStore.put = put
+"""
+
+
+def test_a_second_signal_during_the_close_exits_at_once_and_tears_nothing(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The close's write stalls before its manifest is published (a sitecustomize in the
+    server only), so the flush cannot end before the second signal, whatever the timing:
+    the server exits 1 at once, and the next start opens the directory cleanly, finds no
+    entry (none was published: no half-written one) and exits 0."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(STALL_MANIFESTS)
+    stalled = tmp_path / "stalled"
+    with monkeypatch.context() as env:
+        env.setenv("PYTHONPATH", str(site))
+        env.setenv("KVTRIO_TEST_STALLED", str(stalled))
+        server = start_kvtrio(
+            model_dir, tmp_path / "cache", tmp_path / "a.txt", "--flush-timeout", "600"
+        )
+    _chat(server.client(), TURN1)
+    server.process.send_signal(signal.SIGTERM)
+    while not stalled.exists():
+        assert server.process.poll() is None, server.output()
+        time.sleep(0.05)
+    assert server.stop(signal.SIGTERM, timeout=30) == 1, server.output()
+    assert "RAM entries at exit" not in server.output()  # not the deadline's exit
+    again = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "b.txt")
+    assert again.stop() == 0, again.output()
+    at_exit = exit_counters(again.output())["cold tier at exit"]
+    assert at_exit["entries"] == 0 and at_exit["drops"] == 0, again.output()
+
+
+FAIL_ONE_WRITE = """\
+from kvtrio.actors import owner
+
+materialize = owner.MlxOwner.materialize
+calls = [0]
+
+async def failing_once(self, *args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 2:
+        raise RuntimeError("injected: a probe's wrapper failed")
+    return await materialize(self, *args, **kwargs)
+
+owner.MlxOwner.materialize = failing_once
+"""
+
+
+def test_a_close_whose_write_raised_names_the_entry_and_logs_the_error(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe run's restart miss (4 of 5 RAM entries on disk, 'drops 1', no write
+    error, no write shed, exit 0) is what a write that raised gives: reproduced by
+    failing the second write's materialization (a sitecustomize in the server only). The
+    exit lines now name the entry and say 'failed', and the log carries what it raised."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAIL_ONE_WRITE)
+    with monkeypatch.context() as env:
+        env.setenv("PYTHONPATH", str(site))
+        server = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "a.txt")
+    client = server.client()
+    for n in range(3):
+        _chat(client, [{"role": "user", "content": f"Conversation {n}. " + "word " * 40}])
+    assert server.stop() == 0, server.output()
+    output = server.output()
+    counters = exit_counters(output)
+    flushed = counters["RAM entries at exit"]
+    handed = flushed["handed"]
+    assert flushed == {
+        "handed": handed, "on disk": handed - 1, "not landed": 1, "failed": 1
+    }, output
+    at_exit = counters["cold tier at exit"]
+    assert (at_exit["drops"], at_exit["failed"], at_exit["write errors"]) == (1, 1, 0), output
+    named = [line for line in output.splitlines() if line.startswith("kvtrio serve: not on disk:")]
+    assert len(named) == 1 and named[0].endswith(": failed"), output
+    assert "did not land (failed)" in output and "injected: a probe's wrapper failed" in output
+
+
 def test_metrics_endpoint_parses_and_wear_is_printed_at_shutdown(
     model_dir: Path, tmp_path: Path
 ) -> None:
@@ -378,6 +467,43 @@ def test_metrics_endpoint_parses_and_wear_is_printed_at_shutdown(
     assert at_exit["entries"] == 1 and at_exit["bytes"] > 0, server.output()
     assert at_exit["pending writes dropped"] == at_exit["drops"] == 0, server.output()
     assert at_exit["write errors"] == at_exit["pending writes left"] == 0, server.output()
+    flushed = exit_counters(server.output())["RAM entries at exit"]
+    assert flushed == {"handed": 1, "on disk": 1, "not landed": 0}, server.output()
+    unwritten = {
+        labels[0][1]: value
+        for (name, labels), value in samples.items()
+        if name == "kvtrio_cold_unwritten_total"
+    }
+    assert unwritten == dict.fromkeys(("dropped", "cancelled", "failed", "refused", "error"), 0)
+
+
+def test_a_close_past_its_flush_deadline_exits_one_and_names_each_entry_not_written(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """``--flush-timeout 0``: the deadline has passed when the close starts, so no RAM
+    entry can reach the disk (their spills wait for owner jobs nobody runs any more),
+    whatever the timing. The server exits 1, and its exit lines count the entries by why
+    and name each one; the next start finds none of them."""
+    server = start_kvtrio(
+        model_dir, tmp_path / "cache", tmp_path / "a.txt", "--flush-timeout", "0"
+    )
+    _chat(server.client(), TURN1)
+    assert server.stop() == 1, server.output()
+    output = server.output()
+    assert "to disk, deadline 0.0s" in output
+    flushed = exit_counters(output)["RAM entries at exit"]
+    handed = flushed["handed"]
+    assert handed >= 1, output
+    assert flushed == {
+        "handed": handed, "on disk": 0, "not landed": handed, "not queued": handed
+    }, output
+    named = [line for line in output.splitlines() if line.startswith("kvtrio serve: not on disk:")]
+    assert len(named) == handed and all(line.endswith(": not queued") for line in named)
+    again = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "b.txt")
+    with urllib.request.urlopen(f"http://127.0.0.1:{again.port}/metrics") as response:
+        text = response.read().decode()
+    assert again.stop() == 0, again.output()
+    assert 'kvtrio_cache_entries{tier="cold"} 0' in text
 
 
 def test_warm_prompts_are_stored_at_start_and_skipped_when_on_disk(
