@@ -547,7 +547,15 @@ def _handler_class() -> type:
         def do_POST(self) -> None:
             tracker: _InFlight = self.server.kvtrio_in_flight
             with tracker:
-                super().do_POST()
+                try:
+                    super().do_POST()
+                except (BrokenPipeError, ConnectionResetError) as exc:  # the client left
+                    logger.info(
+                        "kvtrio serve: client %s left mid-response (%s)",
+                        self.client_address[0],
+                        type(exc).__name__,
+                    )
+                    self.close_connection = True
 
         def do_GET(self) -> None:
             if self.path.split("?", 1)[0] != METRICS_PATH:

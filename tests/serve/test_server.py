@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import signal
 import threading
 import time
+import types
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -524,3 +526,30 @@ def test_warm_prompts_are_stored_at_start_and_skipped_when_on_disk(
         assert second.stop() == 0, second.output()
     assert "warm prompts stored 0, already on disk 2" in second.output()
     assert completion.headers["X-Kvtrio-Cache"] == "cold"
+
+
+@pytest.mark.parametrize("error", [BrokenPipeError, ConnectionResetError])
+def test_a_client_gone_mid_response_is_one_log_line_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, error: type[OSError]
+) -> None:
+    """mlx-lm's handler raises out of its stream loop when the client has left (the H200
+    bench's logs had one traceback per such request); kvtrio's handler logs one line, counts
+    the request done and closes the connection."""
+    from kvtrio.serve.server import _handler_class, _InFlight, _mlx_server
+
+    def gone(self: Any) -> None:
+        assert self.server.kvtrio_in_flight.count == 1  # in flight while mlx-lm writes
+        raise error(32, "Broken pipe")
+
+    monkeypatch.setattr(_mlx_server().APIHandler, "do_POST", gone)
+    handler_class = _handler_class()
+    handler = object.__new__(handler_class)  # no socket: only do_POST is exercised
+    handler.server = types.SimpleNamespace(kvtrio_in_flight=_InFlight())
+    handler.client_address = ("127.0.0.1", 50000)
+    handler.close_connection = False
+    with caplog.at_level(logging.INFO, logger="kvtrio.serve.server"):
+        handler.do_POST()
+    assert handler.close_connection and handler.server.kvtrio_in_flight.count == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"kvtrio serve: client 127.0.0.1 left mid-response ({error.__name__})"
+    ]
