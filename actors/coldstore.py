@@ -315,6 +315,7 @@ class ColdTierStore:
             # record is the truth.
             catalogue.replace_pins(self._pinned_keys(keys))
             manifest_bytes = _manifest_bytes(entry_blocks.values())  # rows were added: recount
+        catalogue.order_by_last_use()  # its rule 4: then the scan reads rows with no sort
         young.after_batch()  # the last batch's objects too, before the loop resumes them
         self._usage = manifest_bytes + sum(blocks.values())
         return catalogue, blocks, report
