@@ -74,6 +74,7 @@ __all__ = [
     "Catalogue",
     "CatalogueRow",
     "CompactRow",
+    "ScannedRows",
     "conversations_of",
     "pack_tokens",
     "unpack_tokens",
@@ -149,12 +150,31 @@ def unpack_tokens(data: bytes) -> array.array[int]:
 
 
 CompactRow = tuple[str, str, str, bytes, int, int, str, float, int, int]
-"""One entry as a scan yields it, as sqlite returns it: key, model id, fingerprint,
+"""One entry as a scan yields it, the tuple sqlite returns: key, model id, fingerprint,
 tokens (as stored: u32 big-endian, :func:`pack_tokens`), trimmable (0 or not), minimum
 reusable offset (within the tokens), conversations (a JSON list of strings:
-:func:`conversations_of`), last use, pinned (0 or not), and its rank in token order (0
-for the entry whose tokens sort first). A plain tuple, every field checked in bulk by
-:meth:`Catalogue.check`: no object per row beyond what the index keeps."""
+:func:`conversations_of`), last use, pinned (0 or not), and its rowid (its rank in token
+order is :meth:`ScannedRows.rank`). Every field checked in bulk by
+:meth:`Catalogue.check`: no object per row beyond what sqlite returns."""
+
+
+@attrs.frozen
+class ScannedRows:
+    """One step of :meth:`Catalogue.scan`: its rows as sqlite returned them (no tuple
+    made again per row), and the rank in token order of every row of the scan, by rowid
+    (one table for the whole scan, 0 for the entry whose tokens sort first)."""
+
+    rows: list[CompactRow]
+    ranks: Mapping[int, int]
+
+    def __iter__(self) -> Iterator[CompactRow]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def rank(self, row: CompactRow) -> int:
+        return self.ranks[row[9]]
 
 # Every row's fields, of the types and shapes :meth:`Catalogue.block_lists` and
 # :meth:`Catalogue.scan` yield them in (CompactRow), checked in one pass inside sqlite:
@@ -364,10 +384,10 @@ class Catalogue:
         except sqlite3.Error as exc:
             raise CorruptCacheError(f"catalogue {self.path}: {exc}") from exc
 
-    def scan(self) -> Generator[list[CompactRow], None, None]:
-        """Every entry as a :data:`CompactRow`, least recently used first, in lists of at
-        most :data:`SCAN_BATCH` (one list per step: a worker thread fetches one, the event
-        loop indexes it). The ranks come from sqlite's own sort of the token blobs.
+    def scan(self) -> Generator[ScannedRows, None, None]:
+        """Every entry as a :data:`CompactRow`, least recently used first, at most
+        :data:`SCAN_BATCH` per step (:class:`ScannedRows`: a worker thread fetches one, the
+        event loop indexes it). The ranks come from sqlite's own sort of the token blobs.
         CorruptCacheError on a bad row (:meth:`check`, in one query before the first).
 
         The rows come in rowid order, which is the last-use order (rule 4: read as the
@@ -376,9 +396,9 @@ class Catalogue:
 
         The ranks: the rowids in token order first (a walk of the ``entries_by_tokens``
         index, which covers the query: no sort at open; a catalogue made before the index
-        gets it at its next open), then each row's rowid replaced by its rank; cheaper
-        than a window function over the rows, which sorts and materializes every row
-        twice."""
+        gets it at its next open), a table from rowid to rank that the reader consults
+        row by row; cheaper than a window function over the rows, which sorts and
+        materializes every row twice, or than a tuple made again per row with its rank."""
         self.check()
         try:
             ranks: dict[int, int] = {}
@@ -391,9 +411,8 @@ class Catalogue:
             )
             if not self._ordered:
                 query += " ORDER BY last_use, key"
-            intern = sys.intern  # the key str the store's tables hold (one per entry)
             for batch in _batches(self._db.execute(query)):
-                yield [(intern(row[0]), *row[1:9], ranks[row[9]]) for row in batch]
+                yield ScannedRows(batch, ranks)
         except sqlite3.Error as exc:
             raise CorruptCacheError(f"catalogue {self.path}: {exc}") from exc
 

@@ -120,11 +120,16 @@ def test_a_scan_ranks_the_entries_in_token_order(tmp_path: Path) -> None:
     tokens = [(3, 1), (1, 70000), (1, 2, 3), (70000,), (1, 2), ()]
     for i, t in enumerate(tokens):
         catalogue.put(attrs.evolve(_row(f"k{i}", float(-i)), tokens=t, min_offset=0), {})
-    rows = [row for batch in catalogue.scan() for row in batch]
-    assert [row[0] for row in rows] == [f"k{i}" for i in reversed(range(len(tokens)))]
-    by_rank = sorted(rows, key=lambda row: row[-1])
+    ranked = _ranked(catalogue)
+    assert [row[0] for _, row in ranked] == [f"k{i}" for i in reversed(range(len(tokens)))]
+    by_rank = [row for _, row in sorted(ranked)]
     assert [tuple(unpack_tokens(row[3])) for row in by_rank] == sorted(tokens)
     catalogue.close()
+
+
+def _ranked(catalogue: Catalogue) -> list[tuple[int, tuple[object, ...]]]:
+    """A scan's rows, each with its rank in token order."""
+    return [(batch.rank(row), row) for batch in catalogue.scan() for row in batch]
 
 
 def test_the_token_order_is_read_from_an_index_even_of_an_older_catalogue(
@@ -146,8 +151,7 @@ def test_the_token_order_is_read_from_an_index_even_of_an_older_catalogue(
         "EXPLAIN QUERY PLAN SELECT rowid FROM entries ORDER BY tokens, key"
     ).fetchall()
     assert [row[-1] for row in plan] == ["SCAN entries USING COVERING INDEX entries_by_tokens"]
-    rows = [row for batch in catalogue.scan() for row in batch]
-    by_rank = sorted(rows, key=lambda row: row[-1])
+    by_rank = [row for _, row in sorted(_ranked(catalogue))]
     assert [tuple(unpack_tokens(row[3])) for row in by_rank] == sorted(tokens)
     catalogue.close()
 
@@ -316,4 +320,27 @@ def test_a_version_5_catalogue_is_put_in_last_use_order_at_its_first_open(
     assert catalogue.ordered
     assert [row[0] for batch in catalogue.scan() for row in batch] == ["k1", "k2", "k0"]
     assert catalogue.block_sizes() == {"00" * 32: 10}
+    catalogue.close()
+
+
+def test_a_scan_yields_the_rows_sqlite_returned_with_no_tuple_made_again(
+    tmp_path: Path,
+) -> None:
+    """The scan hands on sqlite's own row tuples, each rank read from one table by rowid,
+    instead of a new tuple per row with its rank (100,000 tuples made and freed at open)."""
+    catalogue = Catalogue.open(str(tmp_path))
+    for i in range(3):
+        catalogue.put(_row(f"k{i}", float(i)), {})
+    returned: list[tuple[object, ...]] = []
+
+    def note(cursor: sqlite3.Cursor, row: tuple[object, ...]) -> tuple[object, ...]:
+        returned.append(row)
+        return row
+
+    catalogue._db.row_factory = note
+    (batch,) = list(catalogue.scan())
+    scanned = {id(row) for row in returned}
+    assert [row[0] for row in batch] == ["k0", "k1", "k2"]
+    assert all(id(row) in scanned for row in batch)
+    assert sorted(batch.rank(row) for row in batch) == [0, 1, 2]
     catalogue.close()
