@@ -10,7 +10,13 @@ from pathlib import Path
 import attrs
 import pytest
 from kvtrio.errors import CorruptCacheError
-from kvtrio.storage.catalogue import CATALOGUE_NAME, Catalogue, CatalogueRow, unpack_tokens
+from kvtrio.storage.catalogue import (
+    CATALOGUE_NAME,
+    Catalogue,
+    CatalogueRow,
+    CompactRow,
+    unpack_tokens,
+)
 
 
 def _row(key: str, last_use: float, blocks: int = 2) -> CatalogueRow:
@@ -127,7 +133,7 @@ def test_a_scan_ranks_the_entries_in_token_order(tmp_path: Path) -> None:
     catalogue.close()
 
 
-def _ranked(catalogue: Catalogue) -> list[tuple[int, tuple[object, ...]]]:
+def _ranked(catalogue: Catalogue) -> list[tuple[int, CompactRow]]:
     """A scan's rows, each with its rank in token order."""
     return [(batch.rank(row), row) for batch in catalogue.scan() for row in batch]
 
