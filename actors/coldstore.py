@@ -58,7 +58,7 @@ from kvtrio.errors import (
 )
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.cacheio import snapshot
-from kvtrio.storage.catalogue import SCAN_BATCH, Catalogue, CatalogueRow, CompactRow
+from kvtrio.storage.catalogue import SCAN_BATCH, Catalogue, CatalogueRow, ScannedRows
 from kvtrio.storage.format import Header
 from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.writable import encoded_size
@@ -266,7 +266,7 @@ class ColdTierStore:
         try:
             for batch in catalogue.block_lists():
                 keys_, sizes, lists = zip(*batch, strict=True)
-                # Interned: the cache's scan interns the same keys (Catalogue.scan), so
+                # Interned: the cache's open interns the scan's keys (_enter_rows), so
                 # the store's tables and the cache's share one str per entry.
                 names = map(sys.intern, keys_)
                 # Each record (_entry_record) made by C calls alone: no Python step per row.
@@ -315,6 +315,7 @@ class ColdTierStore:
             # record is the truth.
             catalogue.replace_pins(self._pinned_keys(keys))
             manifest_bytes = _manifest_bytes(entry_blocks.values())  # rows were added: recount
+        catalogue.order_by_last_use()  # its rule 4: then the scan reads rows with no sort
         young.after_batch()  # the last batch's objects too, before the loop resumes them
         self._usage = manifest_bytes + sum(blocks.values())
         return catalogue, blocks, report
@@ -391,7 +392,7 @@ class ColdTierStore:
         names = tuple(sys.intern(name) for name, _ in row.blocks)  # one str per block
         for name in names:
             self._refs[name] = self._refs.get(name, 0) + 1
-        key = sys.intern(row.key)  # the str the cache's scan gets too (Catalogue.scan)
+        key = sys.intern(row.key)  # the str the cache's open gets too (_enter_rows)
         self._entry_blocks[key] = _record_of(row.file_bytes, names)
 
     async def _sweep_locked(self) -> None:
@@ -669,7 +670,7 @@ def _header_row(key: str, header: Header, file_bytes: int, last_use: float) -> C
     )
 
 
-def _next_rows(scan: Iterator[list[CompactRow]]) -> FoundRows | None:
+def _next_rows(scan: Iterator[ScannedRows]) -> FoundRows | None:
     """Worker thread: the scan's next batch (None at its end)."""
     rows = next(scan, None)
     return None if rows is None else FoundRows(rows)

@@ -12,7 +12,7 @@ from typing import Any, Protocol, overload
 
 import attrs
 from kvtrio.actors.prefix import ModelKey, PackedTokens
-from kvtrio.storage.catalogue import CompactRow, conversations_of
+from kvtrio.storage.catalogue import CompactRow, ScannedRows, conversations_of
 
 __all__ = [
     "CONVERSATIONS_META",
@@ -52,30 +52,32 @@ class ColdEntryInfo:
 
 @attrs.frozen
 class FoundRows(Sequence[ColdEntryInfo]):
-    """A batch of entries as a local store's catalogue scan yields them (its
-    :data:`~kvtrio.storage.catalogue.CompactRow` tuples, every field checked in bulk),
-    least recently used first, each with its rank in token order. A sequence of
-    :class:`ColdEntryInfo` to any reader (made on access, one at a time); the tiered
-    cache's open reads :attr:`rows` as they are, making no info object per entry."""
+    """A batch of entries as a local store's catalogue scan yields them
+    (:class:`~kvtrio.storage.catalogue.ScannedRows`: sqlite's own
+    :data:`~kvtrio.storage.catalogue.CompactRow` tuples, every field checked in bulk,
+    and the table of their ranks in token order), least recently used first. A sequence
+    of :class:`ColdEntryInfo` to any reader (made on access, one at a time); the tiered
+    cache's open reads :attr:`scanned` as it is, making no info object per entry."""
 
-    rows: Sequence[CompactRow]
+    scanned: ScannedRows
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.scanned)
 
     @overload
     def __getitem__(self, index: int) -> ColdEntryInfo: ...
     @overload
     def __getitem__(self, index: slice) -> Sequence[ColdEntryInfo]: ...
     def __getitem__(self, index: int | slice) -> ColdEntryInfo | Sequence[ColdEntryInfo]:
+        scanned = self.scanned
         if isinstance(index, slice):
-            return FoundRows(self.rows[index])
-        return found_info(self.rows[index])
+            return FoundRows(ScannedRows(scanned.rows[index], scanned.ranks))
+        return found_info(scanned.rows[index], scanned.rank(scanned.rows[index]))
 
 
-def found_info(row: CompactRow) -> ColdEntryInfo:
-    """One scanned row as a :class:`ColdEntryInfo`."""
-    key, model_id, fingerprint, tokens, trimmable, min_offset, _, used, pinned, rank = row
+def found_info(row: CompactRow, rank: int) -> ColdEntryInfo:
+    """One scanned row as a :class:`ColdEntryInfo` (``rank``: its rank in token order)."""
+    key, model_id, fingerprint, tokens, trimmable, min_offset, _, used, pinned, _ = row
     return ColdEntryInfo(
         key,
         ModelKey(model_id, fingerprint),

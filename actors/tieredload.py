@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import aclosing
@@ -134,10 +135,12 @@ class IndexAndLoadMixin(CacheParts):
     ) -> None:
         """:meth:`_enter_found` of a catalogue's rows (already least recently used first,
         every field checked by the catalogue), each as :meth:`_add_cold_entry` enters an
-        info, straight from its tuple: no info object, no sort. Each entry's FOUND is
-        applied to the ledger here and to the cold policy once per batch, in the same order
-        (:meth:`EvictionPolicy.insert_found`: the policy holds exactly the DURABLE entries,
-        as :meth:`_apply` keeps it); the index follows in token order (:meth:`_index_found`)."""
+        info, straight from sqlite's tuple: no info object, no sort, no tuple made again;
+        the key interned (the store's tables hold the same str: one per entry). Each
+        entry's FOUND is applied to the ledger here and to the cold policy once per batch,
+        in the same order (:meth:`EvictionPolicy.insert_found`: the policy holds exactly
+        the DURABLE entries, as :meth:`_apply` keeps it); the index follows in token order
+        (:meth:`_index_found`)."""
         records, ledger = self._records, self._ledger
         arrivals: list[tuple[str, EntryCost]] = []
         sides: list[ColdSide] = []
@@ -155,8 +158,10 @@ class IndexAndLoadMixin(CacheParts):
         last_id: str | None = None  # none yet: the first row looks its model up
         last_fingerprint: str | None = None
         model = self.model
-        for row in batch.rows:
-            key, model_id, fingerprint, packed, trimmable, min_offset, conv, _, pinned, rank = row
+        ranks, intern = batch.scanned.ranks, sys.intern
+        for row in batch.scanned.rows:
+            key, model_id, fingerprint, packed, trimmable, min_offset, conv, _, pinned, rowid = row
+            key = intern(key)
             if key in records:
                 continue
             if model_id != last_id or fingerprint != last_fingerprint:
@@ -180,6 +185,7 @@ class IndexAndLoadMixin(CacheParts):
             if pinned:
                 record.pinned = True  # rule 12: pins survive a restart
                 pinned_found.append(record)
+            rank = ranks[rowid]
             if rank >= len(by_order):
                 by_order.extend([None] * (rank + 1 - len(by_order)))
             by_order[rank] = record

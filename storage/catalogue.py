@@ -31,14 +31,23 @@ Rules:
    manifest of the same size and mtime, so a manifest rewritten since is read).
    Per block that exists: its size. Reference counts are derived from the entries'
    block lists when loaded (so they cannot drift from them).
+4. Where meta's ``ordered`` mark is set, the rows' rowid order is their last-use order
+   (``last_use, key``), so the scan reads the table as it lies, with no sort at open: a
+   last use moves its row to the end (:meth:`Catalogue.touch` gives it the next rowid,
+   as an upsert does), and a write that would put a row out of that order (a last use
+   older than the newest row's: a clock set back, a rebuild's or reconcile's rows with
+   their manifests' mtimes) clears the mark in the same transaction. The owner's open
+   then puts the rows back in order inside sqlite (:meth:`Catalogue.order_by_last_use`:
+   O(N log N), the GIL released) and sets it again; until then the scan sorts.
 
 Costs: :meth:`Catalogue.rows`, :meth:`Catalogue.block_lists` and :meth:`Catalogue.scan`
-are one query each, O(N + references), the sorting done inside sqlite (which releases
-the GIL; the token order is read from the ``entries_by_tokens`` index), the rows fetched
+are one query each, O(N + references), any sorting done inside sqlite (which releases
+the GIL; the token order is read from the ``entries_by_tokens`` index, the last-use order
+is the rowid order: rule 4, so a clean open's scan sorts nothing), the rows fetched
 :data:`SCAN_BATCH` at a time as compact tuples, as sqlite returns them: the last two
 check every row's fields first in one more query (:meth:`Catalogue.check`, also inside
 sqlite), so no row is checked in Python; an upsert or delete is O(blocks of the entry +
-log N, the index's); :meth:`touch` is O(keys touched).
+log N, the index's); :meth:`touch` is O(keys touched x log N) (each row moved to the end).
 
 Keeps docs/design.md invariant 15.
 """
@@ -65,18 +74,22 @@ __all__ = [
     "Catalogue",
     "CatalogueRow",
     "CompactRow",
+    "ScannedRows",
     "conversations_of",
     "pack_tokens",
     "unpack_tokens",
 ]
 
 CATALOGUE_NAME = ".kvtrio-catalogue.sqlite3"
-SCHEMA_VERSION = 5  # 3: a pinned column; 4: tokens big-endian (sortable); 5: manifest mtimes
+# 3: a pinned column; 4: tokens big-endian (sortable); 5: manifest mtimes; 6: rowid order is
+# last-use order where meta says so (rule 4: an older writer updates last uses in place)
+SCHEMA_VERSION = 6
 # Versions opened by a migration in place (2 and 3 store tokens little-endian: rebuilt). A
-# version-4 row gets mtime 0, which no manifest has: ``kvtrio gc`` reads its manifest.
-_MIGRATABLE: dict[str, str] = {
-    "4": "ALTER TABLE entries ADD COLUMN manifest_mtime_ns INTEGER NOT NULL DEFAULT 0"
-}
+# version-4 row gets mtime 0, which no manifest has: ``kvtrio gc`` reads its manifest. A
+# version 4 or 5 catalogue has no ``ordered`` mark: its rows are put in order at the next
+# owner's open (:meth:`Catalogue.order_by_last_use`).
+_MTIME_COLUMN = "ALTER TABLE entries ADD COLUMN manifest_mtime_ns INTEGER NOT NULL DEFAULT 0"
+_MIGRATABLE: dict[str, tuple[str, ...]] = {"4": (_MTIME_COLUMN,), "5": ()}
 _DIGEST = 32
 # Rows fetched per step of a scan (bounded work per worker-thread call).
 SCAN_BATCH = 1024
@@ -137,12 +150,31 @@ def unpack_tokens(data: bytes) -> array.array[int]:
 
 
 CompactRow = tuple[str, str, str, bytes, int, int, str, float, int, int]
-"""One entry as a scan yields it, as sqlite returns it: key, model id, fingerprint,
+"""One entry as a scan yields it, the tuple sqlite returns: key, model id, fingerprint,
 tokens (as stored: u32 big-endian, :func:`pack_tokens`), trimmable (0 or not), minimum
 reusable offset (within the tokens), conversations (a JSON list of strings:
-:func:`conversations_of`), last use, pinned (0 or not), and its rank in token order (0
-for the entry whose tokens sort first). A plain tuple, every field checked in bulk by
-:meth:`Catalogue.check`: no object per row beyond what the index keeps."""
+:func:`conversations_of`), last use, pinned (0 or not), and its rowid (its rank in token
+order is :meth:`ScannedRows.rank`). Every field checked in bulk by
+:meth:`Catalogue.check`: no object per row beyond what sqlite returns."""
+
+
+@attrs.frozen
+class ScannedRows:
+    """One step of :meth:`Catalogue.scan`: its rows as sqlite returned them (no tuple
+    made again per row), and the rank in token order of every row of the scan, by rowid
+    (one table for the whole scan, 0 for the entry whose tokens sort first)."""
+
+    rows: list[CompactRow]
+    ranks: Mapping[int, int]
+
+    def __iter__(self) -> Iterator[CompactRow]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def rank(self, row: CompactRow) -> int:
+        return self.ranks[row[9]]
 
 # Every row's fields, of the types and shapes :meth:`Catalogue.block_lists` and
 # :meth:`Catalogue.scan` yield them in (CompactRow), checked in one pass inside sqlite:
@@ -193,6 +225,7 @@ class Catalogue:
     was_clean: bool
     read_only: bool = False
     _checked: bool = False  # :meth:`check` passed, and nothing was written since
+    _ordered: bool = False  # rule 4: the rowid order is the last-use order (meta's mark)
 
     @classmethod
     def open(cls, directory: str) -> Catalogue:
@@ -222,21 +255,24 @@ class Catalogue:
             if integrity is None or integrity[0] != "ok":
                 raise CorruptCacheError(f"catalogue {path}: quick_check failed")
             was_clean = meta.get("clean") == "1" and version is not None
+            # rule 4: a new catalogue is in order (no rows); a migrated one is not known to be
+            ordered = version is None or (meta.get("ordered") == "1" and migration is None)
             with db:
                 db.execute("BEGIN")
-                if migration is not None:
-                    db.execute(migration)
+                for statement in migration or ():
+                    db.execute(statement)
                 db.execute(
                     "INSERT OR REPLACE INTO meta VALUES ('version', ?)", (str(SCHEMA_VERSION),)
                 )
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('clean', '0')")
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('ordered', ?)", (f"{ordered:d}",))
         except sqlite3.Error as exc:
             db.close()
             raise CorruptCacheError(f"catalogue {path}: {exc}") from exc
         except BaseException:
             db.close()
             raise
-        return cls(path, db, was_clean)
+        return cls(path, db, was_clean, ordered=ordered)
 
     @classmethod
     def open_read_only(cls, directory: str) -> Catalogue | None:
@@ -260,7 +296,8 @@ class Catalogue:
         except BaseException:
             db.close()
             raise
-        return cls(path, db, meta.get("clean") == "1", read_only=True)
+        ordered = meta.get("ordered") == "1"
+        return cls(path, db, meta.get("clean") == "1", read_only=True, ordered=ordered)
 
     @staticmethod
     def remove(directory: str) -> None:
@@ -347,17 +384,21 @@ class Catalogue:
         except sqlite3.Error as exc:
             raise CorruptCacheError(f"catalogue {self.path}: {exc}") from exc
 
-    def scan(self) -> Generator[list[CompactRow], None, None]:
-        """Every entry as a :data:`CompactRow`, least recently used first, in lists of at
-        most :data:`SCAN_BATCH` (one list per step: a worker thread fetches one, the event
-        loop indexes it). The ranks come from sqlite's own sort of the token blobs.
+    def scan(self) -> Generator[ScannedRows, None, None]:
+        """Every entry as a :data:`CompactRow`, least recently used first, at most
+        :data:`SCAN_BATCH` per step (:class:`ScannedRows`: a worker thread fetches one, the
+        event loop indexes it). The ranks come from sqlite's own sort of the token blobs.
         CorruptCacheError on a bad row (:meth:`check`, in one query before the first).
+
+        The rows come in rowid order, which is the last-use order (rule 4: read as the
+        table lies, no sort) unless a write since the last :meth:`order_by_last_use` put
+        one out of it; then sqlite sorts them.
 
         The ranks: the rowids in token order first (a walk of the ``entries_by_tokens``
         index, which covers the query: no sort at open; a catalogue made before the index
-        gets it at its next open), then each row's rowid replaced by its rank; cheaper
-        than a window function over the rows, which sorts and materializes every row
-        twice."""
+        gets it at its next open), a table from rowid to rank that the reader consults
+        row by row; cheaper than a window function over the rows, which sorts and
+        materializes every row twice, or than a tuple made again per row with its rank."""
         self.check()
         try:
             ranks: dict[int, int] = {}
@@ -366,11 +407,12 @@ class Catalogue:
                 ranks.update(zip(map(_first, batch), itertools.count(len(ranks))))
             query = (
                 "SELECT key, model_id, fingerprint, tokens, trimmable, min_offset,"
-                " conversations, last_use, pinned, rowid FROM entries ORDER BY last_use, key"
+                " conversations, last_use, pinned, rowid FROM entries"
             )
-            intern = sys.intern  # the key str the store's tables hold (one per entry)
+            if not self._ordered:
+                query += " ORDER BY last_use, key"
             for batch in _batches(self._db.execute(query)):
-                yield [(intern(row[0]), *row[1:9], ranks[row[9]]) for row in batch]
+                yield ScannedRows(batch, ranks)
         except sqlite3.Error as exc:
             raise CorruptCacheError(f"catalogue {self.path}: {exc}") from exc
 
@@ -384,7 +426,45 @@ class Catalogue:
         except sqlite3.Error as exc:
             raise CorruptCacheError(f"catalogue {self.path}: {exc}") from exc
 
+    @property
+    def ordered(self) -> bool:
+        """Rule 4: the rows' rowid order is their last-use order."""
+        return self._ordered
+
     # -- writing ------------------------------------------------------------------------
+
+    def order_by_last_use(self) -> None:
+        """Rule 4: put the rows in last-use order (each gets the rowid of its place) and set
+        the ``ordered`` mark, in one transaction inside sqlite (which releases the GIL):
+        the rows copied to a temporary table sorted, then back. Nothing when they are."""
+        if self._ordered:
+            return
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("DROP INDEX IF EXISTS entries_by_tokens")
+            self._db.execute(
+                "CREATE TEMP TABLE by_last_use AS SELECT * FROM entries ORDER BY last_use, key"
+            )
+            self._db.execute("DELETE FROM entries")
+            self._db.execute("INSERT INTO entries SELECT * FROM temp.by_last_use ORDER BY rowid")
+            self._db.execute("DROP TABLE temp.by_last_use")
+            self._db.execute(_TOKEN_INDEX)
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('ordered', '1')")
+        self._ordered = True
+
+    def _unordered(self) -> None:
+        """Rule 4: clear the ``ordered`` mark (inside the caller's transaction)."""
+        if self._ordered:
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('ordered', '0')")
+            self._ordered = False
+
+    def _keeps_order(self, last_use: float, key: str) -> bool:
+        """Rule 4: whether a row of ``last_use`` and ``key`` given the next rowid stays in
+        last-use order (conservative: the newest row may be the one it replaces)."""
+        newest = self._db.execute(
+            "SELECT last_use, key FROM entries ORDER BY rowid DESC LIMIT 1"
+        ).fetchone()
+        return newest is None or (last_use, key) >= tuple(newest)
 
     def replace_all(
         self, rows: Iterable[CatalogueRow], blocks: Callable[[], dict[str, int]]
@@ -398,6 +478,7 @@ class Catalogue:
         self._checked = False
         with self._db:
             self._db.execute("BEGIN")
+            self._unordered()  # the rows come in the manifests' order (rule 4)
             self._db.execute("DROP INDEX IF EXISTS entries_by_tokens")
             self._db.execute("DELETE FROM entries")
             self._db.execute("DELETE FROM blocks")
@@ -421,15 +502,19 @@ class Catalogue:
     ) -> dict[str, int]:
         """In one transaction: drop the rows of ``gone`` keys, upsert ``fresh`` rows (consumed
         as they are written), then replace the table of existing blocks with ``blocks()``
-        (called after the last row), which it returns."""
+        (called after the last row), which it returns. Fresh rows come last, with their
+        manifests' mtimes as last uses: out of order (rule 4)."""
         self._checked = False
         with self._db:
             self._db.execute("BEGIN")
             self._db.executemany("DELETE FROM entries WHERE key = ?", ((k,) for k in gone))
+            before = self._db.total_changes
             self._db.executemany(
                 "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (_values(row) for row in fresh),
             )
+            if self._db.total_changes != before:
+                self._unordered()
             present = blocks()
             self._db.execute("DELETE FROM blocks")
             self._db.executemany(
@@ -439,10 +524,13 @@ class Catalogue:
         return present
 
     def put(self, row: CatalogueRow, new_blocks: dict[str, int]) -> None:
-        """An entry was published (its blocks in ``new_blocks`` are new on disk)."""
+        """An entry was published (its blocks in ``new_blocks`` are new on disk). Its row
+        takes the next rowid (rule 4)."""
         self._checked = False
         with self._db:
             self._db.execute("BEGIN")
+            if not self._keeps_order(row.last_use, row.key):
+                self._unordered()
             self._db.execute(
                 "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 _values(row),
@@ -469,12 +557,19 @@ class Catalogue:
             )
 
     def touch(self, last_use: dict[str, float]) -> None:
-        """Record the last use of entries (the cold LRU's order across restarts)."""
+        """Record the last use of entries (the cold LRU's order across restarts): each row
+        moved to the end, least recent first (rule 4)."""
+        uses = sorted((when, key) for key, when in last_use.items())
+        if not uses:
+            return
         with self._db:
             self._db.execute("BEGIN")
+            if not self._keeps_order(*uses[0]):
+                self._unordered()
             self._db.executemany(
-                "UPDATE entries SET last_use = ? WHERE key = ?",
-                ((when, key) for key, when in last_use.items()),
+                "UPDATE entries SET last_use = ?, rowid = (SELECT max(rowid) FROM entries) + 1"
+                " WHERE key = ?",
+                uses,
             )
 
     def replace_pins(self, pinned: Iterable[str]) -> None:

@@ -10,7 +10,13 @@ from pathlib import Path
 import attrs
 import pytest
 from kvtrio.errors import CorruptCacheError
-from kvtrio.storage.catalogue import CATALOGUE_NAME, Catalogue, CatalogueRow, unpack_tokens
+from kvtrio.storage.catalogue import (
+    CATALOGUE_NAME,
+    Catalogue,
+    CatalogueRow,
+    CompactRow,
+    unpack_tokens,
+)
 
 
 def _row(key: str, last_use: float, blocks: int = 2) -> CatalogueRow:
@@ -92,7 +98,7 @@ def test_a_catalogue_with_little_endian_tokens_is_refused(tmp_path: Path, versio
     db.execute("UPDATE meta SET value = ? WHERE name = 'version'", (version,))
     db.commit()
     db.close()
-    with pytest.raises(CorruptCacheError, match=rf"schema {version}, not 5$"):
+    with pytest.raises(CorruptCacheError, match=rf"schema {version}, not 6$"):
         Catalogue.open(str(tmp_path))
 
 
@@ -120,11 +126,16 @@ def test_a_scan_ranks_the_entries_in_token_order(tmp_path: Path) -> None:
     tokens = [(3, 1), (1, 70000), (1, 2, 3), (70000,), (1, 2), ()]
     for i, t in enumerate(tokens):
         catalogue.put(attrs.evolve(_row(f"k{i}", float(-i)), tokens=t, min_offset=0), {})
-    rows = [row for batch in catalogue.scan() for row in batch]
-    assert [row[0] for row in rows] == [f"k{i}" for i in reversed(range(len(tokens)))]
-    by_rank = sorted(rows, key=lambda row: row[-1])
+    ranked = _ranked(catalogue)
+    assert [row[0] for _, row in ranked] == [f"k{i}" for i in reversed(range(len(tokens)))]
+    by_rank = [row for _, row in sorted(ranked)]
     assert [tuple(unpack_tokens(row[3])) for row in by_rank] == sorted(tokens)
     catalogue.close()
+
+
+def _ranked(catalogue: Catalogue) -> list[tuple[int, CompactRow]]:
+    """A scan's rows, each with its rank in token order."""
+    return [(batch.rank(row), row) for batch in catalogue.scan() for row in batch]
 
 
 def test_the_token_order_is_read_from_an_index_even_of_an_older_catalogue(
@@ -146,8 +157,7 @@ def test_the_token_order_is_read_from_an_index_even_of_an_older_catalogue(
         "EXPLAIN QUERY PLAN SELECT rowid FROM entries ORDER BY tokens, key"
     ).fetchall()
     assert [row[-1] for row in plan] == ["SCAN entries USING COVERING INDEX entries_by_tokens"]
-    rows = [row for batch in catalogue.scan() for row in batch]
-    by_rank = sorted(rows, key=lambda row: row[-1])
+    by_rank = [row for _, row in sorted(_ranked(catalogue))]
     assert [tuple(unpack_tokens(row[3])) for row in by_rank] == sorted(tokens)
     catalogue.close()
 
@@ -233,4 +243,110 @@ def test_a_rebuilds_rows_are_consumed_as_written_and_its_blocks_listed_after_the
     assert calls == [[f"k{i}" for i in range(5)]]
     assert written == catalogue.block_sizes() == {"00" * 32: 10, "01" * 32: 11}
     assert [row.key for row in catalogue.rows()] == [f"k{i}" for i in range(5)]
+    catalogue.close()
+
+
+def _scan_plans(catalogue: Catalogue) -> list[str]:
+    """The query plan of every statement a scan runs (EXPLAIN QUERY PLAN's details)."""
+    statements: list[str] = []
+    catalogue._db.set_trace_callback(statements.append)
+    rows = [row for batch in catalogue.scan() for row in batch]
+    catalogue._db.set_trace_callback(None)
+    assert rows
+    plans = []
+    for statement in statements:
+        if statement.startswith("SELECT"):
+            plans += [step[-1] for step in catalogue._db.execute(f"EXPLAIN QUERY PLAN {statement}")]
+    return plans
+
+
+def test_a_clean_scan_reads_last_use_order_from_the_rowids_with_no_sort(tmp_path: Path) -> None:
+    """Rule 4: the rows lie in last-use order (a use moves its row to the end), so a
+    scan of an ordered catalogue sorts nothing: no temporary B-tree in any of its plans
+    (a sort of N rows at every open, spilled to a temporary file at 100,000 entries)."""
+    catalogue = Catalogue.open(str(tmp_path))
+    for i in range(5):
+        catalogue.put(_row(f"k{i}", float(i)), {})
+    catalogue.touch({"k3": 10.0, "k1": 9.0, "missing": 11.0})
+    catalogue.put(_row("k0", 12.0), {})  # rewritten: newest
+    assert catalogue.ordered
+    expected = ["k2", "k4", "k1", "k3", "k0"]
+    assert [row.key for row in catalogue.rows()] == expected
+    catalogue.close()
+    catalogue = Catalogue.open(str(tmp_path))
+    assert catalogue.ordered
+    assert [row[0] for batch in catalogue.scan() for row in batch] == expected
+    assert not [plan for plan in _scan_plans(catalogue) if "TEMP B-TREE" in plan]
+    catalogue.close()
+
+
+def test_a_last_use_out_of_order_clears_the_mark_and_the_open_puts_rows_back(
+    tmp_path: Path,
+) -> None:
+    """Rule 4: a last use older than the newest row's (a clock set back) clears the
+    ``ordered`` mark, so the scan sorts (the order stays right) until the owner puts the
+    rows back in order; the mark survives a reopen only when it holds."""
+    catalogue = Catalogue.open(str(tmp_path))
+    for i in range(4):
+        catalogue.put(_row(f"k{i}", float(10 + i)), {})
+    catalogue.touch({"k3": 1.0})  # older than every row: out of rowid order
+    assert not catalogue.ordered
+    expected = ["k3", "k0", "k1", "k2"]
+    assert [row[0] for batch in catalogue.scan() for row in batch] == expected
+    catalogue.close()
+    catalogue = Catalogue.open(str(tmp_path))
+    assert not catalogue.ordered
+    catalogue.order_by_last_use()
+    assert catalogue.ordered
+    assert [row[0] for batch in catalogue.scan() for row in batch] == expected
+    assert not [plan for plan in _scan_plans(catalogue) if "TEMP B-TREE" in plan]
+    catalogue.put(_row("k9", 5.0), {})  # an upsert older than the newest: out of order
+    assert not catalogue.ordered
+    assert [row.key for row in catalogue.rows()] == ["k3", "k9", "k0", "k1", "k2"]
+    catalogue.close()
+
+
+def test_a_version_5_catalogue_is_put_in_last_use_order_at_its_first_open(
+    tmp_path: Path,
+) -> None:
+    """Schema 5 updated last uses in place (its rowids are in no order): opened, it is
+    not trusted as ordered; the owner's reorder keeps every row and the order."""
+    catalogue = Catalogue.open(str(tmp_path))
+    for i in range(3):
+        catalogue.put(_row(f"k{i}", float(i)), {"00" * 32: 10})
+    catalogue.close()
+    db = sqlite3.connect(tmp_path / CATALOGUE_NAME)
+    db.execute("UPDATE entries SET last_use = 9 WHERE key = 'k0'")  # as version 5 touched
+    db.execute("UPDATE meta SET value = '5' WHERE name = 'version'")
+    db.commit()
+    db.close()
+    catalogue = Catalogue.open(str(tmp_path))
+    assert not catalogue.ordered
+    catalogue.order_by_last_use()
+    assert catalogue.ordered
+    assert [row[0] for batch in catalogue.scan() for row in batch] == ["k1", "k2", "k0"]
+    assert catalogue.block_sizes() == {"00" * 32: 10}
+    catalogue.close()
+
+
+def test_a_scan_yields_the_rows_sqlite_returned_with_no_tuple_made_again(
+    tmp_path: Path,
+) -> None:
+    """The scan hands on sqlite's own row tuples, each rank read from one table by rowid,
+    instead of a new tuple per row with its rank (100,000 tuples made and freed at open)."""
+    catalogue = Catalogue.open(str(tmp_path))
+    for i in range(3):
+        catalogue.put(_row(f"k{i}", float(i)), {})
+    returned: list[tuple[object, ...]] = []
+
+    def note(cursor: sqlite3.Cursor, row: tuple[object, ...]) -> tuple[object, ...]:
+        returned.append(row)
+        return row
+
+    catalogue._db.row_factory = note
+    (batch,) = list(catalogue.scan())
+    scanned = {id(row) for row in returned}
+    assert [row[0] for row in batch] == ["k0", "k1", "k2"]
+    assert all(id(row) in scanned for row in batch)
+    assert sorted(batch.rank(row) for row in batch) == [0, 1, 2]
     catalogue.close()
