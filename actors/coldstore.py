@@ -311,8 +311,7 @@ class ColdTierStore:
                 blocks = catalogue.replace_all(fresh, present)
             else:
                 blocks = catalogue.reconcile(gone, fresh, present)
-            # The rows' pins may be stale or lost with the catalogue: the manifest store's
-            # record is the truth.
+            # The rows' pins may be stale or lost with the catalogue: the record is the truth.
             catalogue.replace_pins(self._pinned_keys(keys))
             manifest_bytes = _manifest_bytes(entry_blocks.values())  # rows were added: recount
         catalogue.order_by_last_use()  # its rule 4: then the scan reads rows with no sort
