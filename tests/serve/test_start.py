@@ -7,6 +7,7 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kvtrio.actors.policy import (
@@ -126,13 +127,38 @@ def test_no_prefetch_loads_turn_two_on_the_lookup(tmp_path: Path) -> None:
 def test_the_cold_tier_opens_only_once_no_request_is_in_flight() -> None:
     """docs/serve.md, "Start": the open waits while a request is in flight (arrived and
     not answered: it would share the GIL with the open's imports and index), and starts
-    once none is, or OPEN_DEFER after the model's load whatever is in flight."""
-    from kvtrio.serve.server import open_now
+    once none is, or OPEN_DEFER after the first answer whatever is in flight."""
+    from kvtrio.serve.coldopen import OPEN_DEFER, open_now
 
-    assert not open_now(request_taken=False, in_flight=1, now=1.0, open_by=2.0)
-    assert not open_now(request_taken=True, in_flight=0, now=1.0, open_by=2.0)
-    assert open_now(request_taken=False, in_flight=0, now=1.0, open_by=2.0)
-    assert open_now(request_taken=True, in_flight=3, now=2.5, open_by=2.0)
+    assert not open_now(request_taken=False, in_flight=1, now=1.0, first_answer=None)
+    assert not open_now(request_taken=True, in_flight=0, now=1.0, first_answer=None)
+    assert open_now(request_taken=False, in_flight=0, now=1.0, first_answer=None)
+    later = 1.1 + OPEN_DEFER
+    assert not open_now(request_taken=True, in_flight=3, now=later, first_answer=1.2)
+    assert open_now(request_taken=True, in_flight=3, now=later, first_answer=1.0)
+
+
+def test_the_cold_tier_never_opens_while_the_first_request_is_in_flight() -> None:
+    """docs/serve.md, "Start": however long the first request takes, the open does not
+    start before its answer. The deadline that opens the tier whatever is in flight counts
+    from the first answer; counted from the model's load (as it was), it fell inside a
+    first prefill longer than OPEN_DEFER (the SmolLM2-135M-shaped model on a 2-core CPU:
+    4-7 s), whose answer then shared the GIL and the CPU with the open."""
+    import threading
+
+    from kvtrio.serve.coldopen import open_now
+    from kvtrio.serve.server import _generator_class
+
+    assert not open_now(request_taken=True, in_flight=1, now=1e9, first_answer=None)
+    assert not open_now(request_taken=False, in_flight=1, now=1e9, first_answer=None)
+    cls: Any = _generator_class()
+    generator: Any = cls.__new__(cls)  # mlx-lm's __init__ would start its thread
+    generator._active_lock, generator.in_flight, generator._first_answer = threading.Lock(), 2, None
+    generator._answered()  # the first answer: the deadline starts here
+    first = generator._first_answer
+    assert first is not None and generator.in_flight == 1
+    generator._answered()
+    assert generator._first_answer == first and generator.in_flight == 0
 
 
 def test_the_start_path_imports_none_of_the_tiers_modules() -> None:
@@ -219,3 +245,4 @@ def test_kvtrio_serve_listens_having_imported_only_its_start_path_modules(
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == str(START_PATH_MODULES)
+
