@@ -579,11 +579,16 @@ def _http_server(host: str, port: int, generator: Any) -> ThreadingHTTPServer:
         address_family = family
         daemon_threads = True
 
-    fingerprint = server.get_system_fingerprint()
-    httpd = Server(
-        address,  # type: ignore[arg-type]
-        lambda *a, **k: handler(generator, *a, system_fingerprint=fingerprint, **k),
-    )
+    fingerprint: list[str] = []
+
+    def handle(*a: Any, **k: Any) -> Any:
+        # Taken by the first connection's handler, after listening, as mlx-lm does (per
+        # connection): MLX's device_info reads the GPU's properties (on CUDA, NVML's too).
+        if not fingerprint:
+            fingerprint.append(server.get_system_fingerprint())
+        return handler(generator, *a, system_fingerprint=fingerprint[0], **k)
+
+    httpd = Server(address, handle)  # type: ignore[arg-type]
     httpd.kvtrio_in_flight = _InFlight()  # type: ignore[attr-defined]
     return httpd
 

@@ -246,3 +246,34 @@ def test_kvtrio_serve_listens_having_imported_only_its_start_path_modules(
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == str(START_PATH_MODULES)
 
+
+def test_the_system_fingerprint_is_taken_after_the_listener_opens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/serve.md, "Start": before it listens kvtrio serve makes no MLX call that
+    mlx_lm.server does not. mlx-lm takes its system fingerprint (MLX's ``device_info``: on
+    CUDA the GPU's properties and NVML) in each connection's handler, after listening;
+    kvtrio serve took it before opening its listener (10-20 ms of its start on this VM,
+    with the model's load running beside it). Now the first connection takes it, once."""
+    import mlx_lm.server as mlx_server
+    from kvtrio.serve import server
+
+    calls: list[int] = []
+
+    def fingerprint() -> str:
+        calls.append(1)
+        return "fp"
+
+    monkeypatch.setattr(mlx_server, "get_system_fingerprint", fingerprint)
+    made: list[str] = []
+    monkeypatch.setattr(
+        server, "_handler_class", lambda: lambda *a, **k: made.append(k["system_fingerprint"])
+    )
+    httpd = server._http_server("127.0.0.1", 0, object())
+    try:
+        assert calls == []  # listening, and no fingerprint taken
+        httpd.RequestHandlerClass(None, None, httpd)
+        httpd.RequestHandlerClass(None, None, httpd)
+        assert calls == [1] and made == ["fp", "fp"]
+    finally:
+        httpd.server_close()
