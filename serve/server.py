@@ -598,6 +598,9 @@ def serve(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     server = _mlx_server()
+    # What mlx_lm.server's main does once its flags are parsed, before any thread starts:
+    # the wired limit (Metal), and the first device_info (on CUDA the driver and NVML).
+    server.maybe_set_recommended_wired_limit()
     if mx.distributed.init().size() > 1:
         raise SystemExit("kvtrio serve: distributed runs are not supported")
     if str(args.model).endswith(".gguf"):  # converted once, beside the cold tier's files

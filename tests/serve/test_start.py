@@ -277,3 +277,46 @@ def test_the_system_fingerprint_is_taken_after_the_listener_opens(
         assert calls == [1] and made == ["fp", "fp"]
     finally:
         httpd.server_close()
+
+
+def test_kvtrio_serve_makes_mlx_lm_servers_start_calls_before_any_thread(
+    tmp_path: Path,
+) -> None:
+    """docs/serve.md, "Start": once its flags are parsed mlx_lm.server's ``main`` sets the
+    recommended wired limit (Metal; it reads MLX's ``device_info``, on CUDA the driver's
+    and NVML's first use) on the main thread, before the model provider and the generation
+    thread exist. kvtrio serve, which takes mlx-lm's parser but not its ``main``, skipped
+    it: no wired limit on a Mac, and its first ``device_info`` came later, beside the
+    model's load. The real command runs to its listener, recording the order."""
+    model = write_tiny_model_dir(tmp_path / "model")
+    code = (
+        "import os, socketserver, sys, threading\n"
+        "import mlx_lm.server as ms\n"
+        "events = []\n"
+        "wired = ms.maybe_set_recommended_wired_limit\n"
+        "def wired_limit():\n"
+        "    events.append(('wired_limit', threading.active_count()))\n"
+        "    return wired()\n"
+        "ms.maybe_set_recommended_wired_limit = wired_limit\n"
+        "init = ms.ModelProvider.__init__\n"
+        "def provider(self, *a, **k):\n"
+        "    events.append(('provider', threading.active_count()))\n"
+        "    init(self, *a, **k)\n"
+        "ms.ModelProvider.__init__ = provider\n"
+        "activate = socketserver.TCPServer.server_activate\n"
+        "def listening(self):\n"
+        "    activate(self)\n"
+        "    print([name for name, _ in events], events[0][1], flush=True)\n"
+        "    os._exit(0)\n"
+        "socketserver.TCPServer.server_activate = listening\n"
+        "import kvtrio.serve.coldopen as coldopen\n"
+        "coldopen.ColdOpening.start = lambda self: None\n"
+        "from kvtrio.cli import main\n"
+        "main(sys.argv[1:])\n"
+    )
+    argv = [sys.executable, "-c", code, "serve", "--model", str(model), "--port"]
+    argv += [str(free_port()), "--cache-dir", str(tmp_path / "cache"), "--log-level", "WARNING"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Once, first, with the main thread alone (as in mlx-lm's main).
+    assert done.stdout.strip().splitlines()[-1] == "['wired_limit', 'provider'] 1"
