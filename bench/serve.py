@@ -364,8 +364,7 @@ def _fill(kind: str, model: Path, work: Path, entries: int) -> float:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
-    loaded: Any = load(str(model))
-    llm = loaded[0]
+    llm: Any = load(str(model))[0]
     import mlx.core as mx
 
     def caches_for(tokens: list[int]) -> list[Any]:
@@ -383,6 +382,7 @@ def _fill(kind: str, model: Path, work: Path, entries: int) -> float:
             save_prompt_cache(str(directory / f"{i}.safetensors"), caches_for(tokens))
             (directory / f"{i}.json").write_text(json.dumps(tokens))
     elif kind == "kvtrio":
+        from kvtrio.actors.policy import AdmitAll
         from kvtrio.serve.adapter import TieredLRUPromptCache
         from kvtrio.serve.bridge import TierOptions, TierThread
         from kvtrio.serve.flags import model_identity
@@ -390,7 +390,8 @@ def _fill(kind: str, model: Path, work: Path, entries: int) -> float:
         flags = argparse.Namespace(
             model=str(model), adapter_path=None, draft_model=None, kv_bits=None
         )
-        options = TierOptions(str(work / "kv"), model_identity(flags), shutdown_grace=3600)
+        key = model_identity(flags)  # all admitted (the default refuses a big model's short ones)
+        options = TierOptions(str(work / "kv"), key, shutdown_grace=3600, admission=AdmitAll())
         tier = TierThread(options)
         tier.start()
         tier.bind()

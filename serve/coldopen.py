@@ -5,9 +5,9 @@ Theory of operation:
 1. :class:`ColdOpening` opens the tier (:class:`~kvtrio.serve.bridge.TierThread`: its
    modules imported, the directory locked, the index rebuilt from the catalogue) on a
    thread of its own, started by the generation thread once the model has loaded and no
-   request waits for it (the listener is open by then): the first request waits for the
-   model, as in mlx-lm, not for the index, and the open does not compete for the GIL
-   with the model's load or the requests already waiting.
+   request is in flight (:func:`open_now`; the listener is open by then): the first
+   request waits for the model, as in mlx-lm, not for the index, and the open does not
+   compete for the GIL with the model's load or the requests already waiting.
 2. :class:`ServeCache` is the adapter (:class:`~kvtrio.serve.adapter.TieredLRUPromptCache`)
    with no tier until the open ends. The generation thread takes the tier (binds it as
    the MLX owner) at its next pump or lookup after that. Until then a lookup of the
@@ -32,9 +32,28 @@ from kvtrio.serve.flushreport import FlushedEntry, HandOver
 if TYPE_CHECKING:
     from kvtrio.serve.bridge import TierOptions, TierThread
 
-__all__ = ["ColdOpening", "ServeCache"]
+__all__ = ["OPEN_DEFER", "ColdOpening", "ServeCache", "open_now"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds after the first answer by which the cold tier's open starts even if requests
+#: keep the generation thread busy (it starts as soon as none is in flight; rule 1).
+OPEN_DEFER = 2.0
+
+
+def open_now(
+    *, request_taken: bool, in_flight: int, now: float, first_answer: float | None
+) -> bool:
+    """Rule 1: whether the generation thread starts the cold tier's open now (the model has
+    loaded): it has taken no request this time and none is in flight (arrived and not yet
+    answered), or ``OPEN_DEFER`` seconds have passed since the server's first answer
+    (``first_answer``, None before it). Never while the first request is in flight, however
+    long its prefill: the open's imports and index would share the GIL and the CPU with it
+    (on a CPU-bound prefill the deadline, once counted from the model's load, fell inside
+    the first request and its answer paid for the open)."""
+    if not request_taken and in_flight == 0:
+        return True
+    return first_answer is not None and now > first_answer + OPEN_DEFER
 
 
 class ColdOpening:

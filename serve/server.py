@@ -45,7 +45,7 @@ Theory of operation:
    thread; docs/metrics.md names them).
 6. Start: the listener opens and the model loads as in mlx-lm; then, as soon as no
    request is in flight (none arrived and unanswered: waiting, prefilling or decoding;
-   at most ``OPEN_DEFER`` seconds after the load), the cold tier opens on a thread of
+   at most ``OPEN_DEFER`` seconds after the first answer), the cold tier opens on a thread of
    its own (:mod:`kvtrio.serve.coldopen`; the tier's modules are imported there too, and
    serve/flags.py imports none), so the server answers before the index is built, and
    the first requests do not share the GIL with the open (:func:`open_now`). A request
@@ -85,7 +85,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 from kvtrio.serve.adapter import CacheTier, FetchInfo, TieredLRUPromptCache
-from kvtrio.serve.coldopen import ColdOpening, ServeCache
+from kvtrio.serve.coldopen import ColdOpening, ServeCache, open_now
 from kvtrio.serve.flags import (
     ServeOptions,
     add_kvtrio_arguments,
@@ -117,18 +117,6 @@ CACHED_TOKENS_HEADER = "X-Kvtrio-Cached-Tokens"
 METRICS_PATH = "/metrics"
 # Tokens per model call when --warm-prompts prefills a prompt.
 WARM_STEP = 512
-
-#: Seconds after the model has loaded by which the cold tier's open starts even if
-#: requests keep the generation thread busy (it starts as soon as none waits; rule 6).
-OPEN_DEFER = 2.0
-
-
-def open_now(*, request_taken: bool, in_flight: int, now: float, open_by: float) -> bool:
-    """Rule 6: whether the generation thread starts the cold tier's open now: it has taken
-    no request this time and none is in flight (arrived and not yet answered), or the
-    deadline ``open_by`` (``OPEN_DEFER`` after the model's load) has passed."""
-    return now > open_by or (not request_taken and in_flight == 0)
-
 
 #: Requests tokenized by their handler and not yet taken, kept for the generation thread.
 TOKENIZED_KEPT = 256
@@ -256,7 +244,8 @@ def _generator_class() -> type:
             self._wake_pending = threading.Event()
             self.closed_in_time: bool | None = None
             self.prefetching = bool(getattr(model_provider.cli_args, "prefetch", True))
-            self._open_by: float | None = None  # when the tier's open starts at the latest
+            self._open_pending = False  # the model has loaded, the tier's open not started
+            self._first_answer: float | None = None  # when a request was first answered
             # Requests tokenized by their handler (rule 7), for the generation thread.
             self._tokenized: OrderedDict[int, tuple[Any, Any, Any]] = OrderedDict()
             self._tokenized_lock = threading.Lock()
@@ -280,8 +269,8 @@ def _generator_class() -> type:
 
         def _start_open(self) -> None:
             """Start the cold tier's open, once (rule 6)."""
-            if self._open_by is not None and isinstance(self.adapter, ServeCache):
-                self._open_by = None
+            if self._open_pending and isinstance(self.adapter, ServeCache):
+                self._open_pending = False
                 self.adapter.opening.start()
 
         def _on_attach(self, tier: TierThread) -> None:
@@ -299,7 +288,7 @@ def _generator_class() -> type:
                     self.model_provider.load_default()  # mlx-lm's loop then finds it loaded
                 except Exception:
                     logger.exception("kvtrio serve: the model did not load")
-                self._open_by = time.monotonic() + OPEN_DEFER
+                self._open_pending = True
             try:
                 warm = getattr(self.cli_args, "warm_prompts", None)
                 if warm is not None:
@@ -345,13 +334,13 @@ def _generator_class() -> type:
             if timeout is not None and tier is not None and tier.pending():
                 timeout = None  # jobs left after the pump's budget: do not sleep on them
             request = super()._next_request(timeout)
-            if self._open_by is not None and open_now(
+            if self._open_pending and open_now(
                 request_taken=request is not None,
                 in_flight=self.in_flight,
                 now=time.monotonic(),
-                open_by=self._open_by,
+                first_answer=self._first_answer,
             ):
-                self._start_open()  # rule 6: no request in flight (or OPEN_DEFER passed)
+                self._start_open()  # rule 6: none in flight (or OPEN_DEFER after an answer)
             while request is _WAKE:
                 self._wake_pending.clear()
                 self.adapter.pump(budget)
@@ -493,6 +482,8 @@ def _generator_class() -> type:
         def _answered(self) -> None:
             with self._active_lock:
                 self.in_flight -= 1
+                if self._first_answer is None:  # rule 6: the open's deadline counts from here
+                    self._first_answer = time.monotonic()
 
         def _track(self, ctx: Any, response: Iterator[Any]) -> Iterator[Any]:
             try:
@@ -608,11 +599,16 @@ def _http_server(host: str, port: int, generator: Any) -> ThreadingHTTPServer:
         address_family = family
         daemon_threads = True
 
-    fingerprint = server.get_system_fingerprint()
-    httpd = Server(
-        address,  # type: ignore[arg-type]
-        lambda *a, **k: handler(generator, *a, system_fingerprint=fingerprint, **k),
-    )
+    fingerprint: list[str] = []
+
+    def handle(*a: Any, **k: Any) -> Any:
+        # Taken by the first connection's handler, after listening, as mlx-lm does (per
+        # connection): MLX's device_info reads the GPU's properties (on CUDA, NVML's too).
+        if not fingerprint:
+            fingerprint.append(server.get_system_fingerprint())
+        return handler(generator, *a, system_fingerprint=fingerprint[0], **k)
+
+    httpd = Server(address, handle)  # type: ignore[arg-type]
     httpd.kvtrio_in_flight = _InFlight()  # type: ignore[attr-defined]
     return httpd
 
@@ -622,6 +618,9 @@ def serve(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     server = _mlx_server()
+    # What mlx_lm.server's main does once its flags are parsed, before any thread starts:
+    # the wired limit (Metal), and the first device_info (on CUDA the driver and NVML).
+    server.maybe_set_recommended_wired_limit()
     if mx.distributed.init().size() > 1:
         raise SystemExit("kvtrio serve: distributed runs are not supported")
     if str(args.model).endswith(".gguf"):  # converted once, beside the cold tier's files

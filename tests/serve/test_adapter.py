@@ -647,7 +647,7 @@ def test_a_request_queued_behind_a_wake_up_is_taken_in_the_same_call() -> None:
     generator.requests = Queue()
     generator._is_distributed, generator._rank = False, 0
     generator._wake_pending = threading.Event()
-    generator._open_by, generator._ready = None, []
+    generator._open_pending, generator._ready = False, []
     generator._deferred, generator._deferred_since = {}, {}
     generator.prefetching, generator.in_flight = False, 0
     generator.active, generator._active_lock = {}, threading.Lock()

@@ -7,6 +7,7 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kvtrio.actors.policy import (
@@ -126,13 +127,38 @@ def test_no_prefetch_loads_turn_two_on_the_lookup(tmp_path: Path) -> None:
 def test_the_cold_tier_opens_only_once_no_request_is_in_flight() -> None:
     """docs/serve.md, "Start": the open waits while a request is in flight (arrived and
     not answered: it would share the GIL with the open's imports and index), and starts
-    once none is, or OPEN_DEFER after the model's load whatever is in flight."""
-    from kvtrio.serve.server import open_now
+    once none is, or OPEN_DEFER after the first answer whatever is in flight."""
+    from kvtrio.serve.coldopen import OPEN_DEFER, open_now
 
-    assert not open_now(request_taken=False, in_flight=1, now=1.0, open_by=2.0)
-    assert not open_now(request_taken=True, in_flight=0, now=1.0, open_by=2.0)
-    assert open_now(request_taken=False, in_flight=0, now=1.0, open_by=2.0)
-    assert open_now(request_taken=True, in_flight=3, now=2.5, open_by=2.0)
+    assert not open_now(request_taken=False, in_flight=1, now=1.0, first_answer=None)
+    assert not open_now(request_taken=True, in_flight=0, now=1.0, first_answer=None)
+    assert open_now(request_taken=False, in_flight=0, now=1.0, first_answer=None)
+    later = 1.1 + OPEN_DEFER
+    assert not open_now(request_taken=True, in_flight=3, now=later, first_answer=1.2)
+    assert open_now(request_taken=True, in_flight=3, now=later, first_answer=1.0)
+
+
+def test_the_cold_tier_never_opens_while_the_first_request_is_in_flight() -> None:
+    """docs/serve.md, "Start": however long the first request takes, the open does not
+    start before its answer. The deadline that opens the tier whatever is in flight counts
+    from the first answer; counted from the model's load (as it was), it fell inside a
+    first prefill longer than OPEN_DEFER (the SmolLM2-135M-shaped model on a 2-core CPU:
+    4-7 s), whose answer then shared the GIL and the CPU with the open."""
+    import threading
+
+    from kvtrio.serve.coldopen import open_now
+    from kvtrio.serve.server import _generator_class
+
+    assert not open_now(request_taken=True, in_flight=1, now=1e9, first_answer=None)
+    assert not open_now(request_taken=False, in_flight=1, now=1e9, first_answer=None)
+    cls: Any = _generator_class()
+    generator: Any = cls.__new__(cls)  # mlx-lm's __init__ would start its thread
+    generator._active_lock, generator.in_flight, generator._first_answer = threading.Lock(), 2, None
+    generator._answered()  # the first answer: the deadline starts here
+    first = generator._first_answer
+    assert first is not None and generator.in_flight == 1
+    generator._answered()
+    assert generator._first_answer == first and generator.in_flight == 0
 
 
 def test_the_start_path_imports_none_of_the_tiers_modules() -> None:
@@ -220,3 +246,78 @@ def test_kvtrio_serve_listens_having_imported_only_its_start_path_modules(
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == str(START_PATH_MODULES)
+
+
+def test_the_system_fingerprint_is_taken_after_the_listener_opens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/serve.md, "Start": before it listens kvtrio serve makes no MLX call that
+    mlx_lm.server does not. mlx-lm takes its system fingerprint (MLX's ``device_info``: on
+    CUDA the GPU's properties and NVML) in each connection's handler, after listening;
+    kvtrio serve took it before opening its listener (10-20 ms of its start on this VM,
+    with the model's load running beside it). Now the first connection takes it, once."""
+    import mlx_lm.server as mlx_server
+    from kvtrio.serve import server
+
+    calls: list[int] = []
+
+    def fingerprint() -> str:
+        calls.append(1)
+        return "fp"
+
+    monkeypatch.setattr(mlx_server, "get_system_fingerprint", fingerprint)
+    made: list[str] = []
+    monkeypatch.setattr(
+        server, "_handler_class", lambda: lambda *a, **k: made.append(k["system_fingerprint"])
+    )
+    httpd = server._http_server("127.0.0.1", 0, object())
+    try:
+        assert calls == []  # listening, and no fingerprint taken
+        httpd.RequestHandlerClass(None, None, httpd)
+        httpd.RequestHandlerClass(None, None, httpd)
+        assert calls == [1] and made == ["fp", "fp"]
+    finally:
+        httpd.server_close()
+
+
+def test_kvtrio_serve_makes_mlx_lm_servers_start_calls_before_any_thread(
+    tmp_path: Path,
+) -> None:
+    """docs/serve.md, "Start": once its flags are parsed mlx_lm.server's ``main`` sets the
+    recommended wired limit (Metal; it reads MLX's ``device_info``, on CUDA the driver's
+    and NVML's first use) on the main thread, before the model provider and the generation
+    thread exist. kvtrio serve, which takes mlx-lm's parser but not its ``main``, skipped
+    it: no wired limit on a Mac, and its first ``device_info`` came later, beside the
+    model's load. The real command runs to its listener, recording the order."""
+    model = write_tiny_model_dir(tmp_path / "model")
+    code = (
+        "import os, socketserver, sys, threading\n"
+        "import mlx_lm.server as ms\n"
+        "events = []\n"
+        "wired = ms.maybe_set_recommended_wired_limit\n"
+        "def wired_limit():\n"
+        "    events.append(('wired_limit', threading.active_count()))\n"
+        "    return wired()\n"
+        "ms.maybe_set_recommended_wired_limit = wired_limit\n"
+        "init = ms.ModelProvider.__init__\n"
+        "def provider(self, *a, **k):\n"
+        "    events.append(('provider', threading.active_count()))\n"
+        "    init(self, *a, **k)\n"
+        "ms.ModelProvider.__init__ = provider\n"
+        "activate = socketserver.TCPServer.server_activate\n"
+        "def listening(self):\n"
+        "    activate(self)\n"
+        "    print([name for name, _ in events], events[0][1], flush=True)\n"
+        "    os._exit(0)\n"
+        "socketserver.TCPServer.server_activate = listening\n"
+        "import kvtrio.serve.coldopen as coldopen\n"
+        "coldopen.ColdOpening.start = lambda self: None\n"
+        "from kvtrio.cli import main\n"
+        "main(sys.argv[1:])\n"
+    )
+    argv = [sys.executable, "-c", code, "serve", "--model", str(model), "--port"]
+    argv += [str(free_port()), "--cache-dir", str(tmp_path / "cache"), "--log-level", "WARNING"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Once, first, with the main thread alone (as in mlx-lm's main).
+    assert done.stdout.strip().splitlines()[-1] == "['wired_limit', 'provider'] 1"
