@@ -543,7 +543,7 @@ def test_a_client_gone_mid_response_is_one_log_line_not_a_traceback(
 
     monkeypatch.setattr(_mlx_server().APIHandler, "do_POST", gone)
     handler_class = _handler_class()
-    handler = object.__new__(handler_class)  # no socket: only do_POST is exercised
+    handler: Any = object.__new__(handler_class)  # no socket: only do_POST is exercised
     handler.server = types.SimpleNamespace(kvtrio_in_flight=_InFlight())
     handler.client_address = ("127.0.0.1", 50000)
     handler.close_connection = False
