@@ -226,26 +226,12 @@ def test_kvtrio_serve_listens_having_imported_only_its_start_path_modules(
     ``START_PATH_MODULES`` (what mlx_lm.server does not do is kept to those). The real
     command runs, through ``kvtrio.cli.main``, on the tiny model; the tier's open is kept
     from starting, so that a fast model load cannot race the snapshot taken as it listens."""
-    model = write_tiny_model_dir(tmp_path / "model")
-    code = (
-        "import os, socketserver, sys\n"
-        "activate = socketserver.TCPServer.server_activate\n"
-        "def listening(self):\n"
-        "    activate(self)\n"
-        "    mods = sorted(m for m in sys.modules if m == 'kvtrio' or m.startswith('kvtrio.'))\n"
-        "    print(mods, flush=True)\n"
-        "    os._exit(0)\n"
-        "socketserver.TCPServer.server_activate = listening\n"
-        "import kvtrio.serve.coldopen as coldopen\n"  # on the start path already
-        "coldopen.ColdOpening.start = lambda self: None\n"
-        "from kvtrio.cli import main\n"
-        "main(sys.argv[1:])\n"
+    printed = _run_to_listener(
+        tmp_path,
+        "",
+        "sorted(m for m in sys.modules if m == 'kvtrio' or m.startswith('kvtrio.'))",
     )
-    argv = [sys.executable, "-c", code, "serve", "--model", str(model), "--port"]
-    argv += [str(free_port()), "--cache-dir", str(tmp_path / "cache"), "--log-level", "WARNING"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.strip().splitlines()[-1] == str(START_PATH_MODULES)
+    assert printed == str(START_PATH_MODULES)
 
 
 def test_the_system_fingerprint_is_taken_after_the_listener_opens(
@@ -289,9 +275,8 @@ def test_kvtrio_serve_makes_mlx_lm_servers_start_calls_before_any_thread(
     thread exist. kvtrio serve, which takes mlx-lm's parser but not its ``main``, skipped
     it: no wired limit on a Mac, and its first ``device_info`` came later, beside the
     model's load. The real command runs to its listener, recording the order."""
-    model = write_tiny_model_dir(tmp_path / "model")
-    code = (
-        "import os, socketserver, sys, threading\n"
+    printed = _run_to_listener(
+        tmp_path,
         "import mlx_lm.server as ms\n"
         "events = []\n"
         "wired = ms.maybe_set_recommended_wired_limit\n"
@@ -303,14 +288,28 @@ def test_kvtrio_serve_makes_mlx_lm_servers_start_calls_before_any_thread(
         "def provider(self, *a, **k):\n"
         "    events.append(('provider', threading.active_count()))\n"
         "    init(self, *a, **k)\n"
-        "ms.ModelProvider.__init__ = provider\n"
-        "activate = socketserver.TCPServer.server_activate\n"
+        "ms.ModelProvider.__init__ = provider\n",
+        "[name for name, _ in events], events[0][1]",
+    )
+    # Once, first, with the main thread alone (as in mlx-lm's main).
+    assert printed == "['wired_limit', 'provider'] 1"
+
+
+def _run_to_listener(tmp_path: Path, prelude: str, expression: str) -> str:
+    """Run the real ``kvtrio serve`` (through ``kvtrio.cli.main``) on the tiny model after
+    ``prelude``, print ``expression`` as its listener opens and exit there; the tier's open
+    is kept from starting, so that a fast model load cannot race what is printed."""
+    model = write_tiny_model_dir(tmp_path / "model")
+    code = (
+        "import os, socketserver, sys, threading\n"
+        + prelude
+        + "activate = socketserver.TCPServer.server_activate\n"
         "def listening(self):\n"
         "    activate(self)\n"
-        "    print([name for name, _ in events], events[0][1], flush=True)\n"
+        f"    print({expression}, flush=True)\n"
         "    os._exit(0)\n"
         "socketserver.TCPServer.server_activate = listening\n"
-        "import kvtrio.serve.coldopen as coldopen\n"
+        "import kvtrio.serve.coldopen as coldopen\n"  # on the start path already
         "coldopen.ColdOpening.start = lambda self: None\n"
         "from kvtrio.cli import main\n"
         "main(sys.argv[1:])\n"
@@ -319,5 +318,4 @@ def test_kvtrio_serve_makes_mlx_lm_servers_start_calls_before_any_thread(
     argv += [str(free_port()), "--cache-dir", str(tmp_path / "cache"), "--log-level", "WARNING"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    # Once, first, with the main thread alone (as in mlx-lm's main).
-    assert done.stdout.strip().splitlines()[-1] == "['wired_limit', 'provider'] 1"
+    return done.stdout.strip().splitlines()[-1]
