@@ -190,20 +190,24 @@ def check_blocks(header: Header, store: BlockStore) -> None:
     caller allocate more than the store holds.
     """
     names = list(slot_names(header))
-    for slot, name in zip(header.slots(), names, strict=True):
-        refs = slot.blocks or ()
-        shas = [r.sha256 for r in refs]
+    slot_refs = [slot.blocks or () for slot in header.slots()]
+    # One batch for the whole entry (a local store looks through one descriptor), then
+    # the checks slot by slot, as before.
+    every = [ref.sha256 for refs in slot_refs for ref in refs]
+    sizes = iter(store.stored_sizes(every) if store.supports_sizes and every else ())
+    present = iter(() if store.supports_sizes else store.has_many(every))
+    for refs, name in zip(slot_refs, names, strict=True):
         if store.supports_sizes:
-            sizes = store.stored_sizes(shas) if shas else []
-            for ref, size in zip(refs, sizes, strict=True):
+            stored = [next(sizes) for _ in refs]
+            for ref, size in zip(refs, stored, strict=True):
                 if size is not None and size != ref.nbytes:
                     raise CorruptCacheError(
                         f"block {ref.sha256}: stored size {size} != expected {ref.nbytes}"
                     )
-            present = [size is not None for size in sizes]
+            here = [size is not None for size in stored]
         else:
-            present = store.has_many(shas)
-        for j, (ref, ok) in enumerate(zip(refs, present, strict=True)):
+            here = [next(present) for _ in refs]
+        for j, (ref, ok) in enumerate(zip(refs, here, strict=True)):
             if not ok:
                 raise CacheMissError(f"{name}.blocks[{j}]: block {ref.sha256} is missing")
 

@@ -313,3 +313,41 @@ def test_a_local_block_read_opens_the_directory_once_per_batch_not_each_block_by
     assert [[bytes(b) for b in slot] for slot in buffers] == [
         [bytes(b) for b in slot] for slot in want
     ]
+
+
+def test_a_loads_look_at_its_blocks_stats_them_through_one_directory_descriptor(
+    tmp_path: Path,
+) -> None:
+    """Before a load allocates, check_blocks stats every block the manifest names: one
+    walk to the block directory for the whole entry, then one stat relative to it per
+    block (before: a link check of the directory and a walk by path per block, 2 stats
+    a block). A missing block is still a miss, a link or a directory still refused."""
+    from kvtrio.errors import CacheMissError
+    from kvtrio.storage.reader import check_blocks
+
+    class CountingStats(FaultyFileOps):
+        def stat(self, path: str, *, dir_fd: int | None = None) -> os.stat_result:
+            self._before("stat" if dir_fd is None else "stat_at")
+            return self.inner.stat(path, dir_fd=dir_fd)
+
+    cache = _conversation(512, 0, 0)
+    kvtrio.save_cache(tmp_path / "a.kvt", [], [cache], layout="blocks", block_tokens=16)
+    header = read_header(str(tmp_path / "a.kvt")).header
+    refs = [ref for slot in header.slots() for ref in slot.blocks or ()]
+    assert len(refs) == 64  # 2 tensors of 32 blocks
+    counting = CountingStats(OS_FILE_OPS, lambda op: None)
+    check_blocks(header, LocalBlockStore(str(tmp_path / "blocks"), file_ops=counting))
+    assert counting.calls == {"stat": 1, "open_dir": 1, "stat_at": 64}  # 1: the link check
+    blocks = tmp_path / "blocks"
+    (blocks / refs[40].sha256).unlink()
+    (blocks / refs[40].sha256).symlink_to(blocks / refs[0].sha256)
+    with pytest.raises(CorruptCacheError, match=rf"^block {refs[40].sha256}: is a symbolic link$"):
+        check_blocks(header, LocalBlockStore(str(blocks)))
+    (blocks / refs[40].sha256).unlink()
+    (blocks / refs[40].sha256).mkdir()
+    with pytest.raises(CorruptCacheError, match=rf"^block {refs[40].sha256}: not a regular file$"):
+        check_blocks(header, LocalBlockStore(str(blocks)))
+    (blocks / refs[40].sha256).rmdir()
+    missing = rf"^caches\[0\]\.tensors\[1\]\.blocks\[8\]: block {refs[40].sha256} is missing$"
+    with pytest.raises(CacheMissError, match=missing):
+        check_blocks(header, LocalBlockStore(str(blocks)))
