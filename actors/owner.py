@@ -284,7 +284,7 @@ def steps(sizes: Sequence[int], *, limit: int | None = None) -> list[range]:
 def _allocate_group(
     header: Header, indices: Sequence[int], options: IoOptions
 ) -> list[tuple[tuple[Any, ...], tuple[memoryview, ...]]]:
-    return [hostbuffers.allocate_slot(header, i, options=options) for i in indices]
+    return hostbuffers.allocate_slots(header, indices, options=options)
 
 
 def save_steps(sizes: Sequence[int]) -> list[range]:

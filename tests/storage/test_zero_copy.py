@@ -178,6 +178,46 @@ def test_block_layout_load_allocates_once_per_tensor_when_pieces_are_strided(
         assert np.array_equal(np.array(got.values), np.array(cache.values[..., :n, :]))
 
 
+@pytest.mark.parametrize("heads", [1, 3])
+def test_a_load_step_of_several_tensors_allocates_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, heads: int
+) -> None:
+    """A tier load's step (several tensors up to STEP_BYTES) is carved from one backing:
+    one allocation, not one per tensor (about 0.15 ms of the owner's time each, whatever
+    the size: the served bench's 4 tensors spent more on allocating than on assembling).
+    Every tensor and piece starts at a 4 KiB boundary, and the load stays bit-exact."""
+    import kvtrio
+    from kvtrio.storage.cacheio import adopt
+    from kvtrio.storage.reader import read_header, read_tensors
+
+    caches = [mlx_cache_kv(heads, 600), mlx_cache_kv(heads, 513)]
+    path = tmp_path / "m.kvt"
+    kvtrio.save_cache(path, [], caches, layout="blocks", block_tokens=256)
+    cache_file = read_header(str(path))
+    allocations: list[int] = []
+    untouched = hostbuffers._untouched_uint8
+
+    def counted(nbytes: int, fresh: bool) -> Any:
+        allocations.append(nbytes)
+        return untouched(nbytes, fresh)
+
+    monkeypatch.setattr(hostbuffers, "_untouched_uint8", counted)
+    pairs = hostbuffers.allocate_slots(cache_file.header, range(4))
+    assert len(allocations) == 1
+    loaded = hostbuffers.LoadBuffers(
+        arrays=tuple(a for a, _ in pairs), buffers=tuple(v for _, v in pairs)
+    )
+    starts = [np.frombuffer(v, dtype=np.uint8).ctypes.data for vs in loaded.buffers for v in vs]
+    assert len(starts) == 12 and all(start % 4096 == 0 for start in starts)
+    read_tensors(cache_file, loaded.buffers, store=LocalBlockStore(str(tmp_path / "blocks")))
+    restored = adopt(cache_file.header, loaded)
+    for got, cache in zip(restored.caches, caches, strict=True):
+        n = cache.offset
+        assert got.keys.dtype == cache.keys.dtype and got.offset == n
+        assert np.array_equal(np.array(got.keys), np.array(cache.keys[..., :n, :]))
+        assert np.array_equal(np.array(got.values), np.array(cache.values[..., :n, :]))
+
+
 def mlx_cache_kv(heads: int, n: int) -> Any:
     from mlx_lm.models import cache as mlx_cache_module
 
