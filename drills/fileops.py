@@ -25,7 +25,7 @@ import itertools
 import os
 import random
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import attrs
@@ -151,6 +151,9 @@ class LossyFileOps:
 
     def read(self, fd: int, buffer: memoryview, offset: int) -> int:
         return self.inner.read(fd, buffer, offset)
+
+    def readv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        return self.inner.readv(fd, buffers, offset)
 
     def fsync(self, fd: int) -> None:
         self.inner.fsync(fd)

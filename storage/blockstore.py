@@ -28,8 +28,11 @@ from kvtrio.storage.fileops import (
     OS_FILE_OPS,
     TMP_SUFFIX,
     FileOps,
+    Piece,
+    Scatter,
     not_a_real_directory,
     pread_full,
+    preadv_full,
     pwrite_full,
 )
 from kvtrio.storage.rootfd import NotRegularFileError
@@ -104,6 +107,10 @@ class BlockStore(abc.ABC):
     #: :meth:`stored_size` / :meth:`stored_sizes` tell a block's size without reading it
     #: (the block reader then checks sizes before it allocates).
     supports_sizes: ClassVar[bool] = False
+    #: :meth:`read_many_scattered_into` reads a block straight into its runs (a tier then
+    #: allocates a tensor of several kv heads whole and reads each block into it, with no
+    #: join after the read; the default reads into a buffer and copies the runs out).
+    supports_scatter_reads: ClassVar[bool] = False
 
     @abc.abstractmethod
     def put_many(self, blocks: Sequence[tuple[str, memoryview]]) -> int:
@@ -139,6 +146,22 @@ class BlockStore(abc.ABC):
     def read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
         """:meth:`read_into` for each ``(name, buffer)``; False for each missing block."""
         return [self.read_into(name, buffer) for name, buffer in items]
+
+    def read_many_scattered_into(self, items: Sequence[tuple[str, Piece]]) -> list[bool]:
+        """:meth:`read_many_into` where a destination may be a :class:`Scatter`, filled in
+        order as one buffer of its ``nbytes``."""
+        staged = [
+            (name, memoryview(bytearray(piece.nbytes)) if isinstance(piece, Scatter) else piece)
+            for name, piece in items
+        ]
+        found = self.read_many_into(staged)
+        for (_, piece), (_, buffer), ok in zip(items, staged, found, strict=True):
+            if ok and isinstance(piece, Scatter):
+                at = 0
+                for part in piece.parts:
+                    part[:] = buffer[at : at + part.nbytes]
+                    at += part.nbytes
+        return found
 
     def read_many_verified_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
         """:meth:`read_many_into`, then each block that was read re-hashed against its name
@@ -189,6 +212,7 @@ class LocalBlockStore(BlockStore):
     """
 
     supports_sizes: ClassVar[bool] = True  # a stat, no read
+    supports_scatter_reads: ClassVar[bool] = True  # one preadv into the runs
 
     directory: str
     file_ops: FileOps = OS_FILE_OPS
@@ -371,6 +395,11 @@ class LocalBlockStore(BlockStore):
         link check and one walk from the root per batch instead of per block, and each
         block opened relative to the descriptor (under the tier's rooted file operations
         a block costs 4 system calls, not 6: no link check and no second fstat)."""
+        return self.read_many_scattered_into(items)
+
+    def read_many_scattered_into(self, items: Sequence[tuple[str, Piece]]) -> list[bool]:
+        """:meth:`read_many_into`, a :class:`Scatter` destination read by one ``preadv``
+        into its runs."""
         return self._in_directory(
             len(items),
             lambda fd: [
@@ -380,7 +409,7 @@ class LocalBlockStore(BlockStore):
             False,
         )
 
-    def _read_block(self, path: str, name: str, buffer: memoryview, *, dir_fd: int | None) -> bool:
+    def _read_block(self, path: str, name: str, buffer: Piece, *, dir_fd: int | None) -> bool:
         try:
             fd = self.file_ops.open(path, os.O_RDONLY | O_NOFOLLOW | O_NONBLOCK, dir_fd=dir_fd)
         except FileNotFoundError:
@@ -399,7 +428,10 @@ class LocalBlockStore(BlockStore):
                 raise CorruptBlockError(
                     name, "bytes", f"stored size {info.st_size} != expected {buffer.nbytes}"
                 )
-            got = pread_full(self.file_ops, fd, buffer, 0)
+            if isinstance(buffer, Scatter):
+                got = preadv_full(self.file_ops, fd, buffer.parts, 0)
+            else:
+                got = pread_full(self.file_ops, fd, buffer, 0)
             if got != buffer.nbytes:
                 raise CorruptCacheError(f"block {name}: short read ({got} of {buffer.nbytes})")
         finally:

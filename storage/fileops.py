@@ -35,7 +35,7 @@ import ctypes.util
 import os
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import attrs
@@ -47,10 +47,14 @@ __all__ = [
     "TMP_SUFFIX",
     "FaultyFileOps",
     "FileOps",
+    "Piece",
+    "Scatter",
     "byte_view",
     "not_a_real_directory",
     "OsFileOps",
+    "piece_bytes",
     "pread_full",
+    "preadv_full",
     "pwrite_full",
 ]
 
@@ -89,6 +93,11 @@ class FileOps(Protocol):
 
     def read(self, fd: int, buffer: memoryview, offset: int) -> int:
         """Read into ``buffer`` from ``offset``; return the byte count (0 at EOF)."""
+        ...
+
+    def readv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        """Read into ``buffers`` in order from ``offset`` (one ``preadv``: a block read
+        straight into its runs of a tensor); return the byte count (maybe short)."""
         ...
 
     def fsync(self, fd: int) -> None:
@@ -161,6 +170,12 @@ class OsFileOps:
         # Safe here because every reader opens its own descriptor.
         os.lseek(fd, offset, os.SEEK_SET)
         return os.readv(fd, [buffer[:_MAX_IO]])
+
+    def readv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        if _HAS_PREADV:
+            return os.preadv(fd, buffers, offset)
+        os.lseek(fd, offset, os.SEEK_SET)
+        return os.readv(fd, buffers)
 
     def fsync(self, fd: int) -> None:
         if sys.platform == "darwin":
@@ -284,6 +299,10 @@ class FaultyFileOps:
         self._before("read")
         return self.inner.read(fd, buffer, offset)
 
+    def readv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        self._before("read")
+        return self.inner.readv(fd, buffers, offset)
+
     def fsync(self, fd: int) -> None:
         self._before("fsync")
         self.inner.fsync(fd)
@@ -351,6 +370,46 @@ def byte_view(buffer: memoryview) -> memoryview:
     if not buffer.c_contiguous:
         raise ValueError("buffer is not C-contiguous")
     return buffer.cast("B")
+
+
+@attrs.frozen(eq=False)
+class Scatter:
+    """One read's destination in several runs, filled in order as one buffer of
+    ``nbytes``: a token block of several kv heads read straight into each head's run of
+    its tensor (no join after the read)."""
+
+    parts: tuple[memoryview, ...]
+    nbytes: int = attrs.field(init=False)
+
+    @nbytes.default
+    def _sum(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+
+#: Where one block (or tensor piece) is read: one buffer, or runs of one (:class:`Scatter`).
+Piece = memoryview | Scatter
+
+
+def piece_bytes(piece: Piece) -> int:
+    """The bytes ``piece`` receives."""
+    return piece.nbytes
+
+
+def preadv_full(ops: FileOps, fd: int, parts: Sequence[memoryview], offset: int) -> int:
+    """Fill ``parts`` in order from ``offset`` (one ``preadv``, resumed where a short read
+    stopped); return the bytes read (short only at EOF)."""
+    views = [byte_view(part) for part in parts if part.nbytes]
+    done = 0
+    while views:
+        n = ops.readv(fd, views, offset + done)
+        if n == 0:
+            break
+        done += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = views[0][n:]
+    return done
 
 
 def pwrite_full(ops: FileOps, fd: int, data: memoryview, offset: int) -> None:

@@ -29,7 +29,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 from kvtrio.storage.dtypes import DTYPES
-from kvtrio.storage.fileops import byte_view
+from kvtrio.storage.fileops import Piece, Scatter, byte_view
 from kvtrio.storage.format import DTYPE_SIZES, Header, TensorSlot, piece_ranges
 from kvtrio.storage.headerparse import nth_slot
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
@@ -191,7 +191,7 @@ class LoadBuffers:
     """
 
     arrays: tuple[tuple[Any, ...], ...]
-    buffers: tuple[tuple[memoryview, ...], ...]
+    buffers: tuple[tuple[Piece, ...], ...]
 
 
 def _physical_memory() -> int | None:
@@ -214,18 +214,48 @@ def check_allocatable(nbytes: int) -> None:
 
 
 def allocate_slots(
-    header: Header, indices: Sequence[int], *, options: IoOptions = DEFAULT_IO_OPTIONS
-) -> list[tuple[tuple[Any, ...], tuple[memoryview, ...]]]:
+    header: Header,
+    indices: Sequence[int],
+    *,
+    options: IoOptions = DEFAULT_IO_OPTIONS,
+    scatter: bool = False,
+) -> list[tuple[tuple[Any, ...], tuple[Piece, ...]]]:
     """:func:`allocate_slot` for each of ``indices`` (a load's step), every tensor carved
     from one backing (:class:`_Arena`): one allocation per step instead of one per tensor.
     An allocation costs about 0.15 ms of the owner's time whatever its size, so a step of
     several small tensors (the served bench's 4 of 1 MB, or 20 of SmolLM2's 1.5 MB) spent
-    more on allocating than on anything else the owner does for a load."""
-    takes = [_backing_takes(header, index) for index in indices]
+    more on allocating than on anything else the owner does for a load.
+
+    ``scatter`` (a block store that reads into runs): a block-layout tensor of several
+    kv heads is one array, each piece a :class:`~kvtrio.storage.fileops.Scatter` of its
+    runs of it (:func:`_allocate_scattered`), so nothing is joined after the read.
+    """
+    takes = [_backing_takes(header, index, scatter) for index in indices]
     total = sum(_aligned(n) for slot_takes in takes for n in slot_takes)
     check_allocatable(total)
     arena = _Arena(total, options)
-    return [allocate_slot(header, index, options=options, arena=arena) for index in indices]
+    out: list[tuple[tuple[Any, ...], tuple[Piece, ...]]] = []
+    for index in indices:
+        slot = nth_slot(header, index)
+        if scatter and _strided(header, slot):
+            assert slot.token_axis is not None
+            ranges = piece_ranges(slot, header.block_tokens)
+            out.append(_allocate_scattered(slot.shape, slot.dtype, slot.token_axis, ranges, arena))
+        else:
+            out.append(allocate_slot(header, index, options=options, arena=arena))
+    return out
+
+
+def _strided(header: Header, slot: TensorSlot) -> bool:
+    """Whether ``slot`` is a block-layout tensor of several pieces that are not
+    consecutive bytes of it (several kv heads), and of some bytes."""
+    return (
+        header.layout == "blocks"
+        and slot.token_axis is not None
+        and slot.nbytes > 0
+        and len(piece_ranges(slot, header.block_tokens)) > 1
+        and not _pieces_contiguous(slot.shape, slot.token_axis)
+    )
 
 
 def allocate_slot(
@@ -243,7 +273,8 @@ def allocate_slot(
     token axis of length 1) gets one array and one backing, with a view per piece
     (:func:`_allocate_contiguous`): nothing is joined after the read. Any other
     block-layout tensor gets one backing too, with an array per piece
-    (:func:`_allocate_blockwise`), joined after the read. The arrays are lazy views;
+    (:func:`_allocate_blockwise`), joined after the read (not so with
+    :func:`allocate_slots`' ``scatter``). The arrays are lazy views;
     :func:`adopt` evaluates them after the bytes are in. Sizes come from the validated
     header (single layout: bounded by the file size). Without a fill unless
     ``options.alloc_untouched`` is off (:func:`_untouched_uint8`). With ``arena``, every
@@ -252,7 +283,7 @@ def allocate_slot(
     slot = nth_slot(header, index)
     check_allocatable(slot.nbytes)
     if arena is None:
-        arena = _Arena(sum(_aligned(n) for n in _backing_takes(header, index)), options)
+        arena = _Arena(sum(_aligned(n) for n in _backing_takes(header, index, False)), options)
     block_tokens = header.block_tokens if header.layout == "blocks" else None
     ranges = piece_ranges(slot, block_tokens)
     if len(ranges) > 1 and slot.token_axis is not None:
@@ -288,13 +319,13 @@ def _piece_shapes(
     return out
 
 
-def _backing_takes(header: Header, index: int) -> list[int]:
+def _backing_takes(header: Header, index: int, scatter: bool) -> list[int]:
     """The bytes :func:`allocate_slot` takes from its arena for slot ``index``, in order."""
     slot = nth_slot(header, index)
     block_tokens = header.block_tokens if header.layout == "blocks" else None
     ranges = piece_ranges(slot, block_tokens)
     if len(ranges) > 1 and slot.token_axis is not None:
-        if _pieces_contiguous(slot.shape, slot.token_axis):
+        if _pieces_contiguous(slot.shape, slot.token_axis) or (scatter and _strided(header, slot)):
             return [slot.nbytes]
         if slot.nbytes:
             return [_blockwise_layout(slot.shape, slot.dtype, slot.token_axis, ranges)[2]]
@@ -394,6 +425,39 @@ def _allocate_blockwise(
         arrays.append(backing[at : at + size].view(MX_DTYPES[dtype]).reshape(piece_shape))
         views.append(raw[at : at + size])
     return tuple(arrays), tuple(views)
+
+
+def _allocate_scattered(
+    shape: tuple[int, ...],
+    dtype: str,
+    token_axis: int,
+    ranges: list[tuple[int, int]],
+    arena: _Arena,
+) -> tuple[tuple[Any, ...], tuple[Piece, ...]]:
+    """:func:`allocate_slot` for a tensor whose pieces are not consecutive, read by a
+    store that scatters: one array of the whole tensor, and each token block's
+    destination its runs of it, one per leading index (kv head), in the order the block
+    holds them (token-block-major: every head's tokens of the block, head after head).
+
+    The reader fills and hashes the runs in place (one ``preadv`` a block), so the
+    tensor needs no join: no second copy of its bytes and no second set of fresh pages
+    (docs/benchmarks.md, "a 94 MB cold load, part by part": the joins were 57-73 ms)."""
+    nbytes = DTYPE_SIZES[dtype] * math.prod(shape)
+    lead = math.prod(shape[:token_axis])
+    per_token = nbytes // (lead * shape[token_axis])  # one leading index's token, in bytes
+    row = per_token * shape[token_axis]
+    backing, raw, skip = arena.take(nbytes)
+    array = backing[skip : skip + nbytes].view(MX_DTYPES[dtype]).reshape(list(shape))
+    pieces = tuple(
+        Scatter(
+            tuple(
+                raw[skip + i * row + start * per_token : skip + i * row + stop * per_token]
+                for i in range(lead)
+            )
+        )
+        for start, stop in ranges
+    )
+    return (array,), pieces
 
 
 def _blockwise_layout(

@@ -42,6 +42,7 @@ import os
 import stat
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -185,6 +186,9 @@ class RootedFileOps:
 
     def read(self, fd: int, buffer: memoryview, offset: int) -> int:
         return self.inner.read(fd, buffer, offset)
+
+    def readv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        return self.inner.readv(fd, buffers, offset)
 
     def fsync(self, fd: int) -> None:
         self.inner.fsync(fd)
