@@ -207,6 +207,9 @@ class LossyFileOps:
     def drop_behind(self, fd: int, offset: int, length: int) -> None:
         self.inner.drop_behind(fd, offset, length)
 
+    def will_need(self, fd: int) -> None:
+        self.inner.will_need(fd)
+
     def lose_unsynced(self) -> int:
         """Undo, on disk, what a power cut could lose; return how many changes were undone."""
         undone = 0

@@ -144,6 +144,10 @@ class FileOps(Protocol):
         """Wait for a range's writeback and drop its clean pages (a hint; may do nothing)."""
         ...
 
+    def will_need(self, fd: int) -> None:
+        """Start reading a whole file into the page cache now (a hint; may do nothing)."""
+        ...
+
 
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
@@ -235,6 +239,12 @@ class OsFileOps:
         if _sync_file_range(fd, offset, length, _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER):
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+    def will_need(self, fd: int) -> None:
+        """``POSIX_FADV_WILLNEED`` of the whole file: the kernel queues its reads at once
+        (nothing where the pages are cached already)."""
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
 
 
 OS_FILE_OPS: FileOps = OsFileOps()
@@ -347,6 +357,10 @@ class FaultyFileOps:
 
     def drop_behind(self, fd: int, offset: int, length: int) -> None:
         self.inner.drop_behind(fd, offset, length)
+
+    def will_need(self, fd: int) -> None:
+        self._before("will_need")
+        self.inner.will_need(fd)
 
 
 def not_a_real_directory(ops: FileOps, path: str) -> bool:

@@ -260,3 +260,6 @@ class RootedFileOps:
 
     def drop_behind(self, fd: int, offset: int, length: int) -> None:
         self.inner.drop_behind(fd, offset, length)
+
+    def will_need(self, fd: int) -> None:
+        self.inner.will_need(fd)

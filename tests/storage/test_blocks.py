@@ -304,7 +304,12 @@ def test_a_local_block_read_opens_the_directory_once_per_batch_not_each_block_by
     store = LocalBlockStore(str(tmp_path / "blocks"), file_ops=counting)
     buffers = [[memoryview(b) for b in slot] for slot in allocate_buffers(cache_file.header)]
     read_tensors(cache_file, buffers, store=store)
-    assert counting.calls == {"open_dir": 64 // batch_blocks, "open": 64, "read": 64}
+    assert counting.calls == {
+        "open_dir": 64 // batch_blocks,
+        "open": 64,
+        "will_need": 64,
+        "read": 64,
+    }
     assert_same(
         logical_state(kvtrio.load_cache(tmp_path / "a.kvt").caches[0]), logical_state(cache)
     )
@@ -351,3 +356,32 @@ def test_a_loads_look_at_its_blocks_stats_them_through_one_directory_descriptor(
     missing = rf"^caches\[0\]\.tensors\[1\]\.blocks\[8\]: block {refs[40].sha256} is missing$"
     with pytest.raises(CacheMissError, match=missing):
         check_blocks(header, LocalBlockStore(str(blocks)))
+
+
+def test_a_local_block_read_advises_a_group_of_blocks_before_reading_the_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a cold page cache one block read at a time keeps one read in flight (1,020
+    blocks of 96 KiB: 359 ms of a 536 ms load). Each group of READ_AHEAD_BLOCKS blocks is
+    opened and advised (POSIX_FADV_WILLNEED) before the first of them is read, so the
+    kernel reads the group's files at once; no more descriptors than a group are open
+    at a time, and the bytes stay verified and bit-exact."""
+    from kvtrio.storage import blockstore
+
+    cache = _conversation(512, 0, 0)
+    kvtrio.save_cache(tmp_path / "a.kvt", [], [cache], layout="blocks", block_tokens=16)
+    cache_file = read_header(str(tmp_path / "a.kvt"))
+    monkeypatch.setattr(blockstore, "READ_AHEAD_BLOCKS", 16)
+    events: list[str] = []
+    counting = FaultyFileOps(OS_FILE_OPS, events.append)
+    store = LocalBlockStore(str(tmp_path / "blocks"), file_ops=counting)
+    buffers = [[memoryview(b) for b in slot] for slot in allocate_buffers(cache_file.header)]
+    read_tensors(cache_file, buffers, store=store)
+    blocks = [e for e in events if e != "open_dir"]
+    group = ["open", "will_need"] * 16 + ["read"] * 16
+    assert blocks == group * 4  # 64 blocks
+    want = [[memoryview(b) for b in slot] for slot in allocate_buffers(cache_file.header)]
+    read_tensors(cache_file, want, store=LocalBlockStore(str(tmp_path / "blocks")))
+    assert [[bytes(b) for b in slot] for slot in buffers] == [
+        [bytes(b) for b in slot] for slot in want
+    ]
