@@ -127,11 +127,16 @@ def _instrumented(spans: _Spans) -> Iterator[None]:
         (reader, "read_header", "manifest read + parse"),
         (reader, "check_blocks", "blocks present (stat each)"),
         (owner, "_allocate_group", "allocate destinations (owner)"),
-        (blockstore.LocalBlockStore, "_read_block", "block reads (open, fstat, preadv, close)"),
         (reader, "read_tensors", "worker read_tensors (all)"),
         (owner, "_join", "join token blocks (owner, mx.concatenate)"),
         (owner, "_assemble", "assemble caches (owner)"),
     ]
+    store = blockstore.LocalBlockStore
+    if hasattr(store, "_open_block"):  # the blocks of a group opened, then read
+        parts.append((store, "_open_block", "block opens (open, fstat, size)"))
+        parts.append((store, "_fill", "block reads (preadv)"))
+    else:
+        parts.append((store, "_read_block", "block reads (open, fstat, preadv, close)"))
     hashing = getattr(storage_reader, "_sha256_hex", None)  # a block's hash, any destination
     if hashing is not None:
         parts.append((storage_reader, "_sha256_hex", "sha256 per block"))
