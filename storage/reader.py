@@ -300,9 +300,9 @@ def read_tensors(
         names.append(name)
         views.append([_flat_piece(b, name, n) for b, n in zip(got, want, strict=True)])
     if header.layout == "single":
-        plain = [[v for v in pieces if not isinstance(v, Scatter)] for pieces in views]
-        if plain != views:
+        if any(isinstance(v, Scatter) for pieces in views for v in pieces):
             raise ValueError("a single-layout file is read into whole buffers, not scattered")
+        plain = [[v for v in pieces if isinstance(v, memoryview)] for pieces in views]
         _read_single(cache_file, slots, names, plain, verify, cancel, file_ops, options)
     else:
         if store is None:
@@ -549,20 +549,20 @@ def _read_blocks(
             for _, _, piece in items:
                 for part in piece.parts if isinstance(piece, Scatter) else (piece,):
                     prefault(part, huge=options.prefault_huge)
+        pairs = [(sha, piece) for _, sha, piece in items]
+        whole = [(sha, piece) for sha, piece in pairs if isinstance(piece, memoryview)]
         if scattered:
-            found = store.read_many_scattered_into([(sha, piece) for _, sha, piece in items])
+            found = store.read_many_scattered_into(pairs)
         elif store_verifies:
-            plain = [(sha, piece) for _, sha, piece in items if not isinstance(piece, Scatter)]
             try:
-                found = store.read_many_verified_into(plain)
+                found = store.read_many_verified_into(whole)
             except CorruptBlockError as exc:
                 named = _name_block_field(exc, items)
                 if named is None:
                     raise
                 raise named from exc
         else:
-            plain = [(sha, piece) for _, sha, piece in items if not isinstance(piece, Scatter)]
-            found = store.read_many_into(plain)
+            found = store.read_many_into(whole)
         for (label, sha, piece), ok in zip(items, found, strict=True):
             if not ok:
                 raise CacheMissError(f"{label}: block {sha} is missing")
