@@ -16,12 +16,13 @@ Theory of operation (docs/design.md "Threads, and who may touch what"):
    one its copy; a job round trip costs more than most of them, so one job per tensor
    cost a save of 64 tensors about 20 ms); one ``mx.eval`` per tensor of a job;
    ``release`` frees a save's host tensors the same way; ``allocate_slots`` allocates a
-   step of tensors up to :data:`STEP_BYTES` (the pages are touched there).
+   step of tensors up to :data:`STEP_BYTES` from one backing (the pages are not touched).
 3. Loads never copy tensor bytes: ``allocate`` makes each destination array on the owner
    and lends its memory (a writable, zero-copy memoryview) to a worker thread that reads
-   the file straight into it; the caches are then built from those arrays on the owner
-   (``join``, one job per tensor of several token blocks, as soon as its step is read;
-   then ``restore``).
+   the file straight into it (a block of several kv heads into its runs of the tensor,
+   where the store scatters); the caches are then built from those arrays on the owner
+   (``join``, one job per tensor of several token blocks a store could not scatter, as
+   soon as its step is read; then ``restore``).
 4. A job whose caller was cancelled before it started never runs; a started job finishes
    and its result is dropped (the executor's rules).
 5. kvtrio's threads are background threads to the scheduler: the owner thread (and the
@@ -48,6 +49,7 @@ from kvtrio.runtime.executor import DedicatedThreadExecutor, InlineExecutor
 from kvtrio.runtime.external import ExternalThreadExecutor
 from kvtrio.storage import cacheio, hostbuffers
 from kvtrio.storage.cacheio import AttachmentData, CacheSnapshot, HostTensor, Restored
+from kvtrio.storage.fileops import Piece
 from kvtrio.storage.format import Header, TensorSlot
 from kvtrio.storage.hostbuffers import LoadBuffers
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
@@ -228,14 +230,22 @@ class MlxOwner:
         writable zero-copy views of them for the reader thread, so the read lands in MLX
         memory and nothing is copied (without a fill unless ``options.alloc_untouched`` is
         off)."""
-        return (await self.run(_allocate_group, header, [index], options))[0]
+        return await self.run(
+            functools.partial(hostbuffers.allocate_slot, header, index, options=options)
+        )
 
     async def allocate_slots(
-        self, header: Header, indices: Sequence[int], *, options: IoOptions = DEFAULT_IO_OPTIONS
-    ) -> list[tuple[tuple[Any, ...], tuple[memoryview, ...]]]:
+        self,
+        header: Header,
+        indices: Sequence[int],
+        *,
+        options: IoOptions = DEFAULT_IO_OPTIONS,
+        scatter: bool = False,
+    ) -> list[tuple[tuple[Any, ...], tuple[Piece, ...]]]:
         """:meth:`allocate_slot` for several slots in one owner job (a step of
-        :func:`steps`)."""
-        return await self.run(_allocate_group, header, indices, options)
+        :func:`steps`), from one backing; ``scatter`` as for
+        :func:`kvtrio.storage.hostbuffers.allocate_slots`."""
+        return await self.run(_allocate_group, header, indices, options, scatter)
 
     async def join(self, slot: TensorSlot, pieces: Sequence[Any]) -> Any:
         """Slot ``slot``'s tensor from its filled pieces: the one piece itself, or the
@@ -282,9 +292,9 @@ def steps(sizes: Sequence[int], *, limit: int | None = None) -> list[range]:
 
 
 def _allocate_group(
-    header: Header, indices: Sequence[int], options: IoOptions
-) -> list[tuple[tuple[Any, ...], tuple[memoryview, ...]]]:
-    return [hostbuffers.allocate_slot(header, i, options=options) for i in indices]
+    header: Header, indices: Sequence[int], options: IoOptions, scatter: bool
+) -> list[tuple[tuple[Any, ...], tuple[Piece, ...]]]:
+    return hostbuffers.allocate_slots(header, indices, options=options, scatter=scatter)
 
 
 def save_steps(sizes: Sequence[int]) -> list[range]:

@@ -21,7 +21,7 @@ import trio
 from kvtrio.actors.sched import BACKGROUND_SLICE, background_slice
 from kvtrio.runtime.offload import CancelToken, Offload
 from kvtrio.storage.blockstore import BlockStore
-from kvtrio.storage.fileops import OS_FILE_OPS, FileOps
+from kvtrio.storage.fileops import OS_FILE_OPS, FileOps, Piece
 from kvtrio.storage.format import Header
 from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
@@ -99,7 +99,7 @@ class Reader:
     async def read_tensors(
         self,
         cache_file: CacheFile,
-        buffers: Sequence[Sequence[memoryview]],
+        buffers: Sequence[Sequence[Piece]],
         *,
         verify: bool,
         indices: Sequence[int] | None = None,
@@ -118,7 +118,7 @@ class Reader:
         finally:
             self._running -= 1
         self._read += 1
-        self._bytes += sum(len(piece) for pieces in buffers for piece in pieces)
+        self._bytes += sum(piece.nbytes for pieces in buffers for piece in pieces)
 
     def statistics(self) -> ReaderStatistics:
         return ReaderStatistics(
@@ -157,7 +157,7 @@ class Reader:
         self,
         token: CancelToken,
         cache_file: CacheFile,
-        buffers: Sequence[Sequence[memoryview]],
+        buffers: Sequence[Sequence[Piece]],
         verify: bool,
         indices: Sequence[int] | None,
     ) -> None:

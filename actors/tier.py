@@ -23,9 +23,10 @@ Theory of operation
    The snapshot is released exactly once when its ticket settles (docs/design.md invariant 2); the
    ledger in :meth:`ColdTier.statistics` counts the live ones.
 3. ``load`` reads and validates the header on a worker thread, checks ``expect``, has
-   the owner allocate the destination arrays (one job per tensor), reads the tensors
-   straight into them on a worker thread (verifying hashes by default) and builds the
-   caches on the owner. No tensor byte is copied on the event loop or under the GIL.
+   the owner allocate the destination arrays (one job and one backing per step of
+   tensors), reads the tensors straight into them on a worker thread (verifying hashes
+   by default; :mod:`kvtrio.actors.loadsteps`) and builds the caches on the owner. No
+   tensor byte is copied on the event loop or under the GIL.
 4. Leaving the ``async with`` normally is a graceful shutdown: intake stops (``save``
    raises ShuttingDown), queued saves are written until ``shutdown_grace`` seconds have
    passed, then the rest are cancelled and the write in flight stops at its next tensor
@@ -77,7 +78,8 @@ from typing import Any
 
 import trio
 from kvtrio.actors.callerchecks import check_tier_arguments
-from kvtrio.actors.owner import MlxOwner, steps
+from kvtrio.actors.loadsteps import read_pipelined
+from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.plainerrors import plain_errors
 from kvtrio.actors.reader import HeaderCheck, Reader
 from kvtrio.actors.sched import BACKGROUND_SLICE
@@ -547,53 +549,15 @@ class ColdTier:
             raise
 
     async def _read_pipelined(self, cache_file: CacheFile, verify: bool) -> LoadBuffers:
-        """Allocate the next step's tensors on the owner while the previous step's are read
-        on a worker thread (``options.load_streams`` reads at once, within ``io_threads``;
-        :data:`~kvtrio.storage.options.TIER_LOAD_STREAMS` says why one; the same knob
-        bounds :func:`kvtrio.load_cache`'s reads). A step is one tensor, or several small
-        ones up to :data:`~kvtrio.actors.owner.STEP_BYTES`; a step read is joined on the
-        owner (:meth:`MlxOwner.join`) while the next is read. The first failing slot, in
-        slot order, raises; the other reads stop at their next boundary and are waited for."""
-        header = cache_file.header
-        slots = list(header.slots())
-        arrays: list[tuple[Any, ...]] = []
-        buffers: list[tuple[memoryview, ...]] = []
-        errors: list[tuple[int, Exception]] = []
-
-        reading = trio.Semaphore(self.load_streams)
-
-        async def read(step: range, views: list[tuple[memoryview, ...]]) -> None:
-            try:
-                await self.reader.read_tensors(cache_file, views, verify=verify, indices=step)
-            except Exception as exc:
-                errors.append((step.start, exc))
-                nursery.cancel_scope.cancel()
-                return
-            finally:
-                reading.release()
-            try:
-                for index in step:
-                    arrays[index] = (await self.owner.join(slots[index], arrays[index]),)
-            except Exception as exc:
-                errors.append((step.start, exc))
-                nursery.cancel_scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            for step in steps([slot.nbytes for slot in header.slots()]):
-                try:
-                    allocated = await self.owner.allocate_slots(header, step, options=self.options)
-                except Exception as exc:
-                    errors.append((step.start, exc))
-                    nursery.cancel_scope.cancel()
-                    break
-                arrays.extend(a for a, _ in allocated)
-                views = [v for _, v in allocated]
-                buffers.extend(views)
-                await reading.acquire()
-                nursery.start_soon(read, step, views)
-        if errors:
-            raise min(errors, key=lambda e: e[0])[1]
-        return LoadBuffers(arrays=tuple(arrays), buffers=tuple(buffers))
+        return await read_pipelined(
+            self.owner,
+            self.reader,
+            cache_file,
+            verify=verify,
+            streams=self.load_streams,
+            options=self.options,
+            scatter=self.block_store.supports_scatter_reads,
+        )
 
     async def entry(self, key: str) -> TierEntry:
         """The stored entry of ``key`` (CacheMissError if absent)."""

@@ -2,10 +2,13 @@
 
 Not wired into ``kvtrio bench``; run it as a module::
 
-    python -m kvtrio.bench.loadcost --rounds 7 [--tokens 4096] [--drop-cache] [--json F]
+    python -m kvtrio.bench.loadcost --rounds 7 [--tokens 4096] [--shape S] [--drop-cache] [--json F]
 
-The entry: 30 layers of mlx-lm ``KVCache``, keys and values ``(1, 3, T, 64)`` float16,
-random (T = 4,096: 94,371,840 bytes). Three loads of it, alternated round by round:
+The entry (``--shape smollm2-135m``, the default): 30 layers of mlx-lm ``KVCache``, keys
+and values ``(1, 3, T, 64)`` float16, random (T = 4,096: 94,371,840 bytes);
+``--shape tiny``: the served bench's tiny llama, 2 layers of ``(1, 1, T, 64)`` float32
+(T = 4,127, its turn 2: 4,226,048 bytes, where the fixed costs of a load show). Three
+loads of it, alternated round by round:
 
 - ``naive``: ``bench/serve_naive.py``'s load, mlx-lm's ``load_prompt_cache`` of the
   file ``save_prompt_cache`` wrote, then ``mx.eval`` of every array (``mx.load`` is lazy:
@@ -41,24 +44,27 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 
-__all__ = ["main", "make_caches", "mlx_cache"]
+__all__ = ["SHAPES", "main", "make_caches", "mlx_cache"]
 
-_LAYERS = 30
-_HEADS = 3
-_DIM = 64
+#: (layers, kv heads, head dim, dtype) of each ``--shape``.
+SHAPES: dict[str, tuple[int, int, int, str]] = {
+    "smollm2-135m": (30, 3, 64, "float16"),
+    "tiny": (2, 1, 64, "float32"),
+}
 _MODEL = ("loadcost", None, None)
 mlx_cache: Any = _mlx_cache  # mlx-lm's (model path, adapter, draft model)
 
 
-def make_caches(tokens: int, *, seed: int = 0) -> list[Any]:
-    """30 layers of KVCache holding ``tokens`` tokens of random float16 keys and values."""
+def make_caches(tokens: int, *, seed: int = 0, shape: str = "smollm2-135m") -> list[Any]:
+    """``shape``'s layers of KVCache holding ``tokens`` tokens of random keys and values."""
+    layers, heads, dim, dtype = SHAPES[shape]
     mx.random.seed(seed)
     caches = []
-    for _ in range(_LAYERS):
+    for _ in range(layers):
         cache = mlx_cache.KVCache()
-        shape = (1, _HEADS, tokens, _DIM)
-        cache.keys = mx.random.normal(shape).astype(mx.float16)
-        cache.values = mx.random.normal(shape).astype(mx.float16)
+        size = (1, heads, tokens, dim)
+        cache.keys = mx.random.normal(size).astype(getattr(mx, dtype))
+        cache.values = mx.random.normal(size).astype(getattr(mx, dtype))
         cache.offset = tokens
         caches.append(cache)
     mx.eval([c.state for c in caches])
@@ -110,24 +116,35 @@ class _TimedHashlib:
 
 @contextmanager
 def _instrumented(spans: _Spans) -> Iterator[None]:
-    """The load's parts timed where they run (restored on exit)."""
+    """The load's parts timed where they run (restored on exit). The same names exist in
+    main's code since its tenth session, so older code can be timed by this file too
+    (run as a script with that code first on ``PYTHONPATH``)."""
     from kvtrio.actors import owner, reader
-    from kvtrio.storage import blockstore, hostbuffers
+    from kvtrio.storage import blockstore
     from kvtrio.storage import reader as storage_reader
 
     parts: list[tuple[Any, str, str]] = [
         (reader, "read_header", "manifest read + parse"),
         (reader, "check_blocks", "blocks present (stat each)"),
-        (hostbuffers, "allocate_slot", "allocate destinations (owner)"),
-        (blockstore.LocalBlockStore, "read_into", "block reads (open, fstat, pread, close)"),
+        (owner, "_allocate_group", "allocate destinations (owner)"),
         (reader, "read_tensors", "worker read_tensors (all)"),
         (owner, "_join", "join token blocks (owner, mx.concatenate)"),
         (owner, "_assemble", "assemble caches (owner)"),
     ]
+    store = blockstore.LocalBlockStore
+    if hasattr(store, "_open_block"):  # the blocks of a group opened, then read
+        parts.append((store, "_open_block", "block opens (open, fstat, size)"))
+        parts.append((store, "_fill", "block reads (preadv)"))
+    else:
+        parts.append((store, "_read_block", "block reads (open, fstat, preadv, close)"))
+    hashing = getattr(storage_reader, "_sha256_hex", None)  # a block's hash, any destination
+    if hashing is not None:
+        parts.append((storage_reader, "_sha256_hex", "sha256 per block"))
     patches: list[tuple[Any, str, Any]] = [
         (target, name, spans.wrap(part, getattr(target, name))) for target, name, part in parts
     ]
-    patches.append((storage_reader, "hashlib", _TimedHashlib(spans)))
+    if hashing is None:
+        patches.append((storage_reader, "hashlib", _TimedHashlib(spans)))
     saved = [(target, name, getattr(target, name)) for target, name, _ in patches]
     for target, name, value in patches:
         setattr(target, name, value)
@@ -192,10 +209,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvtrio.bench.loadcost")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     parser.add_argument("--drop-cache", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    caches = make_caches(args.tokens)
+    caches = make_caches(args.tokens, shape=args.shape)
     tokens = list(range(2, 2 + args.tokens))
     nbytes = sum(a.nbytes for a in _arrays(caches))
     with tempfile.TemporaryDirectory(prefix="kvtrio-loadcost-") as root:
@@ -230,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {
         "bytes": nbytes,
         "tokens": args.tokens,
+        "shape": args.shape,
         "rounds": args.rounds,
         "drop_cache": args.drop_cache,
         "load_s": dict(times),

@@ -25,7 +25,7 @@ import itertools
 import os
 import random
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import attrs
@@ -152,6 +152,9 @@ class LossyFileOps:
     def read(self, fd: int, buffer: memoryview, offset: int) -> int:
         return self.inner.read(fd, buffer, offset)
 
+    def readv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        return self.inner.readv(fd, buffers, offset)
+
     def fsync(self, fd: int) -> None:
         self.inner.fsync(fd)
         state = self._files[self._fd_inode[fd]]
@@ -203,6 +206,9 @@ class LossyFileOps:
 
     def drop_behind(self, fd: int, offset: int, length: int) -> None:
         self.inner.drop_behind(fd, offset, length)
+
+    def will_need(self, fd: int) -> None:
+        self.inner.will_need(fd)
 
     def lose_unsynced(self) -> int:
         """Undo, on disk, what a power cut could lose; return how many changes were undone."""

@@ -18,7 +18,7 @@ import re
 import secrets
 import stat
 from collections.abc import Callable, Iterator, Sequence
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, TypeVar
 
 import attrs
 from kvtrio.errors import CorruptCacheError
@@ -28,14 +28,18 @@ from kvtrio.storage.fileops import (
     OS_FILE_OPS,
     TMP_SUFFIX,
     FileOps,
+    Piece,
+    Scatter,
     not_a_real_directory,
     pread_full,
+    preadv_full,
     pwrite_full,
 )
 from kvtrio.storage.rootfd import NotRegularFileError
 
 __all__ = [
     "BLOCK_NAME_RE",
+    "READ_AHEAD_BLOCKS",
     "BlockInfo",
     "BlockStore",
     "CorruptBlockError",
@@ -45,6 +49,10 @@ __all__ = [
 ]
 
 BLOCK_NAME_RE = re.compile(r"[0-9a-f]{64}")
+#: Blocks a local read opens and advises before reading the first of them (and so at most
+#: the descriptors it holds open at once).
+READ_AHEAD_BLOCKS = 32
+_T = TypeVar("_T")
 _log = logging.getLogger(__name__)
 
 
@@ -103,6 +111,10 @@ class BlockStore(abc.ABC):
     #: :meth:`stored_size` / :meth:`stored_sizes` tell a block's size without reading it
     #: (the block reader then checks sizes before it allocates).
     supports_sizes: ClassVar[bool] = False
+    #: :meth:`read_many_scattered_into` reads a block straight into its runs (a tier then
+    #: allocates a tensor of several kv heads whole and reads each block into it, with no
+    #: join after the read; the default reads into a buffer and copies the runs out).
+    supports_scatter_reads: ClassVar[bool] = False
 
     @abc.abstractmethod
     def put_many(self, blocks: Sequence[tuple[str, memoryview]]) -> int:
@@ -138,6 +150,22 @@ class BlockStore(abc.ABC):
     def read_many_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
         """:meth:`read_into` for each ``(name, buffer)``; False for each missing block."""
         return [self.read_into(name, buffer) for name, buffer in items]
+
+    def read_many_scattered_into(self, items: Sequence[tuple[str, Piece]]) -> list[bool]:
+        """:meth:`read_many_into` where a destination may be a :class:`Scatter`, filled in
+        order as one buffer of its ``nbytes``."""
+        staged = [
+            (name, memoryview(bytearray(piece.nbytes)) if isinstance(piece, Scatter) else piece)
+            for name, piece in items
+        ]
+        found = self.read_many_into(staged)
+        for (_, piece), (_, buffer), ok in zip(items, staged, found, strict=True):
+            if ok and isinstance(piece, Scatter):
+                at = 0
+                for part in piece.parts:
+                    part[:] = buffer[at : at + part.nbytes]
+                    at += part.nbytes
+        return found
 
     def read_many_verified_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
         """:meth:`read_many_into`, then each block that was read re-hashed against its name
@@ -188,6 +216,7 @@ class LocalBlockStore(BlockStore):
     """
 
     supports_sizes: ClassVar[bool] = True  # a stat, no read
+    supports_scatter_reads: ClassVar[bool] = True  # one preadv into the runs
 
     directory: str
     file_ops: FileOps = OS_FILE_OPS
@@ -307,8 +336,21 @@ class LocalBlockStore(BlockStore):
         """
         if self._linked():
             return None
+        return self._size(self.path_of(name), name, dir_fd=None)
+
+    def stored_sizes(self, names: Sequence[str]) -> list[int | None]:
+        """:meth:`stored_size` of each of ``names`` through one descriptor of the
+        directory (one link check and one walk from the root for the batch, then one
+        ``fstatat`` a block): a load's look at its blocks before it allocates."""
+        return self._in_directory(
+            len(names),
+            lambda fd: [self._size(check_block_name(name), name, dir_fd=fd) for name in names],
+            None,
+        )
+
+    def _size(self, path: str, name: str, *, dir_fd: int | None) -> int | None:
         try:
-            info = self.file_ops.stat(self.path_of(name))
+            info = self.file_ops.stat(path, dir_fd=dir_fd)
         except FileNotFoundError:
             return None
         if stat.S_ISLNK(info.st_mode):
@@ -329,17 +371,19 @@ class LocalBlockStore(BlockStore):
         return self._in_directory(
             len(names),
             lambda fd: [self._exists(check_block_name(name), dir_fd=fd) for name in names],
+            False,
         )
 
-    def _in_directory(self, count: int, each: Callable[[int], list[bool]]) -> list[bool]:
+    def _in_directory(self, count: int, each: Callable[[int], list[_T]], absent: _T) -> list[_T]:
         """``each(fd)`` with one descriptor of the block directory (one link check and one
-        walk from the root for the whole batch); ``count`` Falses when there is none."""
+        walk from the root for the whole batch); ``count`` times ``absent`` when there is
+        none."""
         if self._linked():
-            return [False] * count
+            return [absent] * count
         try:
             fd = self.file_ops.open_dir(self.directory)
         except FileNotFoundError:
-            return [False] * count
+            return [absent] * count
         try:
             return each(fd)
         finally:
@@ -355,19 +399,54 @@ class LocalBlockStore(BlockStore):
         link check and one walk from the root per batch instead of per block, and each
         block opened relative to the descriptor (under the tier's rooted file operations
         a block costs 4 system calls, not 6: no link check and no second fstat)."""
-        return self._in_directory(
-            len(items),
-            lambda fd: [
-                self._read_block(check_block_name(name), name, buffer, dir_fd=fd)
-                for name, buffer in items
-            ],
-        )
+        return self.read_many_scattered_into(items)
 
-    def _read_block(self, path: str, name: str, buffer: memoryview, *, dir_fd: int | None) -> bool:
+    def read_many_scattered_into(self, items: Sequence[tuple[str, Piece]]) -> list[bool]:
+        """:meth:`read_many_into`, a :class:`Scatter` destination read by one ``preadv``
+        into its runs. Blocks go in groups of :data:`READ_AHEAD_BLOCKS`: each block of a
+        group is opened, checked and advised (``will_need``) before the first is read, so
+        on a cold page cache the kernel reads the group's files at once instead of one
+        after the other (1,020 blocks of 96 KiB: 359 ms of a 536 ms load, one in flight)."""
+        return self._in_directory(len(items), lambda fd: self._read_groups(fd, items), False)
+
+    def _read_groups(self, dir_fd: int, items: Sequence[tuple[str, Piece]]) -> list[bool]:
+        found: list[bool] = []
+        for start in range(0, len(items), READ_AHEAD_BLOCKS):
+            group = items[start : start + READ_AHEAD_BLOCKS]
+            fds: list[int | None] = []
+            try:
+                for name, buffer in group:
+                    fd = self._open_block(check_block_name(name), name, buffer.nbytes, dir_fd)
+                    fds.append(fd)
+                    if fd is not None:
+                        self.file_ops.will_need(fd)
+                for (name, buffer), fd in zip(group, fds, strict=True):
+                    if fd is not None:
+                        self._fill(fd, name, buffer)
+                    found.append(fd is not None)
+            finally:
+                for fd in fds:
+                    if fd is not None:
+                        self.file_ops.close(fd)
+        return found
+
+    def _read_block(self, path: str, name: str, buffer: Piece, *, dir_fd: int | None) -> bool:
+        fd = self._open_block(path, name, buffer.nbytes, dir_fd)
+        if fd is None:
+            return False
+        try:
+            self._fill(fd, name, buffer)
+        finally:
+            self.file_ops.close(fd)
+        return True
+
+    def _open_block(self, path: str, name: str, nbytes: int, dir_fd: int | None) -> int | None:
+        """A descriptor of block ``name``, a regular file of ``nbytes`` reached without a
+        link (None: there is none; the caller closes it)."""
         try:
             fd = self.file_ops.open(path, os.O_RDONLY | O_NOFOLLOW | O_NONBLOCK, dir_fd=dir_fd)
         except FileNotFoundError:
-            return False
+            return None
         except NotRegularFileError:
             raise CorruptCacheError(f"block {name}: not a regular file") from None
         except OSError as exc:
@@ -378,16 +457,22 @@ class LocalBlockStore(BlockStore):
             info = self.file_ops.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise CorruptCacheError(f"block {name}: not a regular file")
-            if info.st_size != buffer.nbytes:
+            if info.st_size != nbytes:
                 raise CorruptBlockError(
-                    name, "bytes", f"stored size {info.st_size} != expected {buffer.nbytes}"
+                    name, "bytes", f"stored size {info.st_size} != expected {nbytes}"
                 )
-            got = pread_full(self.file_ops, fd, buffer, 0)
-            if got != buffer.nbytes:
-                raise CorruptCacheError(f"block {name}: short read ({got} of {buffer.nbytes})")
-        finally:
+        except BaseException:
             self.file_ops.close(fd)
-        return True
+            raise
+        return fd
+
+    def _fill(self, fd: int, name: str, buffer: Piece) -> None:
+        if isinstance(buffer, Scatter):
+            got = preadv_full(self.file_ops, fd, buffer.parts, 0)
+        else:
+            got = pread_full(self.file_ops, fd, buffer, 0)
+        if got != buffer.nbytes:
+            raise CorruptCacheError(f"block {name}: short read ({got} of {buffer.nbytes})")
 
     def delete_many(self, names: Sequence[str]) -> int:
         deleted = 0

@@ -35,7 +35,7 @@ import ctypes.util
 import os
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import attrs
@@ -47,10 +47,14 @@ __all__ = [
     "TMP_SUFFIX",
     "FaultyFileOps",
     "FileOps",
+    "Piece",
+    "Scatter",
     "byte_view",
     "not_a_real_directory",
     "OsFileOps",
+    "piece_bytes",
     "pread_full",
+    "preadv_full",
     "pwrite_full",
 ]
 
@@ -89,6 +93,11 @@ class FileOps(Protocol):
 
     def read(self, fd: int, buffer: memoryview, offset: int) -> int:
         """Read into ``buffer`` from ``offset``; return the byte count (0 at EOF)."""
+        ...
+
+    def readv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        """Read into ``buffers`` in order from ``offset`` (one ``preadv``: a block read
+        straight into its runs of a tensor); return the byte count (maybe short)."""
         ...
 
     def fsync(self, fd: int) -> None:
@@ -135,6 +144,10 @@ class FileOps(Protocol):
         """Wait for a range's writeback and drop its clean pages (a hint; may do nothing)."""
         ...
 
+    def will_need(self, fd: int) -> None:
+        """Start reading a whole file into the page cache now (a hint; may do nothing)."""
+        ...
+
 
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
@@ -161,6 +174,12 @@ class OsFileOps:
         # Safe here because every reader opens its own descriptor.
         os.lseek(fd, offset, os.SEEK_SET)
         return os.readv(fd, [buffer[:_MAX_IO]])
+
+    def readv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        if _HAS_PREADV:
+            return os.preadv(fd, buffers, offset)
+        os.lseek(fd, offset, os.SEEK_SET)
+        return os.readv(fd, buffers)
 
     def fsync(self, fd: int) -> None:
         if sys.platform == "darwin":
@@ -220,6 +239,12 @@ class OsFileOps:
         if _sync_file_range(fd, offset, length, _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER):
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+    def will_need(self, fd: int) -> None:
+        """``POSIX_FADV_WILLNEED`` of the whole file: the kernel queues its reads at once
+        (nothing where the pages are cached already)."""
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
 
 
 OS_FILE_OPS: FileOps = OsFileOps()
@@ -284,6 +309,10 @@ class FaultyFileOps:
         self._before("read")
         return self.inner.read(fd, buffer, offset)
 
+    def readv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        self._before("read")
+        return self.inner.readv(fd, buffers, offset)
+
     def fsync(self, fd: int) -> None:
         self._before("fsync")
         self.inner.fsync(fd)
@@ -329,6 +358,10 @@ class FaultyFileOps:
     def drop_behind(self, fd: int, offset: int, length: int) -> None:
         self.inner.drop_behind(fd, offset, length)
 
+    def will_need(self, fd: int) -> None:
+        self._before("will_need")
+        self.inner.will_need(fd)
+
 
 def not_a_real_directory(ops: FileOps, path: str) -> bool:
     """Whether ``path`` exists as something other than a directory reached without a link
@@ -351,6 +384,46 @@ def byte_view(buffer: memoryview) -> memoryview:
     if not buffer.c_contiguous:
         raise ValueError("buffer is not C-contiguous")
     return buffer.cast("B")
+
+
+@attrs.frozen(eq=False)
+class Scatter:
+    """One read's destination in several runs, filled in order as one buffer of
+    ``nbytes``: a token block of several kv heads read straight into each head's run of
+    its tensor (no join after the read)."""
+
+    parts: tuple[memoryview, ...]
+    nbytes: int = attrs.field(init=False)
+
+    @nbytes.default
+    def _sum(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+
+#: Where one block (or tensor piece) is read: one buffer, or runs of one (:class:`Scatter`).
+Piece = memoryview | Scatter
+
+
+def piece_bytes(piece: Piece) -> int:
+    """The bytes ``piece`` receives."""
+    return piece.nbytes
+
+
+def preadv_full(ops: FileOps, fd: int, parts: Sequence[memoryview], offset: int) -> int:
+    """Fill ``parts`` in order from ``offset`` (one ``preadv``, resumed where a short read
+    stopped); return the bytes read (short only at EOF)."""
+    views = [byte_view(part) for part in parts if part.nbytes]
+    done = 0
+    while views:
+        n = ops.readv(fd, views, offset + done)
+        if n == 0:
+            break
+        done += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = views[0][n:]
+    return done
 
 
 def pwrite_full(ops: FileOps, fd: int, data: memoryview, offset: int) -> None:

@@ -22,14 +22,15 @@ import ctypes
 import io
 import math
 import os
+from collections.abc import Sequence
 from typing import Any, BinaryIO, cast
 
 import attrs
 import mlx.core as mx
 import numpy as np
 from kvtrio.storage.dtypes import DTYPES
-from kvtrio.storage.fileops import byte_view
-from kvtrio.storage.format import DTYPE_SIZES, Header, piece_ranges
+from kvtrio.storage.fileops import Piece, Scatter, byte_view
+from kvtrio.storage.format import DTYPE_SIZES, Header, TensorSlot, piece_ranges
 from kvtrio.storage.headerparse import nth_slot
 from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions
 
@@ -39,6 +40,7 @@ __all__ = [
     "LoadBuffers",
     "allocate_load_buffers",
     "allocate_slot",
+    "allocate_slots",
     "check_allocatable",
     "dtype_name",
     "materialize_part",
@@ -189,7 +191,7 @@ class LoadBuffers:
     """
 
     arrays: tuple[tuple[Any, ...], ...]
-    buffers: tuple[tuple[memoryview, ...], ...]
+    buffers: tuple[tuple[Piece, ...], ...]
 
 
 def _physical_memory() -> int | None:
@@ -211,8 +213,57 @@ def check_allocatable(nbytes: int) -> None:
         raise MemoryError(f"loading needs {nbytes} bytes, more than the machine's {limit}")
 
 
+def allocate_slots(
+    header: Header,
+    indices: Sequence[int],
+    *,
+    options: IoOptions = DEFAULT_IO_OPTIONS,
+    scatter: bool = False,
+) -> list[tuple[tuple[Any, ...], tuple[Piece, ...]]]:
+    """:func:`allocate_slot` for each of ``indices`` (a load's step), every tensor carved
+    from one backing (:class:`_Arena`): one allocation per step instead of one per tensor.
+    An allocation costs about 0.15 ms of the owner's time whatever its size, so a step of
+    several small tensors (the served bench's 4 of 1 MB, or 20 of SmolLM2's 1.5 MB) spent
+    more on allocating than on anything else the owner does for a load.
+
+    ``scatter`` (a block store that reads into runs): a block-layout tensor of several
+    kv heads is one array, each piece a :class:`~kvtrio.storage.fileops.Scatter` of its
+    runs of it (:func:`_allocate_scattered`), so nothing is joined after the read.
+    """
+    takes = [_backing_takes(header, index, scatter) for index in indices]
+    total = sum(_aligned(n) for slot_takes in takes for n in slot_takes)
+    check_allocatable(total)
+    arena = _Arena(total, options)
+    out: list[tuple[tuple[Any, ...], tuple[Piece, ...]]] = []
+    for index in indices:
+        slot = nth_slot(header, index)
+        if scatter and _strided(header, slot):
+            assert slot.token_axis is not None
+            ranges = piece_ranges(slot, header.block_tokens)
+            out.append(_allocate_scattered(slot.shape, slot.dtype, slot.token_axis, ranges, arena))
+        else:
+            out.append(allocate_slot(header, index, options=options, arena=arena))
+    return out
+
+
+def _strided(header: Header, slot: TensorSlot) -> bool:
+    """Whether ``slot`` is a block-layout tensor of several pieces that are not
+    consecutive bytes of it (several kv heads), and of some bytes."""
+    return (
+        header.layout == "blocks"
+        and slot.token_axis is not None
+        and slot.nbytes > 0
+        and len(piece_ranges(slot, header.block_tokens)) > 1
+        and not _pieces_contiguous(slot.shape, slot.token_axis)
+    )
+
+
 def allocate_slot(
-    header: Header, index: int, *, options: IoOptions = DEFAULT_IO_OPTIONS
+    header: Header,
+    index: int,
+    *,
+    options: IoOptions = DEFAULT_IO_OPTIONS,
+    arena: _Arena | None = None,
 ) -> tuple[tuple[Any, ...], tuple[memoryview, ...]]:
     """Allocate (owner thread) MLX arrays for slot ``index``'s pieces, and byte views of them.
 
@@ -222,39 +273,91 @@ def allocate_slot(
     token axis of length 1) gets one array and one backing, with a view per piece
     (:func:`_allocate_contiguous`): nothing is joined after the read. Any other
     block-layout tensor gets one backing too, with an array per piece
-    (:func:`_allocate_blockwise`), joined after the read. The arrays are lazy views;
+    (:func:`_allocate_blockwise`), joined after the read (not so with
+    :func:`allocate_slots`' ``scatter``). The arrays are lazy views;
     :func:`adopt` evaluates them after the bytes are in. Sizes come from the validated
     header (single layout: bounded by the file size). Without a fill unless
-    ``options.alloc_untouched`` is off (:func:`_untouched_uint8`).
+    ``options.alloc_untouched`` is off (:func:`_untouched_uint8`). With ``arena``, every
+    backing is a part of it (:func:`allocate_slots`), sized by :func:`_backing_takes`.
     """
     slot = nth_slot(header, index)
     check_allocatable(slot.nbytes)
+    if arena is None:
+        arena = _Arena(sum(_aligned(n) for n in _backing_takes(header, index, False)), options)
     block_tokens = header.block_tokens if header.layout == "blocks" else None
     ranges = piece_ranges(slot, block_tokens)
     if len(ranges) > 1 and slot.token_axis is not None:
         if _pieces_contiguous(slot.shape, slot.token_axis):
-            return _allocate_contiguous(slot.shape, slot.dtype, slot.token_axis, ranges, options)
+            return _allocate_contiguous(slot.shape, slot.dtype, slot.token_axis, ranges, arena)
         if slot.nbytes:
-            return _allocate_blockwise(slot.shape, slot.dtype, slot.token_axis, ranges, options)
+            return _allocate_blockwise(slot.shape, slot.dtype, slot.token_axis, ranges, arena)
     arrays = []
     views = []
-    for start, stop in ranges:
-        shape = list(slot.shape)
-        if block_tokens is not None and slot.token_axis is not None:
-            shape[slot.token_axis] = stop - start
-        nbytes = DTYPE_SIZES[slot.dtype]
-        for d in shape:
-            nbytes *= d
+    for shape, nbytes in _piece_shapes(slot, block_tokens, ranges):
         if nbytes == 0:
             empty = mx.zeros(shape, dtype=MX_DTYPES[slot.dtype])
             mx.eval(empty)
             arrays.append(empty)
             views.append(memoryview(bytearray()))
             continue
-        backing, raw, skip = _aligned_backing(nbytes, options)
+        backing, raw, skip = arena.take(nbytes)
         arrays.append(backing[skip : skip + nbytes].view(MX_DTYPES[slot.dtype]).reshape(shape))
         views.append(raw[skip : skip + nbytes])
     return tuple(arrays), tuple(views)
+
+
+def _piece_shapes(
+    slot: TensorSlot, block_tokens: int | None, ranges: list[tuple[int, int]]
+) -> list[tuple[list[int], int]]:
+    """Each piece's shape and bytes when every piece is an array of its own."""
+    out = []
+    for start, stop in ranges:
+        shape = list(slot.shape)
+        if block_tokens is not None and slot.token_axis is not None:
+            shape[slot.token_axis] = stop - start
+        out.append((shape, DTYPE_SIZES[slot.dtype] * math.prod(shape)))
+    return out
+
+
+def _backing_takes(header: Header, index: int, scatter: bool) -> list[int]:
+    """The bytes :func:`allocate_slot` takes from its arena for slot ``index``, in order."""
+    slot = nth_slot(header, index)
+    block_tokens = header.block_tokens if header.layout == "blocks" else None
+    ranges = piece_ranges(slot, block_tokens)
+    if len(ranges) > 1 and slot.token_axis is not None:
+        if _pieces_contiguous(slot.shape, slot.token_axis) or (scatter and _strided(header, slot)):
+            return [slot.nbytes]
+        if slot.nbytes:
+            return [_blockwise_layout(slot.shape, slot.dtype, slot.token_axis, ranges)[2]]
+    return [n for _, n in _piece_shapes(slot, block_tokens, ranges) if n]
+
+
+def _aligned(nbytes: int) -> int:
+    return nbytes + -nbytes % _ALIGN
+
+
+class _Arena:
+    """One evaluated MLX uint8 backing, handed out front to back in parts that each start
+    at a 4 KiB boundary (for O_DIRECT reads): the backing of one tensor, or of every
+    tensor of a load's step (:func:`allocate_slots`)."""
+
+    def __init__(self, nbytes: int, options: IoOptions) -> None:
+        self.nbytes = nbytes
+        self.options = options
+        self.backing: Any = None  # allocated at the first take: a slot of no bytes takes none
+        self.raw = memoryview(b"")
+        self.next = self.end = 0
+
+    def take(self, nbytes: int) -> tuple[Any, memoryview, int]:
+        """``(backing, its writable memory, offset)`` of the next ``nbytes``."""
+        if self.backing is None:
+            self.backing, self.raw, self.next = _aligned_backing(self.nbytes, self.options)
+            self.end = self.next + self.nbytes
+        at = self.next
+        if at + nbytes > self.end:
+            raise AssertionError(f"arena overrun: {nbytes} bytes at {at} of {self.end}")
+        self.next = at + _aligned(nbytes)
+        return self.backing, self.raw, at
 
 
 def _aligned_backing(nbytes: int, options: IoOptions) -> tuple[Any, memoryview, int]:
@@ -278,7 +381,7 @@ def _allocate_contiguous(
     dtype: str,
     token_axis: int,
     ranges: list[tuple[int, int]],
-    options: IoOptions,
+    arena: _Arena,
 ) -> tuple[tuple[Any, ...], tuple[memoryview, ...]]:
     """:func:`allocate_slot` for a tensor whose pieces are consecutive.
 
@@ -289,7 +392,7 @@ def _allocate_contiguous(
     (others are read buffered, as any unaligned destination)."""
     nbytes = DTYPE_SIZES[dtype] * math.prod(shape)
     per_token = nbytes // shape[token_axis]  # > 0 tokens: a tensor of several pieces
-    backing, raw, skip = _aligned_backing(nbytes, options)
+    backing, raw, skip = arena.take(nbytes)
     array = backing[skip : skip + nbytes].view(MX_DTYPES[dtype]).reshape(list(shape))
     views = tuple(raw[skip + start * per_token : skip + stop * per_token] for start, stop in ranges)
     return (array,), views
@@ -300,7 +403,7 @@ def _allocate_blockwise(
     dtype: str,
     token_axis: int,
     ranges: list[tuple[int, int]],
-    options: IoOptions,
+    arena: _Arena,
 ) -> tuple[tuple[Any, ...], tuple[memoryview, ...]]:
     """:func:`allocate_slot` for a tensor whose pieces are not consecutive (several kv
     heads: each token block holds a run of every head).
@@ -311,13 +414,8 @@ def _allocate_blockwise(
     0.1 ms on the owner thread whatever its size, so a 4k-token entry of 30 layers in
     256-token blocks (1,020 pieces) spent about 0.1-0.2 s of the generation thread's time
     allocating (docs/benchmarks.md, "a 94 MB cold load, part by part")."""
-    per_token = DTYPE_SIZES[dtype] * math.prod(shape) // shape[token_axis]
-    sizes = [(stop - start) * per_token for start, stop in ranges]
-    offsets = [0]
-    for size in sizes[:-1]:
-        offsets.append(offsets[-1] + size + -size % _ALIGN)
-    total = offsets[-1] + sizes[-1]
-    backing, raw, skip = _aligned_backing(total, options)
+    sizes, offsets, total = _blockwise_layout(shape, dtype, token_axis, ranges)
+    backing, raw, skip = arena.take(total)
     arrays = []
     views = []
     for (start, stop), size, offset in zip(ranges, sizes, offsets, strict=True):
@@ -327,6 +425,52 @@ def _allocate_blockwise(
         arrays.append(backing[at : at + size].view(MX_DTYPES[dtype]).reshape(piece_shape))
         views.append(raw[at : at + size])
     return tuple(arrays), tuple(views)
+
+
+def _allocate_scattered(
+    shape: tuple[int, ...],
+    dtype: str,
+    token_axis: int,
+    ranges: list[tuple[int, int]],
+    arena: _Arena,
+) -> tuple[tuple[Any, ...], tuple[Piece, ...]]:
+    """:func:`allocate_slot` for a tensor whose pieces are not consecutive, read by a
+    store that scatters: one array of the whole tensor, and each token block's
+    destination its runs of it, one per leading index (kv head), in the order the block
+    holds them (token-block-major: every head's tokens of the block, head after head).
+
+    The reader fills and hashes the runs in place (one ``preadv`` a block), so the
+    tensor needs no join: no second copy of its bytes and no second set of fresh pages
+    (docs/benchmarks.md, "a 94 MB cold load, part by part": the joins were 57-73 ms)."""
+    nbytes = DTYPE_SIZES[dtype] * math.prod(shape)
+    lead = math.prod(shape[:token_axis])
+    per_token = nbytes // (lead * shape[token_axis])  # one leading index's token, in bytes
+    row = per_token * shape[token_axis]
+    backing, raw, skip = arena.take(nbytes)
+    array = backing[skip : skip + nbytes].view(MX_DTYPES[dtype]).reshape(list(shape))
+    pieces = tuple(
+        Scatter(
+            tuple(
+                raw[skip + i * row + start * per_token : skip + i * row + stop * per_token]
+                for i in range(lead)
+            )
+        )
+        for start, stop in ranges
+    )
+    return (array,), pieces
+
+
+def _blockwise_layout(
+    shape: tuple[int, ...], dtype: str, token_axis: int, ranges: list[tuple[int, int]]
+) -> tuple[list[int], list[int], int]:
+    """Each piece's bytes and offset in a blockwise backing (each at the next 4 KiB
+    boundary after the one before), and the backing's bytes."""
+    per_token = DTYPE_SIZES[dtype] * math.prod(shape) // shape[token_axis]
+    sizes = [(stop - start) * per_token for start, stop in ranges]
+    offsets = [0]
+    for size in sizes[:-1]:
+        offsets.append(offsets[-1] + _aligned(size))
+    return sizes, offsets, offsets[-1] + sizes[-1]
 
 
 class _UnfilledNpy(io.RawIOBase):

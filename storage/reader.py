@@ -42,6 +42,8 @@ from kvtrio.storage.fileops import (
     O_NONBLOCK,
     OS_FILE_OPS,
     FileOps,
+    Piece,
+    Scatter,
     byte_view,
     pread_full,
 )
@@ -190,20 +192,24 @@ def check_blocks(header: Header, store: BlockStore) -> None:
     caller allocate more than the store holds.
     """
     names = list(slot_names(header))
-    for slot, name in zip(header.slots(), names, strict=True):
-        refs = slot.blocks or ()
-        shas = [r.sha256 for r in refs]
+    slot_refs = [slot.blocks or () for slot in header.slots()]
+    # One batch for the whole entry (a local store looks through one descriptor), then
+    # the checks slot by slot, as before.
+    every = [ref.sha256 for refs in slot_refs for ref in refs]
+    sizes = iter(store.stored_sizes(every) if store.supports_sizes and every else ())
+    present = iter(() if store.supports_sizes else store.has_many(every))
+    for refs, name in zip(slot_refs, names, strict=True):
         if store.supports_sizes:
-            sizes = store.stored_sizes(shas) if shas else []
-            for ref, size in zip(refs, sizes, strict=True):
+            stored = [next(sizes) for _ in refs]
+            for ref, size in zip(refs, stored, strict=True):
                 if size is not None and size != ref.nbytes:
                     raise CorruptCacheError(
                         f"block {ref.sha256}: stored size {size} != expected {ref.nbytes}"
                     )
-            present = [size is not None for size in sizes]
+            here = [size is not None for size in stored]
         else:
-            present = store.has_many(shas)
-        for j, (ref, ok) in enumerate(zip(refs, present, strict=True)):
+            here = [next(present) for _ in refs]
+        for j, (ref, ok) in enumerate(zip(refs, here, strict=True)):
             if not ok:
                 raise CacheMissError(f"{name}.blocks[{j}]: block {ref.sha256} is missing")
 
@@ -233,9 +239,28 @@ def _flat(buffer: memoryview, name: str, expected: int) -> memoryview:
     return view
 
 
+def _flat_piece(piece: Piece, name: str, expected: int) -> Piece:
+    """A caller's destination as flat writable bytes of ``expected`` length in all."""
+    if not isinstance(piece, Scatter):
+        return _flat(memoryview(piece), name, expected)
+    parts = tuple(_flat(part, name, part.nbytes) for part in piece.parts)
+    if sum(len(part) for part in parts) != expected:
+        raise ValueError(f"{name}: buffer has {piece.nbytes} bytes, needs {expected}")
+    return Scatter(parts)
+
+
+def _sha256_hex(piece: Piece) -> str:
+    if not isinstance(piece, Scatter):
+        return hashlib.sha256(piece).hexdigest()
+    digest = hashlib.sha256()
+    for part in piece.parts:
+        digest.update(part)
+    return digest.hexdigest()
+
+
 def read_tensors(
     cache_file: CacheFile,
-    buffers: Sequence[Sequence[memoryview]],
+    buffers: Sequence[Sequence[Piece]],
     *,
     indices: Sequence[int] | None = None,
     store: BlockStore | None = None,
@@ -250,7 +275,9 @@ def read_tensors(
     callers may read a few tensors per call (one per step, or several threads at once).
     Single layout: reads the file of ``cache_file`` (which must still be the same file,
     same size). Block layout: reads each block from ``store`` (required), re-hashing it
-    against its sha256 name when ``verify``; a missing block raises CacheMissError.
+    against its sha256 name when ``verify``; a missing block raises CacheMissError. A
+    block's destination may be a :class:`~kvtrio.storage.fileops.Scatter` (its runs of a
+    tensor of several kv heads), filled and hashed in order.
     ``options`` choose how (direct I/O, drop-behind, helper threads), never what is read
     or checked.
     """
@@ -271,9 +298,12 @@ def read_tensors(
             raise ValueError(f"{name}: {len(got)} buffers, needs {len(want)}")
         slots.append(all_slots[index])
         names.append(name)
-        views.append([_flat(memoryview(b), name, n) for b, n in zip(got, want, strict=True)])
+        views.append([_flat_piece(b, name, n) for b, n in zip(got, want, strict=True)])
     if header.layout == "single":
-        _read_single(cache_file, slots, names, views, verify, cancel, file_ops, options)
+        if any(isinstance(v, Scatter) for pieces in views for v in pieces):
+            raise ValueError("a single-layout file is read into whole buffers, not scattered")
+        plain = [[v for v in pieces if isinstance(v, memoryview)] for pieces in views]
+        _read_single(cache_file, slots, names, plain, verify, cancel, file_ops, options)
     else:
         if store is None:
             raise ValueError("the blocks layout needs a block store")
@@ -482,14 +512,14 @@ class _SingleRead:
 def _read_blocks(
     slots: list[TensorSlot],
     names: list[str],
-    views: list[list[memoryview]],
+    views: list[list[Piece]],
     store: BlockStore,
     verify: bool,
     cancel: Cancel,
     options: IoOptions,
 ) -> None:
     # Every block to read, in order, checked against the header before any I/O.
-    wanted: list[tuple[str, str, memoryview]] = []  # (label, sha256, buffer)
+    wanted: list[tuple[str, str, Piece]] = []  # (label, sha256, buffer)
     for slot, name, pieces in zip(slots, names, views, strict=True):
         refs = slot.blocks or ()
         if len(refs) != len(pieces):
@@ -497,9 +527,9 @@ def _read_blocks(
                 f"{name}.blocks: {len(refs)} blocks, the tensor has {len(pieces)} token blocks"
             )
         for j, (ref, piece) in enumerate(zip(refs, pieces, strict=True)):
-            if ref.nbytes != len(piece):
+            if ref.nbytes != piece.nbytes:
                 raise CorruptCacheError(
-                    f"{name}.blocks[{j}].bytes: {ref.nbytes}, the token block has {len(piece)}"
+                    f"{name}.blocks[{j}].bytes: {ref.nbytes}, the token block has {piece.nbytes}"
                 )
             wanted.append((f"{name}.blocks[{j}]", ref.sha256, piece))
     # A store that declares batched reads (RedisBlockStore: one pipelined round trip per
@@ -507,32 +537,41 @@ def _read_blocks(
     batched = store.supports_batched_reads
     # A store that declares verified reads (RedisBlockStore: each block re-hashed while
     # the bytes are cache-hot and the next replies are still on the wire) verifies for us.
-    store_verifies = verify and store.supports_verified_reads
-    for batch in _block_batches([len(piece) for _, _, piece in wanted], batched):
+    # Scattered destinations (a tier allocates them only for a store that declares
+    # scatter reads) go to read_many_scattered_into, and the store's own verification is
+    # for whole buffers alone.
+    scattered = any(isinstance(piece, Scatter) for _, _, piece in wanted)
+    store_verifies = verify and store.supports_verified_reads and not scattered
+    for batch in _block_batches([piece.nbytes for _, _, piece in wanted], batched):
         _check_cancel(cancel)
         items = [wanted[i] for i in batch]
         if options.prefaults_ahead:
             for _, _, piece in items:
-                prefault(piece, huge=options.prefault_huge)
-        if store_verifies:
+                for part in piece.parts if isinstance(piece, Scatter) else (piece,):
+                    prefault(part, huge=options.prefault_huge)
+        pairs = [(sha, piece) for _, sha, piece in items]
+        whole = [(sha, piece) for sha, piece in pairs if isinstance(piece, memoryview)]
+        if scattered:
+            found = store.read_many_scattered_into(pairs)
+        elif store_verifies:
             try:
-                found = store.read_many_verified_into([(sha, piece) for _, sha, piece in items])
+                found = store.read_many_verified_into(whole)
             except CorruptBlockError as exc:
                 named = _name_block_field(exc, items)
                 if named is None:
                     raise
                 raise named from exc
         else:
-            found = store.read_many_into([(sha, piece) for _, sha, piece in items])
+            found = store.read_many_into(whole)
         for (label, sha, piece), ok in zip(items, found, strict=True):
             if not ok:
                 raise CacheMissError(f"{label}: block {sha} is missing")
-            if verify and not store_verifies and hashlib.sha256(piece).hexdigest() != sha:
+            if verify and not store_verifies and _sha256_hex(piece) != sha:
                 raise CorruptCacheError(f"{label}.sha256: block content does not hash to its name")
 
 
 def _name_block_field(
-    exc: CorruptBlockError, items: Sequence[tuple[str, str, memoryview]]
+    exc: CorruptBlockError, items: Sequence[tuple[str, str, Piece]]
 ) -> CorruptCacheError | None:
     """The store's error about block ``<sha256>`` restated with the header field it fills
     (``caches[i].tensors[j].blocks[k]``), as the reader's own checks name fields."""

@@ -42,6 +42,7 @@ import os
 import stat
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -186,6 +187,9 @@ class RootedFileOps:
     def read(self, fd: int, buffer: memoryview, offset: int) -> int:
         return self.inner.read(fd, buffer, offset)
 
+    def readv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        return self.inner.readv(fd, buffers, offset)
+
     def fsync(self, fd: int) -> None:
         self.inner.fsync(fd)
 
@@ -256,3 +260,6 @@ class RootedFileOps:
 
     def drop_behind(self, fd: int, offset: int, length: int) -> None:
         self.inner.drop_behind(fd, offset, length)
+
+    def will_need(self, fd: int) -> None:
+        self.inner.will_need(fd)

@@ -205,6 +205,9 @@ def test_store_capabilities_are_declared() -> None:
         True,
     )
     assert RedisBlockStore.supports_batched_reads and RedisBlockStore.supports_verified_reads
+    # A local block is read straight into its runs of a tensor of several kv heads; a
+    # Redis one arrives as one value, and such a tensor is joined after the read.
+    assert LocalBlockStore.supports_scatter_reads and not RedisBlockStore.supports_scatter_reads
     local: type[ManifestStore] = LocalManifestStore
     redis: type[ManifestStore] = RedisManifestStore
     assert (local.shared, local.supports_index, local.supports_touch) == (False, False, True)
