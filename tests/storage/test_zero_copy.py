@@ -147,22 +147,11 @@ def test_block_layout_load_allocates_once_per_tensor_when_pieces_are_strided(
     arrays share one backing per tensor. Prevents one allocation per block again, which
     cost a 4k-token entry of 30 layers (1,020 blocks) 0.1-0.2 s of the owner's time
     (about 0.1 ms an allocation, whatever its size). The load stays bit-exact."""
-    import kvtrio
     from kvtrio.storage.cacheio import adopt
-    from kvtrio.storage.reader import read_header, read_tensors
+    from kvtrio.storage.reader import read_tensors
 
-    caches = [mlx_cache_kv(3, 600), mlx_cache_kv(3, 513)]
-    path = tmp_path / "m.kvt"
-    kvtrio.save_cache(path, [], caches, layout="blocks", block_tokens=256)
-    cache_file = read_header(str(path))
-    allocations: list[int] = []
-    untouched = hostbuffers._untouched_uint8
-
-    def counted(nbytes: int, fresh: bool) -> Any:
-        allocations.append(nbytes)
-        return untouched(nbytes, fresh)
-
-    monkeypatch.setattr(hostbuffers, "_untouched_uint8", counted)
+    caches, cache_file = _saved_pair(tmp_path, 3)
+    allocations = _counted_allocations(monkeypatch)
     loaded = hostbuffers.allocate_load_buffers(cache_file.header)
     assert len(allocations) == 4  # two caches' keys and values, of 3 blocks each
     for arrays, views in zip(loaded.arrays, loaded.buffers, strict=True):
@@ -172,11 +161,7 @@ def test_block_layout_load_allocates_once_per_tensor_when_pieces_are_strided(
         assert starts[1] - starts[0] == starts[2] - starts[1] == views[0].nbytes
     read_tensors(cache_file, loaded.buffers, store=LocalBlockStore(str(tmp_path / "blocks")))
     restored = adopt(cache_file.header, loaded)
-    for got, cache in zip(restored.caches, caches, strict=True):
-        n = cache.offset
-        assert got.keys.dtype == cache.keys.dtype and got.offset == n
-        assert np.array_equal(np.array(got.keys), np.array(cache.keys[..., :n, :]))
-        assert np.array_equal(np.array(got.values), np.array(cache.values[..., :n, :]))
+    _assert_restored(restored.caches, caches)
 
 
 @pytest.mark.parametrize("heads", [1, 3])
@@ -187,22 +172,11 @@ def test_a_load_step_of_several_tensors_allocates_once(
     one allocation, not one per tensor (about 0.15 ms of the owner's time each, whatever
     the size: the served bench's 4 tensors spent more on allocating than on assembling).
     Every tensor and piece starts at a 4 KiB boundary, and the load stays bit-exact."""
-    import kvtrio
     from kvtrio.storage.cacheio import adopt
-    from kvtrio.storage.reader import read_header, read_tensors
+    from kvtrio.storage.reader import read_tensors
 
-    caches = [mlx_cache_kv(heads, 600), mlx_cache_kv(heads, 513)]
-    path = tmp_path / "m.kvt"
-    kvtrio.save_cache(path, [], caches, layout="blocks", block_tokens=256)
-    cache_file = read_header(str(path))
-    allocations: list[int] = []
-    untouched = hostbuffers._untouched_uint8
-
-    def counted(nbytes: int, fresh: bool) -> Any:
-        allocations.append(nbytes)
-        return untouched(nbytes, fresh)
-
-    monkeypatch.setattr(hostbuffers, "_untouched_uint8", counted)
+    caches, cache_file = _saved_pair(tmp_path, heads)
+    allocations = _counted_allocations(monkeypatch)
     pairs = hostbuffers.allocate_slots(cache_file.header, range(4))
     assert len(allocations) == 1
     loaded = hostbuffers.LoadBuffers(
@@ -212,11 +186,7 @@ def test_a_load_step_of_several_tensors_allocates_once(
     assert len(starts) == 12 and all(start % 4096 == 0 for start in starts)
     read_tensors(cache_file, loaded.buffers, store=LocalBlockStore(str(tmp_path / "blocks")))
     restored = adopt(cache_file.header, loaded)
-    for got, cache in zip(restored.caches, caches, strict=True):
-        n = cache.offset
-        assert got.keys.dtype == cache.keys.dtype and got.offset == n
-        assert np.array_equal(np.array(got.keys), np.array(cache.keys[..., :n, :]))
-        assert np.array_equal(np.array(got.values), np.array(cache.values[..., :n, :]))
+    _assert_restored(restored.caches, caches)
 
 
 def test_a_scattered_load_reads_each_block_into_its_tensor_with_no_join(
@@ -228,25 +198,14 @@ def test_a_scattered_load_reads_each_block_into_its_tensor_with_no_join(
     every byte: 57-73 ms of 94 MB here). The arrays are the backing the blocks were read
     into (no copy after the read), the load is bit-exact, and a block whose bytes do not
     hash to its name, or of the wrong size, still fails the load."""
-    import kvtrio
     from kvtrio.errors import CorruptCacheError
     from kvtrio.storage.cacheio import adopt
-    from kvtrio.storage.reader import read_header, read_tensors
+    from kvtrio.storage.reader import read_tensors
 
-    caches = [mlx_cache_kv(3, 600), mlx_cache_kv(3, 513)]
-    path = tmp_path / "m.kvt"
-    kvtrio.save_cache(path, [], caches, layout="blocks", block_tokens=256)
-    cache_file = read_header(str(path))
+    caches, cache_file = _saved_pair(tmp_path, 3)
     store = LocalBlockStore(str(tmp_path / "blocks"))
     assert store.supports_scatter_reads
-    allocations: list[int] = []
-    untouched = hostbuffers._untouched_uint8
-
-    def counted(nbytes: int, fresh: bool) -> Any:
-        allocations.append(nbytes)
-        return untouched(nbytes, fresh)
-
-    monkeypatch.setattr(hostbuffers, "_untouched_uint8", counted)
+    allocations = _counted_allocations(monkeypatch)
     pairs = hostbuffers.allocate_slots(cache_file.header, range(4), scatter=True)
     assert len(allocations) == 1
     assert [len(arrays) for arrays, _ in pairs] == [1, 1, 1, 1]  # nothing to join
@@ -262,11 +221,7 @@ def test_a_scattered_load_reads_each_block_into_its_tensor_with_no_join(
     read_into = np.frombuffer(first.parts[0], dtype=np.uint8).ctypes.data
     key_bytes = memoryview(restored.caches[0].keys)
     assert np.frombuffer(key_bytes, dtype=np.uint8).ctypes.data == read_into  # no copy
-    for got, cache in zip(restored.caches, caches, strict=True):
-        n = cache.offset
-        assert got.keys.dtype == cache.keys.dtype and got.offset == n
-        assert np.array_equal(np.array(got.keys), np.array(cache.keys[..., :n, :]))
-        assert np.array_equal(np.array(got.values), np.array(cache.values[..., :n, :]))
+    _assert_restored(restored.caches, caches)
     ref = next(iter(cache_file.header.slots())).blocks
     assert ref is not None
     block = tmp_path / "blocks" / ref[1].sha256
@@ -283,6 +238,39 @@ def test_a_scattered_load_reads_each_block_into_its_tensor_with_no_join(
     wrong_size = rf"^block {ref[1].sha256}: stored size {len(data) - 4} != expected {len(data)}$"
     with pytest.raises(CorruptCacheError, match=wrong_size):
         read_tensors(cache_file, [views for _, views in again], store=store)
+
+
+def _saved_pair(tmp_path: Path, heads: int) -> tuple[list[Any], Any]:
+    """Two caches of ``heads`` kv heads (600 and 513 tokens) saved in 256-token blocks under
+    ``tmp_path/blocks``, and the saved file's parsed header."""
+    import kvtrio
+    from kvtrio.storage.reader import read_header
+
+    caches = [mlx_cache_kv(heads, 600), mlx_cache_kv(heads, 513)]
+    path = tmp_path / "m.kvt"
+    kvtrio.save_cache(path, [], caches, layout="blocks", block_tokens=256)
+    return caches, read_header(str(path))
+
+
+def _counted_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the load buffers allocated from now on (hostbuffers' one allocator)."""
+    allocations: list[int] = []
+    untouched = hostbuffers._untouched_uint8
+
+    def counted(nbytes: int, fresh: bool) -> Any:
+        allocations.append(nbytes)
+        return untouched(nbytes, fresh)
+
+    monkeypatch.setattr(hostbuffers, "_untouched_uint8", counted)
+    return allocations
+
+
+def _assert_restored(restored: Any, caches: list[Any]) -> None:
+    for got, cache in zip(restored, caches, strict=True):
+        n = cache.offset
+        assert got.keys.dtype == cache.keys.dtype and got.offset == n
+        assert np.array_equal(np.array(got.keys), np.array(cache.keys[..., :n, :]))
+        assert np.array_equal(np.array(got.values), np.array(cache.values[..., :n, :]))
 
 
 def _address(piece: Piece) -> int:
