@@ -70,7 +70,11 @@ class PolicyFeaturesMixin(CacheParts):
         if key in self._prefetches or key in self._lookup_loads:
             return False  # one read of an entry at a time (a lookup's own, or a prefetch)
         nbytes = record.cold.nbytes or record.entry.length * self._bytes_per_token
-        if self._prefetch_bytes + nbytes > self.prefetch_budget:
+        # Soft by one (rule 14): an entry found at open has no byte count here, only the
+        # estimate (128 KiB a token until an insert measures one), so a cap that refused
+        # one prefetch alone refused the first turn after a restart of any conversation
+        # over 16k tokens, whose lookup then loaded it anyway, later.
+        if self._prefetch_bytes and self._prefetch_bytes + nbytes > self.prefetch_budget:
             self._count("prefetches_refused")
             return False
         pending = self._prefetches[key] = _Prefetch(record, nbytes, trio.CancelScope())

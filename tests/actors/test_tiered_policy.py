@@ -412,6 +412,23 @@ async def test_a_cold_hit_is_explained_while_its_load_waits_and_counted_after(
         assert after is not None and after.lookups == before.lookups + 1
 
 
+async def test_a_prefetch_alone_starts_whatever_its_estimated_bytes(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    """The budget is soft by one (rule 14): with nothing prefetched, a prefetch over the
+    budget starts (an entry found at open is estimated at 128 KiB a token: a 16k-token
+    conversation after a restart was refused at the default 2 GiB), and the next waits."""
+    store = FakeColdStore(tmp_path, MODEL)
+    async with fake_tiered(store, hot_budget=entry_bytes(10), eviction=PolicyKind.LRU) as cache:
+        cache.prefetch_budget = entry_bytes(5)
+        a, b = list(range(100, 110)), list(range(200, 210))
+        await _on_disk(cache, a, b)
+        assert cache.prefetch(a)
+        assert not cache.prefetch(b)
+        assert (await cache.fetch_nearest(a)).tier is Tier.COLD
+        assert cache.statistics().prefetch_used_bytes == entry_bytes(10)
+
+
 async def test_prefetches_unused_or_superseded_are_wasted_and_bounded(
     tmp_path: Path, autojump_clock: Any
 ) -> None:
