@@ -165,6 +165,7 @@ AFTER = (
     "kvtrio_cold_read_bytes_total",
     "kvtrio_cold_drops_total",
     "kvtrio_serve_prefetches_total",
+    "kvtrio_cold_prefetch",  # the arrival's prefetch: started, and its bytes used or wasted
 )
 
 
