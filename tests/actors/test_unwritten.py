@@ -87,12 +87,18 @@ async def test_the_tiers_store_names_a_save_the_tier_refused(
     assert not result.written and result.unwritten == "refused"
 
 
-async def test_a_write_that_did_not_land_is_counted_by_why(tmp_path: Path) -> None:
-    store = FakeColdStore(tmp_path, MODEL, fail_stores=True)  # its store raises KvtrioError
+async def _one_refused_write(tmp_path: Path) -> tuple[Any, str]:
+    """One spill to a store that refuses it (raises KvtrioError), settled: the tiered
+    cache's statistics and metrics text after it."""
+    store = FakeColdStore(tmp_path, MODEL, fail_stores=True)
     async with fake_tiered(store, hot_budget=0) as cache:
         await cache.spill(list(range(8)), fake_caches(8))
         await cache.wait_writes_settled()
-        stats = cache.statistics()
+        return cache.statistics(), cache.metrics_text()
+
+
+async def test_a_write_that_did_not_land_is_counted_by_why(tmp_path: Path) -> None:
+    stats, _ = await _one_refused_write(tmp_path)
     assert stats.drops == 1 and stats.cold_entries == 0
     assert stats.unwritten_refused == 1
     assert (
@@ -106,11 +112,7 @@ async def test_a_write_that_did_not_land_is_counted_by_why(tmp_path: Path) -> No
 async def test_a_write_that_did_not_land_is_in_the_metrics_by_why(tmp_path: Path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    store = FakeColdStore(tmp_path, MODEL, fail_stores=True)  # its store raises KvtrioError
-    async with fake_tiered(store, hot_budget=0) as cache:
-        await cache.spill(list(range(8)), fake_caches(8))
-        await cache.wait_writes_settled()
-        text = cache.metrics_text()
+    _, text = await _one_refused_write(tmp_path)
     family = next(
         f for f in text_string_to_metric_families(text) if f.name == "kvtrio_cold_unwritten"
     )
