@@ -183,21 +183,27 @@ def test_other_models_stay_in_ram(tiny: TinyModel, tmp_path: Path) -> None:
         assert _cold_entries(tier) == 0
 
 
-def test_a_save_never_makes_the_generation_thread_wait_for_the_disk(
-    tiny: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With every cold write stuck on a worker thread, inserts and pumps still return at
-    once; the write lands when the disk comes back."""
+def _stall_stores(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Every cold write waits (on a worker thread) until the returned event is set."""
     from kvtrio.actors.tiered import ColdTierStore
 
     gate = threading.Event()
     real_store = ColdTierStore.store
 
-    async def slow_store(self: Any, *args: Any, **kwargs: Any) -> Any:
+    async def stalled_store(self: Any, *args: Any, **kwargs: Any) -> Any:
         await trio.to_thread.run_sync(gate.wait)
         return await real_store(self, *args, **kwargs)
 
-    monkeypatch.setattr(ColdTierStore, "store", slow_store)
+    monkeypatch.setattr(ColdTierStore, "store", stalled_store)
+    return gate
+
+
+def test_a_save_never_makes_the_generation_thread_wait_for_the_disk(
+    tiny: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every cold write stuck on a worker thread, inserts and pumps still return at
+    once; the write lands when the disk comes back."""
+    gate = _stall_stores(monkeypatch)
     with _adapter(tiny, tmp_path, max_size=1) as (cache, tier):
         slowest = 0.0
         for i in range(6):

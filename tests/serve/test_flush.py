@@ -6,10 +6,8 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-import trio
 from kvtrio.serve.flushreport import (
     FLUSH_BYTES_PER_SECOND,
     FlushedEntry,
@@ -20,7 +18,7 @@ from kvtrio.serve.flushreport import (
 )
 from kvtrio.tinymodel import TinyModel, build_tiny_model
 
-from .test_adapter import MODEL, _adapter, _prefilled
+from .test_adapter import MODEL, _adapter, _prefilled, _stall_stores
 
 PROMPTS = [[100 * (i + 1), *range(1, 40)] for i in range(3)]
 
@@ -28,21 +26,6 @@ PROMPTS = [[100 * (i + 1), *range(1, 40)] for i in range(3)]
 @pytest.fixture(scope="module")
 def tiny() -> TinyModel:
     return build_tiny_model(seed=3)
-
-
-def _stall_stores(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Every cold write waits (on a worker thread) until the returned event is set."""
-    from kvtrio.actors.tiered import ColdTierStore
-
-    gate = threading.Event()
-    real_store = ColdTierStore.store
-
-    async def stalled_store(self: Any, *args: Any, **kwargs: Any) -> Any:
-        await trio.to_thread.run_sync(gate.wait)
-        return await real_store(self, *args, **kwargs)
-
-    monkeypatch.setattr(ColdTierStore, "store", stalled_store)
-    return gate
 
 
 def test_a_close_that_writes_everything_reports_every_entry_on_disk(
@@ -114,7 +97,9 @@ def test_the_deadline_is_the_flag_or_grows_with_the_bytes_to_write() -> None:
 
 
 def test_the_exit_lines_name_each_entry_not_on_disk(
-    tiny: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tiny: TinyModel,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     gate = _stall_stores(monkeypatch)
