@@ -22,6 +22,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.model is None:
         raise UsageError("--model is required (a model directory or a Hugging Face repo)")
+    if not 0 <= args.port <= 65535:  # getaddrinfo takes 99999 as 99999 % 65536: 34463
+        raise UsageError(f"--port {args.port}: expected 0 to 65535")
 
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),

@@ -121,3 +121,25 @@ def test_a_home_relative_path_is_expanded(tmp_path: Path, monkeypatch: pytest.Mo
     args = _args("--cache-dir", "~/tier", "--warm-prompts", "~/prompts.txt")
     assert args.cache_dir == tmp_path / "tier"
     assert args.warm_prompts == tmp_path / "prompts.txt"
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "65536"])
+def test_a_port_out_of_range_is_a_usage_error_before_the_server_starts(
+    port: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mlx-lm's --port is any int; the listener's getaddrinfo took 99999 as 34463 (99999
+    mod 65536), and the server listened there."""
+    from kvtrio.cli import main
+    from kvtrio.serve import server
+
+    started: list[argparse.Namespace] = []
+
+    def serve(args: argparse.Namespace) -> int:
+        started.append(args)
+        return 0
+
+    monkeypatch.setattr(server, "serve", serve)
+    assert main(["serve", "--model", "unused", f"--port={port}"]) == 2
+    assert started == []
+    assert main(["serve", "--model", "unused", "--port", "0"]) == 0
+    assert [args.port for args in started] == [0]
