@@ -76,8 +76,28 @@ def mlx_server_parser() -> argparse.ArgumentParser:
 
 
 def add_mlx_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add every flag of mlx_lm.server to ``parser``, unchanged."""
-    parser._add_container_actions(mlx_server_parser())
+    """Add every flag of mlx_lm.server to ``parser``, unchanged but for how a bad value
+    fails (:func:`_usage_error_on_failure`)."""
+    mlx_parser = mlx_server_parser()
+    for action in mlx_parser._actions:
+        if callable(action.type):
+            action.type = _usage_error_on_failure(action.type)
+    parser._add_container_actions(mlx_parser)
+
+
+def _usage_error_on_failure(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An mlx-lm flag's type whose failures are usage errors: argparse makes one of a
+    ValueError or TypeError only, and mlx-lm's size parser (``--prompt-cache-bytes``)
+    raises KeyError for an unknown unit and decimal.InvalidOperation for ``-5``."""
+
+    def checked(text: str) -> Any:
+        try:
+            return convert(text)
+        except (ArithmeticError, LookupError):
+            raise argparse.ArgumentTypeError(f"bad value {text!r}") from None
+
+    checked.__name__ = getattr(convert, "__name__", "value")  # argparse's message names it
+    return checked
 
 
 #: Units of ``--hot-bytes`` / ``--cold-bytes`` (case-insensitive): mlx-lm's M, G, MB, GB

@@ -143,3 +143,17 @@ def test_a_port_out_of_range_is_a_usage_error_before_the_server_starts(
     assert started == []
     assert main(["serve", "--model", "unused", "--port", "0"]) == 0
     assert [args.port for args in started] == [0]
+
+
+@pytest.mark.parametrize("text", ["-5", "8GiB", "1T", "GB"])
+def test_a_bad_value_of_an_mlx_lm_flag_is_a_usage_error(text: str) -> None:
+    """mlx-lm's own flags keep their meaning; a value its size parser cannot read raised
+    KeyError or decimal.InvalidOperation out of argparse (a traceback)."""
+    _refused("--prompt-cache-bytes", text)
+
+
+def test_mlx_lm_flags_keep_their_meaning() -> None:
+    args = _args("--prompt-cache-bytes", "1.5GB", "--port", "8081", "--temp", "0.5")
+    assert (args.prompt_cache_bytes, args.port, args.temp) == (1_500_000_000, 8081, 0.5)
+    _refused("--port", "eighty")
+    _refused("--chat-template-args", "{not json")
