@@ -87,6 +87,19 @@ def test_gc_of_a_directory_without_a_tier_leaves_it_as_it_was(tmp_path: Path) ->
     assert not (model / LOCK_NAME).exists()
 
 
+@pytest.mark.parametrize("flag", ["--grace=-1", "--grace=nan", "--wait=-1", "--wait=nan"])
+def test_gc_refuses_a_negative_or_nan_time(
+    written: Path,  # noqa: F811
+    tmp_path: Path,
+    flag: str,
+) -> None:
+    """``--wait -1`` ran and, beside a live owner, said it 'waited -1 s'; ``--grace nan``
+    ran a collection that could delete nothing."""
+    tree = tmp_path / "tree"
+    shutil.copytree(written, tree)
+    assert main(["gc", str(tree), flag]) == 2
+
+
 @pytest.mark.parametrize(
     "argv",
     [
