@@ -117,7 +117,7 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 def byte_size(text: str) -> int:
     """A flag's byte count: a number (a decimal point allowed) and a unit of
-    :data:`SIZE_UNITS`; a negative, unitless garbage or unknown unit is a usage error."""
+    :data:`SIZE_UNITS`; anything else (a sign, an unknown unit) is a usage error."""
     match = _SIZE.fullmatch(text.strip())
     unit = SIZE_UNITS.get(match[2].lower()) if match else None
     if match is None or unit is None:
@@ -144,22 +144,21 @@ def _seconds(*, positive: bool = False) -> Callable[[str], float]:
 
 
 def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
+    if not text.strip().isdigit():  # no sign, no decimal point
         raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
+    return int(text)
 
 
 def _redis_url(text: str) -> str:
-    try:
-        if text.startswith(REDIS_SCHEMES):
+    """``--redis``: a URL the tier reads as Redis (it takes any other text for a local
+    directory's path: ``localhost:6379`` would be one)."""
+    if text.startswith(REDIS_SCHEMES):
+        try:
             urlsplit(text).port  # noqa: B018  (ValueError for a port that is no number)
+        except ValueError:
+            pass
+        else:
             return text
-    except ValueError:
-        pass
     raise argparse.ArgumentTypeError(
         f"not a Redis URL: {text!r} (redis://HOST:PORT/DB, rediss://... or unix://PATH)"
     )
