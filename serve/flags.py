@@ -393,9 +393,18 @@ class ServeOptions:
         )
 
 
+def _one_spelling(model: str) -> str:
+    """A local model path as one string however it is spelled (relative, ``./``, a
+    trailing ``/``, through a link); a Hugging Face repo id as given."""
+    path = Path(model)
+    return str(path.resolve()) if path.exists() else model
+
+
 def model_identity(args: argparse.Namespace) -> ModelKey:
-    """The tier's model key: the model argument, and a fingerprint of its config, its
-    weight files (names and sizes), adapter, draft model and KV quantization."""
+    """The tier's model key: the model (its resolved path, or its repo id), and a
+    fingerprint of its config, its weight files (names and sizes), adapter, draft model
+    and KV quantization. The path tells apart two fine-tunes of one base, whose configs
+    and file sizes are the same."""
     from kvtrio.actors.prefix import ModelKey
     from kvtrio.storage.fingerprint import config_fingerprint
     from mlx_lm.utils import _download
@@ -407,7 +416,9 @@ def model_identity(args: argparse.Namespace) -> ModelKey:
     weights = hashlib.sha256()
     for item in sorted(path.glob("*.safetensors")):
         weights.update(f"{item.name}:{item.stat().st_size};".encode())
-    weights.update(f"adapter={args.adapter_path};draft={args.draft_model}".encode())
+    adapter = args.adapter_path and _one_spelling(args.adapter_path)
+    draft = args.draft_model and _one_spelling(args.draft_model)
+    weights.update(f"adapter={adapter};draft={draft}".encode())
     fingerprint = config_fingerprint(
         config,
         kv_bits=args.kv_bits,
@@ -415,4 +426,4 @@ def model_identity(args: argparse.Namespace) -> ModelKey:
         quantized_kv_start=args.quantized_kv_start if args.kv_bits else None,
         weights_id=weights.hexdigest(),
     )
-    return ModelKey(str(args.model), fingerprint)
+    return ModelKey(_one_spelling(str(args.model)), fingerprint)

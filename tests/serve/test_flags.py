@@ -13,7 +13,10 @@ generation thread, leaving a server that answered every request with an error.""
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kvtrio.serve.flags import REDIS_SCHEMES
@@ -157,3 +160,34 @@ def test_mlx_lm_flags_keep_their_meaning() -> None:
     assert (args.prompt_cache_bytes, args.port, args.temp) == (1_500_000_000, 8081, 0.5)
     _refused("--port", "eighty")
     _refused("--chat-template-args", "{not json")
+
+
+def _identity(model: str, **flags: Any) -> Any:
+    from kvtrio.serve.flags import model_identity
+
+    defaults = {"adapter_path": None, "draft_model": None, "kv_bits": None}
+    return model_identity(argparse.Namespace(model=model, **(defaults | flags)))
+
+
+def test_one_model_directory_has_one_key_however_its_path_is_spelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kvtrio serve --model tiny-llama`` after ``--model /abs/tiny-llama`` on one
+    cache directory served turn 2 as a miss: the tier's model id was the flag's text."""
+    from kvtrio.serve.modeldir import MODEL_CONFIG
+
+    model = tmp_path / "models" / "tiny-llama"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    (model / "model.safetensors").write_bytes(b"\0" * 64)
+    (tmp_path / "link").symlink_to(model)
+    monkeypatch.chdir(tmp_path / "models")
+    key = _identity(str(model))
+    for spelling in ("tiny-llama", "./tiny-llama/", str(tmp_path / "link")):
+        assert _identity(spelling) == key
+    assert _identity("tiny-llama", adapter_path="tiny-llama") == _identity(
+        str(model), adapter_path=str(model)
+    )
+    fine_tune = tmp_path / "models" / "fine-tune"  # same config, same file sizes
+    shutil.copytree(model, fine_tune)
+    assert _identity(str(fine_tune)) != key
