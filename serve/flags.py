@@ -402,9 +402,9 @@ def _one_spelling(model: str) -> str:
 
 def model_identity(args: argparse.Namespace) -> ModelKey:
     """The tier's model key: the model (its resolved path, or its repo id), and a
-    fingerprint of its config, its weight files (names and sizes), adapter, draft model
-    and KV quantization. The path tells apart two fine-tunes of one base, whose configs
-    and file sizes are the same."""
+    fingerprint of its config, its weight files (names, sizes, modification times),
+    adapter, draft model and KV quantization. The path tells apart two fine-tunes of one
+    base, whose configs and file sizes are the same."""
     from kvtrio.actors.prefix import ModelKey
     from kvtrio.storage.fingerprint import config_fingerprint
     from mlx_lm.utils import _download
@@ -415,7 +415,11 @@ def model_identity(args: argparse.Namespace) -> ModelKey:
     config = json.loads((path / "config.json").read_text())
     weights = hashlib.sha256()
     for item in sorted(path.glob("*.safetensors")):
-        weights.update(f"{item.name}:{item.stat().st_size};".encode())
+        # Not hashed (seconds per GB at start): the size and the modification time tell
+        # weights rewritten in place (a re-fuse, a re-quantization: same shapes, same sizes)
+        # from the ones the entries were computed with.
+        info = item.stat()
+        weights.update(f"{item.name}:{info.st_size}:{info.st_mtime_ns};".encode())
     adapter = args.adapter_path and _one_spelling(args.adapter_path)
     draft = args.draft_model and _one_spelling(args.draft_model)
     weights.update(f"adapter={adapter};draft={draft}".encode())

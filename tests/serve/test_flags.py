@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -191,3 +192,20 @@ def test_one_model_directory_has_one_key_however_its_path_is_spelled(
     fine_tune = tmp_path / "models" / "fine-tune"  # same config, same file sizes
     shutil.copytree(model, fine_tune)
     assert _identity(str(fine_tune)) != key
+
+
+def test_weights_rewritten_in_place_change_the_key(tmp_path: Path) -> None:
+    """Another model of the same shape copied over a model directory's weights (a re-fuse,
+    a re-quantization) kept the key, and its first request after the restart continued
+    from the old weights' cached keys and values, reported ``cold``."""
+    from kvtrio.serve.modeldir import MODEL_CONFIG
+
+    weights = tmp_path / "model.safetensors"
+    (tmp_path / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    weights.write_bytes(b"\0" * 64)
+    os.utime(weights, ns=(1_000_000_000, 1_000_000_000))
+    before = _identity(str(tmp_path))
+    assert _identity(str(tmp_path)) == before
+    weights.write_bytes(b"\1" * 64)  # same size
+    os.utime(weights, ns=(2_000_000_000, 2_000_000_000))
+    assert _identity(str(tmp_path)) != before
