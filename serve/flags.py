@@ -127,20 +127,15 @@ def byte_size(text: str) -> int:
     return int(Decimal(match[1]) * unit)
 
 
-def _seconds(*, positive: bool = False) -> Callable[[str], float]:
-    """A flag's finite time in seconds, >= 0 (> 0 with ``positive``), as the tier checks
-    its own (:func:`~kvtrio.actors.callerchecks.check_seconds`)."""
-
-    def seconds(text: str) -> float:
-        try:
-            value = float(text)
-            check_seconds("seconds", value, positive=positive, finite=True)
-        except ValueError:  # InvalidInputError is one
-            bound = "> 0" if positive else ">= 0"
-            raise argparse.ArgumentTypeError(f"expected seconds {bound}, got {text!r}") from None
-        return value
-
-    return seconds
+def _seconds(text: str) -> float:
+    """A flag's finite time in seconds, >= 0, as the tier checks its own
+    (:func:`~kvtrio.actors.callerchecks.check_seconds`)."""
+    try:
+        value = float(text)
+        check_seconds("seconds", value, finite=True)
+    except ValueError:  # InvalidInputError is one
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
+    return value
 
 
 def _count(text: str) -> int:
@@ -216,14 +211,14 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
     )
     group.add_argument(
         "--grace",
-        type=_seconds(),
+        type=_seconds,
         default=10.0,
         metavar="S",
         help="seconds requests in flight get at shutdown, and again once they are cut (default 10)",
     )
     group.add_argument(
         "--flush-timeout",
-        type=_seconds(positive=True),
+        type=_seconds,
         default=None,
         metavar="S",
         help="seconds the shutdown's disk writes of the RAM entries get at most (default: "
@@ -232,7 +227,7 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
     )
     group.add_argument(
         "--cold-load-timeout",
-        type=_seconds(),
+        type=_seconds,
         default=30.0,
         metavar="S",
         help="a disk load taking longer is a miss for its request (seconds, default 30)",
@@ -247,7 +242,7 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
     )
     group.add_argument(
         "--write-defer",
-        type=_seconds(),
+        type=_seconds,
         default=WRITE_DEFER,
         metavar="S",
         help="seconds an evicted entry's disk write waits while requests decode "

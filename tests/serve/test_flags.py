@@ -67,7 +67,6 @@ def test_a_size_that_is_no_size_is_a_usage_error(flag: str, text: str) -> None:
         ["--grace=-1"],
         ["--grace", "nan"],
         ["--grace", "inf"],
-        ["--flush-timeout", "0"],
         ["--flush-timeout=-1"],
         ["--cold-load-timeout=-1"],
         ["--write-defer=-0.5"],
