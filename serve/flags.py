@@ -173,6 +173,8 @@ def _prompt_file(text: str) -> Path:
 
 
 def _directory(text: str) -> Path:
+    if not text.strip():  # an unset variable in a unit file: not the working directory
+        raise argparse.ArgumentTypeError("an empty path")
     return Path(text).expanduser()
 
 

@@ -116,6 +116,13 @@ def test_warm_prompts_must_be_a_readable_text_file(tmp_path: Path) -> None:
     assert _args("--warm-prompts", str(prompts)).warm_prompts == prompts
 
 
+def test_an_empty_cache_dir_is_a_usage_error_not_the_working_directory() -> None:
+    """``--cache-dir "$UNSET"`` made the working directory the cold tier (Path("") is
+    ".")."""
+    _refused("--cache-dir", "")
+    _refused("--cache-dir", " ")
+
+
 def test_a_home_relative_path_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A quoted ``~`` (a unit file, a config) is the home directory, not a directory named
     ``~`` in the working directory."""
