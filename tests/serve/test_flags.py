@@ -133,13 +133,8 @@ def test_a_home_relative_path_is_expanded(tmp_path: Path, monkeypatch: pytest.Mo
     assert args.warm_prompts == tmp_path / "prompts.txt"
 
 
-@pytest.mark.parametrize("port", ["99999", "-1", "65536"])
-def test_a_port_out_of_range_is_a_usage_error_before_the_server_starts(
-    port: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """mlx-lm's --port is any int; the listener's getaddrinfo took 99999 as 34463 (99999
-    mod 65536), and the server listened there."""
-    from kvtrio.cli import main
+def _started(monkeypatch: pytest.MonkeyPatch) -> list[argparse.Namespace]:
+    """The arguments ``kvtrio serve`` starts a server with (none is started)."""
     from kvtrio.serve import server
 
     started: list[argparse.Namespace] = []
@@ -149,10 +144,33 @@ def test_a_port_out_of_range_is_a_usage_error_before_the_server_starts(
         return 0
 
     monkeypatch.setattr(server, "serve", serve)
+    return started
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "65536"])
+def test_a_port_out_of_range_is_a_usage_error_before_the_server_starts(
+    port: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mlx-lm's --port is any int; the listener's getaddrinfo took 99999 as 34463 (99999
+    mod 65536), and the server listened there."""
+    from kvtrio.cli import main
+
+    started = _started(monkeypatch)
     assert main(["serve", "--model", "unused", f"--port={port}"]) == 2
     assert started == []
     assert main(["serve", "--model", "unused", "--port", "0"]) == 0
     assert [args.port for args in started] == [0]
+
+
+def test_an_empty_model_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--model "$UNSET"`` started a server on the working directory as the model: its
+    load failed on the generation thread, and the server listened on, answering errors."""
+    from kvtrio.cli import main
+
+    started = _started(monkeypatch)
+    assert main(["serve", "--model", ""]) == 2
+    assert main(["serve"]) == 2
+    assert started == []
 
 
 @pytest.mark.parametrize("text", ["-5", "8GiB", "1T", "GB"])
