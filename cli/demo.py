@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import random
 import shutil
 import sys
@@ -647,8 +648,8 @@ def run(args: argparse.Namespace) -> int:
         if args.chats < 0
         else f"--doc-tokens must be >= {shortest}"
         if args.doc_tokens < shortest
-        else "--hot-mb and --cold-mb must be > 0"
-        if min(args.hot_mb, args.cold_mb) <= 0
+        else "--hot-mb and --cold-mb must be finite and > 0"
+        if not all(0 < mb < math.inf for mb in (args.hot_mb, args.cold_mb))  # NaN too
         else None
     )
     if problem:

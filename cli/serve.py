@@ -20,8 +20,10 @@ def run(args: argparse.Namespace) -> int:
     from kvtrio.cli import UsageError
     from kvtrio.serve.server import serve
 
-    if args.model is None:
+    if not (args.model or "").strip():  # missing, or an unset variable: not the working dir
         raise UsageError("--model is required (a model directory or a Hugging Face repo)")
+    if not 0 <= args.port <= 65535:  # getaddrinfo takes 99999 as 99999 % 65536: 34463
+        raise UsageError(f"--port {args.port}: expected 0 to 65535")
 
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),

@@ -465,10 +465,14 @@ def run_gc(args: argparse.Namespace) -> int:
     if not args.directory.is_dir():
         print(f"kvtrio gc: {args.directory}: not a directory", file=sys.stderr)
         return 2
-    if args.grace < 0:
-        print("kvtrio gc: --grace must be >= 0", file=sys.stderr)
-        return 2
+    for flag, seconds in (("--grace", args.grace), ("--wait", args.wait)):
+        if not seconds >= 0:  # NaN too
+            print(f"kvtrio gc: {flag} must be >= 0", file=sys.stderr)
+            return 2
     tree = find_tree(args.directory)
+    if not _holds_kvtrio(tree, args.directory):  # before the lock: it leaves a lock file
+        print(f"kvtrio gc: {_no_tier_here(args.directory)}", file=sys.stderr)
+        return 2
     root = _tree_root(tree)
     ops = (_DryRunFileOps if args.dry_run else RootedFileOps).at(root, OS_FILE_OPS)
     block_dir = tree.block_dir or (tree.manifest_dir / "blocks")
@@ -496,9 +500,6 @@ def run_gc(args: argparse.Namespace) -> int:
         ops.close_root()
         if lock is not None:
             lock.release()
-    if not _holds_kvtrio(tree, args.directory):
-        print(f"kvtrio gc: {_no_tier_here(args.directory)}", file=sys.stderr)
-        return 2
     if args.json:
         body = attrs.asdict(report) | {"dry_run": args.dry_run, "seconds": elapsed}
         if isinstance(ops, _DryRunFileOps):

@@ -7,12 +7,16 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import types
+from collections.abc import Callable
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import attrs
-from kvtrio.actors.callerchecks import DEFAULT_MIN_REUSE_TOKENS
+from kvtrio.actors.callerchecks import DEFAULT_MIN_REUSE_TOKENS, check_seconds
 
 if TYPE_CHECKING:  # imported where used: ``kvtrio serve`` starts without the tier's modules
     from kvtrio.actors.policy import AdmissionPolicy
@@ -21,10 +25,13 @@ if TYPE_CHECKING:  # imported where used: ``kvtrio serve`` starts without the ti
 
 __all__ = [
     "EVICTIONS",
+    "REDIS_SCHEMES",
+    "SIZE_UNITS",
     "ServeOptions",
     "add_kvtrio_arguments",
     "add_mlx_server_arguments",
     "admission_policy",
+    "byte_size",
     "mlx_server_parser",
     "model_identity",
 ]
@@ -69,15 +76,106 @@ def mlx_server_parser() -> argparse.ArgumentParser:
 
 
 def add_mlx_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add every flag of mlx_lm.server to ``parser``, unchanged."""
-    parser._add_container_actions(mlx_server_parser())
+    """Add every flag of mlx_lm.server to ``parser``, unchanged but for how a bad value
+    fails (:func:`_usage_error_on_failure`)."""
+    mlx_parser = mlx_server_parser()
+    for action in mlx_parser._actions:
+        if callable(action.type):
+            action.type = _usage_error_on_failure(action.type)
+    parser._add_container_actions(mlx_parser)
 
 
-def _size(text: str) -> int:
-    from mlx_lm import utils
+def _usage_error_on_failure(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An mlx-lm flag's type whose failures are usage errors: argparse makes one of a
+    ValueError or TypeError only, and mlx-lm's size parser (``--prompt-cache-bytes``)
+    raises KeyError for an unknown unit and decimal.InvalidOperation for ``-5``."""
 
-    parse: Any = utils._parse_size
-    return int(parse(text))
+    def checked(text: str) -> Any:
+        try:
+            return convert(text)
+        except (ArithmeticError, LookupError):
+            raise argparse.ArgumentTypeError(f"bad value {text!r}") from None
+
+    checked.__name__ = getattr(convert, "__name__", "value")  # argparse's message names it
+    return checked
+
+
+#: Units of ``--hot-bytes`` / ``--cold-bytes`` (case-insensitive): mlx-lm's M, G, MB, GB
+#: (powers of ten, as its ``--prompt-cache-bytes`` reads them), K, KB, T, TB, and the
+#: binary KiB, MiB, GiB, TiB.
+SIZE_UNITS = {
+    **{"": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6},
+    **{"g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12},
+    **{"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40},
+}
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", re.IGNORECASE)
+
+#: The schemes of a Redis URL (``kvtrio.storage.redisstore.is_redis_url``'s, written out:
+#: parsing the flags imports nothing of the tier; tests/serve/test_flags.py keeps them equal).
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def byte_size(text: str) -> int:
+    """A flag's byte count: a number (a decimal point allowed) and a unit of
+    :data:`SIZE_UNITS`; anything else (a sign, an unknown unit) is a usage error."""
+    match = _SIZE.fullmatch(text.strip())
+    unit = SIZE_UNITS.get(match[2].lower()) if match else None
+    if match is None or unit is None:
+        raise argparse.ArgumentTypeError(
+            f"bad size {text!r}: bytes, or a size like 512MB, 4GB or 8GiB"
+        )
+    return int(Decimal(match[1]) * unit)
+
+
+def _seconds(text: str) -> float:
+    """A flag's finite time in seconds, >= 0, as the tier checks its own
+    (:func:`~kvtrio.actors.callerchecks.check_seconds`)."""
+    try:
+        value = float(text)
+        check_seconds("seconds", value, finite=True)
+    except ValueError:  # InvalidInputError is one
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
+    return value
+
+
+def _count(text: str) -> int:
+    if not text.strip().isdigit():  # no sign, no decimal point
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return int(text)
+
+
+def _redis_url(text: str) -> str:
+    """``--redis``: a URL the tier reads as Redis (it takes any other text for a local
+    directory's path: ``localhost:6379`` would be one)."""
+    if text.startswith(REDIS_SCHEMES):
+        try:
+            urlsplit(text).port  # noqa: B018  (ValueError for a port that is no number)
+        except ValueError:
+            pass
+        else:
+            return text
+    raise argparse.ArgumentTypeError(
+        f"not a Redis URL: {text!r} (redis://HOST:PORT/DB, rediss://... or unix://PATH)"
+    )
+
+
+def _prompt_file(text: str) -> Path:
+    """``--warm-prompts``: a UTF-8 text file, read now (the generation thread reads it
+    again once the model is loaded: a file it cannot read would stop it)."""
+    path = Path(text).expanduser()
+    try:
+        if not path.is_file():
+            raise argparse.ArgumentTypeError(f"{text}: not a file")
+        path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"{text}: {type(exc).__name__}: {exc}") from None
+    return path
+
+
+def _directory(text: str) -> Path:
+    if not text.strip():  # an unset variable in a unit file: not the working directory
+        raise argparse.ArgumentTypeError("an empty path")
+    return Path(text).expanduser()
 
 
 def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: Path) -> None:
@@ -85,34 +183,44 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
     group = parser.add_argument_group("kvtrio")
     group.add_argument(
         "--cache-dir",
-        type=Path,
+        type=_directory,
         default=default_cache_dir,
-        help="the cold tier's directory (default: the user cache directory)",
+        metavar="DIR",
+        help="the cold tier's directory (default: %(default)s)",
     )
     group.add_argument(
         "--redis",
+        type=_redis_url,
         metavar="URL",
         default=None,
-        help="a redis:// URL: keep the cold tier in Redis, shared by several hosts",
+        help="a redis://, rediss:// or unix:// URL: keep the cold tier in Redis, shared by "
+        "several hosts",
     )
     group.add_argument(
         "--hot-bytes",
-        type=_size,
+        type=byte_size,
         default=None,
-        help="RAM budget of the prompt cache (default: mlx-lm's, --prompt-cache-size only)",
+        metavar="N",
+        help="RAM budget of the prompt cache: bytes, or a size like 512MB, 4GB or 8GiB "
+        "(default: mlx-lm's, --prompt-cache-size entries only)",
     )
     group.add_argument(
-        "--cold-bytes", type=_size, default=8 << 30, help="disk budget (default: 8 GiB)"
+        "--cold-bytes",
+        type=byte_size,
+        default=8 << 30,
+        metavar="N",
+        help="disk budget, as --hot-bytes (default: 8GiB; exceeded by at most one entry)",
     )
     group.add_argument(
         "--grace",
-        type=float,
+        type=_seconds,
         default=10.0,
-        help="seconds for requests in flight at shutdown, and again for the disk writes",
+        metavar="S",
+        help="seconds requests in flight get at shutdown, and again once they are cut (default 10)",
     )
     group.add_argument(
         "--flush-timeout",
-        type=float,
+        type=_seconds,
         default=None,
         metavar="S",
         help="seconds the shutdown's disk writes of the RAM entries get at most (default: "
@@ -121,20 +229,22 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
     )
     group.add_argument(
         "--cold-load-timeout",
-        type=float,
+        type=_seconds,
         default=30.0,
-        help="a disk load taking longer is a miss for its request (seconds)",
+        metavar="S",
+        help="a disk load taking longer is a miss for its request (seconds, default 30)",
     )
     group.add_argument(
         "--min-reuse-tokens",
-        type=int,
+        type=_count,
+        metavar="N",
         default=DEFAULT_MIN_REUSE_TOKENS,
         help="a disk entry reusing fewer tokens is not loaded: recomputing them is faster "
         f"(default {DEFAULT_MIN_REUSE_TOKENS}, measured: docs/tiered.md)",
     )
     group.add_argument(
         "--write-defer",
-        type=float,
+        type=_seconds,
         default=WRITE_DEFER,
         metavar="S",
         help="seconds an evicted entry's disk write waits while requests decode "
@@ -142,7 +252,7 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
     )
     group.add_argument(
         "--warm-prompts",
-        type=Path,
+        type=_prompt_file,
         default=None,
         metavar="FILE",
         help="prefill each line of FILE (a text prompt) at start and store it on disk, "
@@ -280,9 +390,18 @@ class ServeOptions:
         )
 
 
+def _one_spelling(model: str) -> str:
+    """A local model path as one string however it is spelled (relative, ``./``, a
+    trailing ``/``, through a link); a Hugging Face repo id as given."""
+    path = Path(model)
+    return str(path.resolve()) if path.exists() else model
+
+
 def model_identity(args: argparse.Namespace) -> ModelKey:
-    """The tier's model key: the model argument, and a fingerprint of its config, its
-    weight files (names and sizes), adapter, draft model and KV quantization."""
+    """The tier's model key: the model (its resolved path, or its repo id), and a
+    fingerprint of its config, its weight files (names, sizes, modification times),
+    adapter, draft model and KV quantization. The path tells apart two fine-tunes of one
+    base, whose configs and file sizes are the same."""
     from kvtrio.actors.prefix import ModelKey
     from kvtrio.storage.fingerprint import config_fingerprint
     from mlx_lm.utils import _download
@@ -293,8 +412,14 @@ def model_identity(args: argparse.Namespace) -> ModelKey:
     config = json.loads((path / "config.json").read_text())
     weights = hashlib.sha256()
     for item in sorted(path.glob("*.safetensors")):
-        weights.update(f"{item.name}:{item.stat().st_size};".encode())
-    weights.update(f"adapter={args.adapter_path};draft={args.draft_model}".encode())
+        # Not hashed (seconds per GB at start): the size and the modification time tell
+        # weights rewritten in place (a re-fuse, a re-quantization: same shapes, same sizes)
+        # from the ones the entries were computed with.
+        info = item.stat()
+        weights.update(f"{item.name}:{info.st_size}:{info.st_mtime_ns};".encode())
+    adapter = args.adapter_path and _one_spelling(args.adapter_path)
+    draft = args.draft_model and _one_spelling(args.draft_model)
+    weights.update(f"adapter={adapter};draft={draft}".encode())
     fingerprint = config_fingerprint(
         config,
         kv_bits=args.kv_bits,
@@ -302,4 +427,4 @@ def model_identity(args: argparse.Namespace) -> ModelKey:
         quantized_kv_start=args.quantized_kv_start if args.kv_bits else None,
         weights_id=weights.hexdigest(),
     )
-    return ModelKey(str(args.model), fingerprint)
+    return ModelKey(_one_spelling(str(args.model)), fingerprint)

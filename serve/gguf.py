@@ -129,7 +129,10 @@ def convert_gguf(path: str | Path, out: str | Path) -> Path:
     """Write the mlx-lm model directory of the GGUF file ``path`` at ``out``; return it."""
     import mlx.core as mx
 
-    loaded: Any = mx.load(str(path), return_metadata=True)
+    try:
+        loaded: Any = mx.load(str(path), return_metadata=True)
+    except RuntimeError as exc:  # MLX's gguf_init: not a GGUF file, or one it cannot read
+        raise UnsupportedModelError(f"{path}: MLX cannot read it as GGUF ({exc})") from None
     weights, meta = loaded
     config = _config(meta, weights)
     tokenizer, special = _tokenizer(meta)

@@ -70,8 +70,13 @@ def _open_lock_file(directory: str) -> int:
 
 def try_lock(directory: str) -> DirectoryLock | None:
     """Take ``directory``'s lock if it is free (creating the directory and the lock file
-    as needed) and write this process's pid into it; None when another holds it."""
-    os.makedirs(directory, exist_ok=True)
+    as needed) and write this process's pid into it; None when another holds it.
+    NotADirectoryError when ``directory`` is something else (a file, a FIFO, a link to
+    one): makedirs's own FileExistsError said only "File exists"."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except FileExistsError:
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), directory) from None
     fd = _open_lock_file(directory)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -79,6 +79,15 @@ def test_the_command_refuses_impossible_sizes(capsys: pytest.CaptureFixture[str]
     assert capsys.readouterr().err == "kvtrio demo: --doc-tokens must be >= 321\n"
 
 
+@pytest.mark.parametrize("budget", ["--hot-mb=nan", "--cold-mb=inf", "--hot-mb=-1", "--cold-mb=0"])
+def test_the_command_refuses_budgets_it_cannot_use(budget: str) -> None:
+    """``--hot-mb nan`` passed the check (NaN compares false) and ended in a ValueError
+    traceback converting it to bytes; ``inf`` in an OverflowError."""
+    from kvtrio.cli import main
+
+    assert main(["demo", budget]) == 2
+
+
 def test_recompute_tolerance_is_derived_and_still_catches_a_wrong_hit() -> None:
     """The tolerance is TOLERANCE_MARGIN x the device's two-chunk prefill difference (at
     least TOLERANCE), and a "hit" whose prefix is another prompt's lands far outside it."""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from kvtrio.cli import main
+from kvtrio.storage.dirlock import LOCK_NAME
 
 from .test_tools import written  # noqa: F401  (the fixture)
 
@@ -72,6 +73,31 @@ def test_verify_of_a_directory_without_a_tier_says_so_and_suggests_one(
         assert err.count("\n") == 1 and "Traceback" not in err
         assert err.startswith(f"kvtrio {command}: {parent}: holds no kvtrio tier")
         assert f"a cold tier is at {tier}: try that" in err
+
+
+def test_gc_of_a_directory_without_a_tier_leaves_it_as_it_was(tmp_path: Path) -> None:
+    """``kvtrio gc`` on the wrong directory (a model's, a home directory) refuses it
+    without taking the tier's lock there: it used to leave a ``.kvtrio-lock`` file in
+    it, and then say it held no tier."""
+    model = tmp_path / "model"
+    model.mkdir()
+    before = sorted(p.name for p in _with_foreign_files(model))
+    assert main(["gc", str(model)]) == 2
+    assert sorted(p.name for p in model.iterdir()) == before
+    assert not (model / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("flag", ["--grace=-1", "--grace=nan", "--wait=-1", "--wait=nan"])
+def test_gc_refuses_a_negative_or_nan_time(
+    written: Path,  # noqa: F811
+    tmp_path: Path,
+    flag: str,
+) -> None:
+    """``--wait -1`` ran and, beside a live owner, said it 'waited -1 s'; ``--grace nan``
+    ran a collection that could delete nothing."""
+    tree = tmp_path / "tree"
+    shutil.copytree(written, tree)
+    assert main(["gc", str(tree), flag]) == 2
 
 
 @pytest.mark.parametrize(

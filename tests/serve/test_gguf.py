@@ -33,6 +33,16 @@ def test_llama_names_map_to_mlx_lms_and_others_are_refused() -> None:
         _config({"general.architecture": "qwen2", "tokenizer.ggml.tokens": []}, {})
 
 
+def test_a_file_that_is_no_gguf_is_refused_as_unsupported(tmp_path: Path) -> None:
+    """``kvtrio serve --model config.gguf`` (a JSON file, a truncated download) ended in
+    MLX's RuntimeError traceback; UnsupportedModelError is one line, exit 2."""
+    fake = tmp_path / "model.gguf"
+    fake.write_text('{"model_type": "llama"}')
+    with pytest.raises(UnsupportedModelError):
+        gguf_model_dir(fake, tmp_path / "gguf")
+    assert not (tmp_path / "gguf").exists()
+
+
 @needs_gguf
 def test_smollm2_converts_loads_with_mlx_lm_and_answers(tmp_path: Path) -> None:
     from mlx_lm import generate, load

@@ -17,7 +17,7 @@ import pytest
 from kvtrio.errors import CorruptCacheError
 from kvtrio.storage.blockstore import CorruptBlockError, LocalBlockStore
 from kvtrio.storage.cacheio import materialize, snapshot
-from kvtrio.storage.fileops import OS_FILE_OPS, FaultyFileOps
+from kvtrio.storage.fileops import OS_FILE_OPS, FaultyFileOps, OsFileOps
 from kvtrio.storage.maintenance import collect_garbage, verify_tree
 from kvtrio.storage.reader import allocate_buffers, read_header, read_tensors
 from kvtrio.storage.writer import write_blocks
@@ -140,6 +140,60 @@ def test_verify_reports_every_bad_file_and_block(tmp_path: Path) -> None:
     assert [p for p, _ in report.bad_files] == [str(tmp_path / "s.kvt")]
     assert [n for n, _ in report.bad_blocks] == [names[0]]
     assert [n for _, n in report.missing_blocks] == [names[1]]
+
+
+class _EvictingStore(LocalBlockStore):
+    """A live owner's eviction landing while ``kvtrio verify`` checks a manifest's blocks:
+    the manifest goes, then the blocks only it named (the tier's order)."""
+
+    manifest: Path | None = None
+
+    def has_many(self, names: Sequence[str]) -> list[bool]:
+        if self.manifest is not None:
+            self.manifest.unlink()
+            self.manifest = None
+            self.delete_many(list(names))
+        return super().has_many(names)
+
+
+def test_verify_beside_a_live_owner_reports_no_blocks_of_an_entry_evicted_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """``kvtrio verify`` takes no lock (docs/cli.md): an entry evicted between reading its
+    manifest and checking its blocks was reported as missing blocks, exit 1."""
+    store = _EvictingStore(str(tmp_path / "blocks"))
+    kvtrio.save_cache(tmp_path / "m.kvt", [], [_conversation(300, 0, 0)], layout="blocks")
+    store.manifest = tmp_path / "m.kvt"
+    report = verify_tree(str(tmp_path), store)
+    assert report.ok and report.missing_blocks == ()
+    assert report.files_ok == 0 and report.foreign_files == ()  # gone: neither ok nor foreign
+    kvtrio.save_cache(tmp_path / "kept.kvt", [], [_conversation(300, 0, 0)], layout="blocks")
+    names = sorted(i.name for i in store.iter_blocks())
+    os.unlink(tmp_path / "blocks" / names[0])  # a block missing under a live manifest
+    assert [n for _, n in verify_tree(str(tmp_path), store).missing_blocks] == [names[0]]
+
+
+class _EvictingOpen(OsFileOps):
+    """The same eviction landing between verify's listing and its read of the manifest."""
+
+    def __init__(self, manifest: Path) -> None:
+        self.manifest: Path | None = manifest
+
+    def open(self, path: str, flags: int, mode: int = 0o600, *, dir_fd: int | None = None) -> int:
+        if self.manifest is not None and path == str(self.manifest):
+            self.manifest.unlink()
+            self.manifest = None
+        return super().open(path, flags, mode, dir_fd=dir_fd)
+
+
+def test_verify_does_not_list_a_manifest_evicted_since_the_listing_as_foreign(
+    tmp_path: Path,
+) -> None:
+    """It was listed as 'not kvtrio's' (the file could not be read, so it had no magic)."""
+    store = LocalBlockStore(str(tmp_path / "blocks"))
+    kvtrio.save_cache(tmp_path / "m.kvt", [], [_conversation(300, 0, 0)], layout="blocks")
+    report = verify_tree(str(tmp_path), store, file_ops=_EvictingOpen(tmp_path / "m.kvt"))
+    assert report.ok and report.foreign_files == () and report.files_ok == 0
 
 
 def test_verify_progress_counts_every_file_and_block_up_to_the_total(tmp_path: Path) -> None:

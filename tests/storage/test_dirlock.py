@@ -61,3 +61,21 @@ def test_a_planted_link_is_not_followed(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         try_lock(str(tmp_path))
     assert target.read_text() == "precious"
+
+
+@pytest.mark.parametrize("kind", ["file", "fifo", "link to a file"])
+def test_a_path_that_is_no_directory_is_refused_as_not_a_directory(
+    tmp_path: Path, kind: str
+) -> None:
+    """``kvtrio serve --cache-dir FILE`` said ``FileExistsError: File exists`` (makedirs's
+    error), which reads as if the directory were fine: the error is NotADirectoryError."""
+    target = tmp_path / "target"
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        target.write_text("not a directory")
+    if kind == "link to a file":
+        os.symlink(target, tmp_path / "link")
+        target = tmp_path / "link"
+    with pytest.raises(NotADirectoryError):
+        try_lock(str(target))
