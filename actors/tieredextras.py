@@ -86,9 +86,9 @@ class PolicyFeaturesMixin(CacheParts):
         return True
 
     def _stored_bytes(self, record: CacheRecord) -> int:
-        """A DURABLE entry's tensor bytes as its store counts them: an entry found at open
-        has no count of its own. The estimate of this model's bytes per token (128 KiB
-        until an insert measures one) where the store does not know them."""
+        """A DURABLE entry's tensor bytes as its store counts them (an entry found at open
+        has no count of its own), or where the store does not know them the estimate of
+        this model's bytes per token."""
         stored = self.cold.entry_bytes(record.entry.key)
         return stored if stored else record.entry.length * self._bytes_per_token
 
