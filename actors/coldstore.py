@@ -38,6 +38,7 @@ from kvtrio.actors.coldtypes import (
     ColdEntryInfo,
     ColdStore,
     FoundRows,
+    SameModel,
     SharedColdStore,
     StoreResult,
 )
@@ -50,7 +51,6 @@ from kvtrio.actors.prefix import (
 )
 from kvtrio.actors.tier import SUFFIX, ColdTier, TierEntry
 from kvtrio.errors import (
-    CacheMismatchError,
     CacheMissError,
     CorruptCacheError,
     KvtrioError,
@@ -125,25 +125,6 @@ def _conversations_of(meta: Mapping[str, str]) -> tuple[str, ...]:
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         return ()
     return tuple(names)
-
-
-@attrs.frozen
-class _SameModel:
-    """A load expectation: the header names this model id and config fingerprint, and
-    (when ``tokens`` is given) holds exactly those tokens."""
-
-    model: ModelKey
-    tokens: tuple[int, ...] | None = None
-
-    def check(self, header: Header) -> None:
-        found = ModelKey(header.model_id or "", header.config_fingerprint or "")
-        if found != self.model:
-            raise CacheMismatchError(f"cache is for {found}, not {self.model}")
-        if self.tokens is not None and header.tokens != self.tokens:
-            raise CacheMismatchError(
-                f"tokens: the entry read holds {len(header.tokens)} other tokens than the "
-                f"{len(self.tokens)} its key names"
-            )
 
 
 @attrs.define(eq=False)
@@ -496,7 +477,7 @@ class ColdTierStore:
     async def fetch(
         self, key: str, *, model: ModelKey, tokens: Sequence[int] | None = None
     ) -> tuple[list[Any], int]:
-        expect = _SameModel(model, None if tokens is None else tuple(tokens))
+        expect = SameModel(model, None if tokens is None else tuple(tokens))
         restored = await self.tier.load(key, expect=expect)
         return restored.caches, restored.header.nbytes
 
@@ -580,6 +561,18 @@ class ColdTierStore:
 
     async def usage(self) -> int:
         return self._usage
+
+    def entry_bytes(self, key: str) -> int | None:
+        """:meth:`ColdStore.entry_bytes`: the sizes of the entry's blocks, as the store
+        counts them (None: not held, of no blocks (the single layout), or a block absent)."""
+        record = self._entry_blocks.get(key)
+        sizes = self._block_sizes
+        if record is None or len(record) == _FILE_BYTES.size:
+            return None
+        try:
+            return sum(sizes[digest.hex()] for (digest,) in _DIGESTS.iter_unpack(_digests(record)))
+        except KeyError:
+            return None
 
     def check(self) -> None:
         """Recompute the usage from the tables (tests): AssertionError if it drifted."""

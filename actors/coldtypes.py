@@ -12,7 +12,9 @@ from typing import Any, Protocol, overload
 
 import attrs
 from kvtrio.actors.prefix import ModelKey, PackedTokens
+from kvtrio.errors import CacheMismatchError
 from kvtrio.storage.catalogue import CompactRow, ScannedRows, conversations_of
+from kvtrio.storage.format import Header
 
 __all__ = [
     "CONVERSATIONS_META",
@@ -20,6 +22,7 @@ __all__ = [
     "ColdEntryInfo",
     "ColdStore",
     "FoundRows",
+    "SameModel",
     "SharedColdStore",
     "StoreResult",
 ]
@@ -161,6 +164,12 @@ class ColdStore(Protocol):
         """Bytes the cold tier occupies on disk now."""
         ...
 
+    def entry_bytes(self, key: str) -> int | None:
+        """Any thread, no I/O: the tensor bytes (what a load brings into memory) of the
+        stored entry ``key`` as the store counts them (after a restart, the catalogue's
+        block sizes), or None when it does not know them."""
+        ...
+
     def entries(self) -> AsyncGenerator[Sequence[ColdEntryInfo], None]:
         """Every valid entry on disk, in batches, least recently used first; ``mtime`` is
         its last use (the cold LRU's order)."""
@@ -195,3 +204,23 @@ class SharedColdStore(Protocol):
         """Drop ``key`` from the index keys of ``tokens`` if its manifest is gone (a stale
         registration found by :meth:`find`), so no host reads it again."""
         ...
+
+
+@attrs.frozen
+class SameModel:
+    """A load expectation (:class:`~kvtrio.actors.tierrecords.Expectation`): the header
+    names this model id and config fingerprint, and (when ``tokens`` is given) holds
+    exactly those tokens."""
+
+    model: ModelKey
+    tokens: tuple[int, ...] | None = None
+
+    def check(self, header: Header) -> None:
+        found = ModelKey(header.model_id or "", header.config_fingerprint or "")
+        if found != self.model:
+            raise CacheMismatchError(f"cache is for {found}, not {self.model}")
+        if self.tokens is not None and header.tokens != self.tokens:
+            raise CacheMismatchError(
+                f"tokens: the entry read holds {len(header.tokens)} other tokens than the "
+                f"{len(self.tokens)} its key names"
+            )

@@ -76,8 +76,8 @@ Theory of operation
    caches instead of reading them again; a prefetch of an entry that a lookup is
    loading already starts nothing (one read of an entry at a time, whichever of the
    two asked first). Prefetched bytes held at once are capped by
-   ``prefetch_budget``, softly: a prefetch alone always starts (an entry found at open
-   has only an estimate of its bytes); a prefetch is cancelled when its entry leaves the index
+   ``prefetch_budget`` (an entry found at open counts the bytes its store holds), softly:
+   a prefetch alone always starts; a prefetch is cancelled when its entry leaves the index
    (evicted, removed, superseded) and dropped when no lookup takes it within
    ``prefetch_deadline`` seconds; ``statistics()`` counts the bytes used and wasted.
 15. ``metrics_text()`` carries histograms of the seconds per cold load and per cold save

@@ -69,11 +69,9 @@ class PolicyFeaturesMixin(CacheParts):
             return False
         if key in self._prefetches or key in self._lookup_loads:
             return False  # one read of an entry at a time (a lookup's own, or a prefetch)
-        nbytes = record.cold.nbytes or record.entry.length * self._bytes_per_token
-        # Soft by one (rule 14): an entry found at open has no byte count here, only the
-        # estimate (128 KiB a token until an insert measures one), so a cap that refused
-        # one prefetch alone refused the first turn after a restart of any conversation
-        # over 16k tokens, whose lookup then loaded it anyway, later.
+        nbytes = record.cold.nbytes or self._stored_bytes(record)
+        # Soft by one (rule 14): a cap that refused one prefetch alone would refuse the
+        # first turn of a long conversation, whose lookup then loads it anyway, later.
         if self._prefetch_bytes and self._prefetch_bytes + nbytes > self.prefetch_budget:
             self._count("prefetches_refused")
             return False
@@ -86,6 +84,13 @@ class PolicyFeaturesMixin(CacheParts):
         # until its deadline; the close's cancel ends it.
         self._nursery.start_soon(self._run_prefetch, pending)
         return True
+
+    def _stored_bytes(self, record: CacheRecord) -> int:
+        """A DURABLE entry's tensor bytes as its store counts them (an entry found at open
+        has no count of its own), or where the store does not know them the estimate of
+        this model's bytes per token."""
+        stored = self.cold.entry_bytes(record.entry.key)
+        return stored if stored else record.entry.length * self._bytes_per_token
 
     async def _run_prefetch(self, pending: _Prefetch) -> None:
         """Load, then hold the caches until a lookup takes them or the deadline passes."""

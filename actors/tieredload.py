@@ -30,6 +30,7 @@ from kvtrio.actors.prefix import (
     PrefixEntry,
 )
 from kvtrio.actors.tieredtypes import (
+    DEFAULT_BYTES_PER_TOKEN,
     OPEN_BATCH,
     WritePolicy,
     _by_mtime,
@@ -170,6 +171,8 @@ class IndexAndLoadMixin(CacheParts):
                 if found is None:
                     found = models[model_id, fingerprint] = ModelKey(model_id, fingerprint)
                     self._other_models.add(found)
+                elif found is self.model and self._bytes_per_token == DEFAULT_BYTES_PER_TOKEN:
+                    self._measure_found(key, len(packed) // 4)
                 model = found
             record = records[key] = CacheRecord(
                 key, 0, entry=new_entry(key, model, packed, trimmable != 0, min_offset)
@@ -199,6 +202,14 @@ class IndexAndLoadMixin(CacheParts):
             except PinLimitError:
                 self._count("pins_refused")
         young.after_batch()
+
+    def _measure_found(self, key: str, tokens: int) -> None:
+        """Open: this model's bytes per token from a found entry's bytes as its store holds
+        them, so that found entries are valued (rule 10) at about their size, not at the
+        estimate of 128 KiB a token; one entry, once per open."""
+        stored = self.cold.entry_bytes(key)
+        if stored and tokens:
+            self._bytes_per_token = max(1, stored // tokens)
 
     def _index_found(self, by_order: list[CacheRecord | None], young: YoungCollections) -> None:
         """Worker thread, at open: the found entries into the prefix index, in token order,
@@ -249,6 +260,8 @@ class IndexAndLoadMixin(CacheParts):
         entry = PrefixEntry(key, model, info.tokens, info.trimmable, info.min_reusable_offset)
         if model is not self.model and model != self.model:
             self._other_models.add(model)
+        elif self._bytes_per_token == DEFAULT_BYTES_PER_TOKEN:
+            self._measure_found(key, entry.length)
         record = self._records[key] = CacheRecord.of(entry)
         if info.pinned:
             record.pinned = True  # rule 12: pins survive a restart

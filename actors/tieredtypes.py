@@ -49,6 +49,8 @@ __all__ = [
 RELOAD_BYTES_PER_SECOND = 2e9
 
 
+# Bytes per token of the cache's model until open measures a found entry's stored bytes
+# (ColdStore.entry_bytes) or an insert measures its caches: what a found entry is valued at.
 DEFAULT_BYTES_PER_TOKEN = 128 << 10
 
 

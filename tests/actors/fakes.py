@@ -161,6 +161,9 @@ class FakeColdStore:
     async def usage(self) -> int:
         return self.disk_bytes
 
+    def entry_bytes(self, key: str) -> int | None:
+        return self.sizes.get(key) if key in self.disk else None
+
     async def touch(self, last_use: Mapping[str, float]) -> None:
         for key, when in last_use.items():
             if key in self.disk:

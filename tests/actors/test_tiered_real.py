@@ -94,6 +94,33 @@ async def test_hits_from_ram_and_disk_are_bit_exact_and_survive_restart(
             assert (await cache.fetch_nearest(follow)).caches is None
 
 
+async def test_an_entry_found_at_open_is_prefetched_at_the_bytes_it_holds(
+    tmp_path: Path, tiny: TinyModel
+) -> None:
+    """After a restart, a prefetch counts the entry's tensor bytes as the store holds them
+    (the catalogue's block sizes), the bytes its load reads, and the cold tier's eviction
+    values found entries at this model's bytes per token measured from them: both used the
+    estimate of 128 KiB a token, so kvtrio_cold_prefetch_bytes_total was ~128x too large
+    for the tiny model and the prefetch cap and the eviction judged by that estimate."""
+    prompt = _prompt(3, 200)
+    async with MlxOwner.inline() as owner:
+        live = make_caches(tiny)
+        prefill(tiny, live, prompt)
+        async with _open(tmp_path, tiny, owner) as cache:
+            await cache.insert(prompt, live)
+        async with _open(tmp_path, tiny, owner) as cache:
+            valued = cache.cold_policy.statistics().nbytes
+            assert cache.prefetch(prompt)
+            assert cache.statistics().prefetch_bytes < 200 * 128 * 1024
+            got = await cache.fetch_nearest(prompt)
+            assert got.tier is Tier.COLD and got.caches is not None
+            stats = cache.statistics()
+            assert stats.prefetches == 1 and stats.bytes_read > 0
+            assert stats.prefetch_used_bytes == stats.bytes_read
+            assert stats.bytes_read == sum(int(c.nbytes) for c in got.caches)
+            assert valued == stats.bytes_read // 200 * 200
+
+
 async def test_shared_prefixes_are_stored_once(tmp_path: Path, tiny: TinyModel) -> None:
     system = _prompt(2, 2 * BLOCK)
     async with MlxOwner.inline() as owner:
