@@ -52,7 +52,8 @@ Theory of operation:
    looked up before that is RAM's answer, counted
    (``kvtrio_serve_cold_unavailable_total{reason="opening"}``);
    ``kvtrio_serve_cold_ready`` says when the tier is there, and the server prints
-   ``cold tier ready``. A tier that cannot open stops the server (exit status 2).
+   ``cold tier ready``. A tier that cannot open, or a model that does not load
+   (:class:`~kvtrio.serve.lifecycle.ModelLoad`), stops the server (exit status 2).
 7. Prefetch on arrival: the HTTP handler thread tokenizes its request (mlx-lm's
    tokenization) and asks the adapter to start the disk load
    (``TieredLRUPromptCache.prefetch_on_arrival``) before it queues the request for the
@@ -94,6 +95,7 @@ from kvtrio.serve.flags import (
     model_identity,
 )
 from kvtrio.serve.flushreport import flush_deadline, print_exit
+from kvtrio.serve.lifecycle import InFlight, ModelLoad
 from kvtrio.serve.steps import between_steps, pumping_budget
 
 if TYPE_CHECKING:  # the tier's modules are imported by the thread that opens it (rule 6)
@@ -243,6 +245,7 @@ def _generator_class() -> type:
             self.in_flight = 0  # requests arrived (generate()) and not yet answered (rule 6)
             self._wake_pending = threading.Event()
             self.closed_in_time: bool | None = None
+            self.model_load = ModelLoad()
             self.prefetching = bool(getattr(model_provider.cli_args, "prefetch", True))
             self._open_pending = False  # the model has loaded, the tier's open not started
             self._first_answer: float | None = None  # when a request was first answered
@@ -286,9 +289,11 @@ def _generator_class() -> type:
             if isinstance(adapter, ServeCache):  # rule 6: the model first, then the tier
                 try:
                     self.model_provider.load_default()  # mlx-lm's loop then finds it loaded
-                except Exception:
+                except Exception as exc:  # serve() stops the server (rule 6)
                     logger.exception("kvtrio serve: the model did not load")
+                    self.model_load.ended(exc)
                 self._open_pending = True
+            self.model_load.ended(self.model_load.failure)
             try:
                 warm = getattr(self.cli_args, "warm_prompts", None)
                 if warm is not None:
@@ -536,7 +541,7 @@ def _handler_class() -> type:
                 self._kvtrio_headers()
 
         def do_POST(self) -> None:
-            tracker: _InFlight = self.server.kvtrio_in_flight
+            tracker: InFlight = self.server.kvtrio_in_flight
             with tracker:
                 try:
                     super().do_POST()
@@ -565,27 +570,6 @@ def _handler_class() -> type:
     return KvtrioHandler
 
 
-@attrs.define(eq=False)
-class _InFlight:
-    """Requests being handled (shutdown waits for them)."""
-
-    count: int = 0
-    lock: threading.Condition = attrs.field(factory=threading.Condition)
-
-    def __enter__(self) -> None:
-        with self.lock:
-            self.count += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with self.lock:
-            self.count -= 1
-            self.lock.notify_all()
-
-    def wait_idle(self, timeout: float) -> bool:
-        with self.lock:
-            return self.lock.wait_for(lambda: self.count == 0, timeout)
-
-
 # -- the server ------------------------------------------------------------------------
 
 
@@ -609,7 +593,7 @@ def _http_server(host: str, port: int, generator: Any) -> ThreadingHTTPServer:
         return handler(generator, *a, system_fingerprint=fingerprint[0], **k)
 
     httpd = Server(address, handle)  # type: ignore[arg-type]
-    httpd.kvtrio_in_flight = _InFlight()  # type: ignore[attr-defined]
+    httpd.kvtrio_in_flight = InFlight()  # type: ignore[attr-defined]
     return httpd
 
 
@@ -639,13 +623,18 @@ def serve(args: argparse.Namespace) -> int:
     )
     provider = server.ModelProvider(args)
     generator = _generator_class()(provider, adapter)
-    httpd = _http_server(args.host, args.port, generator)
+    try:
+        httpd = _http_server(args.host, args.port, generator)
+    except BaseException:  # a port taken, a host unknown: the generation thread ends too
+        generator.stop_and_join()
+        raise
     httpd.kvtrio_adapter = adapter  # type: ignore[attr-defined]
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
-        if stopping.is_set():
-            os._exit(1)  # second signal: at once (rule 4)
+        if stopping.is_set():  # second signal: at once (rule 4)
+            os.write(2, b"kvtrio serve: a second signal: exiting now, writes not finished\n")
+            os._exit(1)
         stopping.set()
         threading.Thread(target=httpd.shutdown, name="kvtrio-stop", daemon=True).start()
 
@@ -668,7 +657,20 @@ def serve(args: argparse.Namespace) -> int:
         generator._wake()  # the generation thread takes the tier now
         print(f"kvtrio serve: cold tier ready (opened in {opening.seconds:.2f}s)", flush=True)
 
+    def when_loaded() -> None:  # rule 6
+        generator.model_load.done.wait()
+        if (failure := generator.model_load.failure) is not None:
+            print(
+                f"kvtrio serve: the model did not load ({type(failure).__name__}: {failure}); "
+                "stopping",
+                file=sys.stderr,
+                flush=True,
+            )
+            stopping.set()
+            httpd.shutdown()
+
     threading.Thread(target=when_open, name="kvtrio-opened", daemon=True).start()
+    threading.Thread(target=when_loaded, name="kvtrio-loaded", daemon=True).start()
     host, port = str(httpd.server_address[0]), httpd.server_address[1]
     logger.info("kvtrio serve: cold tier at %s", options.cache_dir)
     print(f"kvtrio serve: listening on {host}:{port}", flush=True)
@@ -676,12 +678,12 @@ def serve(args: argparse.Namespace) -> int:
         httpd.serve_forever()
     finally:
         httpd.server_close()
-    in_flight: _InFlight = httpd.kvtrio_in_flight  # type: ignore[attr-defined]
+    in_flight: InFlight = httpd.kvtrio_in_flight  # type: ignore[attr-defined]
     if not in_flight.wait_idle(options.grace):
         logger.info("kvtrio serve: cutting %d requests after the grace", generator.cut_all())
         in_flight.wait_idle(options.grace)
     generator.stop_and_join()
     print_exit(adapter, lookups_before_open=adapter.lookups_before_open)
-    if opening.failure is not None:
+    if opening.failure is not None or generator.model_load.failure is not None:
         return 2
     return 0 if generator.closed_in_time else 1

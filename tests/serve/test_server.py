@@ -535,7 +535,8 @@ def test_a_client_gone_mid_response_is_one_log_line_not_a_traceback(
     """mlx-lm's handler raises out of its stream loop when the client has left (the H200
     bench's logs had one traceback per such request); kvtrio's handler logs one line, counts
     the request done and closes the connection."""
-    from kvtrio.serve.server import _handler_class, _InFlight, _mlx_server
+    from kvtrio.serve.lifecycle import InFlight
+    from kvtrio.serve.server import _handler_class, _mlx_server
 
     def gone(self: Any) -> None:
         assert self.server.kvtrio_in_flight.count == 1  # in flight while mlx-lm writes
@@ -544,7 +545,7 @@ def test_a_client_gone_mid_response_is_one_log_line_not_a_traceback(
     monkeypatch.setattr(_mlx_server().APIHandler, "do_POST", gone)
     handler_class = _handler_class()
     handler: Any = object.__new__(handler_class)  # no socket: only do_POST is exercised
-    handler.server = types.SimpleNamespace(kvtrio_in_flight=_InFlight())
+    handler.server = types.SimpleNamespace(kvtrio_in_flight=InFlight())
     handler.client_address = ("127.0.0.1", 50000)
     handler.close_connection = False
     with caplog.at_level(logging.INFO, logger="kvtrio.serve.server"):

@@ -4,6 +4,7 @@ cannot open, ``--eviction`` / ``--admission`` reaching the tier, ``--no-prefetch
 from __future__ import annotations
 
 import argparse
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +96,34 @@ def test_a_cold_tier_that_cannot_open_stops_the_server_with_status_two(tmp_path:
     assert done.returncode == 2, done.stdout + done.stderr
     assert "kvtrio serve: the cold tier did not open (" in done.stderr
     assert COLD_READY not in done.stdout
+
+
+def test_a_model_that_does_not_load_stops_the_server_with_status_two(tmp_path: Path) -> None:
+    """docs/serve.md, "Start": a --model that does not load (here a directory holding no
+    model) stops the server with exit 2, as plain mlx_lm.server fails at start, rather
+    than listening and answering every request with an error."""
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    argv = [sys.executable, "-m", "kvtrio", "serve", "--model", str(empty), "--port"]
+    argv += [str(free_port()), "--cache-dir", str(tmp_path / "cache"), "--log-level", "WARNING"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert COLD_READY not in done.stdout
+
+
+def test_a_port_in_use_ends_the_server_instead_of_hanging(tmp_path: Path) -> None:
+    """A listener that cannot bind ends the process (its generation thread too): before,
+    the error was printed and the process hung on the thread forever."""
+    model = write_tiny_model_dir(tmp_path / "model")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "kvtrio", "serve", "--model", str(model), "--port"]
+        argv += [str(port), "--cache-dir", str(tmp_path / "cache"), "--log-level", "WARNING"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "listening on" not in done.stdout
 
 
 def test_no_prefetch_loads_turn_two_on_the_lookup(tmp_path: Path) -> None:
