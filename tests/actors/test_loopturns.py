@@ -1,20 +1,26 @@
-"""A worker thread's turns of the event loop (docs/design.md invariant 16,
-:mod:`kvtrio.actors.loopturns`), and a rebuild that gives them."""
+"""Open's work off the event loop (docs/design.md invariant 16): a worker thread's turns of
+the event loop (:mod:`kvtrio.actors.loopturns`), a rebuild that gives them, and the index
+build that looks no key up again."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 from kvtrio.actors import loopturns
 from kvtrio.actors.coldstore import ColdTierStore
+from kvtrio.actors.coldtypes import ColdEntryInfo
 from kvtrio.actors.loopturns import NO_TURNS, LoopTurns
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.tiered import open_tiered_cache
 from kvtrio.bench.scale import BLOCK, _model_of, _populate
 from kvtrio.storage.catalogue import CATALOGUE_NAME
+
+from .fakes import MODEL, FakeColdStore, fake_tiered
 
 ENTRIES = 40
 
@@ -100,3 +106,30 @@ async def test_a_rebuild_giving_the_loop_a_turn_per_step_still_rebuilds_everythi
                 store.check()
                 for entry in list(cache._index):
                     assert cache._index.lookup(model, [*entry.tokens, 1]) is not None
+
+
+class _TwiceFound(FakeColdStore):
+    """A store that lists one key twice, with other tokens each time, both with their
+    rank in token order (so open indexes them in that order, from its by-order list)."""
+
+    async def entries(self) -> AsyncGenerator[list[ColdEntryInfo], None]:
+        older = ColdEntryInfo(
+            key="k", model=MODEL, tokens=(1, 2, 3, 4, 5), trimmable=True,
+            min_reusable_offset=0, mtime=1.0, order=0,
+        )  # fmt: skip
+        newer = attrs.evolve(older, tokens=(7, 8, 9, 10, 11), mtime=2.0, order=1)
+        yield [newer, older]
+
+
+async def test_a_key_found_twice_at_open_is_indexed_once_as_first_entered(
+    tmp_path: Path,
+) -> None:
+    """Open enters a key once (the least recently used listing of it), and its index
+    build adds the entry of the key's record alone, looking no key up again
+    (tieredload._index_found): had the other listing been indexed too, it would have
+    replaced the first in the index (the same key), leaving the record and the index
+    disagreeing."""
+    async with fake_tiered(_TwiceFound(tmp_path, MODEL)) as cache:
+        indexed = list(cache._index)
+        assert [entry.tokens for entry in indexed] == [(1, 2, 3, 4, 5)]
+        assert indexed[0] is cache._records["k"].entry
