@@ -6,9 +6,12 @@ catalogue rebuilt from the manifests where it must be (module docstring of
 All of it runs on one worker thread while the event loop waits (nothing else touches the
 new store yet). That worker gives the loop a turn at least every
 :data:`~kvtrio.actors.loopturns.TURN_PERIOD_S` while it reads manifests, writes their rows
-and lists blocks (:class:`~kvtrio.actors.loopturns.LoopTurns`): each step there makes
-system calls, whose releases of the GIL would otherwise keep the loop waiting for it
-(docs/design.md invariant 16).
+and lists blocks (:class:`~kvtrio.actors.loopturns.LoopTurns`): each step there is Python
+work between system calls, whose brief releases of the GIL would otherwise keep the loop
+waiting for it (docs/design.md invariant 16). A clean open takes none: reading the
+catalogue's rows leaves the GIL free most of the time (sqlite runs without it) or holds
+it in C calls that the GIL's own switch interval interrupts, and a turn is a round trip
+through the loop that the open would wait for.
 
 Costs (N entries, B blocks): the catalogue's block lists (O(N + references)) or, when it
 must be rebuilt, every manifest once (O(N) reads), and one listing of the block directory
@@ -107,7 +110,6 @@ class CatalogueOpen:
                 manifests += sum(sizes)
                 counts.update(DIGESTS.iter_unpack(b"".join(lists)))
                 young.after_batch()
-                turns.offer()
             blocks = catalogue.block_sizes()
         except CorruptCacheError as exc:
             _log.warning("cold tier %s: catalogue rows unreadable, rebuilt (%s)", root, exc)
