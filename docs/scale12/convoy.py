@@ -50,7 +50,8 @@ async def main():
     late.sort()
     worst = [round(x * 1e3, 1) for x in late[-5:]]
     median = round(late[len(late) // 2] * 1e3, 2)
-    print(f"work {WORK} turns {TURNS}: {done} stats, {len(late)} ticks,", f"worst {worst}, p50 {median}")
+    print(f"work {WORK} turns {TURNS}: {done} stats, {len(late)} ticks,")
+    print(f"    worst {worst}, p50 {median}")
 
 
 trio.run(main)
