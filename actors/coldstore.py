@@ -175,7 +175,7 @@ class ColdTierStore:
             assert self._blocks is not None
             opening = CatalogueOpen(
                 tier, self._blocks, self._pinned_keys, self._refs, self._entry_blocks,
-                LoopTurns.for_worker(),
+                LoopTurns(),
             )  # fmt: skip
             with collector_paused():
                 opened = await trio.to_thread.run_sync(opening.run)

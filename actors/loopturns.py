@@ -23,13 +23,12 @@ the worker a round trip through the loop (tens of microseconds).
 
 from __future__ import annotations
 
-import math
 import time
 
 import attrs
 import trio
 
-__all__ = ["NO_TURNS", "TURN_PERIOD_S", "LoopTurns"]
+__all__ = ["TURN_PERIOD_S", "LoopTurns"]
 
 #: Worker time between two turns of the event loop (the GIL's own switch interval).
 TURN_PERIOD_S = 0.005
@@ -44,31 +43,22 @@ class LoopTurns:
     """Offered by a worker thread between short steps of a long job (:meth:`offer`): the
     event loop takes a turn whenever ``period_s`` has passed since the last one.
 
-    Made on the trio thread for a job that :func:`trio.to_thread.run_sync` runs
-    (:meth:`for_worker`): the worker reaches the loop through the thread's own link to
-    it. :data:`NO_TURNS` is for a job no event loop waits on (a command line's)."""
+    Made for a job that :func:`trio.to_thread.run_sync` runs: the worker reaches the loop
+    through the thread's own link to it. The first turn is due one period after it is
+    made."""
 
-    period_s: float = TURN_PERIOD_S
-    turns: int = 0  # turns taken (tests, probes)
-    _due: float = attrs.field(default=0.0, alias="_due")
+    period_s: float = attrs.field(factory=lambda: TURN_PERIOD_S)  # the module's, when made
+    turns: int = attrs.field(default=0, init=False)  # turns taken (reports, tests)
+    _due: float = attrs.field(init=False)
 
-    @classmethod
-    def for_worker(cls, period_s: float | None = None) -> LoopTurns:
-        """Turns every ``period_s`` (default :data:`TURN_PERIOD_S`), the first one period
-        from now."""
-        period = TURN_PERIOD_S if period_s is None else period_s
-        return cls(period, _due=time.perf_counter() + period)
+    def __attrs_post_init__(self) -> None:
+        self._due = time.perf_counter() + self.period_s
 
     def offer(self) -> None:
         """Worker thread: let the event loop take a turn if one is due (no-op otherwise).
         Call it between steps of the job, each much shorter than the period."""
-        now = time.perf_counter()
-        if now < self._due:
+        if time.perf_counter() < self._due:
             return
         trio.from_thread.run_sync(_nothing)
         self.turns += 1
         self._due = time.perf_counter() + self.period_s
-
-
-#: Offers that never take a turn: a job with no event loop to yield to.
-NO_TURNS = LoopTurns(math.inf, _due=math.inf)

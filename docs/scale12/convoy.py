@@ -22,7 +22,7 @@ TURNS = len(sys.argv) > 3 and sys.argv[3] == "turns"
 
 def work():
     names = [os.path.join(DIRECTORY, n) for n in os.listdir(DIRECTORY)[:20000]]
-    turns = LoopTurns.for_worker() if TURNS else None
+    turns = LoopTurns() if TURNS else None
     start, done = time.perf_counter(), 0
     while time.perf_counter() - start < 3:
         for name in names:

@@ -14,7 +14,7 @@ import trio
 from kvtrio.actors import loopturns
 from kvtrio.actors.coldstore import ColdTierStore
 from kvtrio.actors.coldtypes import ColdEntryInfo
-from kvtrio.actors.loopturns import NO_TURNS, LoopTurns
+from kvtrio.actors.loopturns import LoopTurns
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.tiered import open_tiered_cache
 from kvtrio.bench.scale import BLOCK, _model_of, _populate
@@ -32,7 +32,7 @@ async def test_a_due_turn_runs_on_the_loop_before_the_worker_goes_on(
     turn: the worker's steps and the loop's turns alternate, one each."""
     steps: list[str] = []
     loop_thread = threading.get_ident()
-    turns = LoopTurns.for_worker(0.0)
+    turns = LoopTurns(0.0)
 
     def job() -> None:
         for _ in range(5):
@@ -53,7 +53,7 @@ async def test_a_due_turn_runs_on_the_loop_before_the_worker_goes_on(
 
 
 async def test_an_offer_before_its_period_takes_no_turn() -> None:
-    turns = LoopTurns.for_worker(3600.0)
+    turns = LoopTurns(3600.0)
 
     def job() -> None:
         for _ in range(100):
@@ -61,14 +61,6 @@ async def test_an_offer_before_its_period_takes_no_turn() -> None:
 
     await trio.to_thread.run_sync(job)
     assert turns.turns == 0
-
-
-def test_no_turns_never_reaches_for_a_loop() -> None:
-    """A job no event loop waits on (a command line's) offers turns to nobody: no error
-    outside trio, nothing counted."""
-    for _ in range(3):
-        NO_TURNS.offer()
-    assert NO_TURNS.turns == 0
 
 
 @pytest.fixture(scope="module")
