@@ -9,7 +9,8 @@ on disk, how many manifests name each, and so how many bytes a removal really fr
 Costs (N entries, B blocks, k blocks of one entry): ``create`` reads the catalogue's
 block lists (O(N + references)) or, when it must be rebuilt, every manifest once (O(N)
 reads), and lists the block directory once (O(B)) when the catalogue was not closed
-cleanly; :meth:`ColdTierStore.entries` then streams the entries in batches of
+cleanly (:mod:`kvtrio.actors.storeopen`, on a worker thread that gives the event loop
+turns); :meth:`ColdTierStore.entries` then streams the entries in batches of
 :data:`~kvtrio.storage.catalogue.SCAN_BATCH` compact rows, each fetched on a worker
 thread; ``store`` and ``remove`` are O(k) plus the I/O; a failed write lists the block
 directory once (O(B)) to take back the blocks it stored.
@@ -17,14 +18,9 @@ directory once (O(B)) to take back the blocks it stored.
 
 from __future__ import annotations
 
-import collections
 import errno
 import functools
-import itertools
-import json
 import logging
-import struct
-import sys
 import time
 from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -32,6 +28,13 @@ from typing import Any
 
 import attrs
 import trio
+from kvtrio.actors.coldrecords import (
+    block_names,
+    conversations_of,
+    header_row,
+    manifest_bytes,
+    record_of,
+)
 from kvtrio.actors.coldtypes import (
     CONVERSATIONS_META,
     SHARED_CANDIDATES,
@@ -42,13 +45,15 @@ from kvtrio.actors.coldtypes import (
     SharedColdStore,
     StoreResult,
 )
-from kvtrio.actors.collector import YoungCollections, collector_paused
+from kvtrio.actors.collector import collector_paused
+from kvtrio.actors.loopturns import LoopTurns
 from kvtrio.actors.prefix import (
     DEFAULT_BLOCK_SIZE,
     ModelKey,
     index_keys,
     probe_keys,
 )
+from kvtrio.actors.storeopen import CatalogueOpen, OpenReport
 from kvtrio.actors.tier import SUFFIX, ColdTier, TierEntry
 from kvtrio.errors import (
     CacheMissError,
@@ -58,7 +63,7 @@ from kvtrio.errors import (
 )
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.cacheio import snapshot
-from kvtrio.storage.catalogue import SCAN_BATCH, Catalogue, CatalogueRow, ScannedRows
+from kvtrio.storage.catalogue import Catalogue, CatalogueRow, ScannedRows
 from kvtrio.storage.format import Header
 from kvtrio.storage.manifeststore import ManifestStore
 from kvtrio.storage.writable import encoded_size
@@ -76,55 +81,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("kvtrio.coldstore")
-_DIGEST = 32  # bytes of a block name (sha256)
-
-
-_DIGESTS = struct.Struct(f"{_DIGEST}s")  # a catalogue block list: digests end to end
-_FILE_BYTES = struct.Struct("<Q")  # an entry's record begins with its manifest's bytes
-
-
-def _entry_record(file_bytes: int, digests: bytes) -> bytes:
-    """What :attr:`ColdTierStore._entry_blocks` keeps of an entry: its manifest's bytes (u64
-    little-endian), then its block list as the catalogue stores it (32-byte digests end to
-    end)."""
-    return _FILE_BYTES.pack(file_bytes) + digests
-
-
-def _record_of(file_bytes: int, names: Iterable[str]) -> bytes:
-    """:func:`_entry_record` of block names in hex (a header's; the parser checked them as
-    64 lowercase hex digits, so :func:`_block_names` gives them back as they were)."""
-    return _entry_record(file_bytes, b"".join(map(bytes.fromhex, names)))
-
-
-def _digests(record: bytes) -> memoryview:
-    """An entry's block list as the catalogue stores it, from its record (no copy)."""
-    return memoryview(record)[_FILE_BYTES.size :]
-
-
-def _block_names(record: bytes) -> tuple[str, ...]:
-    """An entry's block names (hex), from its record (:func:`_entry_record`)."""
-    return tuple(digest.hex() for (digest,) in _DIGESTS.iter_unpack(_digests(record)))
-
-
-def _file_bytes(record: bytes) -> int:
-    """An entry's manifest bytes, from its record (:func:`_entry_record`)."""
-    size: int = _FILE_BYTES.unpack_from(record)[0]
-    return size
-
-
-def _manifest_bytes(records: Iterable[bytes]) -> int:
-    return sum(map(_file_bytes, records))
-
-
-def _conversations_of(meta: Mapping[str, str]) -> tuple[str, ...]:
-    """The conversation ids a header's meta names (none when absent or malformed)."""
-    try:
-        names = json.loads(meta.get(CONVERSATIONS_META, "[]"))
-    except ValueError:
-        return ()
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        return ()
-    return tuple(names)
 
 
 @attrs.define(eq=False)
@@ -197,9 +153,15 @@ class ColdTierStore:
         if local:
             # Everything proportional to N runs on the worker thread (nothing else
             # touches this new store yet), so the open never holds the loop for it.
+            assert self._blocks is not None
+            opening = CatalogueOpen(
+                tier, self._blocks, self._pinned_keys, self._refs, self._entry_blocks,
+                LoopTurns(),
+            )  # fmt: skip
             with collector_paused():
-                opened = await trio.to_thread.run_sync(self._open_catalogue)
-            self._catalogue, self._block_sizes, self.opening = opened
+                opened = await trio.to_thread.run_sync(opening.run)
+            self._catalogue, self._block_sizes, self._usage = opened
+            self.opening = opening.report
         else:
             declared: dict[str, int] = {}
             entries = await tier.list()
@@ -215,142 +177,10 @@ class ColdTierStore:
                 attrs.evolve(_entry_info(entry), mtime=used, pinned=entry.key in pinned)
                 for entry, used in zip(entries, uses, strict=True)
             ]
-            self._usage = _manifest_bytes(self._entry_blocks.values()) + sum(
+            self._usage = manifest_bytes(self._entry_blocks.values()) + sum(
                 self._block_sizes.values()
             )
         return self
-
-    def _open_catalogue(self) -> tuple[Catalogue, dict[str, int], OpenReport]:
-        """Worker thread: the store's tables from the catalogue's block lists, reconciled
-        with the manifests on disk (module docstring of kvtrio.storage.catalogue, rule 2),
-        and the blocks that exist. The entries themselves are read later, in batches
-        (:meth:`entries`)."""
-        root = str(self.tier.root)
-        report = OpenReport()
-        try:
-            catalogue = Catalogue.open(root)
-        except CorruptCacheError as exc:
-            _log.warning("cold tier %s: catalogue unusable, rebuilt (%s)", root, exc)
-            report.rebuilt = True
-            Catalogue.remove(root)
-            catalogue = Catalogue.open(root)
-        keys = self.tier.list_keys()
-        blocks: dict[str, int] = {}
-        young = YoungCollections()  # the collector is paused by create (bounded passes)
-        # Reference counts by digest. Each batch of rows is taken in whole by C loops (its
-        # columns split by zip, the tables updated from them, its block lists joined, split
-        # into digests and counted by a Counter): no Python step per row. Hex names only
-        # once per distinct block, at the end.
-        counts: collections.Counter[tuple[bytes]] = collections.Counter()
-        entry_blocks = self._entry_blocks
-        manifest_bytes = 0  # of the rows in entry_blocks
-        try:
-            for batch in catalogue.block_lists():
-                keys_, sizes, lists = zip(*batch, strict=True)
-                # Interned: the cache's open interns the scan's keys (_enter_rows), so
-                # the store's tables and the cache's share one str per entry.
-                names = map(sys.intern, keys_)
-                # Each record (_entry_record) made by C calls alone: no Python step per row.
-                records = map(bytes.__add__, map(_FILE_BYTES.pack, sizes), lists)
-                entry_blocks.update(zip(names, records, strict=True))
-                manifest_bytes += sum(sizes)
-                counts.update(_DIGESTS.iter_unpack(b"".join(lists)))
-                young.after_batch()
-            blocks = catalogue.block_sizes()
-        except CorruptCacheError as exc:
-            _log.warning("cold tier %s: catalogue rows unreadable, rebuilt (%s)", root, exc)
-            report.rebuilt = True
-            counts.clear()
-            entry_blocks.clear()
-            manifest_bytes = 0
-        # Every catalogued key is in entry_blocks now. Differences by Python loops, not set
-        # operators: one C call over 100,000 names would hold the GIL (and so the event
-        # loop) for milliseconds in one piece.
-        gone = [key for key in entry_blocks if key not in keys]  # rows whose manifest is gone
-        report.dropped = len(gone)
-        for key in gone:  # not entries of this store: their references go
-            dropped = entry_blocks.pop(key)
-            manifest_bytes -= _file_bytes(dropped)
-            counts.subtract(_DIGESTS.iter_unpack(_digests(dropped)))
-        refs = self._refs
-        for (digest,), count in counts.items():
-            if count > 0:
-                name = digest.hex()
-                refs[name] = refs.get(name, 0) + count
-        # Manifests the catalogue lacks (all of them after a rebuild): read a batch at a time
-        # as the catalogue writes their rows, each batch freed once written (_rows_of).
-        rows = self._rows_of([key for key in keys if key not in entry_blocks], report, young)
-        first = next(rows, None)
-        report.clean = catalogue.was_clean and not (report.rebuilt or gone or first)
-        if not report.clean:
-            fresh = rows if first is None else itertools.chain((first,), rows)
-            # After a crash, a rebuild or a change behind its back, what exists is what the
-            # block directory holds now (listed once every row is noted); blocks no
-            # manifest names (debris) go.
-            present = functools.partial(self._present_blocks, report)
-            if report.rebuilt:
-                blocks = catalogue.replace_all(fresh, present)
-            else:
-                blocks = catalogue.reconcile(gone, fresh, present)
-            # The rows' pins may be stale or lost with the catalogue: the record is the truth.
-            catalogue.replace_pins(self._pinned_keys(keys))
-            manifest_bytes = _manifest_bytes(entry_blocks.values())  # rows were added: recount
-        catalogue.order_by_last_use()  # its rule 4: then the scan reads rows with no sort
-        young.after_batch()  # the last batch's objects too, before the loop resumes them
-        self._usage = manifest_bytes + sum(blocks.values())
-        return catalogue, blocks, report
-
-    def _rows_of(
-        self, keys: list[str], report: OpenReport, young: YoungCollections
-    ) -> Iterator[CatalogueRow]:
-        """Worker thread: the catalogue rows of the manifests of ``keys`` (bad or unreadable
-        ones skipped), counted in the store's tables, :data:`SCAN_BATCH` manifests at a
-        time: a batch is read (one run of file reads and parses), yielded to the
-        catalogue's insert, freed, and then the young generations are collected, as the
-        block lists' batches are. So a rebuild of N manifests holds one batch of rows, and
-        leaves neither N rows to free nor a pile of young objects for one pass of the
-        collector on the event loop (docs/design.md invariant 16)."""
-        for start in range(0, len(keys), SCAN_BATCH):
-            read = [self._manifest_row(key) for key in keys[start : start + SCAN_BATCH]]
-            batch = [row for row in read if row is not None]
-            del read
-            report.parsed += len(batch)
-            for row in batch:
-                self._note_row(row)
-            yield from batch
-            del batch  # written: freed before the collection, so none is kept as old
-            young.after_batch()
-
-    def _manifest_row(self, key: str) -> CatalogueRow | None:
-        try:
-            # Stat before reading: a manifest rewritten after the stat has another mtime
-            # than the row records, so ``kvtrio gc`` never trusts the row for it.
-            mtime_ns = self.tier.file_ops.stat(str(self.tier.path_of(key))).st_mtime_ns
-            entry = self.tier.entry_blocking(key)
-        except (CorruptCacheError, CacheMissError, FileNotFoundError):
-            return None  # bad, or not a regular file reached without a link (issue 15)
-        except OSError as exc:  # unreadable: not an entry, and no reason to fail the open
-            _log.warning("cold tier: %s unreadable, ignored (%s)", key, exc)
-            return None
-        row = _header_row(key, entry.header, entry.disk_bytes, entry.mtime)
-        return attrs.evolve(row, manifest_mtime_ns=mtime_ns)
-
-    def _present_blocks(self, report: OpenReport) -> dict[str, int]:
-        """Worker thread: the size of each stored block a manifest names; the others
-        (debris) deleted. One pass over the listing, no object kept per block."""
-        assert self._blocks is not None
-        named = self._refs
-        present: dict[str, int] = {}
-        orphans = []
-        for block in self._blocks.iter_blocks():
-            if block.name in named:
-                present[block.name] = block.size
-            else:
-                orphans.append(block.name)
-        if orphans:
-            self._blocks.delete_many(orphans)
-        report.orphans_swept = len(orphans)
-        return present
 
     @property
     def directory(self) -> Path | None:
@@ -366,14 +196,7 @@ class ColdTierStore:
         for name, size in refs:
             self._refs[name] = self._refs.get(name, 0) + 1
             sizes.setdefault(name, size)
-        self._entry_blocks[key] = _record_of(file_bytes, (name for name, _ in refs))
-
-    def _note_row(self, row: CatalogueRow) -> None:
-        names = tuple(sys.intern(name) for name, _ in row.blocks)  # one str per block
-        for name in names:
-            self._refs[name] = self._refs.get(name, 0) + 1
-        key = sys.intern(row.key)  # the str the cache's open gets too (_enter_rows)
-        self._entry_blocks[key] = _record_of(row.file_bytes, names)
+        self._entry_blocks[key] = record_of(file_bytes, (name for name, _ in refs))
 
     async def _sweep_locked(self) -> None:
         """Local tier: delete stored blocks no manifest names (rule 2)."""
@@ -428,7 +251,7 @@ class ColdTierStore:
             new_bytes = write.file_bytes + sum(declared[name] for name in fresh)
             self._usage += new_bytes
             if self._catalogue is not None:
-                row = _header_row(key, write.header, write.file_bytes, time.time())
+                row = header_row(key, write.header, write.file_bytes, time.time())
                 new_blocks = {name: declared[name] for name in fresh}
                 await trio.to_thread.run_sync(self._put_row, self._catalogue, row, new_blocks)
             dedup = 0
@@ -489,7 +312,7 @@ class ColdTierStore:
         freed = await self.tier.delete(key)
         record = self._entry_blocks.pop(key, None)
         orphans = []
-        for name in () if record is None else _block_names(record):
+        for name in () if record is None else block_names(record):
             self._refs[name] -= 1
             if self._refs[name] == 0:
                 del self._refs[name]
@@ -577,7 +400,7 @@ class ColdTierStore:
     def check(self) -> None:
         """Recompute the usage from the tables (tests): AssertionError if it drifted."""
         assert set(self._block_sizes) <= set(self._refs), "an unreferenced block is counted"
-        expected = _manifest_bytes(self._entry_blocks.values()) + sum(self._block_sizes.values())
+        expected = manifest_bytes(self._entry_blocks.values()) + sum(self._block_sizes.values())
         assert self._usage == expected, f"usage drifted: {self._usage} != {expected}"
 
     async def entries(self) -> AsyncGenerator[Sequence[ColdEntryInfo], None]:
@@ -634,34 +457,6 @@ class ColdTierStore:
         await trio.to_thread.run_sync(self._shared.unregister, key + SUFFIX, keys)
 
 
-@attrs.define
-class OpenReport:
-    """What opening a local tier's catalogue found (logged; counted in tests and benches)."""
-
-    rebuilt: bool = False  # missing, truncated, corrupt or another schema: rebuilt whole
-    dropped: int = 0  # rows whose manifest was gone
-    parsed: int = 0  # manifests the catalogue lacked, read and added
-    orphans_swept: int = 0  # blocks no manifest names (after an unclean close)
-    clean: bool = False  # the catalogue was used as it was
-
-
-def _header_row(key: str, header: Header, file_bytes: int, last_use: float) -> CatalogueRow:
-    return CatalogueRow(
-        key=key,
-        model_id=header.model_id or "",
-        fingerprint=header.config_fingerprint or "",
-        tokens=header.tokens,
-        trimmable=header.trimmable,
-        min_offset=header.min_reusable_offset,
-        conversations=_conversations_of(header.meta),
-        file_bytes=file_bytes,
-        last_use=last_use,
-        blocks=tuple(
-            (ref.sha256, ref.nbytes) for slot in header.slots() for ref in slot.blocks or ()
-        ),
-    )
-
-
 def _next_rows(scan: Iterator[ScannedRows]) -> FoundRows | None:
     """Worker thread: the scan's next batch (None at its end)."""
     rows = next(scan, None)
@@ -677,7 +472,7 @@ def _entry_info(entry: TierEntry) -> ColdEntryInfo:
         trimmable=header.trimmable,
         min_reusable_offset=header.min_reusable_offset,
         mtime=entry.mtime,
-        conversations=_conversations_of(header.meta),
+        conversations=conversations_of(header.meta),
     )
 
 

@@ -215,15 +215,14 @@ class IndexAndLoadMixin(CacheParts):
         """Worker thread, at open: the found entries into the prefix index, in token order,
         :data:`~kvtrio.storage.catalogue.SCAN_BATCH` at a time. What :meth:`_sync` would
         do for each: every found entry is DURABLE, so findable (rule 3), and none was
-        indexed or departed yet; one replaced meanwhile (the same key found twice) is not
-        its key's record."""
-        records, index = self._records, self._index
+        indexed or departed yet. Each is its key's record (a key found twice entered once:
+        :meth:`_enter_rows` and :meth:`_add_cold_entry` skip a key already recorded), so
+        no entry's key is looked up again here (a random probe of a table of every entry:
+        about a fifth of this step at 100,000 entries, 2026-12-02)."""
+        index = self._index
         for start in range(0, len(by_order), SCAN_BATCH):
-            index.add_many(
-                record.entry
-                for record in by_order[start : start + SCAN_BATCH]
-                if record is not None and records.get(record.entry.key) is record
-            )
+            batch = by_order[start : start + SCAN_BATCH]
+            index.add_many(record.entry for record in batch if record is not None)
             young.after_batch()
 
     async def _add_cold_entries(

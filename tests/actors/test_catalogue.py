@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtrio.actors.coldstore import ColdTierStore, OpenReport, _block_names
+from kvtrio.actors.coldrecords import block_names
+from kvtrio.actors.coldstore import ColdTierStore, OpenReport
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import ModelKey
 from kvtrio.actors.tiered import Tier, TieredPromptCache, WritePolicy, open_tiered_cache
@@ -266,7 +267,7 @@ async def test_block_counts_read_from_the_catalogue_match_the_manifests_and_free
             assert isinstance(cache.cold, ColdTierStore)
             parsed = dict(cache.cold._refs)
             named = {
-                key: set(_block_names(record)) for key, record in cache.cold._entry_blocks.items()
+                key: set(block_names(record)) for key, record in cache.cold._entry_blocks.items()
             }
         assert any(count == 3 for count in parsed.values())  # the shared block
         async with _open(tmp_path, tiny, owner) as cache:
@@ -358,7 +359,7 @@ async def test_the_store_keeps_one_table_of_every_entry_and_counts_what_is_on_di
     manifest does. Regression: a second dict of every entry held its manifest's bytes
     (~75 bytes per entry at 100,000)."""
     import attrs
-    from kvtrio.actors.coldstore import _file_bytes
+    from kvtrio.actors.coldrecords import file_bytes
     from kvtrio.bench.scale import BLOCK, _model_of
 
     model = _model_of(populated)
@@ -382,8 +383,8 @@ async def test_the_store_keeps_one_table_of_every_entry_and_counts_what_is_on_di
                 on_disk += sum(p.stat().st_size for p in (populated / "blocks").iterdir())
                 assert await store.usage() == on_disk
                 key, record = next(iter(store._entry_blocks.items()))
-                assert _file_bytes(record) == (populated / "caches" / f"{key}.kvc").stat().st_size
-                assert set(_block_names(record)) == {
+                assert file_bytes(record) == (populated / "caches" / f"{key}.kvc").stat().st_size
+                assert set(block_names(record)) == {
                     p.name for p in (populated / "blocks").iterdir()
                 }
 

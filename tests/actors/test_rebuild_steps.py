@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtrio.actors import coldstore
+from kvtrio.actors import storeopen
 from kvtrio.actors.coldstore import ColdTierStore
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.tiered import open_tiered_cache
@@ -40,7 +40,7 @@ async def _rebuild(directory: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     batches of :data:`BATCH`; every row read is tracked. Returns the open's report."""
     for path in directory.glob(CATALOGUE_NAME + "*"):
         path.unlink()
-    monkeypatch.setattr(coldstore, "SCAN_BATCH", BATCH)
+    monkeypatch.setattr(storeopen, "SCAN_BATCH", BATCH)
     async with (
         MlxOwner.inline() as owner,
         open_tiered_cache(
@@ -64,9 +64,9 @@ class _Rows:
         self.freed_on: set[int] = set()
         self.alive = self.most_alive = 0
         self.young: list[int] = []
-        read = ColdTierStore._manifest_row
+        read = storeopen.CatalogueOpen._manifest_row
 
-        def tracked(store: ColdTierStore, key: str) -> CatalogueRow | None:
+        def tracked(store: storeopen.CatalogueOpen, key: str) -> CatalogueRow | None:
             self.read_on.add(threading.get_ident())
             self.young.append(gc.get_count()[0])
             row = read(store, key)
@@ -76,7 +76,7 @@ class _Rows:
                 weakref.finalize(row, self._freed)
             return row
 
-        monkeypatch.setattr(ColdTierStore, "_manifest_row", tracked)
+        monkeypatch.setattr(storeopen.CatalogueOpen, "_manifest_row", tracked)
 
     def _freed(self) -> None:
         self.alive -= 1
