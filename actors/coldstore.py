@@ -29,8 +29,11 @@ from typing import Any
 import attrs
 import trio
 from kvtrio.actors.coldrecords import (
+    DIGESTS,
+    FILE_BYTES,
     block_names,
     conversations_of,
+    digests,
     header_row,
     manifest_bytes,
     record_of,
@@ -390,10 +393,10 @@ class ColdTierStore:
         counts them (None: not held, of no blocks (the single layout), or a block absent)."""
         record = self._entry_blocks.get(key)
         sizes = self._block_sizes
-        if record is None or len(record) == _FILE_BYTES.size:
+        if record is None or len(record) == FILE_BYTES.size:
             return None
         try:
-            return sum(sizes[digest.hex()] for (digest,) in _DIGESTS.iter_unpack(_digests(record)))
+            return sum(sizes[digest.hex()] for (digest,) in DIGESTS.iter_unpack(digests(record)))
         except KeyError:
             return None
 
