@@ -241,7 +241,14 @@ class ColdTierStore:
                 why = "failed" if result.written else result.outcome.value
                 why = "error" if isinstance(error, OSError) and not no_space else why
                 if error is not None and not no_space:  # why it raised: said once, here
-                    _log.warning("cold write of %s did not land (%s)", key, why, exc_info=error)
+                    # A disk or a store out of reach is one line; anything else, a bug's
+                    # traceback (a store down at shutdown fails every write alike).
+                    plain = isinstance(error, OSError | StoreUnavailableError)
+                    _log.warning(
+                        "cold write of %s did not land (%s): %s: %s",
+                        *(key, why, type(error).__name__, error),
+                        exc_info=None if plain else error,
+                    )
                 return StoreResult(
                     written=False, disk_bytes=-freed, no_space=no_space, unwritten=why
                 )

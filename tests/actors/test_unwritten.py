@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from kvtrio.actors.coldstore import ColdTierStore
+from kvtrio.actors.coldtypes import StoreResult
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import ModelKey
 from kvtrio.actors.spill import SpillOutcome
@@ -48,29 +49,47 @@ async def test_the_tiers_store_names_how_a_save_that_did_not_land_settled(
     assert not result.written and result.unwritten == outcome.value
 
 
+async def _store_failing_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException
+) -> StoreResult:
+    class FailedTicket:
+        async def wait(self) -> SaveResult:
+            return SaveResult(SpillOutcome.FAILED, error)
+
+    async with MlxOwner.inline() as owner, ColdTier.open(tmp_path, owner=owner) as tier:
+        store = await ColdTierStore.create(tier)
+
+        async def failing(*args: Any, **kwargs: Any) -> FailedTicket:
+            return FailedTicket()
+
+        monkeypatch.setattr(tier, "save", failing)
+        return await store.store("k", ModelKey("m", "f"), [1, 2, 3], [], meta={})
+
+
 async def test_a_write_the_disk_failed_under_is_a_disk_error_and_its_error_is_logged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An OSError under the tier's own write (EIO) is ``error`` (counted in cold_errors
     too), not ``failed``; and a write that raised says what it raised, once, in the log
-    (the counters alone could not tell a probe's failing wrapper from a disk)."""
+    (the counters alone could not tell a probe's failing wrapper from a disk): a disk's
+    error in one line, with no traceback (a store down at shutdown fails every write)."""
     import errno
 
-    class EioTicket:
-        async def wait(self) -> SaveResult:
-            return SaveResult(SpillOutcome.FAILED, OSError(errno.EIO, "injected EIO"))
-
-    async with MlxOwner.inline() as owner, ColdTier.open(tmp_path, owner=owner) as tier:
-        store = await ColdTierStore.create(tier)
-
-        async def eio(*args: Any, **kwargs: Any) -> EioTicket:
-            return EioTicket()
-
-        monkeypatch.setattr(tier, "save", eio)
-        result = await store.store("k", ModelKey("m", "f"), [1, 2, 3], [], meta={})
+    result = await _store_failing_with(tmp_path, monkeypatch, OSError(errno.EIO, "injected EIO"))
     assert not result.written and result.unwritten == "error"
     logged = [r for r in caplog.records if "cold write of k did not land (error)" in r.message]
-    assert len(logged) == 1 and "injected EIO" in str(logged[0].exc_info)
+    assert len(logged) == 1 and "injected EIO" in logged[0].getMessage()
+    assert logged[0].exc_info is None
+
+
+async def test_a_write_that_raised_a_bug_is_logged_with_its_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    result = await _store_failing_with(tmp_path, monkeypatch, RuntimeError("injected bug"))
+    assert not result.written and result.unwritten == "failed"
+    logged = [r for r in caplog.records if "cold write of k did not land (failed)" in r.message]
+    assert len(logged) == 1 and logged[0].exc_info is not None
+    assert isinstance(logged[0].exc_info[1], RuntimeError)
 
 
 async def test_the_tiers_store_names_a_save_the_tier_refused(
