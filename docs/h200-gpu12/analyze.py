@@ -33,9 +33,9 @@ def summary(label, ratios):
 def tier_line(run):
     t = run.get("tier") or {}
     after = t.get("after", {})
-    return (
-        f"{t.get('cache_header', '-')}/{after.get('kvtrio_cold_read_bytes_total', 0) / 1e6:.1f}MB"
-    )
+    read = after.get("kvtrio_cold_read_bytes_total", 0) / 1e6
+    prefetched = sum(v for k, v in after.items() if k.startswith("kvtrio_cold_prefetch_bytes"))
+    return f"{t.get('cache_header', '-')}/{read:.1f}MB/pf{prefetched / 1e6:.0f}MB"
 
 
 def bench(path):
