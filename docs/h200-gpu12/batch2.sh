@@ -15,6 +15,13 @@ if [ ! -f "$MODEL/config.json" ]; then
 fi
 python3 -c 'import mlx.core as mx, mlx_lm, kvtrio; print("mlx", mx.__version__, mx.default_device(), "mlx_lm", mlx_lm.__version__, "kvtrio", kvtrio.__file__)' | tee -a "$OUT/env.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader >> "$OUT/env.txt" 2>&1
+if [ "${IMPORTS:-1}" = 1 ]; then  # where the start's ~9 s after transformers go; torch's part
+  for ut in AUTO 0; do
+    note "imports USE_TORCH=$ut"
+    USE_TORCH=$ut timeout 90 python3 -X importtime -c "import sys, time; t = time.perf_counter(); import mlx_lm.server; a = time.perf_counter() - t; from mlx_lm import load; m, tok = load('$MODEL'); print('USE_TORCH=$ut import_s', round(a, 2), 'load_s', round(time.perf_counter() - t - a, 2), 'torch imported', 'torch' in sys.modules, tok.encode('hello world'))" 2> $W/it-$ut.txt | tee -a "$OUT/importtime.txt"
+    sort -t'|' -k2 -n $W/it-$ut.txt | tail -25 >> "$OUT/importtime.txt"
+  done
+fi
 if [ "${T_ROUNDS:-3}" -gt 0 ]; then
   note "turn: restart_ab ${LENGTH:-4096} tokens, ${T_ROUNDS:-3} rounds"
   timeout ${T_S:-220} python3 $G/restart_ab.py $W/rab "$MODEL" ${LENGTH:-4096} ${T_ROUNDS:-3} \
