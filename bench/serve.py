@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtrio.bench.serve_fill import fill
 from kvtrio.bench.serve_harness import (
     Server,
     compile_kvtrio,
@@ -359,51 +360,6 @@ def _shared_system_prompt(kind: str, model: Path, work: Path, log: Path, n: int)
     return _disk_bytes(work / ("kv" if kind == "kvtrio" else "naive"))
 
 
-def _fill(kind: str, model: Path, work: Path, entries: int) -> float:
-    """Write ``entries`` small entries where ``kind`` keeps its cache; seconds taken."""
-    from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
-
-    llm: Any = load(str(model))[0]
-    import mlx.core as mx
-
-    def caches_for(tokens: list[int]) -> list[Any]:
-        caches = make_prompt_cache(llm)
-        llm(mx.array([tokens]), cache=caches)
-        mx.eval([c.state for c in caches])
-        return list(caches)
-
-    started = time.perf_counter()
-    if kind == "naive":
-        directory = work / "naive"
-        directory.mkdir(parents=True, exist_ok=True)
-        for i in range(entries):
-            tokens = [1 + i % 500, 1 + i // 500, *range(3, 35)]
-            save_prompt_cache(str(directory / f"{i}.safetensors"), caches_for(tokens))
-            (directory / f"{i}.json").write_text(json.dumps(tokens))
-    elif kind == "kvtrio":
-        from kvtrio.actors.policy import AdmitAll
-        from kvtrio.serve.adapter import TieredLRUPromptCache
-        from kvtrio.serve.bridge import TierOptions, TierThread
-        from kvtrio.serve.flags import model_identity
-
-        flags = argparse.Namespace(
-            model=str(model), adapter_path=None, draft_model=None, kv_bits=None
-        )
-        key = model_identity(flags)  # all admitted (the default refuses a big model's short ones)
-        options = TierOptions(str(work / "kv"), key, shutdown_grace=3600, admission=AdmitAll())
-        tier = TierThread(options)
-        tier.start()
-        tier.bind()
-        cache = TieredLRUPromptCache(64, tier=tier, tier_model=(str(model), None, None))
-        for i in range(entries):
-            tokens = [1 + i % 500, 1 + i // 500, *range(3, 35)]
-            cache.insert_cache((str(model), None, None), tokens, caches_for(tokens))
-            cache.pump(0.01)
-        cache.close()  # the rest is written here
-    return time.perf_counter() - started
-
-
 def _first_answer(server: Server, text: str) -> float:
     """Seconds from the spawn until the server has answered a one-token chat request
     (``text``: a new one per start, or the naive baseline finds an exact hit on disk,
@@ -430,7 +386,7 @@ def _starts(
     CPU time it used to then), and kvtrio's until its cold tier is open (naive's index is
     read before it listens). One server at a time, in :func:`round_order` (reversed every
     other round). Medians, and every run (with its ``position`` in the round's order)."""
-    fills = {kind: _fill(kind, model, root / f"{kind}-entries", entries) for kind in KINDS}
+    fills = {kind: fill(kind, model, root / f"{kind}-entries", entries) for kind in KINDS}
     runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
     for r in range(rounds):
         for position, kind in enumerate(round_order(KINDS, r)):  # alternating, as decode's

@@ -30,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvtrio.bench.serve import _fill, _first_answer
+from kvtrio.bench.serve import _first_answer
+from kvtrio.bench.serve_fill import fill as _fill
 from kvtrio.bench.serve_harness import round_order, running
 
 _HERE = Path(__file__).resolve().parent
@@ -42,7 +43,7 @@ SITE = os.environ.get("G12_SITE") or str(
 
 
 def fill_kvtrio_flushed(model: Path, work: Path, entries: int) -> float:
-    """The bench's kvtrio fill (:func:`kvtrio.bench.serve._fill`: the same tokens, tier
+    """The bench's kvtrio fill (:func:`kvtrio.bench.serve_fill.fill`: the same tokens, tier
     options and AdmitAll) with a RAM LRU large enough to hold every entry, so that all of
     them are written by the close's flush, which is never shed. (On the H200 the bench's
     fill evicts faster than its writes land and the pending-write byte cap sheds most:

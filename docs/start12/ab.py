@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvtrio.bench.serve import _fill, _first_answer
+from kvtrio.bench.serve import _first_answer
+from kvtrio.bench.serve_fill import fill as _fill
 from kvtrio.bench.serve_harness import round_order, running
 
 SITE = str(Path(__file__).resolve().parent / "site")

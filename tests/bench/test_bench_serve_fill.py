@@ -19,13 +19,13 @@ class _RefuseAll(policy.AdmissionPolicy):
 def test_the_fill_writes_every_entry_whatever_the_default_admission_says(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The start phase checks a restart "with 1,000 entries on disk". The fill goes through
-    a 64-entry RAM cache whose evictions the tier's default admission judges: with the
+    """The start phase checks a restart "with 1,000 entries on disk". The fill went through
+    a 64-entry RAM cache whose evictions the tier's default admission judged: with the
     SmolLM2-135M-shaped model it refused every one (too little prefill saved per byte), so
     only the 64 entries still in RAM at the end reached kvtrio's disk, against the naive
     baseline's 1,000. Here the default refuses everything: the fill's entries are written
     anyway."""
-    from kvtrio.bench.serve import _fill
+    from kvtrio.bench.serve_fill import fill
 
     monkeypatch.setattr(tiered, "default_admission", _RefuseAll)
     counted: list[int] = []
@@ -40,5 +40,20 @@ def test_the_fill_writes_every_entry_whatever_the_default_admission_says(
 
     monkeypatch.setattr(adapter.TieredLRUPromptCache, "close", closing)
     model = write_tiny_model_dir(tmp_path / "model")
-    _fill("kvtrio", model, tmp_path / "kvtrio-entries", 70)  # more than the RAM's 64
+    fill("kvtrio", model, tmp_path / "kvtrio-entries", 70)
     assert counted == [70]
+
+
+def test_the_fill_fails_when_an_entry_did_not_reach_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the H200 the fill's writes outran the disk and the pending-write cap shed most of
+    them (159-164 of 1,000 on disk): the fill now keeps every entry in RAM until the close
+    writes them all, and a fill that still leaves one off the disk is an error, not a
+    start figure measured on fewer entries."""
+    from kvtrio.bench.serve_fill import fill
+
+    monkeypatch.setattr(adapter.TieredLRUPromptCache, "close", lambda self, **kw: False)
+    model = write_tiny_model_dir(tmp_path / "model")
+    with pytest.raises(RuntimeError):
+        fill("kvtrio", model, tmp_path / "kvtrio-entries", 3)
