@@ -243,6 +243,7 @@ START_PATH_MODULES = [
     "kvtrio.serve.coldopen",
     "kvtrio.serve.flags",
     "kvtrio.serve.flushreport",  # the shutdown's deadline and report (nothing of the tier)
+    "kvtrio.serve.lifecycle",  # requests in flight, the model's load (nothing of the tier)
     "kvtrio.serve.server",
     "kvtrio.serve.steps",
     "kvtrio.serve.triesearch",  # the RAM trie's search (mlx-lm's cache module, nothing more)
