@@ -113,7 +113,10 @@ def test_no_prefetch_loads_turn_two_on_the_lookup(tmp_path: Path) -> None:
         {"role": "assistant", "content": one.choices[0].message.content or ""},
         {"role": "user", "content": "And of Italy?"},
     ]
-    second = start_kvtrio(model, tmp_path / "cache", tmp_path / "b.txt", *flags)
+    # No warm restart: turn 2's own lookup loads it.
+    second = start_kvtrio(
+        model, tmp_path / "cache", tmp_path / "b.txt", *flags, "--restore-bytes", "0"
+    )
     raw = second.client().chat.completions.with_raw_response.create(
         model="default_model", messages=turn2, max_tokens=4, temperature=0.0
     )
