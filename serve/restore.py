@@ -57,6 +57,8 @@ class Restore:
     restored_bytes: int = 0
     _todo: list[tuple[tuple[int, ...], int]] | None = None
     _started: float = 0.0
+    _listed_bytes: int = 0  # the restored entries' bytes on disk (rule 3's estimate)
+    _loading_bytes: int = 0
 
     @classmethod
     def of(cls, adapter: TieredLRUPromptCache, cli_args: Any, idle: Callable[[], bool]) -> Restore:
@@ -88,13 +90,19 @@ class Restore:
                 break
             if adapter.prefetch(adapter.tier_model, list(tokens), self._loaded, restore=True):
                 self.loading = True
+                self._loading_bytes = nbytes
                 return True
         self._finish()
         return False
 
-    def _fits(self, nbytes: int) -> bool:
-        """Rule 3: within the cap, RAM's byte budget and its entry count."""
+    def _fits(self, stored: int) -> bool:
+        """Rule 3: within the cap, RAM's byte budget and its entry count. ``stored`` is
+        the entry's bytes on disk; its bytes in RAM are estimated from the loads so far
+        (RAM bytes per stored byte: an entry may take more room in RAM than on disk)."""
         adapter = self.adapter
+        nbytes = stored
+        if self._listed_bytes:
+            nbytes = stored * self.restored_bytes // self._listed_bytes
         return (
             self.restored_bytes + nbytes <= self.cap
             and adapter.nbytes + nbytes <= adapter.max_bytes
@@ -107,6 +115,8 @@ class Restore:
         self.loading = False
         stats = self.adapter.statistics()
         self.restored, self.restored_bytes = stats.restored, stats.restored_bytes
+        if loaded:
+            self._listed_bytes += self._loading_bytes
         self.step()
 
     def _finish(self) -> None:
