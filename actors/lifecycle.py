@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import operator
 from collections import OrderedDict
+from collections.abc import Iterator
 from types import MappingProxyType
 
 import attrs
@@ -174,6 +175,10 @@ class ColdLedger:
     def durable_keys(self) -> list[str]:
         """DURABLE keys, least recently used first."""
         return list(self._durable)
+
+    def durable_newest_first(self) -> Iterator[ColdSide]:
+        """DURABLE entries, most recently used first (lazily: a caller takes a few)."""
+        return (side for _, side in self._durable.newest_first())
 
     def apply(self, side: ColdSide, event: ColdEvent) -> ColdState:
         """Move ``side`` by ``event`` (LifecycleError if the table forbids it)."""

@@ -90,6 +90,14 @@ class SegmentedLru(Generic[K, V]):
             yield from list(seg)  # a segment's keys: bounded; the map may change meanwhile
             seg = seg.newer
 
+    def newest_first(self) -> Iterator[tuple[K, V]]:
+        """The items, most recently used first (a segment's items copied as it is reached:
+        the map may change meanwhile)."""
+        seg = self._newest
+        while seg is not None:
+            yield from reversed(list(seg.items()))
+            seg = seg.older
+
     def values(self) -> Iterator[V]:
         """The values, least recently used first."""
         seg = self._oldest

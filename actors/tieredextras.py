@@ -85,6 +85,28 @@ class PolicyFeaturesMixin(CacheParts):
         self._nursery.start_soon(self._run_prefetch, pending)
         return True
 
+    def recent_entries(self, max_bytes: int, max_entries: int) -> list[tuple[tuple[int, ...], int]]:
+        """The token sequences and stored bytes of this cache's model's entries on disk,
+        most recently used first (the order survives a restart: the store records each
+        use), as many as fit in ``max_bytes`` and ``max_entries``: what a server loads
+        back into RAM while idle after a start (kvtrio.serve.restore). The first entry
+        that does not fit ends the list; entries in RAM here, or of other models, are
+        passed over. Loads nothing."""
+        out: list[tuple[tuple[int, ...], int]] = []
+        total = 0
+        for side in self._ledger.durable_newest_first():
+            if len(out) >= max_entries:
+                break
+            record = self._records.get(side.key)
+            if record is None or record.hot is not None or record.entry.model != self.model:
+                continue
+            nbytes = record.cold.nbytes or self._stored_bytes(record)
+            if total + nbytes > max_bytes:
+                break
+            total += nbytes
+            out.append((record.entry.tokens, nbytes))
+        return out
+
     def _stored_bytes(self, record: CacheRecord) -> int:
         """A DURABLE entry's tensor bytes as its store counts them (an entry found at open
         has no count of its own), or where the store does not know them the estimate of

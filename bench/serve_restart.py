@@ -156,7 +156,13 @@ def _warm(server: Server) -> float:
 
 #: kvtrio serve's /metrics samples a restart round keeps (name prefixes; zeros left out):
 #: before turn 2, what the cold tier held; after it, how the lookup went.
-BEFORE = ("kvtrio_serve_cold_ready", "kvtrio_cache_entries", "kvtrio_cache_bytes")
+#: (``kvtrio_serve_restored``: what the warm restart had loaded back into RAM by then.)
+BEFORE = (
+    "kvtrio_serve_cold_ready",
+    "kvtrio_cache_entries",
+    "kvtrio_cache_bytes",
+    "kvtrio_serve_restored",
+)
 AFTER = (
     "kvtrio_serve_lookups_total",
     "kvtrio_serve_cold_unavailable_total",

@@ -63,6 +63,10 @@ Theory of operation:
    shares only a chat template's first tokens with the prompt costs a copy of all its
    bytes; such a match keeping fewer than ``min_reuse_tokens`` tokens is a miss instead.
    0 (no tier) is mlx-lm's behaviour exactly.
+10. A warm restart (``prefetch(..., restore=True)``, driven by
+    :mod:`kvtrio.serve.restore` while the server is idle) is rule 7's load of an entry
+    nobody asked for yet: the same load path; the entry goes in as RAM's least recently
+    used, so restoring newest first leaves RAM's order as it was before the restart.
 """
 
 from __future__ import annotations
@@ -137,6 +141,8 @@ class TieredLRUStatistics:
     prefetches: int
     cold_not_loaded: int  # disk would have served better; the lookup did not load (rule 3)
     short_reuses_skipped: int  # RAM or disk matches below min_reuse_tokens (rule 9)
+    restored: int  # entries a warm restart loaded into RAM (rule 10)
+    restored_bytes: int
 
 
 def _batch_size(cache: Any) -> int:
@@ -299,10 +305,19 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
 
     # -- kvtrio's additions ------------------------------------------------------------
 
-    def prefetch(self, model: Any, tokens: list[int], on_done: Callable[[bool], object]) -> bool:
+    def prefetch(
+        self,
+        model: Any,
+        tokens: list[int],
+        on_done: Callable[[bool], object],
+        *,
+        restore: bool = False,
+    ) -> bool:
         """Start loading, without waiting, the disk entry that would serve ``tokens``
         better than RAM does now (rule 7); False when there is none. Once it is in RAM
-        (or the load failed), ``on_done(loaded)`` runs on this thread, in a pump."""
+        (or the load failed), ``on_done(loaded)`` runs on this thread, in a pump.
+        ``restore``: a warm restart's load (rule 10), counted as one, its entry placed
+        least recently used in RAM (it was used before everything RAM holds)."""
         tier = self._cold_for(model)
         if tier is None or not tokens:
             return False
@@ -318,15 +333,27 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
 
         def admit(caches: list[Any] | None) -> None:
             if caches is not None:
-                self.insert_cache(model, list(match.entry.tokens), caches)
+                entry_tokens = list(match.entry.tokens)
+                self.insert_cache(model, entry_tokens, caches)
+                if restore:
+                    self._restored(model, entry_tokens, sum(c.nbytes for c in caches))
             else:
                 self._count("load_failures")
             on_done(caches is not None)
 
         if not tier.submit(_prefetch, cold, match.entry.tokens, admit):
             return False
-        self._count("prefetches")
+        self._count("restores" if restore else "prefetches")
         return True
+
+    def _restored(self, model: Any, tokens: list[int], nbytes: int) -> None:
+        """Rule 10: a restored entry, counted, and made RAM's least recently used."""
+        self._count("restored")
+        self._count("restored_bytes", nbytes)
+        lru = self._lru._lrus["assistant"]  # insert_cache's cache_type
+        if (model, tokens) in lru:
+            lru.remove((model, tokens))
+            lru.appendleft((model, tokens))
 
     def prefetch_on_arrival(self, model: Any, tokens: list[int]) -> bool:
         """Any thread (an HTTP handler, as its request arrives): start the tier's prefetch
@@ -428,6 +455,8 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
             prefetches=c("prefetches", 0),
             cold_not_loaded=c("cold_not_loaded", 0),
             short_reuses_skipped=c("short_reuses_skipped", 0),
+            restored=c("restored", 0),
+            restored_bytes=c("restored_bytes", 0),
         )
 
     def metrics_text(self) -> str:
@@ -474,6 +503,18 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
                 "counter",
                 "Disk loads started while a request waited.",
                 (("", (), stats.prefetches),),
+            ),
+            MetricFamily(
+                "kvtrio_serve_restored_total",
+                "counter",
+                "Disk entries loaded back into RAM while idle after a start (--restore-bytes).",
+                (("", (), stats.restored),),
+            ),
+            MetricFamily(
+                "kvtrio_serve_restored_bytes_total",
+                "counter",
+                "Bytes of the entries loaded back into RAM after a start.",
+                (("", (), stats.restored_bytes),),
             ),
         ]
         text = render(families)

@@ -275,6 +275,15 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
         "or several joined by + (all of them must admit)",
     )
     group.add_argument(
+        "--restore-bytes",
+        type=byte_size,
+        default=None,
+        metavar="N",
+        help="after a start, load the most recently used disk entries back into RAM while "
+        "idle, up to N bytes (as --hot-bytes; default 1GiB, and never past --hot-bytes or "
+        "--prompt-cache-size; 0: off)",
+    )
+    group.add_argument(
         "--no-prefetch",
         dest="prefetch",
         action="store_false",

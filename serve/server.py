@@ -65,6 +65,8 @@ Theory of operation:
    (``TierThread.set_foreground``): a write-back of an evicted entry then waits to start
    until the batch is done, for at most ``--write-defer`` seconds, or less when the
    pending writes reach half of their byte cap (:mod:`kvtrio.actors.writegate`).
+9. Warm restart: once the tier is open, while no request is in flight, the generation
+   thread loads recent disk entries back into RAM, one at a time (:mod:`.restore`).
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ from kvtrio.serve.flags import (
 )
 from kvtrio.serve.flushreport import flush_deadline, print_exit
 from kvtrio.serve.lifecycle import InFlight, ModelLoad
+from kvtrio.serve.restore import Restore
 from kvtrio.serve.steps import between_steps, pumping_budget
 
 if TYPE_CHECKING:  # the tier's modules are imported by the thread that opens it (rule 6)
@@ -257,6 +260,8 @@ def _generator_class() -> type:
             self._deferred: dict[object, Any] = {}
             self._deferred_since: dict[object, float] = {}
             self._ready: list[tuple[Any, bool]] = []
+            idle = lambda: self.in_flight == 0 and not self._busy() and not self._ready  # noqa: E731
+            self._restore = Restore.of(prompt_cache, model_provider.cli_args, idle)  # rule 9
             if prompt_cache.tier is not None:
                 prompt_cache.tier.executor.on_queued = self._wake
             if isinstance(prompt_cache, ServeCache):  # the tier comes later (rule 6)
@@ -338,6 +343,7 @@ def _generator_class() -> type:
             tier = self.adapter.tier
             if timeout is not None and tier is not None and tier.pending():
                 timeout = None  # jobs left after the pump's budget: do not sleep on them
+            self._restore.step()  # rule 9: only when idle
             request = super()._next_request(timeout)
             if self._open_pending and open_now(
                 request_taken=request is not None,
@@ -349,6 +355,7 @@ def _generator_class() -> type:
             while request is _WAKE:
                 self._wake_pending.clear()
                 self.adapter.pump(budget)
+                self._restore.step()  # the tier may have just opened (rule 9)
                 ready = self._take_ready()
                 if ready is not None:
                     self._set_lookup_mode(self._busy())

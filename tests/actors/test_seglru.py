@@ -35,6 +35,7 @@ def small_segments(monkeypatch: pytest.MonkeyPatch) -> None:
 def _check(lru: SegmentedLru[Any, Any], model: OrderedDict[Any, Any]) -> None:
     assert list(lru) == list(model)
     assert list(lru.values()) == list(model.values())
+    assert list(lru.newest_first()) == list(reversed(model.items()))  # the warm restart's order
     assert len(lru) == len(model) and bool(lru) == bool(model)
     assert lru.first() == next(iter(model.items()), None)
     sizes = lru.segment_sizes()

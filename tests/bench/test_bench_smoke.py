@@ -154,8 +154,7 @@ def test_bench_serve_restart_phase_alternates_rounds_and_reports_medians() -> No
     for r, run in enumerate(restart["kvtrio"]["runs"]):  # each round adds its turn 2's
         tier = run["tier"]
         assert tier["before"]['kvtrio_cache_entries{tier="cold"}'] == 2 + r, tier
-        assert tier["after"]['kvtrio_serve_lookups_total{served="disk"}'] == 1, tier
-        assert tier["cache_header"] == "cold", tier
+        _served_from_ram_or_disk(tier)
         assert tier["exit"]["cold tier at exit"]["entries"] == 3 + r, tier
     kv, naive, plain = (restart[k]["runs"] for k in ("kvtrio", "naive", "mlx_lm"))
     assert ratios["ttft_kvtrio_vs_naive_per_round"] == [
@@ -188,9 +187,17 @@ def test_bench_serve_restart_warmup_answers_one_request_on_every_server_before_t
         # persist still load it from disk, mlx_lm.server recomputes all of it.
         cached = run["cached_tokens"]
         assert cached == 0 if kind == "mlx_lm" else cached >= 256, (kind, cached)
-    tier = restart["kvtrio"]["runs"][0]["tier"]
-    assert tier["after"]['kvtrio_serve_lookups_total{served="disk"}'] == 1, tier
-    assert tier["cache_header"] == "cold", tier
+    _served_from_ram_or_disk(restart["kvtrio"]["runs"][0]["tier"])
+
+
+def _served_from_ram_or_disk(tier: dict[str, Any]) -> None:
+    """Turn 2 of a kvtrio restart round: from RAM when the warm restart (--settle 0: it
+    races turn 2) had loaded its entry back by then, else from disk; the header, the
+    lookup counters and the restore's agree."""
+    restored = tier["before"].get("kvtrio_serve_restored_total", 0)
+    served = {"hot": "ram", "cold": "disk"}[tier["cache_header"]]
+    assert tier["after"][f'kvtrio_serve_lookups_total{{served="{served}"}}'] == 1, tier
+    assert served == "ram" or not restored, tier
 
 
 def test_bench_scale_long_entries_repeated_opens_and_interleaved_misses() -> None:

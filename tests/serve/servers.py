@@ -89,6 +89,11 @@ def _start(argv: Sequence[str], port: int, log: Path, ready: str | None = None) 
     return Server(process, port, log)
 
 
+def wait_line(server: Server, line: str) -> None:
+    """Wait until ``server``'s output holds ``line`` (AssertionError past START_TIMEOUT)."""
+    _wait_line(server.process, line, server.log)
+
+
 #: What ``kvtrio serve`` prints once its cold tier is open (it opens in the background).
 COLD_READY = "kvtrio serve: cold tier ready"
 

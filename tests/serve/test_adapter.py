@@ -18,6 +18,7 @@ from kvtrio.actors.prefix import ModelKey, PrefixIndex
 from kvtrio.actors.testing import mlx_thread_guard
 from kvtrio.serve.adapter import CacheTier, FetchInfo, TieredLRUPromptCache
 from kvtrio.serve.bridge import TierOptions, TierThread
+from kvtrio.serve.restore import Restore
 from kvtrio.tinymodel import TinyModel, build_tiny_model, make_caches, prefill
 from mlx_lm.models.cache import LRUPromptCache
 
@@ -657,6 +658,7 @@ def test_a_request_queued_behind_a_wake_up_is_taken_in_the_same_call() -> None:
     generator._deferred, generator._deferred_since = {}, {}
     generator.prefetching, generator.in_flight = False, 0
     generator.active, generator._active_lock = {}, threading.Lock()
+    generator._restore = Restore(generator.adapter, 0, lambda: False, done=True)  # off
     generator._wake()
     assert generator.requests.qsize() == 1
     body, args = object(), object()

@@ -69,7 +69,9 @@ def test_kvtrio_serve_takes_the_gguf_path_and_serves_turn_two_cold_after_a_resta
     )
     assert first.stop() == 0, first.output()
     assert reply.choices[0].message.content == "The capital of France is Paris."
-    second = start_kvtrio(Path(GGUF), tmp_path / "cache", tmp_path / "b.txt")
+    second = start_kvtrio(  # no warm restart: turn 2's own lookup loads it
+        Path(GGUF), tmp_path / "cache", tmp_path / "b.txt", "--restore-bytes", "0"
+    )
     turn2 = [
         *QUESTION,
         {"role": "assistant", "content": reply.choices[0].message.content},

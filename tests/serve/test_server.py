@@ -25,9 +25,13 @@ from kvtrio.tests.serve.servers import (
     exit_wear,
     start_kvtrio,
     start_mlx_lm,
+    wait_line,
 )
 
 pytest.importorskip("openai")
+
+#: A second server's flags where turn 2 must be its own disk load: no warm restart.
+NO_RESTORE = ("--restore-bytes", "0")
 
 SYSTEM = "You are a helpful assistant. Answer briefly. " * 3
 TURN1 = [
@@ -109,9 +113,11 @@ def test_a_restart_between_turns_serves_turn_two_from_disk_as_mlx_lm_would(
         {"role": "assistant", "content": one.choices[0].message.content or ""},
         {"role": "user", "content": "And of Italy?"},
     ]
-    second = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "b.txt")
+    # No warm restart (--restore-bytes 0): turn 2's own lookup loads it.
+    second = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "b.txt", *NO_RESTORE)
     raw, two = _chat(second.client(), turn2, **options)
     assert second.stop() == 0, second.output()
+    assert "kvtrio serve: restored" not in second.output()
     cached = two.usage.prompt_tokens_details.cached_tokens
     assert raw.headers["X-Kvtrio-Cache"] == "cold"
     assert cached > 0 and int(raw.headers["X-Kvtrio-Cached-Tokens"]) == cached
@@ -129,6 +135,32 @@ def test_a_restart_between_turns_serves_turn_two_from_disk_as_mlx_lm_would(
     assert plain_two.usage.prompt_tokens_details.cached_tokens == cached
     assert _logprobs(raw_plain_two) == _logprobs(raw)
     assert plain_two.choices[0].message.content == two.choices[0].message.content
+
+
+def test_an_idle_restart_restores_the_conversation_and_turn_two_is_a_ram_hit(
+    model_dir: Path, tmp_path: Path, plain_turns: dict[str, Any]
+) -> None:
+    """The warm restart (kvtrio.serve.restore): the server idle after its start loads the
+    most recent disk entries back into RAM; turn 2 is then a RAM hit, with plain
+    mlx_lm.server's answer at temperature 0."""
+    first = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "a.txt")
+    _, one = _chat(first.client(), TURN1)
+    assert first.stop() == 0, first.output()
+    assert one.choices[0].message.content == plain_turns["one"]
+    second = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "b.txt")
+    try:
+        wait_line(second, "kvtrio serve: restored 1 entries (")
+        raw, two = _chat(second.client(), plain_turns["turn2"])
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{second.port}/metrics").read()
+    finally:
+        assert second.stop() == 0, second.output()
+    assert raw.headers["X-Kvtrio-Cache"] == "hot"
+    cached = two.usage.prompt_tokens_details.cached_tokens
+    assert cached == plain_turns["two"].usage.prompt_tokens_details.cached_tokens > 0
+    assert two.choices[0].message.content == plain_turns["two"].choices[0].message.content
+    assert b"\nkvtrio_serve_restored_total 1\n" in metrics
+    summary = exit_summary(second)
+    assert (summary["hits_hot"], summary["hits_cold"], summary["prefetches"]) == (1, 0, 0)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +209,7 @@ def _busy_restart(
     assert exit_summary(first)["spilled"] >= 1
     assert one.choices[0].message.content == plain_turns["one"]
 
-    second = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "b.txt", *extra)
+    second = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "b.txt", *NO_RESTORE, *extra)
     eos = json.loads((model_dir / "config.json").read_text())["eos_token_id"]
     long_body = {
         "messages": [{"role": "user", "content": "Tell me a long story about caches."}],
@@ -517,7 +549,7 @@ def test_warm_prompts_are_stored_at_start_and_skipped_when_on_disk(
     first = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "a.txt", *argv)
     assert first.stop() == 0, first.output()
     assert "warm prompts stored 2, already on disk 0" in first.output()
-    second = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "b.txt", *argv)
+    second = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "b.txt", *argv, *NO_RESTORE)
     try:
         completion = second.client().completions.with_raw_response.create(
             model="default_model", prompt="The capital of France is", max_tokens=3

@@ -142,7 +142,10 @@ def test_no_prefetch_loads_turn_two_on_the_lookup(tmp_path: Path) -> None:
         {"role": "assistant", "content": one.choices[0].message.content or ""},
         {"role": "user", "content": "And of Italy?"},
     ]
-    second = start_kvtrio(model, tmp_path / "cache", tmp_path / "b.txt", *flags)
+    # No warm restart: turn 2's own lookup loads it.
+    second = start_kvtrio(
+        model, tmp_path / "cache", tmp_path / "b.txt", *flags, "--restore-bytes", "0"
+    )
     raw = second.client().chat.completions.with_raw_response.create(
         model="default_model", messages=turn2, max_tokens=4, temperature=0.0
     )
@@ -244,6 +247,7 @@ START_PATH_MODULES = [
     "kvtrio.serve.flags",
     "kvtrio.serve.flushreport",  # the shutdown's deadline and report (nothing of the tier)
     "kvtrio.serve.lifecycle",  # requests in flight, the model's load (nothing of the tier)
+    "kvtrio.serve.restore",  # the warm restart (nothing of the tier until it is open)
     "kvtrio.serve.server",
     "kvtrio.serve.steps",
     "kvtrio.serve.triesearch",  # the RAM trie's search (mlx-lm's cache module, nothing more)
