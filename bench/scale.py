@@ -116,7 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " the ratios use",
     )
     parser.add_argument("--no-maintenance", action="store_true", help="skip gc and verify")
-    parser.add_argument("--dir", default=None, help="work directory (default: a tmp dir)")
+    parser.add_argument(
+        "--dir", default=None, help="work directory, made if missing (default: a tmp dir)"
+    )
     parser.add_argument("--child", nargs=2, metavar=("DIR", "N"), help=argparse.SUPPRESS)
     parser.add_argument("--child-open", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--child-misses", nargs="+", metavar="DIR", help=argparse.SUPPRESS)
@@ -138,6 +140,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [int(n) for n in args.sizes.split(",") if n]
     if args.million:
         sizes.append(1_000_000)
+    if args.dir is not None:  # a work directory named but not there yet: made
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as work:
         runs = {}
         directories = {n: Path(work) / f"n{n}" for n in sizes}

@@ -6,6 +6,7 @@ import itertools
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -200,8 +201,9 @@ def _served_from_ram_or_disk(tier: dict[str, Any]) -> None:
     assert served == "ram" or not restored, tier
 
 
-def test_bench_scale_long_entries_repeated_opens_and_interleaved_misses() -> None:
-    """One run of the bench (each run costs fresh processes per open), three promises:
+def test_bench_scale_long_entries_repeated_opens_and_interleaved_misses(tmp_path: Path) -> None:
+    """One run of the bench (each run costs fresh processes per open), three promises
+    (and ``--dir`` naming a directory not there yet: made):
 
     - ``--tokens``: entries past one index block (their chain hashes are part of the
       open's index build); every entry is found again at each N, the lookups run;
@@ -218,7 +220,7 @@ def test_bench_scale_long_entries_repeated_opens_and_interleaved_misses() -> Non
     out = subprocess.run(
         [sys.executable, "-m", "kvtrio", "bench", "scale", "--json", "--sizes", "20,40",
          "--tokens", "200", "--repeat", "3", "--lookups", "40", "--burst", "8",
-         "--burst-fit", "4", "--no-maintenance"],
+         "--burst-fit", "4", "--no-maintenance", "--dir", str(tmp_path / "not" / "yet")],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     figures = json.loads(out.stdout)
