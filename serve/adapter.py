@@ -343,7 +343,8 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
 
         if not tier.submit(_prefetch, cold, match.entry.tokens, admit):
             return False
-        self._count("restores" if restore else "prefetches")
+        if not restore:  # a warm restart's loads are counted as restored (rule 10)
+            self._count("prefetches")
         return True
 
     def _restored(self, model: Any, tokens: list[int], nbytes: int) -> None:

@@ -291,14 +291,15 @@ def _generator_class() -> type:
             if adapter.tier is not None:
                 adapter.tier.bind()
             self._time_budget = pumping_budget(adapter, lambda: bool(self._ready))
+            failure: Exception | None = None
             if isinstance(adapter, ServeCache):  # rule 6: the model first, then the tier
                 try:
                     self.model_provider.load_default()  # mlx-lm's loop then finds it loaded
                 except Exception as exc:  # serve() stops the server (rule 6)
                     logger.exception("kvtrio serve: the model did not load")
-                    self.model_load.ended(exc)
+                    failure = exc
                 self._open_pending = True
-            self.model_load.ended(self.model_load.failure)
+            self.model_load.ended(failure)
             try:
                 warm = getattr(self.cli_args, "warm_prompts", None)
                 if warm is not None:
