@@ -52,6 +52,8 @@ Theory of operation:
    aside (kvtrio serve does): it starts the disk load and returns; the loaded entry is
    inserted into RAM by an owner job, and the server's callback then releases the
    request, whose lookup is a RAM hit. Meanwhile the generation thread serves the others.
+   One read per entry: a prefetch of an entry whose load is in flight (a warm restart's,
+   or another request's) joins it, its callback run by the same admission.
 8. :meth:`prefetch_on_arrival` is the same load started earlier, from any thread (an
    HTTP handler, before its request reaches the generation thread's queue): it reads
    RAM's trie under the trie's lock and asks the tier's loop to start
@@ -260,6 +262,8 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         self._counts: dict[str, int] = {}
         self._closing = False
         self._flushed: list[FlushedEntry] = []  # the close's RAM entries (rule 6)
+        # Rule 7's loads in flight, by entry tokens: their callers (one read per entry).
+        self._loading: dict[tuple[int, ...], list[Callable[[bool], object]]] = {}
 
     # -- mlx-lm's interface ------------------------------------------------------------
 
@@ -330,18 +334,31 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         if not self._worth_loading(match, self._ram_reuse(model, tokens)):
             return False
         assert match is not None
+        entry = tuple(match.entry.tokens)
+        if (waiting := self._loading.get(entry)) is not None:
+            # That entry's load is in flight (a warm restart's, or another request's): its
+            # admission serves this caller too. The tier would not start a second read,
+            # but a lookup arriving after the first one took the loaded caches, before
+            # they reached RAM, would load them again.
+            waiting.append(on_done)
+            if not restore:
+                self._count("prefetches")
+            return True
 
         def admit(caches: list[Any] | None) -> None:
+            callers = self._loading.pop(entry, [on_done])
             if caches is not None:
-                entry_tokens = list(match.entry.tokens)
-                self.insert_cache(model, entry_tokens, caches)
+                self.insert_cache(model, list(entry), caches)
                 if restore:
-                    self._restored(model, entry_tokens, sum(c.nbytes for c in caches))
+                    self._restored(model, list(entry), sum(c.nbytes for c in caches))
             else:
                 self._count("load_failures")
-            on_done(caches is not None)
+            for caller in callers:
+                caller(caches is not None)
 
+        self._loading[entry] = [on_done]
         if not tier.submit(_prefetch, cold, match.entry.tokens, admit):
+            del self._loading[entry]
             return False
         if not restore:  # a warm restart's loads are counted as restored (rule 10)
             self._count("prefetches")

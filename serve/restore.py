@@ -11,7 +11,8 @@ Theory of operation:
 2. Only while idle: one entry at a time, each started by :meth:`Restore.step` on the
    generation thread (the MLX owner) after it checks that no request is in flight,
    queued, or set aside (``idle()``). A request arriving meanwhile finds at most the one
-   load already running (the tier's prefetch: its lookup may adopt it); the restore goes
+   load already running; one for that same entry joins it (the adapter's rule 7: one
+   read per entry, the request released by the load's admission); the restore goes
    on at the next idle moment, and the entries RAM has by then are skipped (the adapter's
    prefetch loads only what serves better than RAM).
 3. The load is the adapter's :meth:`~kvtrio.serve.adapter.TieredLRUPromptCache.prefetch`

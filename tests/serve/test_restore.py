@@ -145,6 +145,36 @@ def test_a_request_arriving_stops_the_restore_before_its_next_load(
         assert checks == [0, 1, 1, 1, 2, 3, 4]
 
 
+def test_a_request_for_the_entry_the_restore_is_loading_joins_that_load(
+    tiny: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request set aside for the entry whose restore load is in flight is released by
+    that load's admission: the entry is read from disk once (before, the request's load
+    could find the restore's caches already taken, not yet in RAM, and read it again)."""
+    from kvtrio.actors.tieredload import IndexAndLoadMixin
+
+    reads: list[str] = []
+    real_load = IndexAndLoadMixin._load_cold
+
+    async def counted(self: object, record: object) -> object:
+        reads.append(record.entry.key)  # type: ignore[attr-defined]
+        return await real_load(self, record)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(IndexAndLoadMixin, "_load_cold", counted)
+    expected = _on_disk_in_order(tiny, tmp_path)
+    with _guarded(tiny, tmp_path, max_size=1) as (cache, _):
+        restore = Restore(cache, DEFAULT_RESTORE_BYTES, lambda: not released_to)
+        released_to: list[bool] = []
+        assert restore.step() and restore.loading  # D, the newest
+        assert cache.prefetch(MODEL, [*PROMPTS[3], 7], released_to.append)
+        pump_until(cache, lambda: bool(released_to) and not restore.loading)
+        assert released_to == [True] and len(reads) == 1
+        assert cache.statistics().prefetches == 1 and restore.restored == 1
+        got, rest = cache.fetch_nearest_cache(MODEL, [*PROMPTS[3], 7])
+        assert rest == [7] and cache.last_fetch == FetchInfo(CacheTier.HOT, len(PROMPTS[3]))
+        assert _bytes(got) == expected[3]
+
+
 def test_restore_bytes_zero_restores_nothing(tiny: TinyModel, tmp_path: Path) -> None:
     _on_disk_in_order(tiny, tmp_path)
     with _guarded(tiny, tmp_path, loads=False) as (cache, _):
