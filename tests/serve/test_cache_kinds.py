@@ -91,3 +91,20 @@ def test_a_concatenate_cache_round_trips_bit_exact(tmp_path: Any) -> None:
     assert type(back) is mlx_cache.ConcatenateKVCache and back.offset == 6
     stored_keys, stored_values = back.keys_and_values()
     assert mx.array_equal(stored_keys, keys) and mx.array_equal(stored_values, keys * 2)
+
+
+class _CacheOfAnotherLibrary(mlx_cache._BaseCache):
+    """A cache class kvtrio has no codec for (a model's own, a newer mlx-lm's)."""
+
+
+def test_a_cache_class_without_a_codec_is_refused_by_name() -> None:
+    """The refusal the classes above never reach: a class kvtrio cannot store, alone or
+    inside a CacheList, is UnsupportedCacheError naming that class (never a TypeError
+    from the codec registry, never the container's name)."""
+    for caches in (
+        [mlx_cache.KVCache(), _CacheOfAnotherLibrary()],
+        [mlx_cache.CacheList(mlx_cache.KVCache(), _CacheOfAnotherLibrary())],
+    ):
+        with pytest.raises(UnsupportedCacheError) as info:
+            saveable(per_sequence(caches))
+        assert info.value.cache_class == "_CacheOfAnotherLibrary"
