@@ -28,7 +28,8 @@ def _section(title: str) -> str:
 
 
 def _client_block() -> str:
-    (block,) = re.findall(r"(?ms)^```python\n(.*?)^```", _section("Serve a model"))
+    blocks: list[str] = re.findall(r"(?ms)^```python\n(.*?)^```", _section("Serve a model"))
+    (block,) = blocks
     assert "127.0.0.1:8080" in block
     return block
 
