@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -238,10 +241,6 @@ def test_weights_rewritten_in_place_change_the_key(tmp_path: Path) -> None:
 def _mlx_lm_help_flags() -> set[str]:
     """The long flags the installed ``mlx_lm.server --help`` prints: read from its own
     output, not from the parser kvtrio captures, so a capture that missed a flag fails."""
-    import re
-    import subprocess
-    import sys
-
     out = subprocess.run(
         [sys.executable, "-m", "mlx_lm", "server", "--help"],
         capture_output=True,
