@@ -284,3 +284,16 @@ def test_every_flag_of_the_installed_mlx_lm_server_is_taken_as_mlx_lm_reads_it()
     theirs, ours = mlx_reads(*argv), vars(_args(*argv[2:]))
     assert {dest: ours[dest] for dest in theirs} == theirs
     assert theirs != mlx_reads("--model", "unused")  # the values were read
+
+
+def test_every_flag_kvtrio_adds_is_in_the_docs_flag_table() -> None:
+    """docs/serve.md's table of kvtrio's own flags lists each one ``kvtrio serve`` adds
+    (a flag added without its row left users with ``--help`` alone)."""
+    from kvtrio.serve.flags import add_kvtrio_arguments
+
+    parser = argparse.ArgumentParser()
+    add_kvtrio_arguments(parser, default_cache_dir=Path("unused"))
+    added = {s for a in parser._actions for s in a.option_strings if s not in ("-h", "--help")}
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serve.md").read_text()
+    rows = set(re.findall(r"(?m)^\| `(--[a-z-]+)", doc))
+    assert added <= rows, sorted(added - rows)
