@@ -189,7 +189,9 @@ def saveable(caches: Sequence[Any]) -> None:
 
 
 def _has_codec(cache: Any) -> bool:
-    from kvtrio.storage import codecs
+    # The registry is filled by importing the codec modules: without them every class
+    # read as "no codec" until something else had imported kvtrio.storage.cacheio.
+    from kvtrio.storage import codecs, concat_codec, mlxlm_codecs  # noqa: F401
 
     try:
         codecs.codec_for_cache(cache)

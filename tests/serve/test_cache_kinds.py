@@ -91,3 +91,41 @@ def test_a_concatenate_cache_round_trips_bit_exact(tmp_path: Any) -> None:
     assert type(back) is mlx_cache.ConcatenateKVCache and back.offset == 6
     stored_keys, stored_values = back.keys_and_values()
     assert mx.array_equal(stored_keys, keys) and mx.array_equal(stored_values, keys * 2)
+
+
+class _CacheOfAnotherLibrary(mlx_cache._BaseCache):
+    """A cache class kvtrio has no codec for (a model's own, a newer mlx-lm's)."""
+
+
+def test_a_cache_class_without_a_codec_is_refused_by_name() -> None:
+    """The refusal the classes above never reach: a class kvtrio cannot store, alone or
+    inside a CacheList, is UnsupportedCacheError naming that class (never a TypeError
+    from the codec registry, never the container's name)."""
+    for caches in (
+        [mlx_cache.KVCache(), _CacheOfAnotherLibrary()],
+        [mlx_cache.CacheList(mlx_cache.KVCache(), _CacheOfAnotherLibrary())],
+    ):
+        with pytest.raises(UnsupportedCacheError) as info:
+            saveable(per_sequence(caches))
+        assert info.value.cache_class == "_CacheOfAnotherLibrary"
+
+
+def test_a_one_sequence_rotating_batch_is_extracted_and_stored_without_losing_a_token(
+    tmp_path: Any,
+) -> None:
+    """BatchRotatingKVCache's twin of the BatchKVCache test above, through the disk: the
+    extracted RotatingKVCache keeps the sequence's tokens (its left padding dropped), and
+    kvtrio's codec gives them back bit-exact."""
+    from kvtrio.api import load_cache, save_cache
+
+    batch = mlx_cache.BatchRotatingKVCache(8, [2])
+    keys = mx.arange(1 * 1 * 6 * 4, dtype=mx.float32).reshape(1, 1, 6, 4)
+    batch.update_and_fetch(keys, keys + 1)
+    (single,) = per_sequence([batch])
+    assert type(single) is mlx_cache.RotatingKVCache and single.offset == 4
+    save_cache(tmp_path / "r.kvc", list(range(4)), [single])
+    back: Any = load_cache(tmp_path / "r.kvc").caches[0]
+    assert type(back) is mlx_cache.RotatingKVCache and back.offset == 4
+    stored_keys, stored_values = back.state[:2]
+    assert mx.array_equal(stored_keys[:, :, :4], keys[:, :, 2:])
+    assert mx.array_equal(stored_values[:, :, :4], keys[:, :, 2:] + 1)
