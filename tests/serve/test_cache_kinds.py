@@ -129,3 +129,40 @@ def test_a_one_sequence_rotating_batch_is_extracted_and_stored_without_losing_a_
     stored_keys, stored_values = back.state[:2]
     assert mx.array_equal(stored_keys[:, :, :4], keys[:, :, 2:])
     assert mx.array_equal(stored_values[:, :, :4], keys[:, :, 2:] + 1)
+
+
+def _filled(n: int) -> Any:
+    cache = mlx_cache.KVCache()
+    cache.update_and_fetch(mx.zeros((1, 2, n, 4)), mx.zeros((1, 2, n, 4)))
+    return cache
+
+
+def test_caches_holding_fewer_tokens_than_the_key_are_stored_under_what_all_hold() -> None:
+    """A draft model's entry (kvtrio.serve.cachekinds rule 3): the model's caches hold the
+    key's 10 tokens, the draft's 9; the longer ones are trimmed to 9 and the entry keyed
+    by the first 9 tokens. Caches that agree with the key are left as they are."""
+    from kvtrio.serve.cachekinds import held_prefix
+
+    tokens = list(range(100, 110))
+    caches = [_filled(10), _filled(10), _filled(9)]
+    assert held_prefix(caches, tokens) == tokens[:9]
+    assert [cache.offset for cache in caches] == [9, 9, 9]
+    agreeing = [_filled(10), _filled(10)]
+    assert held_prefix(agreeing, tokens) is tokens
+    assert [cache.offset for cache in agreeing] == [10, 10]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: [_filled(10), mlx_cache.ArraysCache(2)],  # a state with no offset
+        lambda: [_filled(11), _filled(10)],  # more tokens than the key
+        lambda: [_filled(10), mlx_cache.RotatingKVCache(max_size=4)],  # nothing held
+    ],
+)
+def test_caches_that_cannot_agree_on_their_tokens_are_refused_typed(make: Any) -> None:
+    from kvtrio.serve.cachekinds import held_prefix
+
+    caches = make()
+    with pytest.raises(UnsupportedCacheError):
+        held_prefix(caches, list(range(10)))

@@ -1,7 +1,9 @@
 """mlx_lm.server's flags that change the prompt cache's contents, served by ``kvtrio
 serve`` across a restart: with ``--kv-bits`` (QuantizedKVCache entries, the non-batched
 path) turn 2 is read from disk and answers as plain mlx_lm.server does with the same
-flags; with ``--draft-model`` (speculative decoding) nothing reaches the disk yet."""
+flags; with ``--draft-model`` (speculative decoding) the entry is stored under the tokens
+every cache holds and turn 2 is read from disk, answering as plain mlx_lm.server does
+after a restart."""
 
 from __future__ import annotations
 
@@ -73,17 +75,29 @@ def test_kv_bits_entries_are_served_from_disk_after_a_restart_as_mlx_lm_answers(
     assert plain_logprobs == logprobs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 17 gap (docs/audit13.md): with a draft model mlx-lm's entry holds the "
-    "model's caches (len(tokens) or len(tokens) - 1 tokens) and the draft's (one fewer); "
-    "the tier refuses the write with CacheMismatchError, so turn 2 after a restart is a miss",
-)
-def test_draft_model_entries_are_served_from_disk_after_a_restart(
+def test_draft_model_entries_are_served_from_disk_after_a_restart_as_mlx_lm_answers(
     model_dir: Path, tmp_path: Path
 ) -> None:
+    """With a draft model mlx-lm's entry holds the model's caches and the draft's, the
+    draft's one token short of the key (the model's at most as many as the key): the
+    tier takes it under the tokens every cache holds (kvtrio.serve.cachekinds, rule 3),
+    so turn 2 after a restart is a cold hit, and its answer is plain mlx_lm.server's
+    after a restart. Before, every such write was refused (CacheMismatchError)."""
     draft = write_tiny_model_dir(tmp_path / "draft", seed=1)
-    raw, _, _ = _restart_then_turn2(
-        model_dir, tmp_path, "--draft-model", str(draft), "--num-draft-tokens", "2"
-    )
+    flags = ("--draft-model", str(draft), "--num-draft-tokens", "2")
+    raw, logprobs, before = _restart_then_turn2(model_dir, tmp_path, *flags)
+    assert before["spilled"] == 1
     assert raw.headers["X-Kvtrio-Cache"] == "cold"
+    assert raw.parse().usage.prompt_tokens_details.cached_tokens > 0
+    plain = start_mlx_lm(model_dir, tmp_path / "plain.txt", *flags)
+    try:
+        one, _ = _chat(plain, TURN1)
+    finally:
+        plain.stop()
+    restarted = start_mlx_lm(model_dir, tmp_path / "plain2.txt", *flags)
+    try:
+        plain_raw, plain_logprobs = _chat(restarted, _turn2(one))
+    finally:
+        restarted.stop()
+    assert plain_raw.parse().usage.prompt_tokens_details.cached_tokens == 0
+    assert [token for token, _ in plain_logprobs] == [token for token, _ in logprobs]
