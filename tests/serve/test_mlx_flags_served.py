@@ -101,3 +101,36 @@ def test_draft_model_entries_are_served_from_disk_after_a_restart_as_mlx_lm_answ
         restarted.stop()
     assert plain_raw.parse().usage.prompt_tokens_details.cached_tokens == 0
     assert [token for token, _ in plain_logprobs] == [token for token, _ in logprobs]
+
+
+def test_prompt_cache_bytes_evicts_to_disk_and_turn_two_is_read_back(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """mlx_lm.server's ``--prompt-cache-bytes`` (RAM's byte budget, applied as each
+    request joins the batch) reaches the adapter: with a budget no entry fits in, the
+    next request's admission trims RAM, kvtrio writes what leaves to disk, and the same
+    process serves conversation A's turn 2, after B's turn 1 pushed A out, from disk
+    with the answer plain mlx_lm.server gives (which, its RAM trimmed alike,
+    recomputes it)."""
+    flags = ("--prompt-cache-bytes", "1")
+    other = [{"role": "user", "content": "Name three rivers of Europe. " * 12}]
+    server = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "a.txt", *flags)
+    try:
+        one, _ = _chat(server, TURN1)
+        _chat(server, other)
+        raw, logprobs = _chat(server, _turn2(one))
+    finally:
+        assert server.stop() == 0, server.output()
+    assert raw.headers["X-Kvtrio-Cache"] == "cold"
+    assert raw.parse().usage.prompt_tokens_details.cached_tokens > 0
+    assert exit_summary(server)["spilled"] >= 2
+    plain = start_mlx_lm(model_dir, tmp_path / "plain.txt", *flags)
+    try:
+        plain_one, _ = _chat(plain, TURN1)
+        _chat(plain, other)
+        plain_raw, plain_logprobs = _chat(plain, _turn2(plain_one))
+    finally:
+        plain.stop()
+    plain_cached = plain_raw.parse().usage.prompt_tokens_details.cached_tokens
+    assert plain_cached < raw.parse().usage.prompt_tokens_details.cached_tokens
+    assert [token for token, _ in plain_logprobs] == [token for token, _ in logprobs]
