@@ -297,3 +297,29 @@ def test_every_flag_kvtrio_adds_is_in_the_docs_flag_table() -> None:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "serve.md").read_text()
     rows = set(re.findall(r"(?m)^\| `(--[a-z-]+)", doc))
     assert added <= rows, sorted(added - rows)
+
+
+def test_an_adapter_or_draft_model_rewritten_in_place_changes_the_key(tmp_path: Path) -> None:
+    """An adapter retrained into the same directory (or a draft model re-fused) kept the
+    key: entries computed with the old adapter would be served for the new one."""
+    from kvtrio.serve.modeldir import MODEL_CONFIG
+
+    (tmp_path / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 64)
+    for flag, files in (
+        ("adapter_path", ("adapters.safetensors", "adapter_config.json")),
+        ("draft_model", ("model.safetensors", "config.json")),
+    ):
+        side = tmp_path / flag
+        side.mkdir()
+        for name in files:
+            (side / name).write_bytes(b"\0" * 64)
+            os.utime(side / name, ns=(1_000_000_000, 1_000_000_000))
+        before = _identity(str(tmp_path), **{flag: str(side)})
+        assert _identity(str(tmp_path), **{flag: str(side)}) == before
+        assert _identity(str(tmp_path)) != before
+        for name in files:
+            (side / name).write_bytes(b"\1" * 64)  # same size, a later time
+            os.utime(side / name, ns=(2_000_000_000, 2_000_000_000))
+            assert _identity(str(tmp_path), **{flag: str(side)}) != before, name
+            before = _identity(str(tmp_path), **{flag: str(side)})

@@ -134,3 +134,54 @@ def test_prompt_cache_bytes_evicts_to_disk_and_turn_two_is_read_back(
     plain_cached = plain_raw.parse().usage.prompt_tokens_details.cached_tokens
     assert plain_cached < raw.parse().usage.prompt_tokens_details.cached_tokens
     assert [token for token, _ in plain_logprobs] == [token for token, _ in logprobs]
+
+
+def _write_lora_adapter(model: Path, directory: Path) -> Path:
+    """A LoRA adapter for ``model`` as mlx-lm's trainer saves one (adapter_config.json,
+    adapters.safetensors), with random non-zero weights so that it changes the answers."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    lora = {"rank": 4, "scale": 20.0, "dropout": 0.0}
+    loaded, _ = load(str(model))
+    linear_to_lora_layers(loaded, 2, lora)
+    mx.random.seed(7)
+    weights = {
+        name: mx.random.normal(value.shape) * 0.5
+        for name, value in tree_flatten(loaded.parameters())
+        if name.rsplit(".", 1)[-1] in ("lora_a", "lora_b")
+    }
+    directory.mkdir(parents=True)
+    mx.save_safetensors(str(directory / "adapters.safetensors"), weights)
+    config = {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": lora}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_adapter_entries_are_served_from_disk_after_a_restart_and_only_with_that_adapter(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """``--adapter-path`` (a LoRA fine-tune): turn 2 after a restart is read from disk and
+    answers as plain mlx_lm.server with the adapter; the base model served from the same
+    cache directory does not reuse the adapter's entries (its key differs)."""
+    adapter = _write_lora_adapter(model_dir, tmp_path / "adapter")
+    flags = ("--adapter-path", str(adapter))
+    raw, logprobs, before = _restart_then_turn2(model_dir, tmp_path, *flags)
+    assert before["spilled"] == 1
+    assert raw.headers["X-Kvtrio-Cache"] == "cold"
+    plain = start_mlx_lm(model_dir, tmp_path / "plain.txt", *flags)
+    try:
+        one, _ = _chat(plain, TURN1)
+        _, plain_logprobs = _chat(plain, _turn2(one))
+    finally:
+        plain.stop()
+    assert plain_logprobs == logprobs
+    base = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "base.txt")
+    try:
+        base_raw, base_logprobs = _chat(base, _turn2(one))
+    finally:
+        assert base.stop() == 0, base.output()
+    assert base_raw.headers["X-Kvtrio-Cache"] == "miss"
+    assert [t for t, _ in base_logprobs] != [t for t, _ in logprobs]  # the adapter matters
