@@ -145,12 +145,13 @@ def _write_lora_adapter(model: Path, directory: Path) -> Path:
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     lora = {"rank": 4, "scale": 20.0, "dropout": 0.0}
-    loaded, _ = load(str(model))
+    loaded: Any = load(str(model))[0]
     linear_to_lora_layers(loaded, 2, lora)
     mx.random.seed(7)
+    parameters: Any = tree_flatten(loaded.parameters())
     weights = {
         name: mx.random.normal(value.shape) * 0.5
-        for name, value in tree_flatten(loaded.parameters())
+        for name, value in parameters
         if name.rsplit(".", 1)[-1] in ("lora_a", "lora_b")
     }
     directory.mkdir(parents=True)
