@@ -108,6 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--restart-warmup", action="store_true", help="each server answers a warm-up first"
     )
     parser.add_argument(
+        "--restart-floor",
+        action="store_true",
+        help="add plain mlx_lm.server answering turn 2 without a restart (the floor)",
+    )
+    parser.add_argument(
         "--settle",
         type=float,
         default=3.0,
@@ -495,7 +500,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             warm = args.restart_warmup  # every server's turn 2 after a warm-up request
             figures["restart"] = {
                 str(length): restart(
-                    model, root, length, args.restart_rounds, args.settle, log, warmup=warm
+                    model,
+                    *(root, length, args.restart_rounds, args.settle, log),
+                    warmup=warm,
+                    floor=args.restart_floor,
                 )
                 for length in lengths
             }
