@@ -262,7 +262,7 @@ def _generator_class() -> type:
             self._deferred_since: dict[object, float] = {}
             self._ready: list[tuple[Any, bool]] = []
             idle = lambda: self.in_flight == 0 and not self._busy() and not self._ready  # noqa: E731
-            self._restore = Restore.of(prompt_cache, model_provider.cli_args, idle)  # rule 9
+            self._restore = Restore.of(prompt_cache, model_provider, idle)  # rule 9
             if prompt_cache.tier is not None:
                 prompt_cache.tier.executor.on_queued = self._wake
             if isinstance(prompt_cache, ServeCache):  # the tier comes later (rule 6)
