@@ -53,9 +53,8 @@ from kvtrio.actors.loopturns import LoopTurns
 from kvtrio.actors.prefix import (
     DEFAULT_BLOCK_SIZE,
     ModelKey,
-    index_keys,
-    probe_keys,
 )
+from kvtrio.actors.sharedkeys import index_keys, probe_keys
 from kvtrio.actors.storeopen import CatalogueOpen, OpenReport
 from kvtrio.actors.tier import SUFFIX, ColdTier, TierEntry
 from kvtrio.errors import (
