@@ -121,6 +121,9 @@ class ColdTierStore:
     _blocks: LocalBlockStore | None  # None: a shared tier, whose blocks this host keeps
     _catalogue: Catalogue | None = None  # a local tier's (kvtrio.storage.catalogue)
     _infos: list[ColdEntryInfo] | None = None  # what create read, until entries() takes it
+    # After a clean open, the open's scan's keys in order (FoundRows.keys): taken once, by
+    # the first entries(), before anything can write (a dict's iterator).
+    _scan_keys: Iterator[str] | None = None
     opening: OpenReport | None = None  # what the open found in the catalogue
     _refs: dict[str, int] = attrs.field(factory=dict)
     _block_sizes: dict[str, int] = attrs.field(factory=dict)  # blocks that exist (rule 1)
@@ -164,6 +167,8 @@ class ColdTierStore:
                 opened = await trio.to_thread.run_sync(opening.run)
             self._catalogue, self._block_sizes, self._usage = opened
             self.opening = opening.report
+            if opening.report.clean:  # the rows as block_lists read them: the scan's order
+                self._scan_keys = iter(self._entry_blocks)
         else:
             declared: dict[str, int] = {}
             entries = await tier.list()
@@ -423,7 +428,8 @@ class ColdTierStore:
         # One batch per worker-thread call, as the scan yields it (FoundRows: no object per
         # entry here); the cache enters each before the next is read.
         scan = self._catalogue.scan()
-        step = functools.partial(_next_rows, scan)
+        keys, self._scan_keys = self._scan_keys, None
+        step = functools.partial(_next_rows, scan, keys)
         try:
             while True:
                 batch = await trio.to_thread.run_sync(step)
@@ -466,10 +472,10 @@ class ColdTierStore:
         await trio.to_thread.run_sync(self._shared.unregister, key + SUFFIX, keys)
 
 
-def _next_rows(scan: Iterator[ScannedRows]) -> FoundRows | None:
+def _next_rows(scan: Iterator[ScannedRows], keys: Iterator[str] | None) -> FoundRows | None:
     """Worker thread: the scan's next batch (None at its end)."""
     rows = next(scan, None)
-    return None if rows is None else FoundRows(rows)
+    return None if rows is None else FoundRows(rows, keys)
 
 
 def _entry_info(entry: TierEntry) -> ColdEntryInfo:

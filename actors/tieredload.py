@@ -163,9 +163,14 @@ class IndexAndLoadMixin(CacheParts):
         last_fingerprint: str | None = None
         model = self.model
         ranks, intern = batch.scanned.ranks, sys.intern
+        # The store's keys in its table's order, the scan's after a clean open: a row's key
+        # taken from there when equal (the next one, in memory too: no probe of the
+        # interned strings, a table of every key, at random), else interned.
+        known = batch.keys
         for row in batch.scanned.rows:
             key, model_id, fingerprint, packed, trimmable, min_offset, conv, _, pinned, rowid = row
-            key = intern(key)
+            stored = None if known is None else next(known, None)
+            key = stored if stored is not None and stored == key else intern(key)
             if key in records:
                 continue
             if model_id != last_id or fingerprint != last_fingerprint:
