@@ -121,9 +121,9 @@ class ColdTierStore:
     _blocks: LocalBlockStore | None  # None: a shared tier, whose blocks this host keeps
     _catalogue: Catalogue | None = None  # a local tier's (kvtrio.storage.catalogue)
     _infos: list[ColdEntryInfo] | None = None  # what create read, until entries() takes it
-    # After a clean open, the open's scan's keys in order (FoundRows.keys): taken once, by
-    # the first entries(), before anything can write (a dict's iterator).
-    _scan_keys: Iterator[str] | None = None
+    # After a clean open, how many entries its table held: the first entries() hands the
+    # table's keys to its scan (FoundRows.keys, the scan's order) if it holds as many still.
+    _scan_order: int | None = None
     opening: OpenReport | None = None  # what the open found in the catalogue
     _refs: dict[str, int] = attrs.field(factory=dict)
     _block_sizes: dict[str, int] = attrs.field(factory=dict)  # blocks that exist (rule 1)
@@ -168,7 +168,7 @@ class ColdTierStore:
             self._catalogue, self._block_sizes, self._usage = opened
             self.opening = opening.report
             if opening.report.clean:  # the rows as block_lists read them: the scan's order
-                self._scan_keys = iter(self._entry_blocks)
+                self._scan_order = len(self._entry_blocks)
         else:
             declared: dict[str, int] = {}
             entries = await tier.list()
@@ -428,7 +428,10 @@ class ColdTierStore:
         # One batch per worker-thread call, as the scan yields it (FoundRows: no object per
         # entry here); the cache enters each before the next is read.
         scan = self._catalogue.scan()
-        keys, self._scan_keys = self._scan_keys, None
+        # The table's keys in order, where nothing was added or removed since the open (the
+        # first entries() is the cache's open, before anything writes): a dict's iterator.
+        keys = iter(self._entry_blocks) if self._scan_order == len(self._entry_blocks) else None
+        self._scan_order = None
         step = functools.partial(_next_rows, scan, keys)
         try:
             while True:
