@@ -53,9 +53,8 @@ from kvtrio.actors.loopturns import LoopTurns
 from kvtrio.actors.prefix import (
     DEFAULT_BLOCK_SIZE,
     ModelKey,
-    index_keys,
-    probe_keys,
 )
+from kvtrio.actors.sharedkeys import index_keys, probe_keys
 from kvtrio.actors.storeopen import CatalogueOpen, OpenReport
 from kvtrio.actors.tier import SUFFIX, ColdTier, TierEntry
 from kvtrio.errors import (
@@ -122,6 +121,9 @@ class ColdTierStore:
     _blocks: LocalBlockStore | None  # None: a shared tier, whose blocks this host keeps
     _catalogue: Catalogue | None = None  # a local tier's (kvtrio.storage.catalogue)
     _infos: list[ColdEntryInfo] | None = None  # what create read, until entries() takes it
+    # After a clean open, how many entries its table held: the first entries() hands the
+    # table's keys to its scan (FoundRows.keys, the scan's order) if it holds as many still.
+    _scan_order: int | None = None
     opening: OpenReport | None = None  # what the open found in the catalogue
     _refs: dict[str, int] = attrs.field(factory=dict)
     _block_sizes: dict[str, int] = attrs.field(factory=dict)  # blocks that exist (rule 1)
@@ -165,6 +167,8 @@ class ColdTierStore:
                 opened = await trio.to_thread.run_sync(opening.run)
             self._catalogue, self._block_sizes, self._usage = opened
             self.opening = opening.report
+            if opening.report.clean:  # the rows as block_lists read them: the scan's order
+                self._scan_order = len(self._entry_blocks)
         else:
             declared: dict[str, int] = {}
             entries = await tier.list()
@@ -424,7 +428,11 @@ class ColdTierStore:
         # One batch per worker-thread call, as the scan yields it (FoundRows: no object per
         # entry here); the cache enters each before the next is read.
         scan = self._catalogue.scan()
-        step = functools.partial(_next_rows, scan)
+        # The table's keys in order, where nothing was added or removed since the open (the
+        # first entries() is the cache's open, before anything writes): a dict's iterator.
+        keys = iter(self._entry_blocks) if self._scan_order == len(self._entry_blocks) else None
+        self._scan_order = None
+        step = functools.partial(_next_rows, scan, keys)
         try:
             while True:
                 batch = await trio.to_thread.run_sync(step)
@@ -467,10 +475,10 @@ class ColdTierStore:
         await trio.to_thread.run_sync(self._shared.unregister, key + SUFFIX, keys)
 
 
-def _next_rows(scan: Iterator[ScannedRows]) -> FoundRows | None:
+def _next_rows(scan: Iterator[ScannedRows], keys: Iterator[str] | None) -> FoundRows | None:
     """Worker thread: the scan's next batch (None at its end)."""
     rows = next(scan, None)
-    return None if rows is None else FoundRows(rows)
+    return None if rows is None else FoundRows(rows, keys)
 
 
 def _entry_info(entry: TierEntry) -> ColdEntryInfo:

@@ -6,7 +6,7 @@ actors' ColdTier is :class:`~kvtrio.actors.coldstore.ColdTierStore`; the test fa
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, overload
 
@@ -60,9 +60,16 @@ class FoundRows(Sequence[ColdEntryInfo]):
     :data:`~kvtrio.storage.catalogue.CompactRow` tuples, every field checked in bulk,
     and the table of their ranks in token order), least recently used first. A sequence
     of :class:`ColdEntryInfo` to any reader (made on access, one at a time); the tiered
-    cache's open reads :attr:`scanned` as it is, making no info object per entry."""
+    cache's open reads :attr:`scanned` as it is, making no info object per entry.
+
+    ``keys``: the store's own key strs, in the order of its table of entries, shared by
+    every batch of one scan, or None. Where the store used its catalogue as it was, that
+    is the scan's order: the cache takes a row's key from there when it is equal (the
+    store's str, with no probe of a table of every key; any other row's key is looked up
+    as ever)."""
 
     scanned: ScannedRows
+    keys: Iterator[str] | None = None
 
     def __len__(self) -> int:
         return len(self.scanned)

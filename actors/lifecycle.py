@@ -28,6 +28,7 @@ import operator
 from collections import OrderedDict
 from collections.abc import Iterator
 from types import MappingProxyType
+from typing import Any
 
 import attrs
 from kvtrio.actors.seglru import SegmentedLru
@@ -127,6 +128,9 @@ class ColdSide:
     # The bytes its write puts on disk at most (its encoded size, planned by the writer
     # before the write starts): its reservation; None: ``nbytes`` stands in.
     write_bytes: int | None = None
+    # The ledger's cold LRU segment that holds it (:mod:`kvtrio.actors.seglru` rule 2):
+    # not None exactly while it is in that LRU.
+    lru_segment: Any = attrs.field(default=None, init=False, repr=False)
 
 
 @attrs.define(eq=False)
@@ -152,7 +156,8 @@ class ColdLedger:
     used: int = 0
     _reserved: int = 0
     # Segmented (:mod:`kvtrio.actors.seglru`): open fills it with every stored entry on a
-    # worker thread, where one OrderedDict's resize held the GIL (the loop) for 13 ms or more.
+    # worker thread, where one OrderedDict's resize held the GIL (the loop) for 13 ms or
+    # more; each side records its segment, so no table of every key is probed.
     _durable: SegmentedLru[str, ColdSide] = attrs.field(factory=SegmentedLru)
     _queued: OrderedDict[str, ColdSide] = attrs.field(factory=OrderedDict)
     _queued_bytes: int = 0
@@ -183,8 +188,8 @@ class ColdLedger:
     def apply(self, side: ColdSide, event: ColdEvent) -> ColdState:
         """Move ``side`` by ``event`` (LifecycleError if the table forbids it)."""
         old, new = side.state, next_state(side.state, event)
-        if old is ColdState.DURABLE and self._durable.get(side.key) is side:
-            del self._durable[side.key]
+        if old is ColdState.DURABLE and side.lru_segment is not None:
+            self._durable.remove(side)
         elif old is ColdState.QUEUED and self._queued.get(side.key) is side:
             del self._queued[side.key]
             self._queued_bytes -= side.nbytes
@@ -197,7 +202,7 @@ class ColdLedger:
             self._reserved += side.reserved
             self._writing[id(side)] = side
         if new is ColdState.DURABLE:
-            self._durable[side.key] = side
+            self._durable.add(side.key, side)
         elif new is ColdState.QUEUED:
             self._queued[side.key] = side
             self._queued_bytes += side.nbytes
@@ -221,8 +226,8 @@ class ColdLedger:
 
     def touch(self, side: ColdSide) -> None:
         """Mark a DURABLE entry as the most recently used."""
-        if self._durable.get(side.key) is side:
-            self._durable.move_to_end(side.key)
+        if side.lru_segment is not None:
+            self._durable.move_to_end(side)
 
     def oldest_durable(self) -> ColdSide | None:
         first = self._durable.first()

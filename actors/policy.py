@@ -47,6 +47,7 @@ import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
+from typing import Any
 
 import attrs
 import trio
@@ -184,7 +185,7 @@ class EvictionStatistics:
     expired: int
 
 
-@attrs.define
+@attrs.define(eq=False)
 class _Slot:
     cost: EntryCost
     ttl: float | None
@@ -195,6 +196,8 @@ class _Slot:
     # (-1: not in the order). Kept here, not in a second table of every entry.
     priority: float = 0.0
     number: int = -1
+    # LRU's place in its order (:mod:`kvtrio.actors.seglru` rule 2; None: not in it).
+    lru_segment: Any = attrs.field(default=None, init=False, repr=False)
 
 
 @attrs.define(eq=False)
@@ -408,21 +411,26 @@ class EvictionPolicy(abc.ABC):
 class LruPolicy(EvictionPolicy):
     """Least recently used first (rule 1). O(1) per operation."""
 
-    _lru: SegmentedLru[str, None] = attrs.field(init=False, factory=SegmentedLru)
+    # The slots themselves in order, each recording its segment: no table of every key.
+    _lru: SegmentedLru[str, _Slot] = attrs.field(init=False, factory=SegmentedLru)
 
     def _order_add(self, key: str, slot: _Slot) -> None:
-        self._lru[key] = None
+        self._lru.add(key, slot)
+
+    def _order_extend(self, added: list[tuple[str, _Slot]]) -> None:
+        self._lru.extend(added)
 
     def _order_touch(self, key: str, slot: _Slot) -> None:
-        self._lru.move_to_end(key)
+        self._lru.move_to_end(slot)
 
     def _order_discard(self, key: str, slot: _Slot) -> None:
-        self._lru.pop(key, None)
+        if slot.lru_segment is not None:
+            self._lru.remove(slot)
 
     def _order_pop(self) -> str | None:
         if not self._lru:
             return None
-        key, _ = self._lru.popitem(last=False)
+        key, _ = self._lru.pop_first()
         return key
 
 

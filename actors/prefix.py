@@ -44,6 +44,7 @@ import array
 import bisect
 import enum
 import hashlib
+import operator
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -62,14 +63,13 @@ __all__ = [
     "PrefixMatch",
     "chain_hashes",
     "entry_key",
-    "index_keys",
     "pack_tokens",
-    "probe_keys",
 ]
 
 DEFAULT_BLOCK_SIZE = 256
 _DOMAIN = b"kvtrio-prefix-v1"
 _MAX_TOKEN = 2**32 - 1
+_KEY = operator.attrgetter("key")
 assert array.array("I").itemsize == 4
 
 
@@ -196,39 +196,6 @@ def entry_key(model: ModelKey, tokens: Sequence[int], block_size: int) -> str:
     return _link(parent, model, tail).hex()
 
 
-def index_keys(model: ModelKey, tokens: Sequence[int], block_size: int) -> list[str]:
-    """The keys a cached sequence is registered under in a shared prefix index.
-
-    The hex chain hash after each of its full blocks (every query sharing those blocks
-    finds it), then its own key (:func:`entry_key`: an exact query finds it, even when it
-    is shorter than one block).
-    """
-    chain = chain_hashes(model, tokens, block_size)
-    parent = chain[-1] if chain else model.root()
-    own = _link(parent, model, tokens[len(chain) * block_size :]).hex()
-    return [*(h.hex() for h in chain), own]
-
-
-def probe_keys(model: ModelKey, tokens: Sequence[int], block_size: int) -> list[tuple[str, int]]:
-    """The index keys to ask for a query, deepest first, each with a bound: the most
-    tokens of the query that an entry registered under that key can have in common with it.
-
-    An entry registered under the chain hash after full block ``i`` shares blocks ``0..i``;
-    unless block ``i + 1`` is the query's last, it diverges somewhere in block ``i + 1``
-    (or it would be registered under the next hash too). The query's own key comes first:
-    an entry under it is the query itself.
-    """
-    query = [int(t) for t in tokens]
-    n = len(query)
-    chain = chain_hashes(model, query, block_size)
-    parent = chain[-1] if chain else model.root()
-    out = [(_link(parent, model, query[len(chain) * block_size :]).hex(), n)]
-    for i in reversed(range(len(chain))):
-        bound = n if i == len(chain) - 1 else min(n, (i + 2) * block_size - 1)
-        out.append((chain[i].hex(), bound))
-    return out
-
-
 @attrs.frozen
 class PrefixEntry:
     """One cached token sequence, as the index sees it. Its tokens are held packed
@@ -345,7 +312,9 @@ class PrefixIndex:
     ``add`` and ``remove`` are O(blocks of the entry) hashes plus an O(log N) search and
     an insertion into each of its nodes' sorted runs (a list insert: a memmove of at most
     N pointers), and ``add`` of an entry sorting after every entry of its nodes (entries
-    added in token order, as open does) is O(blocks) appends; ``lookup`` is O(P) hashes
+    added in token order, as open does) is O(blocks) appends (open's two steps, the same:
+    ``add_keys`` O(1) per entry, then ``add_runs`` O(blocks) appends per entry in token
+    order); ``lookup`` is O(P) hashes
     to walk the chain, O(P * distinct tail lengths) hashes for the shorter entries, and
     O(log N + C * b) for the longer ones, with C <= :data:`MAX_TIES` per reuse length;
     never O(N).
@@ -423,22 +392,47 @@ class PrefixIndex:
         with self._lock:
             return self._add(entry)
 
-    def add_many(self, entries: Iterable[PrefixEntry]) -> None:
-        """:meth:`add` of each, in order, under one taking of the lock (open's, in token
-        order: each is appended to its nodes' runs), with each model's root hash looked up
-        once."""
-        roots: dict[int, bytes] = {}  # by id(): the models stay alive in their entries
+    # Open's bulk add, in two steps: the keys as the entries are made (each key's str and
+    # entry still in the CPU's caches), then the runs in token order (appends). In one
+    # pass in token order, each key and entry was reached again in an order unrelated to
+    # where it lies in memory: at 100,000 entries, cache misses that grew that pass 15x
+    # for 10x the entries (docs/bench/scale.md, thirteenth session).
+
+    def add_keys(self, entries: Sequence[PrefixEntry]) -> None:
+        """Open's bulk add, step 1: register each of ``entries`` under its key, none of
+        them known to the index yet (ValueError, nothing registered, when one is). It is
+        not findable by a lookup until :meth:`add_runs` has placed it."""
         with self._lock:
+            fresh = dict(zip(map(_KEY, entries), entries, strict=True))
+            if len(fresh) != len(entries) or not self._entries.keys().isdisjoint(fresh):
+                raise ValueError("add_keys: a key is given twice or is indexed already")
+            self._entries.update(fresh)
+            self.epoch += 1
+
+    def add_runs(self, entries: Iterable[PrefixEntry]) -> None:
+        """Open's bulk add, step 2: each of ``entries`` (registered by :meth:`add_keys`,
+        not placed yet) joins the runs of its nodes, in the order given: token order, so
+        that each is appended (:meth:`add`'s outcome, one lock and root hash a batch)."""
+        roots: dict[int, bytes] = {}
+        with self._lock:
+            self.epoch += 1
             for entry in entries:
                 root = roots.get(id(entry.model))
                 if root is None:
                     root = roots[id(entry.model)] = entry.model.root()
-                self._add(entry, root)
+                self._place(entry, root)
 
     def _add(self, entry: PrefixEntry, root: bytes | None = None) -> PrefixEntry | None:
         # A new key (every one at open) costs one lookup, not a call of _remove.
         previous = self._remove(entry.key) if entry.key in self._entries else None
         self.epoch += 1
+        self._place(entry, root)
+        self._entries[entry.key] = entry
+        return previous
+
+    def _place(self, entry: PrefixEntry, root: bytes | None) -> None:
+        """``entry`` into the runs of every node of its path (made as needed) and the tail
+        count of its last; its key's registration is the caller's."""
         model, packed, step, nodes = entry.model, entry.packed, 4 * self.block_size, self._nodes
         parent, full = (model.root() if root is None else root), len(packed) // step
         for depth in range(full + 1):  # the path (_path) walked as it is made, root first
@@ -454,8 +448,6 @@ class PrefixIndex:
                 bisect.insort(runs, entry, key=self._window(depth))
         tail = (len(packed) >> 2) - full * self.block_size
         node.tails[tail] = node.tails.get(tail, 0) + 1
-        self._entries[entry.key] = entry
-        return previous
 
     def remove(self, key: str) -> PrefixEntry | None:
         """Forget the entry named ``key``; return it, or None when absent."""

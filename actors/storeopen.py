@@ -133,7 +133,12 @@ class CatalogueOpen:
                 refs[name] = refs.get(name, 0) + count
         # Manifests the catalogue lacks (all of them after a rebuild): read a batch at a time
         # as the catalogue writes their rows, each batch freed once written (_rows_of).
-        rows = self._rows_of([key for key in keys if key not in entry_blocks], young)
+        # Every key left in entry_blocks is listed: as many as the listing, none lacks
+        # (no second pass over N names, each a probe of a table of every key).
+        lacking = []
+        if len(keys) != len(entry_blocks):
+            lacking = [key for key in keys if key not in entry_blocks]
+        rows = self._rows_of(lacking, young)
         first = next(rows, None)
         report.clean = catalogue.was_clean and not (report.rebuilt or gone or first)
         if not report.clean:

@@ -93,7 +93,7 @@ class IndexAndLoadMixin(CacheParts):
         cold policy's slots': a few ms at 100,000 entries). The two LRUs are segmented
         (:mod:`kvtrio.actors.seglru`): no resize of a table of every entry."""
         self._ledger.used = await self.cold.usage()
-        by_order: list[CacheRecord | None] = []
+        by_order: list[PrefixEntry | None] = []
         young = YoungCollections()
         # The models of the found entries by (model id, fingerprint), the cache's own
         # first: an entry of this model holds this very ModelKey (identity, no equality
@@ -110,7 +110,7 @@ class IndexAndLoadMixin(CacheParts):
         self,
         infos: Sequence[ColdEntryInfo],
         *,
-        by_order: list[CacheRecord | None],
+        by_order: list[PrefixEntry | None],
         young: YoungCollections,
         models: dict[tuple[str, str], ModelKey],
     ) -> None:
@@ -130,7 +130,7 @@ class IndexAndLoadMixin(CacheParts):
     def _enter_rows(
         self,
         batch: FoundRows,
-        by_order: list[CacheRecord | None],
+        by_order: list[PrefixEntry | None],
         young: YoungCollections,
         models: dict[tuple[str, str], ModelKey],
     ) -> None:
@@ -141,8 +141,11 @@ class IndexAndLoadMixin(CacheParts):
         entry's FOUND is applied to the ledger here and to the cold policy once per batch,
         in the same order (:meth:`EvictionPolicy.insert_found`: the policy holds exactly
         the DURABLE entries, as :meth:`_apply` keeps it); the index follows in token order
-        (:meth:`_index_found`)."""
+        (:meth:`_index_found`); the batch's keys join the index here (its first step,
+        :meth:`PrefixIndex.add_keys`), while each key's str and entry are fresh in the CPU's
+        caches."""
         records, ledger = self._records, self._ledger
+        entries: list[PrefixEntry] = []
         arrivals: list[tuple[str, EntryCost]] = []
         sides: list[ColdSide] = []
         pinned_found: list[CacheRecord] = []
@@ -160,9 +163,14 @@ class IndexAndLoadMixin(CacheParts):
         last_fingerprint: str | None = None
         model = self.model
         ranks, intern = batch.scanned.ranks, sys.intern
+        # The store's keys in its table's order, the scan's after a clean open: a row's key
+        # taken from there when equal (the next one, in memory too: no probe of the
+        # interned strings, a table of every key, at random), else interned.
+        known = batch.keys
         for row in batch.scanned.rows:
             key, model_id, fingerprint, packed, trimmable, min_offset, conv, _, pinned, rowid = row
-            key = intern(key)
+            stored = None if known is None else next(known, None)
+            key = stored if stored is not None and stored == key else intern(key)
             if key in records:
                 continue
             if model_id != last_id or fingerprint != last_fingerprint:
@@ -174,10 +182,10 @@ class IndexAndLoadMixin(CacheParts):
                 elif found is self.model and self._bytes_per_token == DEFAULT_BYTES_PER_TOKEN:
                     self._measure_found(key, len(packed) // 4)
                 model = found
-            record = records[key] = CacheRecord(
-                key, 0, entry=new_entry(key, model, packed, trimmable != 0, min_offset)
-            )
+            entry = new_entry(key, model, packed, trimmable != 0, min_offset)
+            record = records[key] = CacheRecord(key, 0, entry=entry)
             sides.append(record)  # its own cold side
+            entries.append(entry)
             if len(packed) != last_length or model is not last_model:
                 last_length, last_model = len(packed), model
                 shared = costs.get((last_length, id(model)))
@@ -191,10 +199,11 @@ class IndexAndLoadMixin(CacheParts):
             rank = ranks[rowid]
             if rank >= len(by_order):
                 by_order.extend([None] * (rank + 1 - len(by_order)))
-            by_order[rank] = record
+            by_order[rank] = entry
             if conv != "[]":
                 self._note_conversations(record, conversations_of(row))
         ledger.found_many(sides)  # NONE -> DURABLE, each in the batch's order
+        self._index.add_keys(entries)
         self.cold_policy.insert_found(arrivals)
         for record in pinned_found:
             try:
@@ -211,24 +220,25 @@ class IndexAndLoadMixin(CacheParts):
         if stored and tokens:
             self._bytes_per_token = max(1, stored // tokens)
 
-    def _index_found(self, by_order: list[CacheRecord | None], young: YoungCollections) -> None:
-        """Worker thread, at open: the found entries into the prefix index, in token order,
+    def _index_found(self, by_order: list[PrefixEntry | None], young: YoungCollections) -> None:
+        """Worker thread, at open: the found entries into the prefix index's runs, in token
+        order (:meth:`PrefixIndex.add_runs`; their keys joined it as they were entered),
         :data:`~kvtrio.storage.catalogue.SCAN_BATCH` at a time. What :meth:`_sync` would
         do for each: every found entry is DURABLE, so findable (rule 3), and none was
-        indexed or departed yet. Each is its key's record (a key found twice entered once:
+        indexed or departed yet. Each is its key's entry (a key found twice entered once:
         :meth:`_enter_rows` and :meth:`_add_cold_entry` skip a key already recorded), so
-        no entry's key is looked up again here (a random probe of a table of every entry:
-        about a fifth of this step at 100,000 entries, 2026-12-02)."""
+        no record or key is reached here: only the entries, in an order unrelated to where
+        they lie in memory (at 100,000 entries, each object reached so is a cache miss)."""
         index = self._index
         for start in range(0, len(by_order), SCAN_BATCH):
             batch = by_order[start : start + SCAN_BATCH]
-            index.add_many(record.entry for record in batch if record is not None)
+            index.add_runs(entry for entry in batch if entry is not None)
             young.after_batch()
 
     async def _add_cold_entries(
         self,
         infos: Iterable[ColdEntryInfo],
-        by_order: list[CacheRecord | None] | None = None,
+        by_order: list[PrefixEntry | None] | None = None,
         young: YoungCollections | None = None,
     ) -> None:
         """Enter stored entries, least recently used first, :data:`OPEN_BATCH` at a time
@@ -250,7 +260,7 @@ class IndexAndLoadMixin(CacheParts):
             await trio.lowlevel.checkpoint()
 
     def _add_cold_entry(
-        self, info: ColdEntryInfo, by_order: list[CacheRecord | None] | None
+        self, info: ColdEntryInfo, by_order: list[PrefixEntry | None] | None
     ) -> None:
         key = info.key
         if key in self._records:
@@ -269,9 +279,10 @@ class IndexAndLoadMixin(CacheParts):
             self._apply(record, ColdEvent.FOUND)
         else:
             self._apply(record, ColdEvent.FOUND, index=False)
+            self._index.add_keys((entry,))
             if order >= len(by_order):
                 by_order.extend([None] * (order + 1 - len(by_order)))
-            by_order[order] = record
+            by_order[order] = entry
         if info.conversations:
             self._note_conversations(record, info.conversations)
 

@@ -254,7 +254,8 @@ def _dedup(url: str, hosts: int, layers: int, system_tokens: int, user_tokens: i
 
 
 def _lookup(url: str, manifests: int, manifest_kib: int, rounds: int) -> dict[str, Any]:
-    from kvtrio.actors.prefix import ModelKey, index_keys, probe_keys
+    from kvtrio.actors.prefix import ModelKey
+    from kvtrio.actors.sharedkeys import index_keys, probe_keys
     from kvtrio.actors.tiered import SHARED_CANDIDATES
     from kvtrio.storage.manifeststore import RedisManifestStore
 

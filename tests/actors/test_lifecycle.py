@@ -108,16 +108,16 @@ def _path_home(state: ColdState) -> list[ColdEvent]:
 
 def test_found_many_is_apply_of_found_to_each() -> None:
     """``ColdLedger.found_many`` (open's, a batch at a time) is ``apply(FOUND)`` of each in
-    order: NONE to DURABLE, last in the cold LRU, a key found again keeping its place; from
-    any other state the table refuses it (LifecycleError) before any side of the batch
-    moves."""
+    order: NONE to DURABLE, last in the cold LRU (two sides of one key are two places: the
+    LRU holds exactly the DURABLE sides); from any other state the table refuses it
+    (LifecycleError) before any side of the batch moves."""
     by_apply, by_found = ColdLedger(), ColdLedger()
     keys = ["k0", "k1", "k2", "k1", "k3"]
     for key in keys:
         by_apply.apply(ColdSide(key, 10), ColdEvent.FOUND)
     by_found.found_many([ColdSide(key, 10) for key in keys[:2]])
     by_found.found_many([ColdSide(key, 10) for key in keys[2:]])
-    assert by_found.durable_keys() == by_apply.durable_keys() == ["k0", "k1", "k2", "k3"]
+    assert by_found.durable_keys() == by_apply.durable_keys() == keys
     by_found.check()
     side = by_found.oldest_durable()
     assert side is not None and side.state is ColdState.DURABLE
@@ -125,4 +125,4 @@ def test_found_many_is_apply_of_found_to_each() -> None:
     with pytest.raises(LifecycleError):
         by_found.found_many([fresh, side])
     assert fresh.state is ColdState.NONE and side.state is ColdState.DURABLE
-    assert by_found.durable_keys() == ["k0", "k1", "k2", "k3"]
+    assert by_found.durable_keys() == keys

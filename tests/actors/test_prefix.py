@@ -242,28 +242,47 @@ def test_the_common_prefix_of_packed_tokens_agrees_with_a_token_by_token_count()
         assert prefix._common_prefix(packed_a, packed_b, start) == shared
 
 
-def test_add_many_builds_the_index_add_builds() -> None:
-    """``add_many`` (open's, one lock and one root hash per model for a batch) leaves the
-    same entries, nodes, runs and tail counts as one ``add`` each, in any order given."""
+def test_keys_then_runs_build_the_index_add_builds() -> None:
+    """Open's two-step add (``add_keys`` in the order the entries were made, then
+    ``add_runs`` in token order, each in batches) leaves the same entries, nodes, runs and
+    tail counts as one ``add`` each in token order, and every entry is then found by a
+    lookup."""
     import random
 
-    rng = random.Random(11)
+    rng = random.Random(12)
     other = ModelKey("other", "fp-b")
-    seqs = [[rng.randrange(4) for _ in range(rng.randrange(1, 12))] for _ in range(60)]
-    one_by_one, in_bulk = PrefixIndex(block_size=3), PrefixIndex(block_size=3)
+    seqs = {tuple(rng.randrange(4) for _ in range(rng.randrange(1, 12))) for _ in range(80)}
+    one_by_one, in_steps = PrefixIndex(block_size=3), PrefixIndex(block_size=3)
     entries = [
         one_by_one.make_entry(MODEL if i % 3 else other, seq) for i, seq in enumerate(seqs)
     ]
-    for entry in entries:
+    by_tokens = sorted(entries, key=lambda e: (e.packed, e.key))
+    for entry in by_tokens:
         one_by_one.add(entry)
-    in_bulk.add_many(entries[:25])
-    in_bulk.add_many(iter(entries[25:]))
-    assert set(in_bulk._entries) == set(one_by_one._entries)
-    assert in_bulk._nodes.keys() == one_by_one._nodes.keys()
+    in_steps.add_keys(entries[:30])
+    in_steps.add_keys(entries[30:])
+    in_steps.add_runs(by_tokens[:40])
+    in_steps.add_runs(iter(by_tokens[40:]))
+    assert in_steps._entries == one_by_one._entries
+    assert in_steps._nodes.keys() == one_by_one._nodes.keys()
     for node_hash, node in one_by_one._nodes.items():
-        bulk = in_bulk._nodes[node_hash]
-        assert [e.key for e in bulk.runs] == [e.key for e in node.runs]
-        assert bulk.tails == node.tails
+        placed = in_steps._nodes[node_hash]
+        assert [e.key for e in placed.runs] == [e.key for e in node.runs]
+        assert placed.tails == node.tails
+    for entry in entries:
+        match = in_steps.lookup(entry.model, entry.tokens)
+        assert match is not None and match.kind is MatchKind.EXACT, entry.tokens
+
+
+def test_add_keys_refuses_a_key_indexed_or_given_twice_and_registers_nothing() -> None:
+    index = _index([1, 2, 3])
+    (known,) = list(index)
+    fresh = index.make_entry(MODEL, [4, 5])
+    with pytest.raises(ValueError, match=r"^add_keys: a key is given twice or is indexed already$"):
+        index.add_keys([fresh, known])
+    with pytest.raises(ValueError, match=r"^add_keys: a key is given twice or is indexed already$"):
+        index.add_keys([fresh, fresh])
+    assert fresh.key not in index and len(index) == 1
 
 
 def _walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -321,7 +340,9 @@ def test_a_repeated_lookup_is_answered_from_the_last_until_the_index_changes(
     assert index.epoch > epoch
     match = index.lookup(MODEL, query)
     assert match is not None and match.reuse == 12 and walks[0] == 4
-    index.add_many([index.make_entry(MODEL, query)])
+    exact = index.make_entry(MODEL, query)
+    index.add_keys([exact])  # open's two steps: each changes what a lookup may see
+    index.add_runs([exact])
     match = index.lookup(MODEL, query)
     assert match is not None and match.kind is MatchKind.EXACT and walks[0] == 5
     index.remove(match.entry.key)

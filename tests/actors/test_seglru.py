@@ -1,4 +1,5 @@
-"""SegmentedLru keeps an OrderedDict's LRU order and eviction, in bounded segments."""
+"""SegmentedLru keeps an OrderedDict's LRU order and eviction, in bounded segments, each
+member recording the segment that holds it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import itertools
 from collections import OrderedDict
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,10 +16,16 @@ from kvtrio.actors.seglru import SegmentedLru
 
 # Few keys and small segments, so that operations cross segments, merge and empty them.
 _KEYS = st.integers(min_value=0, max_value=15).map(lambda n: f"k{n}")
-# Weighted towards adds and touches, so the map grows past a few segments before the
+# Weighted towards adds and touches, so the order grows past a few segments before the
 # removals shrink, merge and empty them.
-_OP = st.sampled_from(["set"] * 5 + ["touch"] * 4 + ["pop", "del", "evict", "popnewest"])
-_OPS = st.lists(st.tuples(_OP, _KEYS, st.integers(0, 9)), min_size=20, max_size=200)
+_OP = st.sampled_from(["add"] * 5 + ["touch"] * 4 + ["remove", "evict"])
+_OPS = st.lists(st.tuples(_OP, _KEYS), min_size=20, max_size=200)
+
+
+@attrs.define(eq=False)
+class _Member:
+    key: str
+    lru_segment: Any = attrs.field(default=None, init=False, repr=False)
 
 
 @pytest.fixture
@@ -44,8 +52,11 @@ def _check(lru: SegmentedLru[Any, Any], model: OrderedDict[Any, Any]) -> None:
     small = [n <= seglru._SMALL for n in sizes]
     assert not any(a and b for a, b in itertools.pairwise(small))
     assert len(sizes) <= 2 * len(model) / (seglru._SMALL + 1) + 2
-    for key in model:
-        assert key in lru and lru[key] == model[key] == lru.get(key)
+    # Rule 2: each member names the segment that holds it, merged or not.
+    seg = lru._oldest
+    while seg is not None:
+        assert all(member.lru_segment is seg for member in seg)
+        seg = seg.newer
 
 
 _FIXTURE_KEPT = [HealthCheck.function_scoped_fixture]  # the same constants for every input
@@ -54,74 +65,80 @@ _FIXTURE_KEPT = [HealthCheck.function_scoped_fixture]  # the same constants for 
 @settings(max_examples=200, deadline=None, suppress_health_check=_FIXTURE_KEPT)
 @given(ops=_OPS)
 def test_order_and_eviction_agree_with_an_ordered_dict(
-    tiny_segments: None, ops: list[tuple[str, str, int]]
+    tiny_segments: None, ops: list[tuple[str, str]]
 ) -> None:
-    lru: SegmentedLru[str, int] = SegmentedLru()
-    model: OrderedDict[str, int] = OrderedDict()
-    for op, key, value in ops:
-        if op == "set":
-            lru[key] = value
-            model[key] = value
+    lru: SegmentedLru[str, _Member] = SegmentedLru()
+    model: OrderedDict[str, _Member] = OrderedDict()
+    for op, key in ops:
+        if op == "add":
+            if key in model:
+                with pytest.raises(ValueError, match=r"^SegmentedLru.add: the member is in"):
+                    lru.add(key, model[key])
+            else:
+                member = model[key] = _Member(key)
+                lru.add(key, member)
         elif op == "touch":
             if key in model:
-                lru.move_to_end(key)
+                lru.move_to_end(model[key])
                 model.move_to_end(key)
             else:
-                with pytest.raises(KeyError):
-                    lru.move_to_end(key)
-        elif op == "pop":
-            assert lru.pop(key, None) == model.pop(key, None)
-        elif op == "del":
+                with pytest.raises(ValueError, match=r"^SegmentedLru.move_to_end: the member"):
+                    lru.move_to_end(_Member(key))
+        elif op == "remove":
             if key in model:
-                del lru[key]
-                del model[key]
+                member = model.pop(key)
+                assert lru.remove(member) == key and member.lru_segment is None
             else:
-                with pytest.raises(KeyError):
-                    del lru[key]
+                with pytest.raises(ValueError, match=r"^SegmentedLru.remove: the member is in"):
+                    lru.remove(_Member(key))
         elif model:
-            last = op == "popnewest"
-            assert lru.popitem(last=last) == model.popitem(last=last)
+            key, member = lru.pop_first()
+            assert (key, member) == model.popitem(last=False)
+            assert member.lru_segment is None
         else:
             with pytest.raises(KeyError):
-                lru.popitem(last=op == "popnewest")
+                lru.pop_first()
         _check(lru, model)
-    assert lru.get("absent") is None and "absent" not in lru
 
 
 def test_no_segment_grows_past_its_bound_and_the_order_is_kept_at_scale() -> None:
-    lru: SegmentedLru[int, None] = SegmentedLru()
+    lru: SegmentedLru[int, _Member] = SegmentedLru()
     n = 3 * seglru.SEGMENT_KEYS + 5
-    for i in range(n):
-        lru[i] = None
+    members = [_Member(str(i)) for i in range(n)]
+    for i, member in enumerate(members):
+        lru.add(i, member)
     assert lru.segment_sizes() == [seglru.SEGMENT_KEYS] * 3 + [5]
     for i in range(0, n, 2):  # touch every even key: odd ones are now the oldest
-        lru.move_to_end(i)
+        lru.move_to_end(members[i])
     assert list(lru) == list(range(1, n, 2)) + list(range(0, n, 2))
     assert max(lru.segment_sizes()) <= seglru.SEGMENT_KEYS
-    assert [lru.popitem(last=False)[0] for _ in range(3)] == [1, 3, 5]
+    assert [lru.pop_first()[0] for _ in range(3)] == [1, 3, 5]
+
+
+def _filled(n: int) -> tuple[SegmentedLru[int, _Member], OrderedDict[int, _Member]]:
+    lru: SegmentedLru[int, _Member] = SegmentedLru()
+    model: OrderedDict[int, _Member] = OrderedDict()
+    for i in range(n):
+        model[i] = _Member(str(i))
+        lru.add(i, model[i])
+    return lru, model
 
 
 def test_a_small_oldest_segment_merges_in_front_of_the_next_in_order(small_segments: None) -> None:
-    lru: SegmentedLru[int, None] = SegmentedLru()
-    model: OrderedDict[int, None] = OrderedDict()
-    for i in range(12):  # segments [0..7] [8..11]
-        lru[i] = model[i] = None
+    lru, model = _filled(12)  # segments [0..7] [8..11]
     for _ in range(6):  # the oldest falls to 2 keys: merged in front of [8..11]
-        assert lru.popitem(last=False) == model.popitem(last=False)
+        assert lru.pop_first() == model.popitem(last=False)
     assert lru.segment_sizes() == [6]
     _check(lru, model)
     assert list(lru) == [6, 7, 8, 9, 10, 11]
 
 
 def test_a_small_segment_merges_after_the_older_one_in_order(small_segments: None) -> None:
-    lru: SegmentedLru[int, None] = SegmentedLru()
-    model: OrderedDict[int, None] = OrderedDict()
-    for i in range(20):  # segments [0..7] [8..15] [16..19]
-        lru[i] = model[i] = None
+    lru, model = _filled(20)  # segments [0..7] [8..15] [16..19]
     for key in range(6):  # the oldest falls to [6, 7]: merged in front of [8..15]? full
-        del lru[key], model[key]
+        lru.remove(model.pop(key))
     for key in range(8, 14):  # the middle one falls to [14, 15]: after [6, 7]
-        lru.move_to_end(key)
+        lru.move_to_end(model[key])
         model.move_to_end(key)
     _check(lru, model)
     assert lru.segment_sizes()[0] == 4 and list(lru)[:4] == [6, 7, 14, 15]
@@ -129,49 +146,50 @@ def test_a_small_segment_merges_after_the_older_one_in_order(small_segments: Non
 
 @settings(max_examples=200, deadline=None, suppress_health_check=_FIXTURE_KEPT)
 @given(
-    before=st.lists(st.tuples(_KEYS, st.integers(0, 9)), max_size=30),
+    before=st.lists(_KEYS, max_size=30, unique=True),
     gone=st.sets(_KEYS),
-    items=st.lists(
-        st.tuples(_KEYS | st.integers(16, 60).map(lambda n: f"k{n}"), st.integers(0, 9))
-    ),
+    added=st.lists(st.integers(16, 60).map(lambda n: f"k{n}"), unique=True),
 )
-def test_extend_is_setitem_of_each(
-    tiny_segments: None,
-    before: list[tuple[str, int]],
-    gone: set[str],
-    items: list[tuple[str, int]],
+def test_extend_is_add_of_each(
+    tiny_segments: None, before: list[str], gone: set[str], added: list[str]
 ) -> None:
-    """``extend`` (open's bulk add) leaves the order, values and segments that
-    ``lru[key] = value`` of each item leaves, present keys included (their places kept),
-    over a map whose newest segment is full, part full or gone."""
-    lru: SegmentedLru[str, int] = SegmentedLru()
-    model: OrderedDict[str, int] = OrderedDict()
-    for key, value in before:
-        lru[key] = value
-        model[key] = value
-    for key in gone:
-        lru.pop(key)
-        model.pop(key, None)
+    """``extend`` (open's bulk add) leaves the order, members and segments that ``add``
+    of each leaves, over an order whose newest segment is full, part full or gone; a
+    member in an order already is refused there, those before it added."""
+    lru: SegmentedLru[str, _Member] = SegmentedLru()
+    model: OrderedDict[str, _Member] = OrderedDict()
+    for key in before:
+        model[key] = _Member(key)
+        lru.add(key, model[key])
+    for key in gone & set(model):
+        lru.remove(model.pop(key))
+    items = [(key, _Member(key)) for key in added]
     lru.extend(items)
-    for key, value in items:
-        model[key] = value
+    model.update(items)
     _check(lru, model)
+    if model:
+        fresh, (key, present) = _Member("new"), next(iter(model.items()))
+        with pytest.raises(ValueError, match=r"^SegmentedLru.extend: a member is in an order"):
+            lru.extend([("new", fresh), (key, present)])
+        model["new"] = fresh
+        _check(lru, model)
 
 
-def test_a_key_costs_the_lru_about_a_plain_dicts_memory() -> None:
-    """Open puts every stored entry in the cold LRU: its segments are plain dicts (with
-    the key -> segment table, about 59 bytes a key here), not OrderedDicts (a linked node
-    per key: about 106)."""
+def test_a_member_costs_the_lru_less_than_a_plain_dicts_entry_with_a_key_table() -> None:
+    """Open puts every stored entry in the cold LRU and every found slot in the cold
+    policy's: a member costs its segment's entry alone (about 36 bytes here), with no
+    table from keys to segments (SegmentedLru before branch open13: about 59 bytes a key)
+    and no OrderedDict's linked node (about 106)."""
     import tracemalloc
 
-    keys = [f"{n:064x}" for n in range(3 * seglru.SEGMENT_KEYS)]
+    members = [_Member(f"{n:064x}") for n in range(3 * seglru.SEGMENT_KEYS)]
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        lru: SegmentedLru[str, None] = SegmentedLru()
-        lru.extend((key, None) for key in keys)
-        per_key = (tracemalloc.get_traced_memory()[0] - before) / len(keys)
+        lru: SegmentedLru[str, _Member] = SegmentedLru()
+        lru.extend((member.key, member) for member in members)
+        per_key = (tracemalloc.get_traced_memory()[0] - before) / len(members)
     finally:
         tracemalloc.stop()
-    assert len(lru) == len(keys)
-    assert per_key < 80, per_key
+    assert len(lru) == len(members)
+    assert per_key < 50, per_key

@@ -1,4 +1,4 @@
-"""The keys of the shared prefix index (kvtrio.actors.prefix.index_keys / probe_keys):
+"""The keys of the shared prefix index (kvtrio.actors.sharedkeys.index_keys / probe_keys):
 a query finds every stored sequence sharing a full block with it (or equal to it) under
 one of its probe keys, and each probe key's bound is never below what the sequence found
 under it has in common with the query (rule 8 of kvtrio.actors.tiered stops at bounds)."""
@@ -8,7 +8,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from kvtrio.actors.prefix import ModelKey, index_keys, probe_keys
+from kvtrio.actors.prefix import ModelKey
+from kvtrio.actors.sharedkeys import index_keys, probe_keys
 
 MODEL = ModelKey("m", "fp")
 BLOCK = 4

@@ -13,7 +13,8 @@ import attrs
 import trio
 from kvtrio.actors.misses import MissReason
 from kvtrio.actors.owner import MlxOwner
-from kvtrio.actors.prefix import ModelKey, entry_key, index_keys, probe_keys
+from kvtrio.actors.prefix import ModelKey, entry_key
+from kvtrio.actors.sharedkeys import index_keys, probe_keys
 from kvtrio.actors.tiered import ColdEntryInfo, SharedColdStore, Tier, TieredPromptCache
 from kvtrio.errors import StoreUnavailableError
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import trio
 from kvtrio.actors.owner import MlxOwner
-from kvtrio.actors.prefix import ModelKey, index_keys
+from kvtrio.actors.prefix import ModelKey
+from kvtrio.actors.sharedkeys import index_keys
 from kvtrio.actors.tiered import Tier, open_tiered_cache
 from kvtrio.storage.redisstore import RedisBlockStore
 
