@@ -108,6 +108,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--restart-warmup", action="store_true", help="each server answers a warm-up first"
     )
     parser.add_argument(
+        "--kvtrio-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a flag for every kvtrio serve of the restart phase, repeatable; one word each "
+        "(--kvtrio-arg=--restore-bytes=0)",
+    )
+    parser.add_argument(
         "--settle",
         type=float,
         default=3.0,
@@ -495,7 +503,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             warm = args.restart_warmup  # every server's turn 2 after a warm-up request
             figures["restart"] = {
                 str(length): restart(
-                    model, root, length, args.restart_rounds, args.settle, log, warmup=warm
+                    model,
+                    root,
+                    length,
+                    args.restart_rounds,
+                    args.settle,
+                    log,
+                    warmup=warm,
+                    kvtrio_args=tuple(args.kvtrio_arg),
                 )
                 for length in lengths
             }

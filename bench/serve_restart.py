@@ -34,6 +34,7 @@ def restart(
     log: Path,
     *,
     warmup: bool = False,
+    kvtrio_args: tuple[str, ...] = (),
 ) -> dict[str, dict[str, Any]]:
     """Turn 2 after a restart, ``rounds`` times on every server, alternating their order.
 
@@ -56,7 +57,8 @@ def restart(
     turns2: dict[str, list[list[dict[str, str]]]] = {}
     turn1_exit: dict[str, dict[str, float]] = {}
     for kind in ("naive", "kvtrio"):  # mlx_lm.server keeps nothing over a restart
-        server = Server(kind, model, root / f"{kind}-{length}", log)
+        extra = kvtrio_args if kind == "kvtrio" else ()
+        server = Server(kind, model, root / f"{kind}-{length}", log, extra)
         try:
             turns2[kind] = []
             for turn1 in turns1:
@@ -75,7 +77,8 @@ def restart(
     for r in range(rounds):
         for position, kind in enumerate(KINDS if r % 2 == 0 else KINDS[::-1]):
             work = root / f"{kind}-{length}"
-            run = _turn2(kind, model, work, turns2[kind][r], settle, log, warmup)
+            extra = kvtrio_args if kind == "kvtrio" else ()
+            run = _turn2(kind, model, work, turns2[kind][r], settle, log, warmup, extra)
             runs[kind].append({**run, "position": position})
     out: dict[str, dict[str, Any]] = {}
     for kind in KINDS:
@@ -105,9 +108,11 @@ def _turn2(
     settle: float,
     log: Path,
     warmup: bool = False,
+    extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """One round of :func:`_restart` on one server: start, settle, (warm-up,) turn 2, stop."""
-    server = Server(kind, model, work, log)
+    """One round of :func:`_restart` on one server: start, settle, (warm-up,) turn 2, stop.
+    ``extra``: more flags for the server."""
+    server = Server(kind, model, work, log, extra)
     seen: dict[str, Any] = {}
     warm: float | None = None
     try:
