@@ -141,7 +141,9 @@ async def test_a_corrupt_block_fails_a_split_load_and_leaves_nothing_behind(
             other_want = await owner.run(_kv_bytes, other)
             assert (await (await tier.save("j", list(range(5000, 6024)), other)).wait()).written
             slots = list(read_header(str(tier.path_of("k"))).header.slots())
-            sha = slots[-1].blocks[-1].sha256  # the second read's last block
+            blocks = slots[-1].blocks
+            assert blocks is not None
+            sha = blocks[-1].sha256  # the second read's last block
             store = tier.block_store
             assert isinstance(store, LocalBlockStore)
             block = Path(store.path_of(sha))
