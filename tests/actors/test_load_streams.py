@@ -32,11 +32,11 @@ def test_a_step_is_cut_into_consecutive_reads_of_about_equal_bytes() -> None:
 @pytest.mark.parametrize(
     ("sizes", "streams", "want"),
     [
-        ([MIB] * 4, 1, [range(0, 4)]),  # one stream: the step whole
-        ([MIB] * 4, 2, [range(0, 2), range(2, 4)]),
-        ([MIB] * 4, 8, [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]),  # a tensor each
-        ([MIB // 2] * 4, 4, [range(0, 2), range(2, 4)]),  # one read per MIN_READ_BYTES
-        ([MIB - 1], 4, [range(0, 1)]),  # a small step
+        ([2 * MIB] * 4, 1, [range(0, 4)]),  # one stream: the step whole
+        ([2 * MIB] * 4, 2, [range(0, 2), range(2, 4)]),
+        ([2 * MIB] * 4, 8, [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]),  # one each
+        ([MIB] * 4, 4, [range(0, 2), range(2, 4)]),  # one read per MIN_READ_BYTES
+        ([2 * MIB - 1], 4, [range(0, 1)]),  # a small step
         ([8 * MIB, 1, 1], 4, [range(0, 1), range(1, 2), range(2, 3)]),  # never an empty read
     ],
 )
@@ -46,7 +46,7 @@ def test_a_split_step_covers_every_tensor_once_in_order(
     got = read_parts(range(len(sizes)), sizes, streams)
     assert got == want
     assert [i for part in got for i in part] == list(range(len(sizes)))
-    assert MIN_READ_BYTES == MIB
+    assert MIN_READ_BYTES == 2 * MIB
 
 
 @pytest.mark.parametrize(("cpus", "streams"), [(1, 1), (2, 1), (7, 1), (8, 2), (16, 4), (64, 4)])
@@ -64,7 +64,7 @@ def test_a_tier_reads_one_stream_below_eight_cpus_and_one_per_four_above(
 
 
 def _caches(layers: int, tokens: int) -> list[Any]:
-    """KV caches of [1, 2, tokens, 128] float32 tensors (owner thread): 1 MiB per tensor
+    """KV caches of [1, 4, tokens, 128] float32 tensors (owner thread): 2 MiB per tensor
     at 1,024 tokens, so a load's one step is split among the reads."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
@@ -72,7 +72,7 @@ def _caches(layers: int, tokens: int) -> list[Any]:
     caches = []
     for _ in range(layers):
         cache: Any = KVCache()
-        shape = (1, 2, tokens, 128)
+        shape = (1, 4, tokens, 128)
         cache.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
         caches.append(cache)
     return caches
