@@ -108,6 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--restart-warmup", action="store_true", help="each server answers a warm-up first"
     )
     parser.add_argument(
+        "--restart-floor",
+        action="store_true",
+        help="add plain mlx_lm.server answering turn 2 without a restart (the floor)",
+    )
+    parser.add_argument(
         "--kvtrio-arg",
         action="append",
         default=[],
@@ -504,12 +509,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             figures["restart"] = {
                 str(length): restart(
                     model,
-                    root,
-                    length,
-                    args.restart_rounds,
-                    args.settle,
-                    log,
+                    *(root, length, args.restart_rounds, args.settle, log),
                     warmup=warm,
+                    floor=args.restart_floor,
                     kvtrio_args=tuple(args.kvtrio_arg),
                 )
                 for length in lengths

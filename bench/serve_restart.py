@@ -12,7 +12,15 @@ from typing import Any
 
 from kvtrio.bench.serve_harness import Server, median, prompt_words
 
-__all__ = ["KINDS", "QUESTION", "WARMUP", "metric_samples", "restart", "restart_ratios"]
+__all__ = [
+    "KINDS",
+    "NEVER_RESTARTED",
+    "QUESTION",
+    "WARMUP",
+    "metric_samples",
+    "restart",
+    "restart_ratios",
+]
 
 KINDS = ("mlx_lm", "naive", "kvtrio")
 QUESTION = "Please summarise the document above in one sentence."
@@ -34,6 +42,7 @@ def restart(
     log: Path,
     *,
     warmup: bool = False,
+    floor: bool = False,
     kvtrio_args: tuple[str, ...] = (),
 ) -> dict[str, dict[str, Any]]:
     """Turn 2 after a restart, ``rounds`` times on every server, alternating their order.
@@ -51,7 +60,12 @@ def restart(
     compared with mlx_lm.server's of the same round).
     ``warmup``: every server, once settled, first answers :data:`WARMUP` (8 tokens, not
     streamed; its time kept as the run's ``warmup_s``) and waits NAIVE_SAVE_S, the same
-    for all three, so turn 2 is not the process's first request."""
+    for all three, so turn 2 is not the process's first request.
+    ``floor``: a fourth server in every round, :data:`NEVER_RESTARTED`: plain
+    mlx_lm.server answering turn 1 and then turn 2 in one process (turn 2 a hit in its
+    own RAM), the time no cache that survives a restart can beat.
+    ``kvtrio_args``: flags for every kvtrio serve started here (turn 1's and each
+    round's)."""
     document = prompt_words(model, length)
     turns1 = [[{"role": "user", "content": f"Conversation {r}. {document}"}] for r in range(rounds)]
     turns2: dict[str, list[list[dict[str, str]]]] = {}
@@ -73,15 +87,18 @@ def restart(
     # Plain mlx_lm.server recomputes turn 2 whatever it did before its restart: its turn
     # 2 is the naive baseline's (mlx-lm's own answer to turn 1 at temperature 0).
     turns2["mlx_lm"] = turns2["naive"]
-    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
+    kinds = (*KINDS, NEVER_RESTARTED) if floor else KINDS
+    turns2[NEVER_RESTARTED] = turns2["naive"]
+    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
     for r in range(rounds):
-        for position, kind in enumerate(KINDS if r % 2 == 0 else KINDS[::-1]):
+        for position, kind in enumerate(kinds if r % 2 == 0 else kinds[::-1]):
             work = root / f"{kind}-{length}"
+            prime = turns1[r] if kind == NEVER_RESTARTED else None
             extra = kvtrio_args if kind == "kvtrio" else ()
-            run = _turn2(kind, model, work, turns2[kind][r], settle, log, warmup, extra)
+            run = _turn2(kind, model, work, turns2[kind][r], settle, log, warmup, prime, extra)
             runs[kind].append({**run, "position": position})
     out: dict[str, dict[str, Any]] = {}
-    for kind in KINDS:
+    for kind in kinds:
         done = runs[kind]
         out[kind] = {
             "ttft_s": median([run["ttft_s"] for run in done]),
@@ -99,6 +116,9 @@ def restart(
 #: baseline saves a turn's cache after answering it: not torn by the stop).
 NAIVE_SAVE_S = 0.5
 
+#: ``floor``'s server: plain mlx_lm.server whose turn 2 follows turn 1 in one process.
+NEVER_RESTARTED = "mlx_lm_never_restarted"
+
 
 def _turn2(
     kind: str,
@@ -108,11 +128,13 @@ def _turn2(
     settle: float,
     log: Path,
     warmup: bool = False,
+    prime: list[dict[str, str]] | None = None,
     extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """One round of :func:`_restart` on one server: start, settle, (warm-up,) turn 2, stop.
-    ``extra``: more flags for the server."""
-    server = Server(kind, model, work, log, extra)
+    """One round of :func:`_restart` on one server: start, settle, (warm-up,) (``prime``,
+    turn 1 answered in the same process, untimed,) turn 2, stop. ``extra``: more flags
+    for the server."""
+    server = Server("mlx_lm" if kind == NEVER_RESTARTED else kind, model, work, log, extra)
     seen: dict[str, Any] = {}
     warm: float | None = None
     try:
@@ -120,6 +142,8 @@ def _turn2(
         if warmup:  # the same for every kind: answered, then the naive save's wait
             warm = _warm(server)
             time.sleep(NAIVE_SAVE_S)
+        if prime is not None:  # turn 1 in this process: turn 2 a hit in its own RAM
+            server.chat(prime, 8)
         if kind == "kvtrio":  # what the tier held when turn 2 was sent
             seen["before"] = metric_samples(server.metrics(), BEFORE)
         two = server.chat(turn2, 8)
@@ -222,6 +246,12 @@ def restart_ratios(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "ttft_kvtrio_vs_mlx_lm_round_median": median(vs_plain),
         "same_answer_as_mlx_lm_per_round": same,
     }
+    if NEVER_RESTARTED in by_kind:  # the floor: how close to never having restarted
+        never = by_kind[NEVER_RESTARTED]
+        ratios["ttft_kvtrio_vs_never_restarted"] = by_kind["kvtrio"]["ttft_s"] / never["ttft_s"]
+        vs_never = per_round(kv_runs, never["runs"])
+        ratios["ttft_kvtrio_vs_never_restarted_per_round"] = vs_never
+        ratios["ttft_kvtrio_vs_never_restarted_round_median"] = median(vs_never)
     for measured in by_kind.values():
         measured.pop("answer")
         for run in measured["runs"]:

@@ -43,7 +43,8 @@ Theory of operation:
    its per-sequence cache first (``extract(0)``, what mlx-lm's BatchGenerator does); a
    batch cache of several sequences, or a class without a codec, is refused with
    :class:`~kvtrio.errors.UnsupportedCacheError` by :func:`saveable`, counted, and kept
-   RAM-only.
+   RAM-only. An entry whose caches hold fewer tokens than its key (a draft model's) is
+   written under the tokens they all hold (:mod:`kvtrio.serve.cachekinds`, rule 3).
 6. :meth:`close` spills every RAM entry (a flush: never refused by admission, never
    shed), then closes the tier, pumping owner jobs meanwhile, for at most its
    ``timeout``; :meth:`flush_report` then says, entry by entry, which did not land and
@@ -52,6 +53,8 @@ Theory of operation:
    aside (kvtrio serve does): it starts the disk load and returns; the loaded entry is
    inserted into RAM by an owner job, and the server's callback then releases the
    request, whose lookup is a RAM hit. Meanwhile the generation thread serves the others.
+   One read per entry: a prefetch of an entry whose load is in flight (a warm restart's,
+   or another request's) joins it, its callback run by the same admission.
 8. :meth:`prefetch_on_arrival` is the same load started earlier, from any thread (an
    HTTP handler, before its request reaches the generation thread's queue): it reads
    RAM's trie under the trie's lock and asks the tier's loop to start
@@ -74,12 +77,13 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 from kvtrio.errors import ShuttingDown, UnsupportedCacheError
 from kvtrio.serve import triesearch
+from kvtrio.serve.cachekinds import held_prefix, per_sequence, saveable
 from kvtrio.serve.flushreport import FlushedEntry, FlushReport, HandOver
 from mlx_lm.models import cache as _mlx_cache
 
@@ -104,9 +108,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 mlx_cache: Any = _mlx_cache
-
-#: Batch cache classes and how a one-sequence batch becomes a per-sequence cache.
-BATCH_CLASSES: tuple[str, ...] = ("BatchKVCache", "BatchRotatingKVCache")
 
 
 class CacheTier(enum.Enum):
@@ -143,57 +144,6 @@ class TieredLRUStatistics:
     short_reuses_skipped: int  # RAM or disk matches below min_reuse_tokens (rule 9)
     restored: int  # entries a warm restart loaded into RAM (rule 10)
     restored_bytes: int
-
-
-def _batch_size(cache: Any) -> int:
-    keys = getattr(cache, "keys", None)
-    if keys is not None:
-        return int(keys.shape[0])
-    return len(cache.left_padding.tolist())
-
-
-def per_sequence(caches: Sequence[Any]) -> list[Any]:
-    """``caches`` with every one-sequence batch cache extracted to its per-sequence cache
-    (rule 5); UnsupportedCacheError naming the class for a batch of several sequences."""
-    out: list[Any] = []
-    for cache in caches:
-        name = type(cache).__name__
-        if name in BATCH_CLASSES and type(cache) is getattr(mlx_cache, name):
-            size = _batch_size(cache)
-            if size != 1:
-                raise UnsupportedCacheError(
-                    name, f"cache class {name} holds {size} sequences: extract one first"
-                )
-            if getattr(cache, "keys", None) is None:  # empty: extract() needs arrays
-                cache = (
-                    mlx_cache.KVCache()
-                    if name == "BatchKVCache"
-                    else mlx_cache.RotatingKVCache(cache.max_size)
-                )
-            else:
-                cache = cache.extract(0)
-        out.append(cache)
-    return out
-
-
-def saveable(caches: Sequence[Any]) -> None:
-    """Raise UnsupportedCacheError naming the first cache class kvtrio has no codec for
-    (nested caches included)."""
-    for cache in caches:
-        if not _has_codec(cache):
-            name = type(cache).__name__
-            raise UnsupportedCacheError(name, f"cache class {name} has no kvtrio codec")
-        saveable(getattr(cache, "caches", ()) if type(cache).__name__ == "CacheList" else ())
-
-
-def _has_codec(cache: Any) -> bool:
-    from kvtrio.storage import codecs
-
-    try:
-        codecs.codec_for_cache(cache)
-    except TypeError:
-        return False
-    return True
 
 
 class _RecordingTrie(mlx_cache.PromptTrie):  # type: ignore[misc]
@@ -260,6 +210,8 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         self._counts: dict[str, int] = {}
         self._closing = False
         self._flushed: list[FlushedEntry] = []  # the close's RAM entries (rule 6)
+        # Rule 7's loads in flight, by entry tokens: their callers (one read per entry).
+        self._loading: dict[tuple[int, ...], list[Callable[[bool], object]]] = {}
 
     # -- mlx-lm's interface ------------------------------------------------------------
 
@@ -330,18 +282,31 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         if not self._worth_loading(match, self._ram_reuse(model, tokens)):
             return False
         assert match is not None
+        entry = tuple(match.entry.tokens)
+        if (waiting := self._loading.get(entry)) is not None:
+            # That entry's load is in flight (a warm restart's, or another request's): its
+            # admission serves this caller too. The tier would not start a second read,
+            # but a lookup arriving after the first one took the loaded caches, before
+            # they reached RAM, would load them again.
+            waiting.append(on_done)
+            if not restore:
+                self._count("prefetches")
+            return True
 
         def admit(caches: list[Any] | None) -> None:
+            callers = self._loading.pop(entry, [on_done])
             if caches is not None:
-                entry_tokens = list(match.entry.tokens)
-                self.insert_cache(model, entry_tokens, caches)
+                self.insert_cache(model, list(entry), caches)
                 if restore:
-                    self._restored(model, entry_tokens, sum(c.nbytes for c in caches))
+                    self._restored(model, list(entry), sum(c.nbytes for c in caches))
             else:
                 self._count("load_failures")
-            on_done(caches is not None)
+            for caller in callers:
+                caller(caches is not None)
 
+        self._loading[entry] = [on_done]
         if not tier.submit(_prefetch, cold, match.entry.tokens, admit):
+            del self._loading[entry]
             return False
         if not restore:  # a warm restart's loads are counted as restored (rule 10)
             self._count("prefetches")
@@ -603,6 +568,7 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
                 continue
             try:
                 saveable(entry.prompt_cache)
+                tokens = held_prefix(entry.prompt_cache, tokens)  # a draft model's entry
             except UnsupportedCacheError:
                 self._count("refused")
                 if flushed is not None:

@@ -427,7 +427,8 @@ def _one_spelling(model: str) -> str:
 def model_identity(args: argparse.Namespace) -> ModelKey:
     """The tier's model key: the model (its resolved path, or its repo id), and a
     fingerprint of its config, its weight files (names, sizes, modification times),
-    adapter, draft model and KV quantization. The path tells apart two fine-tunes of one
+    adapter and draft model (their paths, and for a local directory the same of its
+    weight and config files) and KV quantization. The path tells apart two fine-tunes of one
     base, whose configs and file sizes are the same."""
     from kvtrio.actors.prefix import ModelKey
     from kvtrio.storage.fingerprint import config_fingerprint
@@ -447,6 +448,15 @@ def model_identity(args: argparse.Namespace) -> ModelKey:
     adapter = args.adapter_path and _one_spelling(args.adapter_path)
     draft = args.draft_model and _one_spelling(args.draft_model)
     weights.update(f"adapter={adapter};draft={draft}".encode())
+    # An adapter retrained in place, or a draft model re-fused (its caches are part of
+    # each entry), changes the key as the model's own weights do.
+    for given in (adapter, draft):
+        if given and Path(given).is_dir():
+            for item in sorted(Path(given).glob("*.safetensors")) + sorted(
+                Path(given).glob("*config.json")
+            ):
+                info = item.stat()
+                weights.update(f"{item}:{info.st_size}:{info.st_mtime_ns};".encode())
     fingerprint = config_fingerprint(
         config,
         kv_bits=args.kv_bits,

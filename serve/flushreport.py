@@ -19,6 +19,11 @@ Theory of operation:
    line of counts by why and one line per entry that did not land. An entry handed to
    the tier whose spill had not queued its write by the deadline (it waits for an owner
    job) is ``not queued``.
+4. The exit status follows the report (:attr:`FlushReport.complete`): 0 only when every
+   entry handed over is on disk or was left out by design (``gone``: written, then
+   evicted by ``--cold-bytes``; ``not saveable``: a cache kind kvtrio cannot write);
+   an entry lost to a failed write, a dead tier, or the deadline makes it 1, so a
+   shutdown drill or a supervisor sees the loss without reading the lines.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ if TYPE_CHECKING:  # the tier's modules load with the tier (kvtrio serve starts 
     from kvtrio.serve.adapter import TieredLRUPromptCache
 
 __all__ = [
+    "BY_DESIGN",
     "FLUSH_BYTES_PER_SECOND",
     "FlushReport",
     "FlushedEntry",
@@ -75,6 +81,11 @@ def flush_deadline(grace: float, nbytes: int, flush_timeout: float | None = None
     return 2 * grace + 5 + nbytes / FLUSH_BYTES_PER_SECOND
 
 
+#: Why an entry may be missing from disk at exit with the shutdown still a success
+#: (rule 4): evicted by the cold budget after it was written, or a kind not saveable.
+BY_DESIGN = frozenset({"gone", HandOver.NOT_SAVEABLE.value})
+
+
 @attrs.frozen
 class FlushReport:
     """Where the close's writes stood at exit (rule 3): how many were handed over, how
@@ -105,14 +116,21 @@ class FlushReport:
             lost.append((entry.tokens, entry.key, why))
         return cls(len(entries), landed, tuple(lost))
 
+    @property
+    def complete(self) -> bool:
+        """Rule 4: every entry on disk, or left out by design (``gone``, ``not
+        saveable``); False when one was lost to a failure or the deadline."""
+        return all(why in BY_DESIGN for _, _, why in self.lost)
+
     def counts(self) -> dict[str, int]:
         """Entries that did not land, by why (most first)."""
         return dict(Counter(why for _, _, why in self.lost).most_common())
 
 
-def print_exit(adapter: TieredLRUPromptCache, *, lookups_before_open: int) -> None:
+def print_exit(adapter: TieredLRUPromptCache, *, lookups_before_open: int) -> FlushReport:
     """``kvtrio serve``'s exit lines: what it did, what a restart will find on disk
-    (each RAM entry of the close that did not land, and why), and the disk's wear."""
+    (each RAM entry of the close that did not land, and why), and the disk's wear; the
+    close's report (rule 4 reads the exit status from it)."""
     stats = adapter.statistics()
     print(
         f"kvtrio serve: stopped (RAM entries written: {stats.spilled}, "
@@ -151,3 +169,4 @@ def print_exit(adapter: TieredLRUPromptCache, *, lookups_before_open: int) -> No
             f"refused {wear.refused}, bytes refused {wear.bytes_refused})",
             flush=True,
         )
+    return report

@@ -11,7 +11,8 @@ Theory of operation:
 2. Only while idle: one entry at a time, each started by :meth:`Restore.step` on the
    generation thread (the MLX owner) after it checks that no request is in flight,
    queued, or set aside (``idle()``). A request arriving meanwhile finds at most the one
-   load already running (the tier's prefetch: its lookup may adopt it); the restore goes
+   load already running; one for that same entry joins it (the adapter's rule 7: one
+   read per entry, the request released by the load's admission); the restore goes
    on at the next idle moment, and the entries RAM has by then are skipped (the adapter's
    prefetch loads only what serves better than RAM).
 3. The load is the adapter's :meth:`~kvtrio.serve.adapter.TieredLRUPromptCache.prefetch`
@@ -20,10 +21,18 @@ Theory of operation:
    evicts anything to make room.
 4. When it ends it prints ``kvtrio serve: restored K entries (B bytes) to RAM in S s``;
    ``kvtrio_serve_restored_total`` and ``kvtrio_serve_restored_bytes_total`` count it.
+5. Then, when it restored an entry and the model is known, it warms the process up for
+   the turn it expects: the model runs :data:`WARM_TOKENS` tokens over a copy of the
+   newest restored entry's caches (trimmed by as many), as a conversation's next turn
+   runs its new tokens over a RAM hit, and the copy is dropped. A fresh process pays
+   for its first such step (buffers allocated, kernels compiled on a GPU) on the request
+   that makes it; this pays it while idle. RAM's entries, their order and the counters
+   are left as they were; the seconds it took are printed on the line above.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -34,7 +43,7 @@ import attrs
 if TYPE_CHECKING:
     from kvtrio.serve.adapter import TieredLRUPromptCache
 
-__all__ = ["DEFAULT_RESTORE_BYTES", "Restore"]
+__all__ = ["DEFAULT_RESTORE_BYTES", "WARM_TOKENS", "Restore", "warm_up"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +51,9 @@ logger = logging.getLogger(__name__)
 #: a start reads at most 1 GiB back (about a second of an SSD's reads, only while idle),
 #: and RAM holds no more than that of entries nobody may ask for again.
 DEFAULT_RESTORE_BYTES = 1 << 30
+
+#: Rule 5: the tokens the warm-up runs over the newest restored entry (a short turn).
+WARM_TOKENS = 16
 
 
 @attrs.define(eq=False)
@@ -51,6 +63,7 @@ class Restore:
     adapter: TieredLRUPromptCache
     cap: int  # --restore-bytes
     idle: Callable[[], bool]  # no request in flight, queued or set aside (rule 2)
+    model: Callable[[], Any] = lambda: None  # the loaded model, or None (rule 5)
     done: bool = False
     loading: bool = False
     restored: int = 0
@@ -59,11 +72,15 @@ class Restore:
     _started: float = 0.0
     _listed_bytes: int = 0  # the restored entries' bytes on disk (rule 3's estimate)
     _loading_bytes: int = 0
+    _newest: tuple[int, ...] | None = None  # the first entry restored (rule 5)
+    _loading_tokens: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, adapter: TieredLRUPromptCache, cli_args: Any, idle: Callable[[], bool]) -> Restore:
-        cap = getattr(cli_args, "restore_bytes", DEFAULT_RESTORE_BYTES)
-        return cls(adapter, DEFAULT_RESTORE_BYTES if cap is None else cap, idle, done=cap == 0)
+    def of(cls, adapter: TieredLRUPromptCache, provider: Any, idle: Callable[[], bool]) -> Restore:
+        """The restore of mlx-lm's ``provider`` (its flags; its model once loaded)."""
+        cap = getattr(provider.cli_args, "restore_bytes", DEFAULT_RESTORE_BYTES)
+        cap = DEFAULT_RESTORE_BYTES if cap is None else cap
+        return cls(adapter, cap, idle, lambda: getattr(provider, "model", None), done=cap == 0)
 
     def step(self) -> bool:
         """Start the next entry's load when idle and none is running (rule 2); whether one
@@ -91,6 +108,7 @@ class Restore:
             if adapter.prefetch(adapter.tier_model, list(tokens), self._loaded, restore=True):
                 self.loading = True
                 self._loading_bytes = nbytes
+                self._loading_tokens = tokens
                 return True
         self._finish()
         return False
@@ -117,14 +135,51 @@ class Restore:
         self.restored, self.restored_bytes = stats.restored, stats.restored_bytes
         if loaded:
             self._listed_bytes += self._loading_bytes
+            if self._newest is None:
+                self._newest = self._loading_tokens
         self.step()
 
     def _finish(self) -> None:
         self.done = True
         self._todo = []
         seconds = time.monotonic() - self._started
+        warmed = ""
+        model = self.model()
+        if self._newest is not None and model is not None:
+            try:  # best effort (rule 5): a warm-up that fails costs the first request only
+                took = warm_up(self.adapter, model, self._newest)
+            except Exception:
+                logger.exception("kvtrio serve: the warm-up after the restore failed")
+                took = None
+            if took is not None:
+                warmed = f", warmed up in {took:.3f} s"
         print(
             f"kvtrio serve: restored {self.restored} entries ({self.restored_bytes} bytes) "
-            f"to RAM in {seconds:.2f} s",
+            f"to RAM in {seconds:.2f} s{warmed}",
             flush=True,
         )
+
+
+def warm_up(adapter: TieredLRUPromptCache, model: Any, tokens: tuple[int, ...]) -> float | None:
+    """Rule 5 (generation thread): run the model over a copy of RAM's entry for
+    ``tokens``, its last :data:`WARM_TOKENS` tokens trimmed off and fed again; the
+    seconds it took, or None when the entry is not in RAM or cannot be trimmed. RAM's
+    entry, its place and the counters are not touched (no lookup is made)."""
+    import mlx.core as mx
+    from mlx_lm.models import cache as mlx_cache
+
+    try:
+        entry = adapter._trie.get(adapter.tier_model, list(tokens))
+    except KeyError:  # evicted since (a request's entry took its place)
+        return None
+    layers = len(mlx_cache.make_prompt_cache(model))  # a draft model's caches follow
+    caches = entry.prompt_cache[:layers]
+    n = min(WARM_TOKENS, len(tokens) - 1)
+    if n <= 0 or len(caches) != layers or not mlx_cache.can_trim_prompt_cache(caches):
+        return None
+    started = time.perf_counter()
+    copies = copy.deepcopy(caches)
+    mlx_cache.trim_prompt_cache(copies, n)
+    logits = model(mx.array(list(tokens[-n:]))[None], cache=copies)
+    mx.eval(logits)
+    return time.perf_counter() - started

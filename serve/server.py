@@ -35,8 +35,9 @@ Theory of operation:
    in flight finish for ``--grace`` seconds, then cut the rest (each stops at its next
    step) and give them ``--grace`` more; stop the generation thread, which writes every
    RAM entry to disk within the stated deadline (``--flush-timeout``, by default growing
-   with the bytes: :mod:`kvtrio.serve.flushreport`) and ends; exit 0 (1 past the
-   deadline, each entry not written named at exit).
+   with the bytes: :mod:`kvtrio.serve.flushreport`) and ends; exit 0 when every entry
+   is on disk (1 past the deadline or when a write failed, each entry not written named
+   at exit: the flush report's rule 4).
    A second signal exits at once with status 1: every file is published by rename after
    fsync, so nothing on disk is torn (a tmp file at worst, removed by the next start).
    At exit it prints the disk's wear: bytes written, read, read back, and admissions.
@@ -261,7 +262,7 @@ def _generator_class() -> type:
             self._deferred_since: dict[object, float] = {}
             self._ready: list[tuple[Any, bool]] = []
             idle = lambda: self.in_flight == 0 and not self._busy() and not self._ready  # noqa: E731
-            self._restore = Restore.of(prompt_cache, model_provider.cli_args, idle)  # rule 9
+            self._restore = Restore.of(prompt_cache, model_provider, idle)  # rule 9
             if prompt_cache.tier is not None:
                 prompt_cache.tier.executor.on_queued = self._wake
             if isinstance(prompt_cache, ServeCache):  # the tier comes later (rule 6)
@@ -691,7 +692,7 @@ def serve(args: argparse.Namespace) -> int:
         logger.info("kvtrio serve: cutting %d requests after the grace", generator.cut_all())
         in_flight.wait_idle(options.grace)
     generator.stop_and_join()
-    print_exit(adapter, lookups_before_open=adapter.lookups_before_open)
+    report = print_exit(adapter, lookups_before_open=adapter.lookups_before_open)
     if opening.failure is not None or generator.model_load.failure is not None:
         return 2
-    return 0 if generator.closed_in_time else 1
+    return 0 if generator.closed_in_time and report.complete else 1

@@ -121,3 +121,65 @@ async def test_gc_refuses_beside_a_live_owner(tmp_path: Path) -> None:
         assert main(["gc", str(tmp_path), "--grace", "0"]) == 3
         assert main(["gc", str(tmp_path), "--grace", "0", "--dry-run"]) == 0
     assert main(["gc", str(tmp_path), "--grace", "0"]) == 0
+
+
+async def test_a_save_in_flight_while_another_opener_runs_loses_nothing(tmp_path: Path) -> None:
+    """Issue 14: before the lock, a second opener's sweep deleted the blocks of a save
+    still in flight (its ticket said written; loading it missed). Held mid-write here, the
+    save's directory is refused to a second opener and to ``kvtrio gc`` (exit 3), and once
+    the write goes on the entry is on disk and loads after a restart."""
+    import random
+    import threading
+
+    from kvtrio.actors.coldstore import ColdTierStore
+    from kvtrio.actors.owner import MlxOwner
+    from kvtrio.actors.prefix import ModelKey
+    from kvtrio.actors.tiered import Tier, TieredPromptCache, WritePolicy
+    from kvtrio.storage.fileops import OS_FILE_OPS, FaultyFileOps
+    from kvtrio.tinymodel import build_tiny_model, make_caches, prefill
+
+    entered, go_on = threading.Event(), threading.Event()
+    held = {"armed": False}
+
+    def hold_writes(op: str) -> None:  # on the tier's worker thread
+        if held["armed"] and op == "write":
+            entered.set()
+            assert go_on.wait(60)
+
+    tiny = build_tiny_model(seed=5)
+    model = ModelKey(tiny.model_id, tiny.fingerprint)
+    rng = random.Random(7)
+    tokens = [rng.randrange(512) for _ in range(150)]
+    caches = make_caches(tiny)
+    prefill(tiny, caches, tokens)
+    ops = FaultyFileOps(OS_FILE_OPS, hold_writes)
+
+    async def settle(cache: TieredPromptCache) -> None:
+        await trio.to_thread.run_sync(entered.wait, 60)
+        with pytest.raises(DirectoryLockedError):
+            async with ColdTier.open(tmp_path, inline=True, lock_timeout=0.3):
+                pass
+        assert await trio.to_thread.run_sync(main, ["gc", str(tmp_path), "--grace", "0"]) == 3
+        assert cache.statistics().cold_entries == 0  # still in flight
+        go_on.set()
+
+    async with MlxOwner.inline() as owner:
+        async with ColdTier.open(tmp_path, layout="blocks", owner=owner, file_ops=ops) as tier:
+            store = await ColdTierStore.create(tier)
+            async with TieredPromptCache.open(
+                owner, store, model, hot_budget=1 << 30, cold_budget=1 << 40,
+                policy=WritePolicy.WRITE_THROUGH, min_free_bytes=0,
+            ) as cache:
+                held["armed"] = True
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(settle, cache)
+                    await cache.insert(tokens, caches)
+                    await cache.wait_writes_settled()
+                assert cache.statistics().cold_entries == 1 and cache.statistics().drops == 0
+        async with ColdTier.open(tmp_path, layout="blocks", owner=owner) as tier:
+            store = await ColdTierStore.create(tier)
+            async with TieredPromptCache.open(
+                owner, store, model, hot_budget=1 << 30, cold_budget=1 << 40
+            ) as cache:
+                found = await cache.fetch_nearest([*tokens, 1])
+                assert found.tier is Tier.COLD and found.remaining == (1,)

@@ -175,12 +175,22 @@ def test_bench_serve_restart_phase_alternates_rounds_and_reports_medians() -> No
 
 
 def test_bench_serve_restart_warmup_answers_one_request_on_every_server_before_turn_2() -> None:
+    """With ``--restart-floor`` too: a fourth server, plain mlx_lm.server answering turn 1
+    then turn 2 in one process (the floor), its turn 2 a hit in its own RAM."""
     out = subprocess.run(
         [sys.executable, "-m", "kvtrio", "bench", "serve", "--json", "--phases", "restart",
-         "--lengths", "256", "--restart-rounds", "1", "--settle", "0", "--restart-warmup"],
+         "--lengths", "256", "--restart-rounds", "1", "--settle", "0", "--restart-warmup",
+         "--restart-floor"],
         capture_output=True, text=True, check=True, timeout=300,
     )  # fmt: skip
-    restart = json.loads(out.stdout)["restart"]["256"]
+    figures = json.loads(out.stdout)
+    restart = figures["restart"]["256"]
+    (floor,) = restart["mlx_lm_never_restarted"]["runs"]
+    assert floor["cached_tokens"] >= 256 and floor["warmup_s"] > 0
+    ratios = figures["ratios"]["256"]
+    assert ratios["ttft_kvtrio_vs_never_restarted"] == (
+        restart["kvtrio"]["ttft_s"] / restart["mlx_lm_never_restarted"]["ttft_s"]
+    )
     for kind in ("mlx_lm", "naive", "kvtrio"):  # every server alike, untimed by the ratios
         (run,) = restart[kind]["runs"]
         assert run["warmup_s"] > 0, kind

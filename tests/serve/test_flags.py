@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -236,3 +239,90 @@ def test_weights_rewritten_in_place_change_the_key(tmp_path: Path) -> None:
     weights.write_bytes(b"\1" * 64)  # same size
     os.utime(weights, ns=(2_000_000_000, 2_000_000_000))
     assert _identity(str(tmp_path)) != before
+
+
+def _mlx_lm_help_flags() -> set[str]:
+    """The long flags the installed ``mlx_lm.server --help`` prints: read from its own
+    output, not from the parser kvtrio captures, so a capture that missed a flag fails."""
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    return set(re.findall(r"(?m)^\s+(--[a-z][a-z0-9-]*)", out)) - {"--help"}
+
+
+def _sample(action: argparse.Action) -> list[str]:
+    """A value of ``action``'s flag that mlx-lm's parser takes (none for a switch)."""
+    if action.nargs == 0:
+        return []
+    if action.choices:
+        return [str(list(action.choices)[-1])]
+    return ["3"]  # a number, a size in bytes, a path, a host, JSON: each reads "3"
+
+
+def test_every_flag_of_the_installed_mlx_lm_server_is_taken_as_mlx_lm_reads_it() -> None:
+    """Issue 17: ``kvtrio serve`` accepts mlx_lm.server's flags unchanged. Each flag the
+    installed ``mlx_lm.server --help`` lists is one of ``kvtrio serve``'s, with mlx-lm's
+    default, and a command line giving every one of them parses to the same values."""
+    from kvtrio.serve.flags import mlx_server_parser
+
+    mlx_parser = mlx_server_parser()
+
+    def mlx_reads(*argv: str) -> dict[str, Any]:  # the captured parser's own parse_args
+        return vars(argparse.ArgumentParser.parse_args(mlx_parser, list(argv)))
+
+    mlx_actions = [a for a in mlx_parser._actions if a.option_strings]
+    assert {s for a in mlx_actions for s in a.option_strings if s.startswith("--")} == (
+        _mlx_lm_help_flags()
+    )
+    ours, theirs = vars(_args()), mlx_reads("--model", "unused")
+    assert {dest: ours[dest] for dest in theirs} == theirs  # mlx-lm's defaults
+    argv = ["--model", "unused"]
+    for action in mlx_actions:
+        if action.dest != "model":
+            argv += [action.option_strings[0], *_sample(action)]
+    theirs, ours = mlx_reads(*argv), vars(_args(*argv[2:]))
+    assert {dest: ours[dest] for dest in theirs} == theirs
+    assert theirs != mlx_reads("--model", "unused")  # the values were read
+
+
+def test_every_flag_kvtrio_adds_is_in_the_docs_flag_table() -> None:
+    """docs/serve.md's table of kvtrio's own flags lists each one ``kvtrio serve`` adds
+    (a flag added without its row left users with ``--help`` alone)."""
+    from kvtrio.serve.flags import add_kvtrio_arguments
+
+    parser = argparse.ArgumentParser()
+    add_kvtrio_arguments(parser, default_cache_dir=Path("unused"))
+    added = {s for a in parser._actions for s in a.option_strings if s not in ("-h", "--help")}
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serve.md").read_text()
+    rows = set(re.findall(r"(?m)^\| `(--[a-z-]+)", doc))
+    assert added <= rows, sorted(added - rows)
+
+
+def test_an_adapter_or_draft_model_rewritten_in_place_changes_the_key(tmp_path: Path) -> None:
+    """An adapter retrained into the same directory (or a draft model re-fused) kept the
+    key: entries computed with the old adapter would be served for the new one."""
+    from kvtrio.serve.modeldir import MODEL_CONFIG
+
+    (tmp_path / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 64)
+    for flag, files in (
+        ("adapter_path", ("adapters.safetensors", "adapter_config.json")),
+        ("draft_model", ("model.safetensors", "config.json")),
+    ):
+        side = tmp_path / flag
+        side.mkdir()
+        for name in files:
+            (side / name).write_bytes(b"\0" * 64)
+            os.utime(side / name, ns=(1_000_000_000, 1_000_000_000))
+        before = _identity(str(tmp_path), **{flag: str(side)})
+        assert _identity(str(tmp_path), **{flag: str(side)}) == before
+        assert _identity(str(tmp_path)) != before
+        for name in files:
+            (side / name).write_bytes(b"\1" * 64)  # same size, a later time
+            os.utime(side / name, ns=(2_000_000_000, 2_000_000_000))
+            assert _identity(str(tmp_path), **{flag: str(side)}) != before, name
+            before = _identity(str(tmp_path), **{flag: str(side)})

@@ -156,3 +156,44 @@ def test_a_close_while_the_tier_still_opens_names_the_entries_it_could_not_write
     assert opening.done.wait(60) and opening.tier is not None
     opening.tier.bind()
     assert opening.tier.close(timeout=30)
+
+
+def test_a_close_whose_writes_fail_is_not_complete(
+    tiny: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every cold write fails with a disk error: the close ends in time, but the report
+    names each entry as ``disk error`` and is not complete, so kvtrio serve exits 1
+    (flush report rule 4); before, a close in time exited 0 whatever its writes did."""
+    from kvtrio.actors.coldtypes import StoreResult
+    from kvtrio.actors.tiered import ColdTierStore
+
+    async def failing_store(self: object, *args: object, **kwargs: object) -> StoreResult:
+        return StoreResult(written=False, unwritten="error")
+
+    monkeypatch.setattr(ColdTierStore, "store", failing_store)
+    with _adapter(tiny, tmp_path) as (cache, _):
+        for prompt in PROMPTS[:2]:
+            cache.insert_cache(MODEL, prompt, _prefilled(tiny, prompt))
+    report = cache.flush_report()
+    assert (report.handed, report.landed) == (2, 0)
+    assert report.counts() == {"disk error": 2}
+    assert not report.complete
+
+
+def test_only_entries_left_out_by_design_keep_a_report_complete() -> None:
+    """``gone`` (written, then evicted by the cold budget) and ``not saveable`` are not
+    losses; any other reason is (flush report rule 4)."""
+    entries = [FlushedEntry(10, key="a"), FlushedEntry(20, why=HandOver.NOT_SAVEABLE)]
+
+    class Landed:
+        def __init__(self, value: str) -> None:
+            self.value = value
+
+    def report(why: str) -> FlushReport:
+        return FlushReport.of(entries, {"a": Landed(why)})  # type: ignore[dict-item]
+
+    assert report("on disk").complete and report("gone").complete
+    for why in ("failed", "disk error", "refused", "cancelled", "shed", "writing", "queued"):
+        assert not report(why).complete, why
+    assert not FlushReport.of([FlushedEntry(5, why=HandOver.TIER_CLOSED)], {}).complete
+    assert FlushReport(handed=0, landed=0, lost=()).complete

@@ -8,6 +8,7 @@ import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kvtrio.actors.testing import mlx_thread_guard
@@ -145,12 +146,86 @@ def test_a_request_arriving_stops_the_restore_before_its_next_load(
         assert checks == [0, 1, 1, 1, 2, 3, 4]
 
 
+def test_a_request_for_the_entry_the_restore_is_loading_joins_that_load(
+    tiny: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request set aside for the entry whose restore load is in flight is released by
+    that load's admission: the entry is read from disk once (before, the request's load
+    could find the restore's caches already taken, not yet in RAM, and read it again)."""
+    from kvtrio.actors.tieredload import IndexAndLoadMixin
+
+    reads: list[str] = []
+    real_load = IndexAndLoadMixin._load_cold
+
+    async def counted(self: object, record: object) -> object:
+        reads.append(record.entry.key)  # type: ignore[attr-defined]
+        return await real_load(self, record)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(IndexAndLoadMixin, "_load_cold", counted)
+    expected = _on_disk_in_order(tiny, tmp_path)
+    with _guarded(tiny, tmp_path, max_size=1) as (cache, _):
+        restore = Restore(cache, DEFAULT_RESTORE_BYTES, lambda: not released_to)
+        released_to: list[bool] = []
+        assert restore.step() and restore.loading  # D, the newest
+        assert cache.prefetch(MODEL, [*PROMPTS[3], 7], released_to.append)
+        pump_until(cache, lambda: bool(released_to) and not restore.loading)
+        assert released_to == [True] and len(reads) == 1
+        assert cache.statistics().prefetches == 1 and restore.restored == 1
+        got, rest = cache.fetch_nearest_cache(MODEL, [*PROMPTS[3], 7])
+        assert rest == [7] and cache.last_fetch == FetchInfo(CacheTier.HOT, len(PROMPTS[3]))
+        assert _bytes(got) == expected[3]
+
+
 def test_restore_bytes_zero_restores_nothing(tiny: TinyModel, tmp_path: Path) -> None:
     _on_disk_in_order(tiny, tmp_path)
     with _guarded(tiny, tmp_path, loads=False) as (cache, _):
-        restore = Restore.of(cache, argparse.Namespace(restore_bytes=0), lambda: True)
+        restore = Restore.of(cache, _provider(restore_bytes=0), lambda: True)
         assert restore.done and not restore.step()
         cache.pump(0.05)
         assert len(cache) == 0 and cache.statistics().restored == 0
-        default = Restore.of(cache, argparse.Namespace(restore_bytes=None), lambda: True)
+        default = Restore.of(cache, _provider(restore_bytes=None), lambda: True)
         assert default.cap == DEFAULT_RESTORE_BYTES and not default.done
+
+
+def _provider(model: object = None, **flags: object) -> argparse.Namespace:
+    """What Restore.of reads of mlx-lm's ModelProvider: its flags, and its model."""
+    return argparse.Namespace(cli_args=argparse.Namespace(**flags), model=model)
+
+
+def test_after_the_restore_the_model_runs_a_short_turn_over_a_copy_and_ram_is_untouched(
+    tiny: TinyModel, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rule 5: once the entries are back, the model runs WARM_TOKENS tokens over a copy of
+    the newest one's caches (on the owner thread, as the guard checks); RAM's entries,
+    their bytes, their order and the counters are as the restore left them."""
+    from kvtrio.serve.restore import WARM_TOKENS, warm_up
+
+    expected = _on_disk_in_order(tiny, tmp_path)
+    calls: list[int] = []
+
+    class Counted:  # the model, its calls counted (its layers read as the model's)
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tiny.model, name)
+
+        def __call__(self, inputs: Any, cache: Any = None) -> Any:
+            calls.append(int(inputs.shape[1]))
+            held = len(PROMPTS[3]) - WARM_TOKENS
+            assert cache is not None and all(c.offset == held for c in cache)
+            return tiny.model(inputs, cache=cache)
+
+    counted = Counted()
+
+    with _guarded(tiny, tmp_path, max_size=2) as (cache, _):
+        restore = Restore.of(cache, _provider(counted, restore_bytes=None), lambda: True)
+        _run(restore, cache)
+        assert calls == [WARM_TOKENS] and restore.restored == 2
+        assert "to RAM in" in (out := capsys.readouterr().out) and ", warmed up in " in out
+        stats = cache.statistics()
+        assert (stats.hits_hot, stats.hits_cold, stats.misses) == (0, 0, 0)
+        lru = cache._lru._lrus["assistant"]
+        assert [list(tokens) for _, tokens in lru] == [PROMPTS[2], PROMPTS[3]]
+        got, rest = cache.fetch_nearest_cache(MODEL, [*PROMPTS[3], 7])
+        assert rest == [7] and _bytes(got) == expected[3]  # the entry itself unchanged
+        # An entry no longer in RAM, or one token long, is not warmed (nothing to trim).
+        assert warm_up(cache, counted, (1, 2, 3)) is None
+        assert warm_up(cache, counted, tuple(PROMPTS[3])) is not None

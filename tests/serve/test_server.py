@@ -443,7 +443,8 @@ def test_a_close_whose_write_raised_names_the_entry_and_logs_the_error(
     """The probe run's restart miss (4 of 5 RAM entries on disk, 'drops 1', no write
     error, no write shed, exit 0) is what a write that raised gives: reproduced by
     failing the second write's materialization (a sitecustomize in the server only). The
-    exit lines now name the entry and say 'failed', and the log carries what it raised."""
+    exit lines now name the entry and say 'failed', the log carries what it raised, and
+    the process exits 1: an entry was lost (flush report rule 4)."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(FAIL_ONE_WRITE)
@@ -453,7 +454,7 @@ def test_a_close_whose_write_raised_names_the_entry_and_logs_the_error(
     client = server.client()
     for n in range(3):
         _chat(client, [{"role": "user", "content": f"Conversation {n}. " + "word " * 40}])
-    assert server.stop() == 0, server.output()
+    assert server.stop() == 1, server.output()
     output = server.output()
     counters = exit_counters(output)
     flushed = counters["RAM entries at exit"]

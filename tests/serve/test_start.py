@@ -259,6 +259,7 @@ START_PATH_MODULES = [
     "kvtrio.errors",
     "kvtrio.serve",
     "kvtrio.serve.adapter",
+    "kvtrio.serve.cachekinds",  # which caches go to disk, in what shape (mlx-lm cache only)
     "kvtrio.serve.coldopen",
     "kvtrio.serve.flags",
     "kvtrio.serve.flushreport",  # the shutdown's deadline and report (nothing of the tier)
