@@ -111,7 +111,7 @@ from kvtrio.storage.format import Header, Layout
 from kvtrio.storage.hostbuffers import LoadBuffers, check_allocatable
 from kvtrio.storage.manifeststore import PINS_NAME, LocalManifestStore, ManifestStore
 from kvtrio.storage.openstore import is_redis_url, open_store
-from kvtrio.storage.options import DEFAULT_IO_OPTIONS, TIER_LOAD_STREAMS, IoOptions
+from kvtrio.storage.options import DEFAULT_IO_OPTIONS, IoOptions, default_tier_load_streams
 from kvtrio.storage.reader import CacheFile
 from kvtrio.storage.rootfd import RootedFileOps
 from kvtrio.storage.writable import check_meta, check_str_arg, check_token_ids
@@ -223,7 +223,7 @@ class ColdTier:
         self.block_store = block_store
         self.manifests = manifests
         self.file_ops = file_ops
-        self.load_streams = options.streams(TIER_LOAD_STREAMS)
+        self.load_streams = options.streams(default_tier_load_streams())
         self.ledger = SnapshotLedger()
         self.writer = Writer(
             offload,
@@ -291,7 +291,7 @@ class ColdTier:
         cap_bytes: float = math.inf,
         owner: MlxOwner | None = None,
         inline: bool = False,
-        io_threads: int = 2,
+        io_threads: int | None = None,
         verify: bool = True,
         shutdown_grace: float = 10.0,
         file_ops: FileOps = OS_FILE_OPS,
@@ -305,9 +305,11 @@ class ColdTier:
         share one thread); by default the tier starts its own. ``inline=True`` runs the
         owner and the I/O on the trio thread, for deterministic tests. ``cap_bytes``
         bounds the bytes queued for writing (soft for the newest save). ``io_threads``
-        bounds concurrent worker-thread I/O jobs; ``options.load_streams`` how many of them
-        one load reads tensors with (by default one sequential stream, which measured both
-        faster and gentler on the event loop than 2 here). ``background``: the scheduler time slice
+        bounds concurrent worker-thread I/O jobs (default: 2, or a load's streams when
+        more); ``options.load_streams`` how many of them one load reads tensors with (by
+        default :func:`~kvtrio.storage.options.default_tier_load_streams`: one below eight
+        CPUs, which measured both faster and gentler on the event loop than 2 on two
+        cores). ``background``: the scheduler time slice
         (seconds) the tier's own threads ask for, so the event loop preempts them when it
         wakes (:mod:`kvtrio.actors.sched`; Linux >= 6.12, else nothing); None leaves
         every thread alone. ``options`` tune the I/O paths (direct I/O, drop-behind,
@@ -320,7 +322,7 @@ class ColdTier:
         check_tier_arguments(
             block_tokens=block_tokens,
             cap_bytes=cap_bytes,
-            io_threads=io_threads,
+            io_threads=2 if io_threads is None else io_threads,
             shutdown_grace=shutdown_grace,
             lock_timeout=lock_timeout,
             background=background,
@@ -329,6 +331,8 @@ class ColdTier:
             if owner is None:
                 factory = MlxOwner.inline() if inline else MlxOwner.dedicated(background=background)
                 owner = await stack.enter_async_context(factory)
+            if io_threads is None:
+                io_threads = max(2, options.streams(default_tier_load_streams()))
             offload: Offload = InlineOffload() if inline else ThreadOffload(io_threads)
             target = os.fspath(directory)
             shared = is_redis_url(target)

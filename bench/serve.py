@@ -113,6 +113,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="add plain mlx_lm.server answering turn 2 without a restart (the floor)",
     )
     parser.add_argument(
+        "--kvtrio-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a flag for every kvtrio serve of the restart phase, repeatable; one word each "
+        "(--kvtrio-arg=--restore-bytes=0)",
+    )
+    parser.add_argument(
         "--settle",
         type=float,
         default=3.0,
@@ -504,6 +512,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     *(root, length, args.restart_rounds, args.settle, log),
                     warmup=warm,
                     floor=args.restart_floor,
+                    kvtrio_args=tuple(args.kvtrio_arg),
                 )
                 for length in lengths
             }

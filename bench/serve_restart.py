@@ -43,6 +43,7 @@ def restart(
     *,
     warmup: bool = False,
     floor: bool = False,
+    kvtrio_args: tuple[str, ...] = (),
 ) -> dict[str, dict[str, Any]]:
     """Turn 2 after a restart, ``rounds`` times on every server, alternating their order.
 
@@ -62,13 +63,16 @@ def restart(
     for all three, so turn 2 is not the process's first request.
     ``floor``: a fourth server in every round, :data:`NEVER_RESTARTED`: plain
     mlx_lm.server answering turn 1 and then turn 2 in one process (turn 2 a hit in its
-    own RAM), the time no cache that survives a restart can beat."""
+    own RAM), the time no cache that survives a restart can beat.
+    ``kvtrio_args``: flags for every kvtrio serve started here (turn 1's and each
+    round's)."""
     document = prompt_words(model, length)
     turns1 = [[{"role": "user", "content": f"Conversation {r}. {document}"}] for r in range(rounds)]
     turns2: dict[str, list[list[dict[str, str]]]] = {}
     turn1_exit: dict[str, dict[str, float]] = {}
     for kind in ("naive", "kvtrio"):  # mlx_lm.server keeps nothing over a restart
-        server = Server(kind, model, root / f"{kind}-{length}", log)
+        extra = kvtrio_args if kind == "kvtrio" else ()
+        server = Server(kind, model, root / f"{kind}-{length}", log, extra)
         try:
             turns2[kind] = []
             for turn1 in turns1:
@@ -90,7 +94,8 @@ def restart(
         for position, kind in enumerate(kinds if r % 2 == 0 else kinds[::-1]):
             work = root / f"{kind}-{length}"
             prime = turns1[r] if kind == NEVER_RESTARTED else None
-            run = _turn2(kind, model, work, turns2[kind][r], settle, log, warmup, prime)
+            extra = kvtrio_args if kind == "kvtrio" else ()
+            run = _turn2(kind, model, work, turns2[kind][r], settle, log, warmup, prime, extra)
             runs[kind].append({**run, "position": position})
     out: dict[str, dict[str, Any]] = {}
     for kind in kinds:
@@ -124,10 +129,12 @@ def _turn2(
     log: Path,
     warmup: bool = False,
     prime: list[dict[str, str]] | None = None,
+    extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """One round of :func:`_restart` on one server: start, settle, (warm-up,) (``prime``,
-    turn 1 answered in the same process, untimed,) turn 2, stop."""
-    server = Server("mlx_lm" if kind == NEVER_RESTARTED else kind, model, work, log)
+    turn 1 answered in the same process, untimed,) turn 2, stop. ``extra``: more flags
+    for the server."""
+    server = Server("mlx_lm" if kind == NEVER_RESTARTED else kind, model, work, log, extra)
     seen: dict[str, Any] = {}
     warm: float | None = None
     try:

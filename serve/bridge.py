@@ -54,6 +54,7 @@ from kvtrio.actors.tiered import TieredPromptCache, WritePolicy, open_tiered_cac
 from kvtrio.actors.writegate import DEFAULT_WRITE_DEFER
 from kvtrio.errors import ShuttingDown
 from kvtrio.runtime.external import ExternalThreadExecutor, Reply
+from kvtrio.storage.options import IoOptions
 
 __all__ = ["TierOptions", "TierThread"]
 
@@ -82,6 +83,8 @@ class TierOptions:
     # Byte cap of the write-backs waiting for the writer (RAM evictions; at shutdown
     # every RAM entry is written whatever it says).
     pending_budget: int = DEFAULT_PENDING_BYTES
+    # Reads one disk load runs at once (IoOptions.load_streams; None: the tier's default).
+    load_streams: int | None = None
 
 
 class TierThread:
@@ -300,6 +303,7 @@ class TierThread:
             eviction=options.eviction,
             admission=options.admission,
             pending_budget=options.pending_budget,
+            options=IoOptions(load_streams=options.load_streams),
         ) as cache:
             async with trio.open_nursery() as nursery:
                 self.cache = cache

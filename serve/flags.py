@@ -144,6 +144,13 @@ def _count(text: str) -> int:
     return int(text)
 
 
+def _streams(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def _redis_url(text: str) -> str:
     """``--redis``: a URL the tier reads as Redis (it takes any other text for a local
     directory's path: ``localhost:6379`` would be one)."""
@@ -284,6 +291,14 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
         "--prompt-cache-size; 0: off)",
     )
     group.add_argument(
+        "--load-streams",
+        type=_streams,
+        default=None,
+        metavar="N",
+        help="reads (each with its blocks' sha256 checks) one disk load runs at once "
+        "(default: one below 8 CPUs, else one per 4 CPUs up to 4; docs/serve.md, Tuning)",
+    )
+    group.add_argument(
         "--no-prefetch",
         dest="prefetch",
         action="store_false",
@@ -366,6 +381,7 @@ class ServeOptions:
     admission: str = "default"
     prefetch: bool = True
     write_defer: float = WRITE_DEFER
+    load_streams: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -380,6 +396,7 @@ class ServeOptions:
             admission=getattr(args, "admission", "default"),
             prefetch=getattr(args, "prefetch", True),
             write_defer=getattr(args, "write_defer", WRITE_DEFER),
+            load_streams=getattr(args, "load_streams", None),
         )
 
     def tier_options(self, model: ModelKey) -> TierOptions:
@@ -396,6 +413,7 @@ class ServeOptions:
             eviction=PolicyKind(self.eviction),
             admission=admission_policy(self.admission),
             write_defer=self.write_defer,
+            load_streams=self.load_streams,
         )
 
 

@@ -23,10 +23,10 @@ from kvtrio.errors import InvalidInputError
 __all__ = [
     "DEFAULT_IO_OPTIONS",
     "SCRIPT_LOAD_STREAMS",
-    "TIER_LOAD_STREAMS",
     "ENVIRONMENT",
     "IoOptions",
     "default_redis_hash_threads",
+    "default_tier_load_streams",
     "usable_cpus",
 ]
 
@@ -43,11 +43,18 @@ def usable_cpus() -> int:
 #: MLX's own file reader) loaded 1.1-1.2x faster than 2 on the 2-vCPU development VM and
 #: on a 16-core host, where a script's load waits mostly on the device.
 SCRIPT_LOAD_STREAMS = 4
-#: Tensor reads one ``ColdTier`` load runs at once when ``load_streams`` is None: in one
-#: process, alternating, 1 GiB cold loads ran at 1.25-1.53 GB/s with heartbeat p99
-#: 1.61-1.65 ms with one stream, against 1.16-1.31 GB/s and 2.28-2.91 ms with two
-#: (a server's event loop and model steps share the CPU with the reads).
-TIER_LOAD_STREAMS = 1
+
+
+def default_tier_load_streams() -> int:
+    """Reads one ``ColdTier`` load runs at once when ``load_streams`` is None: one per
+    four usable CPUs, at most four; one below eight CPUs. On the 2-vCPU development VM,
+    in one process, alternating, 1 GiB cold loads ran at 1.25-1.53 GB/s with heartbeat
+    p99 1.61-1.65 ms with one stream, against 1.16-1.31 GB/s and 2.28-2.91 ms with two,
+    and a 4 MB served entry loaded no faster split in two (a server's event loop and
+    model steps share the CPU with the reads); on a 16-core host the reads and sha256
+    checks of several streams run on cores otherwise idle (docs/tuning.md)."""
+    cpus = usable_cpus()
+    return 1 if cpus < 8 else min(4, cpus // 4)
 
 
 def _int_at_least(minimum: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
@@ -81,10 +88,12 @@ class IoOptions:
     #: A save writes the segments of the live MLX buffer in place (off: ``mx.contiguous``
     #: copies each strided view first).
     zero_copy: bool = True
-    #: Tensor reads one load runs at once (each checks its own tensor's hash), in
-    #: ``load_cache`` and in a ``ColdTier`` alike. None: each path's measured default,
-    #: :data:`SCRIPT_LOAD_STREAMS` (4) for ``load_cache``, :data:`TIER_LOAD_STREAMS` (1)
-    #: for a tier, which shares the CPU with a server's event loop and model steps.
+    #: Tensor reads one load runs at once (each checks its own tensors' hashes), in
+    #: ``load_cache`` and in a ``ColdTier`` alike (a tier's load splits a step of several
+    #: tensors among them). None: each path's measured default,
+    #: :data:`SCRIPT_LOAD_STREAMS` (4) for ``load_cache``,
+    #: :func:`default_tier_load_streams` (by the CPU count) for a tier, which shares the
+    #: CPU with a server's event loop and model steps.
     load_streams: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_int_at_least(1))
     )

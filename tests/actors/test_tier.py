@@ -344,7 +344,10 @@ async def test_load_streams_must_be_positive() -> None:
         IoOptions(load_streams=0)
 
 
-async def test_a_tier_reads_one_stream_by_default(tmp_path: Path) -> None:
+async def test_a_tier_reads_one_stream_by_default_on_two_cpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("kvtrio.storage.options.usable_cpus", lambda: 2)
     async with ColdTier.open(tmp_path, inline=True) as tier:
         assert tier.load_streams == 1
     async with ColdTier.open(tmp_path, inline=True, options=IoOptions(load_streams=3)) as tier:

@@ -76,6 +76,9 @@ def test_a_size_that_is_no_size_is_a_usage_error(flag: str, text: str) -> None:
         ["--write-defer", "soon"],
         ["--min-reuse-tokens=-1"],
         ["--min-reuse-tokens", "1.5"],
+        ["--load-streams", "0"],
+        ["--load-streams=-1"],
+        ["--load-streams", "two"],
     ],
 )
 def test_a_time_or_count_the_server_cannot_use_is_a_usage_error(argv: list[str]) -> None:

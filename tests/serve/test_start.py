@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvtrio.actors.coldstore import ColdTierStore
 from kvtrio.actors.policy import (
     DEFAULT_ADMIT_SECONDS_PER_GIB,
     AdmitAll,
@@ -72,6 +73,21 @@ def test_eviction_and_admission_flags_reach_the_tier(tmp_path: Path) -> None:
     assert options.admission == RecomputePerByte(3.5)
     assert options.eviction.value == "cost-frequency"
     assert DEFAULT_ADMIT_SECONDS_PER_GIB == 12.0  # what --help and docs/serve.md say
+
+
+def test_load_streams_reach_the_tier(tmp_path: Path) -> None:
+    """docs/serve.md, "Flags": --load-streams is the tier's reads per load; without it the
+    tier's default (by the CPU count: storage.options.default_tier_load_streams)."""
+    tier = _tier_of(_args("--cache-dir", str(tmp_path / "a"), "--load-streams", "3"))
+    try:
+        assert tier.cache is not None
+        cold = tier.cache.cold
+        assert isinstance(cold, ColdTierStore)
+        assert cold.tier.load_streams == 3
+    finally:
+        assert tier.close(timeout=30)
+    default = ServeOptions.from_args(_args("--cache-dir", str(tmp_path / "b")))
+    assert default.tier_options(ModelKey("m", "f")).load_streams is None
 
 
 @pytest.mark.parametrize("spec", ["sometimes", "min-tokens:x", "per-gib:-1", "all:3", "all+"])
