@@ -9,7 +9,7 @@ the header and before the caches are assembled. Its rules:
    (:func:`kvtrio.storage.hostbuffers.allocate_slots`).
 2. The owner allocates the next step while the previous ones are read on worker threads,
    ``streams`` reads at once (within the offload's ``io_threads``;
-   :data:`~kvtrio.storage.options.TIER_LOAD_STREAMS` says how many by default). With
+   :func:`~kvtrio.storage.options.default_tier_load_streams` says how many by default). With
    ``streams`` > 1 a step is itself read as up to ``streams`` reads of consecutive
    tensors (:func:`read_parts`, each at least :data:`MIN_READ_BYTES`): a served entry is
    usually one step, and its reads and hashes would otherwise run on one thread.
