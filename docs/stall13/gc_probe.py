@@ -133,6 +133,21 @@ def _install() -> dict:
             rec["pauses"].append(["exit", time.perf_counter(), gc.get_count()])
 
     coldstore.collector_paused = tieredload.collector_paused = recorded_pause
+    if os.environ.get("STALL13_NICE"):  # the experiment: worker threads at nice 10
+        import threading
+
+        import trio
+
+        run_sync = trio.to_thread.run_sync
+
+        def niced(fn, *args):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            return fn(*args)
+
+        async def run_sync_niced(fn, *args, **kwargs):
+            return await run_sync(niced, fn, *args, **kwargs)
+
+        trio.to_thread.run_sync = run_sync_niced
     scale._heartbeat = heartbeat
     scale._stop_heartbeat = stop_and_record
     return rec
@@ -190,11 +205,15 @@ def summarise(out: dict) -> dict:
 
 def loop_main(directory: str, k: int, alt: str | None) -> None:
     trees = [("this", None)] + ([("alt", alt)] if alt else [])
+    if alt == "nice":  # the experiment: this tree, its open's worker threads at nice 10
+        trees = [("this", None), ("nice", None)]
     over: dict[str, list[int]] = {name: [0, 0] for name, _ in trees}
     for i in range(k):
         name, path = trees[i % len(trees)]
         env = dict(os.environ)
-        if path:
+        if name == "nice":
+            env["STALL13_NICE"], path = "1", None
+        elif path:
             env["PYTHONPATH"] = path
         out = subprocess.run(
             [sys.executable, __file__, "open", directory],
