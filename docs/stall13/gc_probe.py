@@ -14,7 +14,9 @@ moments the timed open began and its heartbeat stopped. Production code is untou
 ``loop`` prints one line per open: the stall, the collections inside the timed window
 (generation:ms) and whether the worst tick overlapped a full (generation 2) collection;
 then the count of opens over 20 ms. With PYTHONPATH_ALT (another tree's root's parent,
-holding a ``kvtrio`` package) the opens alternate between this tree and that one.
+holding a ``kvtrio`` package) the opens alternate between this tree and that one; with
+``nice`` instead, between plain opens and opens whose ``trio.to_thread.run_sync`` jobs
+run at nice 10 (``STALL13_NICE=1``, the experiment docs/bench/scale.md reports).
 """
 
 from __future__ import annotations
