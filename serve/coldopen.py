@@ -16,10 +16,20 @@ Theory of operation:
 3. :meth:`ServeCache.close` waits for an open still in progress (its timeout bounds the
    wait and the writes together), so RAM entries still reach the disk at shutdown; if
    the tier is still opening then, each RAM entry is reported ``cold tier not open``.
+4. With ``freeze`` (``kvtrio serve``, which owns its process), Python's automatic
+   collections stay paused from the open's start to its end, and the objects the open
+   made (the index: a few per entry) are frozen (``gc.freeze``) before they resume. The
+   open leaves the collector's full pass due, and that pass would traverse every entry's
+   objects on whichever thread allocates next: 112 ms at 100,000 entries against 0.4 ms
+   once frozen (``docs/gc13/full_pass.py``; docs/bench/scale.md, thirteenth session), a
+   stall of the generation thread and of the tier's loop alike. Frozen objects are still
+   freed by their reference counts when an entry leaves; only a reference cycle among
+   them would never be collected (the tier breaks its own).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -59,8 +69,9 @@ def open_now(
 class ColdOpening:
     """The tier, opening on its own thread (rule 1). ``make_options`` runs there too."""
 
-    def __init__(self, make_options: Callable[[], TierOptions]) -> None:
+    def __init__(self, make_options: Callable[[], TierOptions], *, freeze: bool = False) -> None:
         self.make_options = make_options
+        self.freeze = freeze  # rule 4
         self.tier: TierThread | None = None
         self.failure: BaseException | None = None
         self.seconds: float | None = None  # how long the open took, once done
@@ -76,15 +87,22 @@ class ColdOpening:
 
     def _open(self) -> None:
         started = time.perf_counter()
+        collecting = gc.isenabled()
+        if self.freeze:  # rule 4: no automatic collection until the index is frozen
+            gc.disable()
         try:
             from kvtrio.serve.bridge import TierThread
 
             tier = TierThread(self.make_options())
             tier.start()
+            if self.freeze:
+                gc.freeze()
             self.tier = tier
         except BaseException as exc:  # reported by whoever waits (kvtrio serve stops)
             self.failure = exc
         finally:
+            if self.freeze and collecting:
+                gc.enable()
             self.seconds = time.perf_counter() - started
             self.done.set()
 

@@ -621,7 +621,7 @@ def serve(args: argparse.Namespace) -> int:
 
         args.model = str(gguf_model_dir(args.model, Path(args.cache_dir) / "gguf"))
     options = ServeOptions.from_args(args)
-    opening = ColdOpening(lambda: options.tier_options(model_identity(args)))
+    opening = ColdOpening(lambda: options.tier_options(model_identity(args)), freeze=True)
     adapter = ServeCache(
         args.prompt_cache_size,
         options.hot_bytes if options.hot_bytes is not None else 1 << 63,

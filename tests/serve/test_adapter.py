@@ -667,3 +667,49 @@ def test_a_request_queued_behind_a_wake_up_is_taken_in_the_same_call() -> None:
     assert taken is not None and taken[1:] == (body, args)
     assert isinstance(taken[0], _TaggingQueue) and generator.requests.empty()
     assert _WAKE not in (taken[1], taken[2])
+
+
+def test_an_opening_that_freezes_pauses_the_collector_and_freezes_the_index_once(
+    tiny: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvtrio serve's open (coldopen rule 4): automatic collections paused from the open's
+    start, the index frozen once the tier is open and before they resume, the collector
+    left enabled as it was; an open that fails freezes nothing. (``gc.freeze`` is
+    recorded, not run: freezing this test process would outlive the test.)"""
+    import gc
+
+    from kvtrio.serve.coldopen import ColdOpening
+
+    _on_disk(tiny, tmp_path, list(range(1, 50)))
+    frozen: list[tuple[bool, int]] = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append((gc.isenabled(), len(frozen))))
+    options = TierOptions(
+        str(tmp_path), ModelKey(tiny.model_id, tiny.fingerprint), block_size=BLOCK
+    )
+    paused: list[bool] = []
+
+    def make_options() -> TierOptions:
+        paused.append(not gc.isenabled())
+        return options
+
+    assert gc.isenabled()
+    opening = ColdOpening(make_options, freeze=True)
+    opening.start()
+    assert opening.done.wait(60) and opening.failure is None and opening.tier is not None
+    assert paused == [True] and frozen == [(False, 0)] and gc.isenabled()
+    opening.tier.bind()
+    assert opening.tier.close(timeout=30)
+
+    def failing() -> TierOptions:
+        raise OSError("no such directory")
+
+    broken = ColdOpening(failing, freeze=True)
+    broken.start()
+    assert broken.done.wait(60) and isinstance(broken.failure, OSError)
+    assert len(frozen) == 1 and gc.isenabled()
+    plain = ColdOpening(make_options)  # the library's default: the collector untouched
+    plain.start()
+    assert plain.done.wait(60) and plain.tier is not None
+    assert paused == [True, False] and len(frozen) == 1
+    plain.tier.bind()
+    assert plain.tier.close(timeout=30)
