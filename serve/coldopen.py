@@ -29,6 +29,7 @@ Theory of operation:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
@@ -36,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvtrio.actors.collector import collector_paused
 from kvtrio.serve.adapter import TieredLRUPromptCache
 from kvtrio.serve.flushreport import FlushedEntry, HandOver
 
@@ -87,22 +89,20 @@ class ColdOpening:
 
     def _open(self) -> None:
         started = time.perf_counter()
-        collecting = gc.isenabled()
-        if self.freeze:  # rule 4: no automatic collection until the index is frozen
-            gc.disable()
+        # Rule 4: no automatic collection until the index is frozen (as the start's imports).
+        paused = collector_paused() if self.freeze else contextlib.nullcontext()
         try:
-            from kvtrio.serve.bridge import TierThread
+            with paused:
+                from kvtrio.serve.bridge import TierThread
 
-            tier = TierThread(self.make_options())
-            tier.start()
-            if self.freeze:
-                gc.freeze()
+                tier = TierThread(self.make_options())
+                tier.start()
+                if self.freeze:
+                    gc.freeze()
             self.tier = tier
         except BaseException as exc:  # reported by whoever waits (kvtrio serve stops)
             self.failure = exc
         finally:
-            if self.freeze and collecting:
-                gc.enable()
             self.seconds = time.perf_counter() - started
             self.done.set()
 
