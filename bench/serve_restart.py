@@ -87,8 +87,9 @@ def restart(
     # Plain mlx_lm.server recomputes turn 2 whatever it did before its restart: its turn
     # 2 is the naive baseline's (mlx-lm's own answer to turn 1 at temperature 0).
     turns2["mlx_lm"] = turns2["naive"]
-    kinds = (*KINDS, NEVER_RESTARTED) if floor else KINDS
-    turns2[NEVER_RESTARTED] = turns2["naive"]
+    kinds: tuple[str, ...] = KINDS
+    if floor:  # plain mlx_lm.server's turns, turn 1 answered in the same process
+        kinds, turns2[NEVER_RESTARTED] = (*KINDS, NEVER_RESTARTED), turns2["naive"]
     runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
     for r in range(rounds):
         for position, kind in enumerate(kinds if r % 2 == 0 else kinds[::-1]):
