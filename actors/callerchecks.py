@@ -25,6 +25,7 @@ __all__ = [
     "check_open_arguments",
     "check_seconds",
     "check_tier_arguments",
+    "held_token_counts",
 ]
 
 #: Cold matches reusing fewer tokens are not loaded: recomputing them is faster. Measured
@@ -47,6 +48,12 @@ def _held_tokens(cache: Any, path: str) -> Iterable[tuple[str, int]]:
     offset = getattr(cache, "offset", None)
     if isinstance(offset, int) and not isinstance(offset, bool):
         yield path, offset
+
+
+def held_token_counts(cache: Any) -> list[int]:
+    """The token count every layer of ``cache`` states (none for a state that holds any
+    count, such as an SSM's ArraysCache)."""
+    return [held for _, held in _held_tokens(cache, "")]
 
 
 def check_held_tokens(caches: list[Any], n_tokens: int) -> None:

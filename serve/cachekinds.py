@@ -92,28 +92,31 @@ def _has_codec(cache: Any) -> bool:
 def held_prefix(caches: Sequence[Any], tokens: list[int]) -> list[int]:
     """Rule 3: the tokens every cache of an entry leaving RAM holds, trimming (in place)
     the caches that hold more down to the shortest; ``tokens`` itself when they agree.
-    UnsupportedCacheError when they cannot be made to agree."""
-    offsets = [getattr(cache, "offset", None) for cache in caches]
-    if all(offset == len(tokens) for offset in offsets):
+    A layer that states no count (an SSM's state) agrees with any. UnsupportedCacheError
+    when they cannot be made to agree."""
+    from kvtrio.actors.callerchecks import held_token_counts
+
+    counts = [held_token_counts(cache) for cache in caches]
+    stated = [n for layer in counts for n in layer]
+    if all(n == len(tokens) for n in stated):
         return tokens
-    held = [
-        offset for offset in offsets if isinstance(offset, int) and not isinstance(offset, bool)
-    ]
-    names = sorted({type(cache).__name__ for cache in caches})
-    if len(held) != len(offsets) or not held or min(held) <= 0 or max(held) > len(tokens):
+    shortest = min(stated)
+    if shortest <= 0 or max(stated) > len(tokens):
+        names = "/".join(sorted({type(cache).__name__ for cache in caches}))
         raise UnsupportedCacheError(
-            "/".join(names),
-            f"caches holding {sorted(set(map(str, offsets)))} tokens for a key of "
-            f"{len(tokens)} cannot be stored under one token sequence",
+            names,
+            f"caches holding {sorted(set(stated))} tokens for a key of {len(tokens)} "
+            "cannot be stored under one token sequence",
         )
-    shortest = min(held)
-    for cache, offset in zip(caches, held, strict=True):
-        if offset == shortest:
+    for cache, layer in zip(caches, counts, strict=True):
+        if layer and all(n == shortest for n in layer):
             continue
-        if not cache.is_trimmable():
-            name = type(cache).__name__
+        name = type(cache).__name__
+        if len(set(layer)) != 1 or not cache.is_trimmable():  # a state, or mixed counts
             raise UnsupportedCacheError(
-                name, f"{name} holds {offset} tokens, others {shortest}: it cannot be trimmed"
+                name,
+                f"{name} holds {layer or 'a state of'} tokens, others {shortest}: "
+                "it cannot be trimmed to agree",
             )
-        cache.trim(offset - shortest)
+        cache.trim(layer[0] - shortest)
     return tokens[:shortest]

@@ -150,12 +150,16 @@ def test_caches_holding_fewer_tokens_than_the_key_are_stored_under_what_all_hold
     agreeing = [_filled(10), _filled(10)]
     assert held_prefix(agreeing, tokens) is tokens
     assert [cache.offset for cache in agreeing] == [10, 10]
+    # A hybrid model's SSM state states no count (it agrees with any), and a CacheList's
+    # count is its children's: such entries are stored as they are.
+    hybrid = [_filled(10), mlx_cache.ArraysCache(2), mlx_cache.CacheList(_filled(10))]
+    assert held_prefix(hybrid, tokens) is tokens
 
 
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: [_filled(10), mlx_cache.ArraysCache(2)],  # a state with no offset
+        lambda: [_filled(10), _filled(9), mlx_cache.ArraysCache(2)],  # a state: no trim
         lambda: [_filled(11), _filled(10)],  # more tokens than the key
         lambda: [_filled(10), mlx_cache.RotatingKVCache(max_size=4)],  # nothing held
     ],
