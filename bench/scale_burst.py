@@ -40,6 +40,24 @@ def burst(directory: Path, inserts: int, fit: int) -> dict[str, Any]:
     return trio.run(_burst_async, directory, inserts, fit)
 
 
+def _caches(seed: int, *, tokens: int) -> list[Any]:
+    """Owner thread: a distinct entry (random keys and values, ``seed``): 2 KVCache layers
+    of 2 heads, ``tokens`` tokens, 64 dims, float32."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    mx.random.seed(seed)
+    caches = []
+    for _ in range(2):
+        cache = KVCache()  # type: ignore[no-untyped-call]
+        keys = mx.random.normal((1, 2, tokens, 64))
+        values = mx.random.normal((1, 2, tokens, 64))
+        cache.update_and_fetch(keys, values)  # type: ignore[no-untyped-call]
+        mx.eval(cache.keys, cache.values)
+        caches.append(cache)
+    return caches
+
+
 def _tree_bytes(directory: Path) -> int:
     """Bytes under caches/ and blocks/ now (tmp files included: they are on disk too)."""
     total = 0
@@ -57,26 +75,15 @@ async def _burst_async(directory: Path, inserts: int, fit: int) -> dict[str, Any
     """Write-back inserts of distinct caches (random keys and values: no two share a
     block), one hot entry at a time, nobody waiting for the disk; the directory's size
     is sampled after every insert and every 5 ms."""
-    import mlx.core as mx
+    import functools
+
     import trio
     from kvtrio.actors.owner import MlxOwner
     from kvtrio.actors.prefix import ModelKey
     from kvtrio.actors.tiered import open_tiered_cache
-    from mlx_lm.models.cache import KVCache
 
     tokens_per = 96
-
-    def make(seed: int) -> list[Any]:
-        mx.random.seed(seed)
-        caches = []
-        for _ in range(2):
-            cache = KVCache()  # type: ignore[no-untyped-call]
-            k = mx.random.normal((1, 2, tokens_per, 64))
-            values = mx.random.normal((1, 2, tokens_per, 64))
-            cache.update_and_fetch(k, values)  # type: ignore[no-untyped-call]
-            mx.eval(cache.keys, cache.values)
-            caches.append(cache)
-        return caches
+    make = functools.partial(_caches, tokens=tokens_per)
 
     model = ModelKey("bench-burst", "fp")
     directory.mkdir(parents=True)
@@ -157,24 +164,14 @@ def _rss() -> int:
 async def _rss_child(directory: Path, inserts: int, cap: int) -> dict[str, Any]:
     """One burst of :func:`burst_rss` (``cap`` 0: uncapped), the RSS sampled after every
     insert and every 5 ms; the cold budget holds 40 entries."""
-    import mlx.core as mx
+    import functools
+
     import trio
     from kvtrio.actors.owner import MlxOwner
     from kvtrio.actors.prefix import ModelKey
     from kvtrio.actors.tiered import open_tiered_cache
-    from mlx_lm.models.cache import KVCache
 
-    def make(seed: int) -> list[Any]:
-        mx.random.seed(seed)
-        caches = []
-        for _ in range(2):
-            cache = KVCache()  # type: ignore[no-untyped-call]
-            keys = mx.random.normal((1, 2, RSS_TOKENS, 64))
-            values = mx.random.normal((1, 2, RSS_TOKENS, 64))
-            cache.update_and_fetch(keys, values)  # type: ignore[no-untyped-call]
-            mx.eval(cache.keys, cache.values)
-            caches.append(cache)
-        return caches
+    make = functools.partial(_caches, tokens=RSS_TOKENS)
 
     directory.mkdir(parents=True)
     async with MlxOwner.inline() as owner:
