@@ -22,12 +22,19 @@ Theory of operation:
 4. When it ends it prints ``kvtrio serve: restored K entries (B bytes) to RAM in S s``;
    ``kvtrio_serve_restored_total`` and ``kvtrio_serve_restored_bytes_total`` count it.
 5. Then, when it restored an entry and the model is known, it warms the process up for
-   the turn it expects: the model runs :data:`WARM_TOKENS` tokens over a copy of the
-   newest restored entry's caches (trimmed by as many), as a conversation's next turn
-   runs its new tokens over a RAM hit, and the copy is dropped. A fresh process pays
-   for its first such step (buffers allocated, kernels compiled on a GPU) on the request
-   that makes it; this pays it while idle. RAM's entries, their order and the counters
-   are left as they were; the seconds it took are printed on the line above.
+   the turn it expects: :data:`WARM_TOKENS` tokens over a copy of the newest restored
+   entry's caches (trimmed by as many), as a conversation's next turn runs its new
+   tokens over a RAM hit, and the copy is dropped. When mlx-lm's server batches (its
+   ``is_batchable``: no draft model), the turn goes the way a request's does, through an
+   mlx-lm ``BatchGenerator`` of its own (the caches merged into a batch cache, the
+   prefill under its array mask, the split into a generation batch, decode steps to the
+   first token), else as one model call. A fresh process pays for its first such turn
+   (buffers allocated; on a GPU, kernels loaded and compiled) on the request that makes
+   it; this pays it while idle. What no warm-up pays: on CUDA, MLX builds a cuDNN
+   attention graph for every new (query, key) shape (50-90 ms on the H200,
+   docs/bench/serve.md, fourteenth session), and a next turn's shape is new. RAM's
+   entries, their order and the counters are left as they were; the seconds it took are
+   printed on the line above.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ class Restore:
     cap: int  # --restore-bytes
     idle: Callable[[], bool]  # no request in flight, queued or set aside (rule 2)
     model: Callable[[], Any] = lambda: None  # the loaded model, or None (rule 5)
+    batched: Callable[[], bool] = lambda: False  # mlx-lm's server batches (rule 5)
     done: bool = False
     loading: bool = False
     restored: int = 0
@@ -80,7 +88,14 @@ class Restore:
         """The restore of mlx-lm's ``provider`` (its flags; its model once loaded)."""
         cap = getattr(provider.cli_args, "restore_bytes", DEFAULT_RESTORE_BYTES)
         cap = DEFAULT_RESTORE_BYTES if cap is None else cap
-        return cls(adapter, cap, idle, lambda: getattr(provider, "model", None), done=cap == 0)
+        return cls(
+            adapter,
+            cap,
+            idle,
+            lambda: getattr(provider, "model", None),
+            lambda: bool(getattr(provider, "is_batchable", False)),
+            done=cap == 0,
+        )
 
     def step(self) -> bool:
         """Start the next entry's load when idle and none is running (rule 2); whether one
@@ -147,7 +162,7 @@ class Restore:
         model = self.model()
         if self._newest is not None and model is not None:
             try:  # best effort (rule 5): a warm-up that fails costs the first request only
-                took = warm_up(self.adapter, model, self._newest)
+                took = warm_up(self.adapter, model, self._newest, batched=self.batched())
             except Exception:
                 logger.exception("kvtrio serve: the warm-up after the restore failed")
                 took = None
@@ -160,11 +175,14 @@ class Restore:
         )
 
 
-def warm_up(adapter: TieredLRUPromptCache, model: Any, tokens: tuple[int, ...]) -> float | None:
+def warm_up(
+    adapter: TieredLRUPromptCache, model: Any, tokens: tuple[int, ...], *, batched: bool = False
+) -> float | None:
     """Rule 5 (generation thread): run the model over a copy of RAM's entry for
-    ``tokens``, its last :data:`WARM_TOKENS` tokens trimmed off and fed again; the
-    seconds it took, or None when the entry is not in RAM or cannot be trimmed. RAM's
-    entry, its place and the counters are not touched (no lookup is made)."""
+    ``tokens``, its last :data:`WARM_TOKENS` tokens trimmed off and fed again (``batched``:
+    through an mlx-lm BatchGenerator to the first generated token, as mlx-lm's server runs
+    a request); the seconds it took, or None when the entry is not in RAM or cannot be
+    trimmed. RAM's entry, its place and the counters are not touched (no lookup is made)."""
     import mlx.core as mx
     from mlx_lm.models import cache as mlx_cache
 
@@ -180,6 +198,27 @@ def warm_up(adapter: TieredLRUPromptCache, model: Any, tokens: tuple[int, ...]) 
     started = time.perf_counter()
     copies = copy.deepcopy(caches)
     mlx_cache.trim_prompt_cache(copies, n)
-    logits = model(mx.array(list(tokens[-n:]))[None], cache=copies)
-    mx.eval(logits)
+    if batched:
+        _batched_turn(model, copies, list(tokens[-n:]))
+    else:
+        mx.eval(model(mx.array(list(tokens[-n:]))[None], cache=copies))
     return time.perf_counter() - started
+
+
+def _batched_turn(model: Any, caches: list[Any], tokens: list[int]) -> None:
+    """``tokens`` over ``caches`` as mlx-lm's server runs a request's turn, on this
+    thread's default stream (the server's generation stream): a BatchGenerator of its own
+    prefills all but the last token, splits the sequence into a generation batch and
+    decodes to the first token; then it is closed and dropped, caches and all."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    generator: Any = BatchGenerator(model, stream=mx.default_stream(mx.default_device()))
+    try:
+        generator.insert([tokens], max_tokens=[2], caches=[caches])
+        for _ in range(8):  # a prefill step, the split, the first token: 3 in mlx-lm 0.32
+            _, generated = generator.next()
+            if generated:
+                return
+    finally:
+        generator.close()

@@ -229,3 +229,43 @@ def test_after_the_restore_the_model_runs_a_short_turn_over_a_copy_and_ram_is_un
         # An entry no longer in RAM, or one token long, is not warmed (nothing to trim).
         assert warm_up(cache, counted, (1, 2, 3)) is None
         assert warm_up(cache, counted, tuple(PROMPTS[3])) is not None
+
+
+def test_a_batching_server_warms_up_through_mlx_lms_batch_generator(
+    tiny: TinyModel, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rule 5, mlx-lm's server batching (``is_batchable``): the warm-up's turn goes the
+    way a request's does, through a BatchGenerator (on the owner thread, as the guard
+    checks): the model first runs WARM_TOKENS - 1 tokens over a batch cache holding the
+    newest entry less WARM_TOKENS tokens, then decode steps of one token, to the first
+    token; RAM's entries, their order and the counters are as the restore left them."""
+    from kvtrio.serve.restore import WARM_TOKENS
+
+    expected = _on_disk_in_order(tiny, tmp_path)
+    calls: list[tuple[int, str, int]] = []
+
+    class Counted:  # the model, its calls and the caches they ran over recorded
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tiny.model, name)
+
+        def __call__(self, inputs: Any, cache: Any = None) -> Any:
+            calls.append((int(inputs.shape[1]), type(cache[0]).__name__, cache[0]._idx))
+            return tiny.model(inputs, cache=cache)
+
+    provider = argparse.Namespace(
+        cli_args=argparse.Namespace(restore_bytes=None), model=Counted(), is_batchable=True
+    )
+    with _guarded(tiny, tmp_path, max_size=2) as (cache, _):
+        restore = Restore.of(cache, provider, lambda: True)
+        _run(restore, cache)
+        held = len(PROMPTS[3]) - WARM_TOKENS
+        assert calls[0] == (WARM_TOKENS - 1, "BatchKVCache", held)
+        assert calls[1] == (1, "BatchKVCache", held + WARM_TOKENS - 1)
+        assert all(n == 1 and kind == "BatchKVCache" for n, kind, _ in calls[1:])
+        assert ", warmed up in " in capsys.readouterr().out
+        stats = cache.statistics()
+        assert (stats.hits_hot, stats.hits_cold, stats.misses) == (0, 0, 0)
+        lru = cache._lru._lrus["assistant"]
+        assert [list(tokens) for _, tokens in lru] == [PROMPTS[2], PROMPTS[3]]
+        got, rest = cache.fetch_nearest_cache(MODEL, [*PROMPTS[3], 7])
+        assert rest == [7] and _bytes(got) == expected[3]  # the entry itself unchanged
