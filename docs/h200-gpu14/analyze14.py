@@ -37,7 +37,7 @@ def main(path):
         if any((k, n) in by for k in rounds)
     }
     print("median | " + " | ".join(f"{med[n] * 1e3:.1f}" if n in med else "-" for n in names))
-    for ref in ("mlx_lm", "floor", "kvmain"):
+    for ref in ("mlx_lm", "floor", "kvmain", "naive", "kvcold"):
         if ref not in med:
             continue
         print(f"vs {ref}: ")
@@ -53,9 +53,10 @@ def main(path):
                 f"  {n}/{ref}: of medians {med[n] / med[ref]:.3f}; round median "
                 f"{statistics.median(per):.3f}; per round " + " ".join(f"{x:.3f}" for x in per)
             )
-    ref = {k: by[k, "mlx_lm"]["answer"] for k in rounds if (k, "mlx_lm") in by}
+    first = names[0]
+    ref = {k: by[k, first]["answer"] for k in rounds if (k, first) in by}
     same = {n: all(by[k, n]["answer"] == ref[k] for k in ref if (k, n) in by) for n in names}
-    print("same answer as mlx_lm.server in every round:", same)
+    print(f"same answer as {first} in every round:", same)
     for r in runs:
         if "turn1" in r:
             print("turn 1:", r["turn1"], f"{r['s']:.1f} s")

@@ -4,14 +4,17 @@
 settle 3 s after listening and the cold tier open, turn 2 streamed, SIGTERM), servers
 alternated in ``round_order`` (reversed every other round).
 
-Usage: python3 restart14.py ROOT MODEL LENGTH ROUNDS G SPEC...
-SPEC: ``NAME=KIND[@TREE][+VAR=VALUE...]``: KIND ``mlx_lm``, ``kvtrio`` or ``floor`` (plain
-mlx_lm.server answering turn 1 then turn 2 in one process: the bench's
-``mlx_lm_never_restarted``); TREE: a kvtrio tree ``G/src-TREE`` put first on the server's
-PYTHONPATH (default main); VAR=VALUE: the server's environment (e.g.
-``MLX_CUDA_USE_CUDNN_SDPA=0``). Turn 1 runs once, on the first kvtrio server; the other
-kvtrio servers start from a copy of its directory after it exited (same prompts at
-temperature 0: the same entries); mlx_lm and the floor are sent its turn 2.
+Usage: [R14_WARMUP=1] python3 restart14.py ROOT MODEL LENGTH ROUNDS G SPEC...
+SPEC: ``NAME=KIND[@TREE][+VAR=VALUE...][:FLAG,FLAG...]``: KIND ``mlx_lm``, ``naive``,
+``kvtrio`` or ``floor`` (plain mlx_lm.server answering turn 1 then turn 2 in one process:
+the bench's ``mlx_lm_never_restarted``); TREE: a kvtrio tree ``G/src-TREE`` put first on
+the server's PYTHONPATH (default main); VAR=VALUE: the server's environment (e.g.
+``MLX_CUDA_USE_CUDNN_SDPA=0``); FLAGs: the server's extra flags (``--restore-bytes=0``).
+Turn 1 runs on the naive baseline and on the first kvtrio server of each tree; the other
+kvtrio servers of a tree start from a copy of its directory after it exited (same
+prompts at temperature 0: the same entries); all are sent the first turn 1's turn 2.
+``R14_WARMUP=1``: every server first answers the bench's warm-up request
+(``--restart-warmup``).
 
 One JSON line per turn 2 to stdout (``round``, ``name``, ``position``, ``ttft_s``,
 ``restart_s``, ``cached_tokens``, ``answer``, the tier's metrics for kvtrio servers, the
@@ -27,7 +30,7 @@ from pathlib import Path
 
 from kvtrio.bench import serve_restart
 from kvtrio.bench.serve_harness import Server, compile_kvtrio, prompt_words, round_order
-from kvtrio.bench.serve_restart import NEVER_RESTARTED, QUESTION, _turn2
+from kvtrio.bench.serve_restart import NAIVE_SAVE_S, NEVER_RESTARTED, QUESTION, _turn2
 
 _ENV: dict[str, str] = {}
 
@@ -47,72 +50,76 @@ class EnvServer(Server):
 
 def parse(spec, g):
     name, _, rest = spec.partition("=")
+    rest, _, flags = rest.partition(":")
     kind, *envs = rest.split("+")
     kind, _, tree = kind.partition("@")
     env = dict(e.split("=", 1) for e in envs)
-    base = os.environ.get("PYTHONPATH", "").split(":")
-    base = [p for p in base if p and "/src-" not in p]
-    env["PYTHONPATH"] = ":".join(
-        [
-            *(p for p in base if p.endswith("/probe")),
-            f"{g}/src-{tree or 'main'}",
-            *(p for p in base if not p.endswith("/probe")),
-        ]
-    )
-    if kind not in ("mlx_lm", "kvtrio", "floor"):
+    base = [p for p in os.environ.get("PYTHONPATH", "").split(":") if p and "/src-" not in p]
+    probe = [p for p in base if p.endswith("/probe")]
+    others = [p for p in base if not p.endswith("/probe")]
+    env["PYTHONPATH"] = ":".join([*probe, f"{g}/src-{tree or 'main'}", *others])
+    if kind not in ("mlx_lm", "naive", "kvtrio", "floor"):
         raise SystemExit(f"unknown kind in {spec!r}")
-    return name, kind, env
+    return name, kind, env, tuple(f for f in flags.split(",") if f), tree or "main"
 
 
 def main() -> None:
     root, model = Path(sys.argv[1]), Path(sys.argv[2])
     length, rounds, g = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    warmup = os.environ.get("R14_WARMUP") == "1"
     servers = [parse(s, g) for s in sys.argv[6:]]
     root.mkdir(parents=True, exist_ok=True)
     log = root / "servers.log"
-    print(json.dumps({"compiled": compile_kvtrio(), "servers": servers}), flush=True)
+    head = {"compiled": compile_kvtrio(), "servers": servers, "warmup": warmup}
+    print(json.dumps(head), flush=True)
     document = prompt_words(model, length)
     turns1 = [[{"role": "user", "content": f"Conversation {r}. {document}"}] for r in range(rounds)]
     serve_restart.Server = EnvServer
-    kvtrios = [(n, e) for n, k, e in servers if k == "kvtrio"]
-    first, env1 = kvtrios[0]
-    _ENV.clear()
-    _ENV.update(env1)
-    began = time.perf_counter()
-    server = EnvServer("kvtrio", model, root / first, log)
-    try:
-        turns2 = []
-        for turn1 in turns1:
-            one = server.chat(turn1, 8)
-            turns2.append(
-                [
-                    *turn1,
-                    {"role": "assistant", "content": one["text"]},
-                    {"role": "user", "content": QUESTION},
-                ]
-            )
-    finally:
-        server.stop()
-    print(
-        json.dumps(
-            {"turn1": first, "s": time.perf_counter() - began, "exit": server.exit_counters()}
-        ),
-        flush=True,
-    )
-    for name, _ in kvtrios[1:]:
-        shutil.copytree(root / first, root / name)
-    names = [s[0] for s in servers]
+    turns2 = None
+    firsts = {}  # a kvtrio tree's first server: its turn 1 written by that tree
+    for name, kind, env, flags, tree in servers:
+        if kind == "kvtrio" and tree in firsts:
+            shutil.copytree(root / firsts[tree], root / name)
+            print(json.dumps({"turn1": name, "copied_from": firsts[tree]}), flush=True)
+            continue
+        if kind not in ("kvtrio", "naive"):
+            continue
+        if kind == "kvtrio":
+            firsts.setdefault(tree, name)
+        _ENV.clear()
+        _ENV.update(env)
+        began = time.perf_counter()
+        server = EnvServer(kind, model, root / name, log, flags)
+        try:
+            mine = []
+            for turn1 in turns1:
+                one = server.chat(turn1, 8)
+                answer = {"role": "assistant", "content": one["text"]}
+                mine.append([*turn1, answer, {"role": "user", "content": QUESTION}])
+            time.sleep(NAIVE_SAVE_S if kind == "naive" else 0.0)
+        finally:
+            server.stop()
+        turns2 = turns2 or mine
+        took = time.perf_counter() - began
+        exit_ = server.exit_counters() if kind == "kvtrio" else {}
+        same = mine == turns2
+        print(json.dumps({"turn1": name, "s": took, "same_turn2": same, "exit": exit_}), flush=True)
     by_name = {s[0]: s for s in servers}
+    names = list(by_name)
     for r in range(rounds):
         for position, name in enumerate(round_order(names, r)):
-            _, kind, env = by_name[name]
+            _, kind, env, flags, tree = by_name[name]
             _ENV.clear()
             _ENV.update(env)
             load, utc = os.getloadavg()[0], time.strftime("%H:%M:%S", time.gmtime())
             kind2 = NEVER_RESTARTED if kind == "floor" else kind
             prime = turns1[r] if kind == "floor" else None
-            run = _turn2(kind2, model, root / name, turns2[r], 3.0, log, False, prime)
+            work = root / name
+            run = _turn2(kind2, model, work, turns2[r], 3.0, log, warmup, prime, flags)
             run.update(round=r, name=name, kind=kind, position=position, load=load, utc=utc)
+            run.update(
+                tree=tree, flags=flags, env={k: v for k, v in env.items() if k != "PYTHONPATH"}
+            )
             print(json.dumps(run), flush=True)
 
 
