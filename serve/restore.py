@@ -30,9 +30,10 @@ Theory of operation:
    prefill under its array mask, the split into a generation batch, decode steps to the
    first token), else as one model call. A fresh process pays for its first such turn
    (buffers allocated; on a GPU, kernels loaded and compiled) on the request that makes
-   it; this pays it while idle. What no warm-up pays: on CUDA, MLX builds a cuDNN
-   attention graph for every new (query, key) shape (50-90 ms on the H200,
-   docs/bench/serve.md, fourteenth session), and a next turn's shape is new. RAM's
+   it; this pays it while idle (on the H200 the one model call left 0.31 s on a 4k
+   turn 2, the BatchGenerator's turn 0.16 s: docs/bench/serve.md, fourteenth session).
+   What no warm-up pays: on CUDA, MLX builds a cuDNN attention graph for every new
+   (query, key) shape (50-90 ms there), and a next turn's shape is always new. RAM's
    entries, their order and the counters are left as they were; the seconds it took are
    printed on the line above.
 """

@@ -59,7 +59,8 @@ def main(path):
     print(f"same answer as {first} in every round:", same)
     for r in runs:
         if "turn1" in r:
-            print("turn 1:", r["turn1"], f"{r['s']:.1f} s")
+            took = f"{r['s']:.1f} s" if "s" in r else f"copied from {r.get('copied_from')}"
+            print("turn 1:", r["turn1"], took)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,14 @@ the never-restarted floor answers turn 1 first in the same process, so its turn 
 second chat). Stages end at the first mark of each after the client's send; ms, medians
 (min-max) over rounds.
 
-    python3 floorstages.py PROBE.log
+    python3 floorstages.py PROBE.log [RESTART14.jsonl]
+
+With restart14.py's lines, each turn 2 is named by its server's name there (the turn-2
+chats in the order they were sent, checked against each line's ttft_s), not its kind.
 """
 
 import collections
+import json
 import statistics
 import sys
 
@@ -24,16 +28,26 @@ MARKS = [
 ]
 
 
-def main(path):
+def main(path, named=None):
     events, chats = load([path])
     last = {}
     count = collections.Counter(c[1] for c in chats)
     for c in chats:
         last[c[1]] = c  # chats come in order: the last one wins
+    names = {}
+    if named:
+        lines = [json.loads(x) for x in open(named) if x.strip()]
+        turns = [x for x in lines if "ttft_s" in x]
+        turn1 = {pid for pid, c in last.items() if count[pid] > 1 and c[0] in ("kvtrio", "naive")}
+        seconds = sorted((c[2], pid) for pid, c in last.items() if pid not in turn1)
+        for (_, pid), line in zip(seconds, turns, strict=True):
+            c = last[pid]
+            assert abs((c[4] - c[2]) / 1e9 - line["ttft_s"]) < 0.002, (line["name"], c)
+            names[pid] = line["name"]
     rows = collections.defaultdict(lambda: collections.defaultdict(list))
     for pid, c in last.items():
         server, _, sent, _headers, first, _cache = c
-        kind = server + ("_never_restarted" if count[pid] > 1 else "")
+        kind = names.get(pid) or server + ("_never_restarted" if count[pid] > 1 else "")
         evs = sorted(e for e in events[pid] if e[0] >= sent)
         prev = sent
         for name, mark, kv_mark in MARKS:
@@ -58,4 +72,4 @@ def main(path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
