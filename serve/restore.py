@@ -33,7 +33,7 @@ Theory of operation:
    it; this pays it while idle (on the H200 the one model call left 0.31 s on a 4k
    turn 2, the BatchGenerator's turn 0.16 s: docs/bench/serve.md, fourteenth session).
    What no warm-up pays: on CUDA, MLX builds a cuDNN attention graph for every new
-   (query, key) shape (50-90 ms there), and a next turn's shape is always new. RAM's
+   (query, key) shape (40-80 ms there), and a next turn's shape is always new. RAM's
    entries, their order and the counters are left as they were; the seconds it took are
    printed on the line above.
 """
