@@ -296,9 +296,9 @@ def read_tensors(
     same size). Block layout: reads each block from ``store`` (required), re-hashing it
     when ``verify`` (against the manifest's xxh3 for a store its process alone writes,
     else against its sha256 name: module docstring); a missing block raises
-    CacheMissError. A
-    block's destination may be a :class:`~kvtrio.storage.fileops.Scatter` (its runs of a
-    tensor of several kv heads), filled and hashed in order.
+    CacheMissError. A block's destination may be a
+    :class:`~kvtrio.storage.fileops.Scatter` (its runs of a tensor of several kv heads),
+    filled and hashed in order.
     ``options`` choose how (direct I/O, drop-behind, helper threads), never what is read
     or checked.
     """
