@@ -45,7 +45,7 @@ from kvtrio.bench.serve_harness import (
 from kvtrio.bench.serve_restart import KINDS, QUESTION, restart, restart_ratios
 from kvtrio.serve.modeldir import SHAPES
 
-__all__ = ["add_arguments", "measure", "render"]
+__all__ = ["add_arguments", "measure", "model_dir", "render"]
 
 PHASES = ("restart", "decode", "spill", "disk", "start", "prefetch")
 
@@ -54,7 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lengths", default="1024,4096", help="turn-1 prompt lengths in tokens (1024,4096)"
     )
-    parser.add_argument("--model", help="a model directory (default: --model-shape, built)")
+    parser.add_argument(
+        "--model",
+        help="a model directory, or a llama GGUF file converted once into the work directory"
+        " (default: --model-shape, built)",
+    )
     parser.add_argument(
         "--model-shape", default="tiny", choices=sorted(SHAPES), help="random llama built (tiny)"
     )
@@ -492,6 +496,18 @@ def _phases(text: str) -> set[str]:
     return phases
 
 
+def model_dir(path: Path, root: Path) -> Path:
+    """``--model``: a model directory as given, or a llama GGUF file (``*.gguf``, as
+    ``kvtrio serve --model`` takes it) converted once under the work directory's ``gguf/``
+    (:func:`kvtrio.serve.gguf.gguf_model_dir`): plain mlx_lm.server reads no GGUF, so every
+    server of the run loads that converted directory."""
+    if path.suffix.lower() != ".gguf":
+        return path
+    from kvtrio.serve.gguf import gguf_model_dir
+
+    return gguf_model_dir(path, root / "gguf")
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     lengths = [int(x) for x in str(args.lengths).split(",") if x]
     phases = _phases(args.phases)
@@ -499,7 +515,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     with workdir(args.dir) as root:
         log = root / "servers.log"
         if args.model:
-            model = Path(args.model)
+            model = model_dir(Path(args.model), root)
         else:
             from kvtrio.serve.modeldir import write_tiny_model_dir
 

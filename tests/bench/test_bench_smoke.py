@@ -230,7 +230,8 @@ def test_bench_scale_long_entries_repeated_opens_and_interleaved_misses(tmp_path
     out = subprocess.run(
         [sys.executable, "-m", "kvtrio", "bench", "scale", "--json", "--sizes", "20,40",
          "--tokens", "200", "--repeat", "3", "--lookups", "40", "--burst", "8",
-         "--burst-fit", "4", "--no-maintenance", "--dir", str(tmp_path / "not" / "yet")],
+         "--burst-fit", "4", "--burst-rss", "6", "--burst-cap-mib", "4", "--no-maintenance",
+         "--dir", str(tmp_path / "not" / "yet")],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     figures = json.loads(out.stdout)
@@ -238,6 +239,13 @@ def test_bench_scale_long_entries_repeated_opens_and_interleaved_misses(tmp_path
     runs = figures["runs"]
     assert [run["n"] for run in runs.values()] == [20, 40]
     assert figures["burst"]["kept"] <= figures["burst"]["fit"] + 1
+    # The burst's memory: capped and uncapped, each its own process; uncapped drops nothing.
+    rss = figures["burst_rss"]
+    assert rss["uncapped"]["pending_dropped"] == 0
+    assert rss["capped"]["cold_entries"] + rss["capped"]["pending_dropped"] >= 6
+    assert rss["rss_growth_over_cap_plus_entry"] == rss["capped"]["rss_growth_peak"] / (
+        (4 << 20) + rss["entry_bytes"]
+    )
     for run in runs.values():
         assert run["repeat"] == 3 and len(run["opens"]) == 3
         walls = [sample["open_s"] for sample in run["opens"]]
