@@ -211,7 +211,9 @@ def load_cache(
     """Load a cache file or manifest saved by :func:`save_cache`, bit-exact.
 
     The header is validated before anything in it is used; with ``verify`` (the default)
-    every tensor's xxh3 or every block's sha256 is checked before any array is built.
+    every tensor's xxh3 or every block is checked before any array is built (a block of a
+    local store against its manifest's xxh3, else against its sha256 name; docs/format.md
+    rule 10).
     Raises CorruptCacheError (a bad file), CacheMismatchError (``expect`` not met),
     UnknownCacheKindError (a cache kind with no registered codec) or CacheMissError (no
     file at ``path``, or a block is missing). ``options`` tune the I/O (``load_streams``

@@ -4,8 +4,9 @@ Like the writer, the reader sees only host memory and never imports MLX. A load 
 offload jobs: :meth:`Reader.read_header` (open, check the preamble and the header hash,
 validate every field; for a tier's load also its ``check`` of the header and, in the
 blocks layout, every block's presence and size) and :meth:`Reader.read_tensors` (fill
-the buffers the owner allocated, checking every tensor's xxh3 or every block's sha256
-when asked to verify, docs/design.md invariant 4). Reads are cancellable at every
+the buffers the owner allocated, checking every tensor's xxh3 or every block (its
+manifest's xxh3 on a local store, its sha256 name on a shared one) when asked to verify,
+docs/design.md invariant 4). Reads are cancellable at every
 tensor, chunk and block boundary; the worker is never abandoned while it holds the lent
 buffers (invariant 6). Tensor reads run on a long scheduler time slice (``background``,
 see :func:`kvtrio.actors.sched.background_slice`), so the event loop preempts them on

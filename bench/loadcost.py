@@ -140,6 +140,8 @@ def _instrumented(spans: _Spans) -> Iterator[None]:
     hashing = getattr(storage_reader, "_sha256_hex", None)  # a block's hash, any destination
     if hashing is not None:
         parts.append((storage_reader, "_sha256_hex", "sha256 per block"))
+    if hasattr(storage_reader, "_xxh3_hex"):  # a local block's check, format version 2 on
+        parts.append((storage_reader, "_xxh3_hex", "xxh3 per block"))
     patches: list[tuple[Any, str, Any]] = [
         (target, name, spans.wrap(part, getattr(target, name))) for target, name, part in parts
     ]

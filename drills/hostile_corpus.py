@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import xxhash
 from kvtrio.drills.workload import CacheDir, EntrySpec, write_entry
-from kvtrio.storage.format import PREAMBLE, align_up
+from kvtrio.storage.format import FORMAT_VERSION, PREAMBLE, align_up
 
 __all__ = [
     "CorpusCase",
@@ -30,8 +30,10 @@ __all__ = [
 ]
 
 
-def seal(doc_bytes: bytes, *, version: int = 1) -> bytes:
-    """Preamble + header bytes: a header whose length and hash match (past rule 1)."""
+def seal(doc_bytes: bytes, *, version: int = FORMAT_VERSION) -> bytes:
+    """Preamble + header bytes: a header whose length and hash match (past rule 1), of the
+    version the writers write (the base files' own: a mutation then reaches the field
+    checks, not the header/preamble version check)."""
     return PREAMBLE.pack(
         b"KVTRIO\r\n", version, len(doc_bytes), xxhash.xxh3_64_intdigest(doc_bytes)
     )
@@ -148,7 +150,7 @@ def build_corpus(cache_dir: CacheDir) -> list[CorpusCase]:
     doc_case(
         "version-mismatch",
         "header/preamble version",
-        lambda d: d.update(format_version=2),
+        lambda d: d.update(format_version=FORMAT_VERSION + 1),
         "format_version:",
     )
     doc_case("codec", "codec id", lambda d: d.update(codec="pickle"), "codec: unknown codec")
@@ -364,7 +366,9 @@ def build_corpus(cache_dir: CacheDir) -> list[CorpusCase]:
         # Every field valid: 256 blocks of 1 GiB (the per-block cap), 256 GiB in all.
         slot = t0(d)
         slot.update(shape=[1, 1, 2**24, 2**12], dtype="float32", bytes=2**38)
-        slot["blocks"] = [{"sha256": f"{i:064x}", "bytes": 2**30} for i in range(256)]
+        slot["blocks"] = [
+            {"sha256": f"{i:064x}", "bytes": 2**30, "xxh3": f"{i:016x}"} for i in range(256)
+        ]
         d["caches"] = [{**d["caches"][0], "tensors": [slot], "children": []}]
         d["block_tokens"] = 2**16
 

@@ -295,7 +295,7 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
         type=_streams,
         default=None,
         metavar="N",
-        help="reads (each with its blocks' sha256 checks) one disk load runs at once "
+        help="reads (each with its blocks' hash checks) one disk load runs at once "
         "(default: one below 8 CPUs, else one per 4 CPUs up to 4; docs/serve.md, Tuning)",
     )
     group.add_argument(

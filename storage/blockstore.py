@@ -115,6 +115,16 @@ class BlockStore(abc.ABC):
     #: allocates a tensor of several kv heads whole and reads each block into it, with no
     #: join after the read; the default reads into a buffer and copies the runs out).
     supports_scatter_reads: ClassVar[bool] = False
+    #: Other clients write this store's blocks (Redis, shared by hosts): a block read from
+    #: it is verified against its sha256 name, whatever hash a manifest records, so a
+    #: block another client forged cannot pass for this content. False for a store that
+    #: only its own process writes (:class:`LocalBlockStore`, a directory whose manifests
+    #: and blocks share one owner, docs/design.md invariant 10): whoever could forge a
+    #: block there could rewrite the manifest naming it, so a load checks each block
+    #: against the xxh3-64 its manifest records (format version 2 on; docs/format.md
+    #: rule 10), which catches corruption and torn writes as the sha256 did, at several
+    #: times the speed. True by default: a store that says nothing is treated as shared.
+    written_by_others: ClassVar[bool] = True
 
     @abc.abstractmethod
     def put_many(self, blocks: Sequence[tuple[str, memoryview]]) -> int:
@@ -217,6 +227,7 @@ class LocalBlockStore(BlockStore):
 
     supports_sizes: ClassVar[bool] = True  # a stat, no read
     supports_scatter_reads: ClassVar[bool] = True  # one preadv into the runs
+    written_by_others: ClassVar[bool] = False  # its directory's owner alone writes it
 
     directory: str
     file_ops: FileOps = OS_FILE_OPS

@@ -34,6 +34,7 @@ from kvtrio.storage.dtypes import DTYPES
 
 __all__ = [
     "ALIGN",
+    "BLOCK_XXH3_VERSION",
     "CODEC_ID",
     "DTYPE_SIZES",
     "FORMAT_VERSION",
@@ -59,9 +60,12 @@ __all__ = [
 ]
 
 MAGIC: Final = b"KVTRIO\r\n"
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2
 #: Every format version this library reads. A version, once written, stays here forever.
-SUPPORTED_VERSIONS: Final = frozenset({1})
+SUPPORTED_VERSIONS: Final = frozenset({1, 2})
+#: The first version whose block references carry their block's xxh3-64 (every one of
+#: them, in the blocks layout); version 1's carry none and are verified by sha256 alone.
+BLOCK_XXH3_VERSION: Final = 2
 CODEC_ID: Final = "kvtrio-mlx-1"
 ALIGN: Final = 16 * 1024
 PREAMBLE: Final = struct.Struct("<8sIIQ")
@@ -110,10 +114,13 @@ def xxh3_hex(data: Any) -> str:
 
 @attrs.frozen
 class BlockRef:
-    """One content-addressed block of a tensor: its sha256 name and byte count."""
+    """One content-addressed block of a tensor: its sha256 name, byte count and (format
+    version 2 on) the xxh3-64 of its bytes, by which a load from a store that only its
+    own process writes verifies it (docs/format.md, validation rule 10)."""
 
     sha256: str
     nbytes: int
+    xxh3: str | None = None
 
 
 @attrs.frozen
@@ -277,8 +284,14 @@ def _slot_json(slot: TensorSlot, layout: Layout) -> dict[str, Any]:
         # after its hashes are known.
         out["xxh3"] = slot.xxh3 if slot.xxh3 is not None else "0" * 16
     else:
-        out["blocks"] = [{"sha256": b.sha256, "bytes": b.nbytes} for b in slot.blocks or ()]
+        out["blocks"] = [_block_json(b) for b in slot.blocks or ()]
     return out
+
+
+def _block_json(ref: BlockRef) -> dict[str, Any]:
+    if ref.xxh3 is None:  # format version 1
+        return {"sha256": ref.sha256, "bytes": ref.nbytes}
+    return {"sha256": ref.sha256, "bytes": ref.nbytes, "xxh3": ref.xxh3}
 
 
 def _field_json(value: FieldValue) -> Any:

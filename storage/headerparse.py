@@ -37,6 +37,7 @@ from kvtrio.storage.blockstore import BLOCK_NAME_RE
 from kvtrio.storage.format import (
     _HEX16,
     ALIGN,
+    BLOCK_XXH3_VERSION,
     CODEC_ID,
     DTYPE_SIZES,
     MAGIC,
@@ -280,7 +281,18 @@ _HEADER_KEYS = frozenset(
 )
 
 
-def _parse_slot(obj: Any, path: str, layout: Layout) -> TensorSlot:
+@attrs.frozen
+class _Placement:
+    """How the header's version and layout place its tensors: ``block_xxh3``, whether
+    every block reference carries its block's xxh3-64 (the blocks layout from format
+    version 2 on: exactly then, so a version-1 reader's rules still hold for version 1)."""
+
+    layout: Layout
+    block_xxh3: bool
+
+
+def _parse_slot(obj: Any, path: str, placement: _Placement) -> TensorSlot:
+    layout = placement.layout
     f = _Fields(obj, path, _SLOT_KEYS)
     dtype = f.f_str("dtype")
     if dtype not in DTYPE_SIZES:
@@ -308,43 +320,64 @@ def _parse_slot(obj: Any, path: str, layout: Layout) -> TensorSlot:
     if "off" in f.obj or "xxh3" in f.obj:
         raise CorruptCacheError(f"{path}: off/xxh3 are not allowed in the blocks layout")
     raw_blocks = f.f_list("blocks", MAX_BLOCKS_PER_TENSOR)
-    refs = _plain_block_refs(raw_blocks)
+    with_xxh3 = placement.block_xxh3
+    refs = _plain_block_refs(raw_blocks, with_xxh3)
     if refs is None:  # something in the list is off: the field by field walk names it
-        refs = [_block_ref(raw, f"{f.name('blocks')}[{i}]") for i, raw in enumerate(raw_blocks)]
+        refs = [
+            _block_ref(raw, f"{f.name('blocks')}[{i}]", with_xxh3)
+            for i, raw in enumerate(raw_blocks)
+        ]
     total = sum(ref.nbytes for ref in refs)
     if total != nbytes:
         raise CorruptCacheError(f"{f.name('blocks')}: blocks hold {total} bytes, slot has {nbytes}")
     return TensorSlot(shape, dtype, nbytes, token_axis, blocks=tuple(refs))
 
 
-_BLOCK_KEYS: Final = frozenset({"sha256", "bytes"})
+_BLOCK_KEYS_V1: Final = frozenset({"sha256", "bytes"})
+_BLOCK_KEYS: Final = frozenset({"sha256", "bytes", "xxh3"})
+_XXH3_RE: Final = re.compile(r"[0-9a-f]{16}")
 
 
-def _block_ref(raw: Any, path: str) -> BlockRef:
+def _block_ref(raw: Any, path: str, with_xxh3: bool) -> BlockRef:
     """One block reference, field by field (each fault named by its path)."""
-    b = _Fields(raw, path, _BLOCK_KEYS)
+    b = _Fields(raw, path, _BLOCK_KEYS if with_xxh3 else _BLOCK_KEYS_V1)
     name = b.f_str("sha256")
     if BLOCK_NAME_RE.fullmatch(name) is None:
         raise CorruptCacheError(f"{b.name('sha256')}: not 64 lowercase hex digits: {name!r:.80}")
-    return BlockRef(name, b.f_int("bytes", 0, MAX_BLOCK_BYTES))
+    nbytes = b.f_int("bytes", 0, MAX_BLOCK_BYTES)
+    if not with_xxh3:
+        return BlockRef(name, nbytes)
+    digest = b.f_str("xxh3")
+    if _XXH3_RE.fullmatch(digest) is None:
+        raise CorruptCacheError(f"{b.name('xxh3')}: not 16 lowercase hex digits")
+    return BlockRef(name, nbytes, digest)
 
 
-def _plain_block_refs(raw: list[Any]) -> list[BlockRef] | None:
+def _plain_block_refs(raw: list[Any], with_xxh3: bool) -> list[BlockRef] | None:
     """A tensor's block references in one pass, when every item is well formed (an object
-    of exactly ``sha256``, 64 lowercase hex digits, and ``bytes``, an int in
-    ``[0, MAX_BLOCK_BYTES]``: what the field by field walk accepts); None as soon as one
-    is not, so that the walk can name it. A long entry has hundreds of references."""
+    of exactly ``sha256``, 64 lowercase hex digits, ``bytes``, an int in
+    ``[0, MAX_BLOCK_BYTES]``, and with ``with_xxh3`` ``xxh3``, 16 lowercase hex digits:
+    what the field by field walk accepts); None as soon as one is not, so that the walk
+    can name it. A long entry has hundreds of references."""
     refs: list[BlockRef] = []
     name_ok = BLOCK_NAME_RE.fullmatch
+    digest_ok = _XXH3_RE.fullmatch
+    keys = _BLOCK_KEYS if with_xxh3 else _BLOCK_KEYS_V1
     for item in raw:
-        if type(item) is not dict or item.keys() != _BLOCK_KEYS:
+        if type(item) is not dict or item.keys() != keys:
             return None
         name, size = item["sha256"], item["bytes"]
         if type(name) is not str or type(size) is not int or not 0 <= size <= MAX_BLOCK_BYTES:
             return None
         if name_ok(name) is None:
             return None
-        refs.append(BlockRef(name, size))
+        if not with_xxh3:
+            refs.append(BlockRef(name, size))
+            continue
+        digest = item["xxh3"]
+        if type(digest) is not str or digest_ok(digest) is None:
+            return None
+        refs.append(BlockRef(name, size, digest))
     return refs
 
 
@@ -373,7 +406,9 @@ class _Budget:
         self.entries = 0
 
 
-def _parse_entry(obj: Any, path: str, layout: Layout, depth: int, budget: _Budget) -> CacheEntry:
+def _parse_entry(
+    obj: Any, path: str, placement: _Placement, depth: int, budget: _Budget
+) -> CacheEntry:
     f = _Fields(obj, path, _ENTRY_KEYS)
     budget.entries += 1
     if budget.entries > MAX_ENTRIES:
@@ -398,14 +433,14 @@ def _parse_entry(obj: Any, path: str, layout: Layout, depth: int, budget: _Budge
         for k, v in raw_fields.items()
     }
     tensors = tuple(
-        _parse_slot(s, f"{f.name('tensors')}[{i}]", layout)
+        _parse_slot(s, f"{f.name('tensors')}[{i}]", placement)
         for i, s in enumerate(f.f_list("tensors", MAX_TENSORS_PER_ENTRY))
     )
     raw_children = f.f_list("children", MAX_ENTRIES)
     if raw_children and depth >= MAX_DEPTH:
         raise CorruptCacheError(f"{f.name('children')}: nested deeper than {MAX_DEPTH}")
     children = tuple(
-        _parse_entry(c, f"{f.name('children')}[{i}]", layout, depth + 1, budget)
+        _parse_entry(c, f"{f.name('children')}[{i}]", placement, depth + 1, budget)
         for i, c in enumerate(raw_children)
     )
     return CacheEntry(kind, offset, min_offset, trimmable, fields, tensors, children)
@@ -440,12 +475,13 @@ def parse_header(body: bytes, preamble: Preamble, file_size: int) -> Header:
     tokens = _check_tokens(f.f_list("tokens", MAX_TOKENS))
     meta = _check_str_map(f.get("meta"), "meta")
     budget = _Budget()
+    placement = _Placement(layout, layout == "blocks" and version >= BLOCK_XXH3_VERSION)
     caches = tuple(
-        _parse_entry(e, f"caches[{i}]", layout, 1, budget)
+        _parse_entry(e, f"caches[{i}]", placement, 1, budget)
         for i, e in enumerate(f.f_list("caches", MAX_ENTRIES))
     )
     attachments = [
-        _parse_attachment(raw, f"attachments[{i}]", layout)
+        _parse_attachment(raw, f"attachments[{i}]", placement)
         for i, raw in enumerate(f.f_list("attachments", MAX_ATTACHMENTS))
     ]
     header = Header(
@@ -487,13 +523,13 @@ def _parse_layout(f: _Fields) -> tuple[Layout, int | None]:
     return layout, block_tokens
 
 
-def _parse_attachment(raw: Any, path: str, layout: Layout) -> Attachment:
+def _parse_attachment(raw: Any, path: str, placement: _Placement) -> Attachment:
     a = _Fields(raw, path, frozenset({"schema", "metadata", "tensors"}))
     return Attachment(
         schema=a.f_str("schema"),
         metadata=_check_str_map(a.get("metadata"), a.name("metadata")),
         tensors=tuple(
-            _parse_slot(s, f"{a.name('tensors')}[{j}]", layout)
+            _parse_slot(s, f"{a.name('tensors')}[{j}]", placement)
             for j, s in enumerate(a.f_list("tensors", MAX_TENSORS_PER_ENTRY))
         ),
     )

@@ -9,8 +9,11 @@ host buffers (on any thread) between them:
 2. :func:`read_tensors` fills ``buffers[i][j]`` (slot ``i`` of ``header.slots()``, piece
    ``j`` of :func:`~kvtrio.storage.format.piece_ranges`; the single layout has one piece
    per slot) with ``readinto``-style reads and, when ``verify`` is true (the default),
-   checks every tensor's xxh3-64 (single) or every block's sha256 (blocks) before
-   returning. :func:`allocate_buffers` makes suitable zero-filled buffers.
+   checks every tensor's xxh3-64 (single) or every block (blocks) before returning: a
+   block against the xxh3-64 its manifest records (format version 2 on) when the store
+   is written by its own process alone, else against its sha256 name (a shared store,
+   whose blocks other clients write; a version-1 manifest, which records no xxh3).
+   :func:`allocate_buffers` makes suitable zero-filled buffers.
 
 docs/design.md invariant 4: a reader never returns bytes it has not checked against the header's
 hashes
@@ -47,7 +50,14 @@ from kvtrio.storage.fileops import (
     byte_view,
     pread_full,
 )
-from kvtrio.storage.format import PREAMBLE, Header, TensorSlot, piece_nbytes, piece_ranges
+from kvtrio.storage.format import (
+    PREAMBLE,
+    BlockRef,
+    Header,
+    TensorSlot,
+    piece_nbytes,
+    piece_ranges,
+)
 from kvtrio.storage.hashpool import HashBatch, HashPool
 from kvtrio.storage.headerparse import parse_header, parse_preamble, slot_names
 from kvtrio.storage.manifeststore import ManifestStore
@@ -249,6 +259,15 @@ def _flat_piece(piece: Piece, name: str, expected: int) -> Piece:
     return Scatter(parts)
 
 
+def _xxh3_hex(piece: Piece) -> str:
+    if not isinstance(piece, Scatter):
+        return xxhash.xxh3_64_hexdigest(piece)
+    digest = xxhash.xxh3_64()
+    for part in piece.parts:
+        digest.update(part)
+    return digest.hexdigest()
+
+
 def _sha256_hex(piece: Piece) -> str:
     if not isinstance(piece, Scatter):
         return hashlib.sha256(piece).hexdigest()
@@ -275,9 +294,11 @@ def read_tensors(
     callers may read a few tensors per call (one per step, or several threads at once).
     Single layout: reads the file of ``cache_file`` (which must still be the same file,
     same size). Block layout: reads each block from ``store`` (required), re-hashing it
-    against its sha256 name when ``verify``; a missing block raises CacheMissError. A
-    block's destination may be a :class:`~kvtrio.storage.fileops.Scatter` (its runs of a
-    tensor of several kv heads), filled and hashed in order.
+    when ``verify`` (against the manifest's xxh3 for a store its process alone writes,
+    else against its sha256 name: module docstring); a missing block raises
+    CacheMissError. A block's destination may be a
+    :class:`~kvtrio.storage.fileops.Scatter` (its runs of a tensor of several kv heads),
+    filled and hashed in order.
     ``options`` choose how (direct I/O, drop-behind, helper threads), never what is read
     or checked.
     """
@@ -519,7 +540,7 @@ def _read_blocks(
     options: IoOptions,
 ) -> None:
     # Every block to read, in order, checked against the header before any I/O.
-    wanted: list[tuple[str, str, Piece]] = []  # (label, sha256, buffer)
+    wanted: list[tuple[str, BlockRef, Piece]] = []  # (label, reference, buffer)
     for slot, name, pieces in zip(slots, names, views, strict=True):
         refs = slot.blocks or ()
         if len(refs) != len(pieces):
@@ -531,7 +552,7 @@ def _read_blocks(
                 raise CorruptCacheError(
                     f"{name}.blocks[{j}].bytes: {ref.nbytes}, the token block has {piece.nbytes}"
                 )
-            wanted.append((f"{name}.blocks[{j}]", ref.sha256, piece))
+            wanted.append((f"{name}.blocks[{j}]", ref, piece))
     # A store that declares batched reads (RedisBlockStore: one pipelined round trip per
     # batch) gets up to BLOCK_BATCH_BYTES per call; the others SMALL_BATCH_BYTES.
     batched = store.supports_batched_reads
@@ -542,6 +563,10 @@ def _read_blocks(
     # for whole buffers alone.
     scattered = any(isinstance(piece, Scatter) for _, _, piece in wanted)
     store_verifies = verify and store.supports_verified_reads and not scattered
+    # docs/design.md invariant 4: every block is checked before the load returns; by the
+    # xxh3-64 its manifest records only where no other client writes the store
+    # (BlockStore.written_by_others), else by its sha256 name.
+    by_xxh3 = verify and not store.written_by_others
     for batch in _block_batches([piece.nbytes for _, _, piece in wanted], batched):
         _check_cancel(cancel)
         items = [wanted[i] for i in batch]
@@ -549,7 +574,7 @@ def _read_blocks(
             for _, _, piece in items:
                 for part in piece.parts if isinstance(piece, Scatter) else (piece,):
                     prefault(part, huge=options.prefault_huge)
-        pairs = [(sha, piece) for _, sha, piece in items]
+        pairs = [(ref.sha256, piece) for _, ref, piece in items]
         whole = [(sha, piece) for sha, piece in pairs if isinstance(piece, memoryview)]
         if scattered:
             found = store.read_many_scattered_into(pairs)
@@ -563,20 +588,25 @@ def _read_blocks(
                 raise named from exc
         else:
             found = store.read_many_into(whole)
-        for (label, sha, piece), ok in zip(items, found, strict=True):
+        for (label, ref, piece), ok in zip(items, found, strict=True):
             if not ok:
-                raise CacheMissError(f"{label}: block {sha} is missing")
-            if verify and not store_verifies and _sha256_hex(piece) != sha:
+                raise CacheMissError(f"{label}: block {ref.sha256} is missing")
+            if not verify or store_verifies:
+                continue
+            if by_xxh3 and ref.xxh3 is not None:
+                if _xxh3_hex(piece) != ref.xxh3:
+                    raise CorruptCacheError(f"{label}.xxh3: block content does not match its hash")
+            elif _sha256_hex(piece) != ref.sha256:
                 raise CorruptCacheError(f"{label}.sha256: block content does not hash to its name")
 
 
 def _name_block_field(
-    exc: CorruptBlockError, items: Sequence[tuple[str, str, Piece]]
+    exc: CorruptBlockError, items: Sequence[tuple[str, BlockRef, Piece]]
 ) -> CorruptCacheError | None:
     """The store's error about block ``<sha256>`` restated with the header field it fills
     (``caches[i].tensors[j].blocks[k]``), as the reader's own checks name fields."""
-    for label, sha, _ in items:
-        if sha == exc.name:
+    for label, ref, _ in items:
+        if ref.sha256 == exc.name:
             return CorruptCacheError(f"{label}.{exc.field}: {exc.detail}")
     return None
 

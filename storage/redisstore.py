@@ -288,6 +288,7 @@ class RedisBlockStore(BlockStore):
     supports_batched_reads: ClassVar[bool] = True
     supports_verified_reads: ClassVar[bool] = True
     supports_sizes: ClassVar[bool] = True
+    written_by_others: ClassVar[bool] = True  # every host writes it: sha256 checks
 
     client: redis.Redis
     target: RedisTarget

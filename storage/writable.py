@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 from kvtrio.errors import CacheMismatchError, CorruptCacheError, InvalidInputError
 from kvtrio.storage.format import (
+    FORMAT_VERSION,
     MAX_HEADER_BYTES,
     MAX_META,
     MAX_STRING,
@@ -154,17 +155,24 @@ def _named_entries(header: Header) -> Iterator[tuple[str, CacheEntry]]:
 
 
 def _place_blocks_placeholder(header: Header, block_tokens: int) -> Header:
-    placeholder = "0" * 64
+    """The manifest :func:`~kvtrio.storage.writer.write_blocks` writes for ``header``,
+    placeholder hashes in place of the blocks' (same widths: same length)."""
+    name, digest = "0" * 64, "0" * 16
     slots = [
         attrs.evolve(
             slot,
             off=None,
             xxh3=None,
             blocks=tuple(
-                BlockRef(placeholder, piece_nbytes(slot, a, b))
+                BlockRef(name, piece_nbytes(slot, a, b), digest)
                 for a, b in piece_ranges(slot, block_tokens)
             ),
         )
         for slot in header.slots()
     ]
-    return attrs.evolve(header.with_slots(slots), layout="blocks", block_tokens=block_tokens)
+    return attrs.evolve(
+        header.with_slots(slots),
+        layout="blocks",
+        block_tokens=block_tokens,
+        format_version=FORMAT_VERSION,
+    )

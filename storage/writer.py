@@ -63,6 +63,7 @@ from kvtrio.storage.fileops import (
     pwrite_full,
 )
 from kvtrio.storage.format import (
+    FORMAT_VERSION,
     BlockRef,
     Header,
     TensorSlot,
@@ -572,7 +573,9 @@ def write_blocks(
     Blocks are put (and durable: ``put_many`` returns after fsync) before the manifest is
     published (docs/design.md invariant 5). On cancel or failure the manifest is not
     published; blocks already stored are unreferenced and GC collects them after its
-    grace period. Each block's sha256 is computed over its segments; a segmented block is
+    grace period. Each block's sha256 (its name) and xxh3-64 (what a local load checks,
+    docs/format.md rule 10) are computed over its segments, each segment hashed by both
+    while it is in cache; a segmented block is
     gathered (memmove, GIL released) into a staging buffer reused from tensor to tensor,
     so it is warm after the first.
     """
@@ -591,7 +594,14 @@ def write_blocks(
         _check_cancel(cancel)
         new_bytes += store.put_many(batch)
         blocked.append(attrs.evolve(slot, off=None, xxh3=None, blocks=tuple(refs)))
-    manifest = attrs.evolve(header.with_slots(blocked), layout="blocks", block_tokens=block_tokens)
+    # The current version always: its block references carry their xxh3 (a plan header
+    # loaded from an older file keeps that file's version number until written again).
+    manifest = attrs.evolve(
+        header.with_slots(blocked),
+        layout="blocks",
+        block_tokens=block_tokens,
+        format_version=FORMAT_VERSION,
+    )
     body = encode_header(manifest)
     data = encode_preamble(body, manifest.format_version) + body
     _check_cancel(cancel)
@@ -618,7 +628,8 @@ def _hashed_blocks(
     staging: memoryview,
     cancel: Cancel,
 ) -> tuple[list[tuple[str, memoryview]], list[BlockRef], memoryview]:
-    """Tensor ``index``'s pieces as ``(sha256, contiguous bytes)`` blocks, their refs, and
+    """Tensor ``index``'s pieces as ``(sha256, contiguous bytes)`` blocks, their refs (with
+    each block's xxh3-64), and
     the staging buffer (grown to the slot's size when a segmented piece needs it)."""
     batch: list[tuple[str, memoryview]] = []
     refs: list[BlockRef] = []
@@ -630,8 +641,10 @@ def _hashed_blocks(
         if size != piece_nbytes(slot, start, stop):
             raise ValueError(f"tensor {index}: piece [{start}, {stop}) has {size} bytes")
         hasher = hashlib.sha256()
+        checksum = xxhash.xxh3_64()
         for seg in segments:
             hasher.update(seg)
+            checksum.update(seg)
         name = hasher.hexdigest()
         if len(segments) == 1:
             view = segments[0]
@@ -647,7 +660,7 @@ def _hashed_blocks(
             _gather(view, segments)
             used += size
         batch.append((name, view))
-        refs.append(BlockRef(name, size))
+        refs.append(BlockRef(name, size, checksum.hexdigest()))
     return batch, refs, staging
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import ClassVar
 
+import attrs
 import pytest
 from kvtrio.errors import (
     CacheMissError,
@@ -23,6 +24,7 @@ from kvtrio.errors import (
 )
 from kvtrio.storage import reader
 from kvtrio.storage.blockstore import BlockInfo, BlockStore
+from kvtrio.storage.format import xxh3_hex
 from kvtrio.storage.openstore import open_store
 from kvtrio.storage.reader import CacheFile, allocate_buffers, check_blocks, read_manifest
 from kvtrio.storage.redisstore import RedisBlockStore
@@ -227,3 +229,32 @@ def test_a_key_of_another_type_is_store_unavailable(redis_url: str) -> None:
         store.read_into(name, memoryview(bytearray(1)))
     assert store.client.ping()
     store.close()
+
+
+@pytest.mark.parametrize("verified_by", ["reader", "store"])
+def test_a_forged_block_is_refused_though_the_manifest_records_its_xxh3(
+    tmp_path: Path, redis_url: str, store: CountingStore, verified_by: str
+) -> None:
+    """Other clients write the shared store (BlockStore.written_by_others): its blocks are
+    checked against their sha256 names, never the xxh3 a manifest records, so a block
+    forged under another's name fails even where the manifest's xxh3 agrees with it
+    (docs/format.md rule 10; a local load would check the xxh3 alone)."""
+    cache_file = _saved(redis_url, tmp_path)
+    name = _third_block(cache_file)
+    key = store.inner.block_key(name)
+    stored = store.inner.client.get(key)
+    assert isinstance(stored, bytes)
+    forged = bytearray(stored)
+    forged[7] ^= 0x01
+    store.inner.client.set(key, bytes(forged))
+    slots = list(cache_file.header.slots())
+    refs = slots[0].blocks
+    assert refs is not None and refs[2].xxh3 is not None  # a version 2 manifest
+    agreeing = attrs.evolve(refs[2], xxh3=xxh3_hex(bytes(forged)))
+    slots[0] = attrs.evolve(slots[0], blocks=(*refs[:2], agreeing, *refs[3:]))
+    forged_file = attrs.evolve(cache_file, header=cache_file.header.with_slots(slots))
+    with pytest.raises(
+        CorruptCacheError,
+        match=r"^caches\[0\]\.tensors\[0\]\.blocks\[2\]\.sha256: block content does not hash",
+    ):
+        _load(forged_file, store if verified_by == "reader" else store.inner)

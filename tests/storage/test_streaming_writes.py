@@ -19,6 +19,7 @@ from kvtrio.errors import OperationCancelled
 from kvtrio.storage import writer
 from kvtrio.storage.cacheio import materialize, snapshot
 from kvtrio.storage.fileops import OS_FILE_OPS, FaultyFileOps, FileOps, OsFileOps
+from kvtrio.storage.format import FORMAT_VERSION
 from kvtrio.storage.reader import allocate_buffers, read_header, read_tensors
 from kvtrio.storage.writer import write_single
 
@@ -242,10 +243,10 @@ def test_file_ops_whose_hints_do_nothing_write_plain_buffered(tmp_path: Path) ->
 
 @pytest.mark.parametrize("direct", [False, True])
 def test_the_golden_snapshot_is_written_as_the_golden_file(
-    tmp_path: Path, direct: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, direct: bool
 ) -> None:
-    """Both write paths make the committed golden file's bytes, then zeros to 4 KiB (the
-    O_DIRECT tail padding, which the streaming path writes too)."""
+    """Both write paths make the current version's committed golden file's bytes, then
+    zeros to 4 KiB (the O_DIRECT tail padding, which the streaming path writes too)."""
     import importlib.util
 
     import attrs
@@ -257,7 +258,7 @@ def test_the_golden_snapshot_is_written_as_the_golden_file(
     spec.loader.exec_module(script)
     snap = snapshot(
         script.build_caches(),
-        script.TOKENS,
+        script.tokens_for(FORMAT_VERSION),
         model_id=script.META["model_id"],
         config_fingerprint=script.META["config_fingerprint"],
         meta={"note": script.META["note"]},
@@ -265,12 +266,8 @@ def test_the_golden_snapshot_is_written_as_the_golden_file(
     )
     snap = attrs.evolve(snap, header=attrs.evolve(snap.header, created_at=0.0))
     host = materialize(snap)
-    # The golden's token list predates the rule that tokens equal every layer's offset
-    # (its layers hold different counts); the reader still reads it (test_golden), and
-    # this test is about the bytes, so the writer's own check is set aside here.
-    monkeypatch.setattr(writer, "check_writable", lambda header, block_tokens=None: None)
     path = tmp_path / "single.kvt"
     write_single(str(path), snap.header, [h.segments[0] for h in host], direct=direct)
-    want = (golden / "v1" / "single.kvt").read_bytes()
+    want = (golden / f"v{FORMAT_VERSION}" / "single.kvt").read_bytes()
     got = path.read_bytes()
     assert got == want + bytes(-len(want) % 4096)

@@ -231,7 +231,7 @@ def test_a_scattered_load_reads_each_block_into_its_tensor_with_no_join(
     again = hostbuffers.allocate_slots(cache_file.header, range(4), scatter=True)
     with pytest.raises(
         CorruptCacheError,
-        match=r"^caches\[0\]\.tensors\[0\]\.blocks\[1\]\.sha256: block content does not hash",
+        match=r"^caches\[0\]\.tensors\[0\]\.blocks\[1\]\.xxh3: block content does not match",
     ):
         read_tensors(cache_file, [views for _, views in again], store=store)
     block.write_bytes(bytes(data[:-4]))
