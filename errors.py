@@ -18,6 +18,7 @@ __all__ = [
     "InvalidInputError",
     "KvtrioError",
     "LifecycleError",
+    "NewerFormatError",
     "OperationCancelled",
     "PinLimitError",
     "ShuttingDown",
@@ -58,6 +59,13 @@ class OperationCancelled(KvtrioError):
 
 class CorruptCacheError(KvtrioError):
     """A cache file, block or manifest failed validation: it is never returned as data."""
+
+
+class NewerFormatError(CorruptCacheError):
+    """A cache file or manifest of a format version newer than this library reads: written
+    by a newer kvtrio, not damaged. Never returned as data (a :class:`CorruptCacheError`),
+    but kept: a load counts it a miss and leaves it, and neither open nor ``kvtrio gc``
+    removes it or the blocks it may name (docs/format.md, "Compatibility promise")."""
 
 
 class CacheMismatchError(KvtrioError):

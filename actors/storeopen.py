@@ -39,7 +39,7 @@ from kvtrio.actors.coldrecords import (
 from kvtrio.actors.collector import YoungCollections
 from kvtrio.actors.loopturns import LoopTurns
 from kvtrio.actors.tier import ColdTier
-from kvtrio.errors import CacheMissError, CorruptCacheError
+from kvtrio.errors import CacheMissError, CorruptCacheError, NewerFormatError
 from kvtrio.storage.blockstore import LocalBlockStore
 from kvtrio.storage.catalogue import SCAN_BATCH, Catalogue, CatalogueRow
 
@@ -56,6 +56,7 @@ class OpenReport:
     dropped: int = 0  # rows whose manifest was gone
     parsed: int = 0  # manifests the catalogue lacked, read and added
     orphans_swept: int = 0  # blocks no manifest names (after an unclean close)
+    newer_format: int = 0  # manifests of a newer kvtrio's format: kept, and no block swept
     clean: bool = False  # the catalogue was used as it was
     loop_turns: int = 0  # turns the open's worker gave the event loop (LoopTurns)
 
@@ -190,6 +191,11 @@ class CatalogueOpen:
             # than the row records, so ``kvtrio gc`` never trusts the row for it.
             mtime_ns = self.tier.file_ops.stat(str(self.tier.path_of(key))).st_mtime_ns
             entry = self.tier.entry_blocking(key)
+        except NewerFormatError:
+            # A newer kvtrio's entry: not indexed, and kept, with every block it may name
+            # (this open cannot read which: _present_blocks then sweeps nothing).
+            self.report.newer_format += 1
+            return None
         except (CorruptCacheError, CacheMissError, FileNotFoundError):
             return None  # bad, or not a regular file reached without a link (issue 15)
         except OSError as exc:  # unreadable: not an entry, and no reason to fail the open
@@ -207,7 +213,8 @@ class CatalogueOpen:
         self.entry_blocks[key] = record_of(row.file_bytes, names)
 
     def _present_blocks(self) -> dict[str, int]:
-        """The size of each stored block a manifest names; the others (debris) deleted.
+        """The size of each stored block a manifest names; the others (debris) deleted,
+        unless a newer kvtrio's manifest was found (it may name any of them: none is).
         One pass over the listing, no object kept per block."""
         named, turns = self.refs, self.turns
         present: dict[str, int] = {}
@@ -218,7 +225,12 @@ class CatalogueOpen:
             else:
                 orphans.append(block.name)
             turns.offer()
-        if orphans:
+        if self.report.newer_format:
+            _log.warning(
+                "cold tier %s: %d entries of a newer kvtrio's format kept; no block swept",
+                self.tier.root, self.report.newer_format,
+            )  # fmt: skip
+        elif orphans:
             self.blocks.delete_many(orphans)
-        self.report.orphans_swept = len(orphans)
+            self.report.orphans_swept = len(orphans)
         return present

@@ -40,6 +40,7 @@ from kvtrio.errors import (
     CacheMismatchError,
     CacheMissError,
     CorruptCacheError,
+    NewerFormatError,
     PinLimitError,
     StoreUnavailableError,
     UnknownCacheKindError,
@@ -306,6 +307,15 @@ class IndexAndLoadMixin(CacheParts):
             caches, nbytes = await self.cold.fetch(
                 key, model=self.model, tokens=record.entry.tokens
             )
+        except NewerFormatError:
+            # A newer kvtrio's entry (a shared store's key rewritten by a newer host since
+            # this process indexed it): a miss here, forgotten, not deleted: it is not
+            # damaged, and the kvtrio that reads it keeps it (docs/format.md).
+            self._count("drops")
+            record.leaving = MissReason.CORRUPT
+            if record.cold.state is ColdState.DURABLE:
+                self._apply(record, ColdEvent.FORGET)
+            return None
         except (CacheMissError, CorruptCacheError, CacheMismatchError) as error:
             self._count("drops")
             record.leaving = (

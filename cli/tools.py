@@ -523,12 +523,15 @@ def run_gc(args: argparse.Namespace) -> int:
     table.add_row(f"tmp files {verb}", str(report.tmp_removed))
     table.add_row("unreadable files", str(len(report.unreadable)))
     table.add_row("not kvtrio's (left alone)", str(len(report.foreign)))
+    table.add_row("a newer kvtrio's (kept; no block swept)", str(len(report.newer)))
     table.add_row("seconds", f"{elapsed:.2f}")
     console.print(table)
     for path in report.unreadable:
         console.print(f"[yellow]unreadable[/] {path}", soft_wrap=True)
     for path in report.foreign:
         console.print(f"[dim]not kvtrio's[/] {path}", soft_wrap=True)
+    for path in report.newer:
+        console.print(f"[yellow]a newer kvtrio's format[/] {path}", soft_wrap=True)
     if isinstance(ops, _DryRunFileOps):
         for path in ops.would_delete:
             console.print(f"would delete {path}", soft_wrap=True)

@@ -32,7 +32,7 @@ from typing import Any, Final
 
 import attrs
 import xxhash
-from kvtrio.errors import CorruptCacheError
+from kvtrio.errors import CorruptCacheError, NewerFormatError
 from kvtrio.storage.blockstore import BLOCK_NAME_RE
 from kvtrio.storage.format import (
     _HEX16,
@@ -105,7 +105,10 @@ def parse_preamble(raw: bytes, file_size: int) -> Preamble:
     if magic != MAGIC:
         raise CorruptCacheError(f"preamble.magic: not a kvtrio cache file ({magic!r})")
     if version not in SUPPORTED_VERSIONS:
-        raise CorruptCacheError(
+        # A version past every one this library reads is a newer kvtrio's file, kept by
+        # whoever finds it; any other unknown number is damage.
+        error = NewerFormatError if version > max(SUPPORTED_VERSIONS) else CorruptCacheError
+        raise error(
             f"preamble.format_version: unsupported version {version} "
             f"(this library reads {sorted(SUPPORTED_VERSIONS)})"
         )

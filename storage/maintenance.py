@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 
 import attrs
-from kvtrio.errors import CacheMissError, CorruptCacheError
+from kvtrio.errors import CacheMissError, CorruptCacheError, NewerFormatError
 from kvtrio.storage.blockstore import BlockStore, LocalBlockStore, read_block_verified
 from kvtrio.storage.catalogue import CATALOGUE_NAME, Catalogue
 from kvtrio.storage.fileops import (
@@ -76,6 +76,7 @@ class GcReport:
     unreadable: tuple[str, ...]  # manifests or cache files that failed validation
     foreign: tuple[str, ...] = ()  # files that are not kvtrio's (no kvtrio magic): left alone
     catalogued: int = 0  # manifests whose blocks the catalogue gave (not read)
+    newer: tuple[str, ...] = ()  # manifests of a newer kvtrio's format: no block swept
 
 
 @attrs.frozen
@@ -180,7 +181,10 @@ def collect_garbage(
     catalogue, rows = _clean_catalogue(catalogue_dir, writable=update_catalogue)
     try:
         marked = _mark(manifest_dir, rows, file_ops)
-        doomed = [b for b in blocks if b.name not in marked.live and b.mtime < cutoff]
+        # A newer kvtrio's manifest may name any unmarked block: then none is swept.
+        doomed = [
+            b for b in blocks if b.name not in marked.live and b.mtime < cutoff and not marked.newer
+        ]
         young = sum(1 for b in blocks if b.name not in marked.live and b.mtime >= cutoff)
         if isinstance(store, LocalBlockStore):
             # Re-checks each block's mtime after moving it aside (see delete_stale): a
@@ -208,6 +212,7 @@ def collect_garbage(
         unreadable=tuple(marked.unreadable),
         foreign=tuple(marked.foreign),
         catalogued=marked.catalogued,
+        newer=tuple(marked.newer),
     )
 
 
@@ -218,6 +223,7 @@ class _Marked:
     catalogued: int = 0
     unreadable: list[str] = attrs.field(factory=list)
     foreign: list[str] = attrs.field(factory=list)
+    newer: list[str] = attrs.field(factory=list)
 
 
 def _clean_catalogue(
@@ -268,6 +274,9 @@ def _mark(
         try:
             header = read_header(path, file_ops=file_ops).header
         except FileNotFoundError:  # deleted since the listing: it references nothing now
+            continue
+        except NewerFormatError:  # a newer kvtrio's: its blocks cannot be known here
+            marked.newer.append(path)
             continue
         except CorruptCacheError:
             (marked.unreadable if is_kvtrio_file(path, file_ops) else marked.foreign).append(path)

@@ -464,3 +464,59 @@ async def test_entries_of_two_models_in_turn_each_keep_their_model(
             assert cache._other_models == {other}
             found = [await cache.fetch_nearest([*tokens, 1]) for tokens in prompts]
             assert [f.tier for f in found] == [Tier.COLD, None, Tier.COLD]
+
+
+def _set_version(manifest: Path, version: int) -> None:
+    """Rewrite a manifest's preamble version (the header's hash does not cover it)."""
+    import struct
+
+    raw = bytearray(manifest.read_bytes())
+    struct.pack_into("<I", raw, 8, version)
+    manifest.write_bytes(bytes(raw))
+
+
+async def test_an_entry_of_a_newer_format_is_kept_with_its_blocks(
+    tmp_path: Path, tiny: TinyModel
+) -> None:
+    """A rollback to an older kvtrio, or an older host on a shared directory's copy:
+    entries a newer kvtrio wrote are not damaged. The open does not index one and sweeps
+    no block (it cannot know which it names), ``kvtrio gc`` sweeps none either, and a
+    load of an indexed entry rewritten so is a miss that leaves it; back under a kvtrio
+    that reads it, the entry is whole. (docs/format.md, "Compatibility promise".)"""
+    from kvtrio.storage.blockstore import LocalBlockStore
+    from kvtrio.storage.maintenance import collect_garbage
+
+    async with MlxOwner.inline() as owner:
+        await _fill(tmp_path, tiny, owner, range(3))
+        manifests = sorted((tmp_path / "caches").glob("*.kvc"))
+        blocks = sorted(p.name for p in (tmp_path / "blocks").rglob("*") if p.is_file())
+        assert len(manifests) == 3 and blocks
+        newer = manifests[0]
+        _set_version(newer, 99)
+        (tmp_path / CATALOGUE_NAME).unlink()  # the open reads every manifest
+        async with _open(tmp_path, tiny, owner) as cache:
+            report = _report(cache)
+            assert report.newer_format == 1 and report.orphans_swept == 0
+            assert cache.statistics().cold_entries == 2
+        assert sorted(p.name for p in (tmp_path / "blocks").rglob("*") if p.is_file()) == blocks
+        gc = collect_garbage(
+            str(tmp_path / "caches"), LocalBlockStore(str(tmp_path / "blocks")), grace_s=0.0,
+            catalogue_dir=str(tmp_path),
+        )  # fmt: skip
+        assert gc.newer == (str(newer),) and gc.deleted_blocks == 0
+        assert sorted(p.name for p in (tmp_path / "blocks").rglob("*") if p.is_file()) == blocks
+        # An indexed entry rewritten by a newer kvtrio while this one runs: a miss, kept.
+        _set_version(newer, 2)
+        async with _open(tmp_path, tiny, owner) as cache:
+            assert cache.statistics().cold_entries == 3
+            other = manifests[1]
+            _set_version(other, 99)
+            misses = 0
+            for seed in range(3):
+                found = await cache.fetch_nearest([*_prompt(seed), 1])
+                misses += found.tier is not Tier.COLD
+            assert misses == 1
+        assert other.exists() and newer.exists()
+        _set_version(other, 2)
+        (tmp_path / CATALOGUE_NAME).unlink()
+        await _all_hit_cold(tmp_path, tiny, owner, range(3))

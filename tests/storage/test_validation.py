@@ -86,11 +86,18 @@ def test_rule_preamble_magic(valid: Path) -> None:
     _load_fails(valid, r"^preamble\.magic: not a kvtrio cache file")
 
 
-def test_rule_preamble_unsupported_format_version(valid: Path) -> None:
+@pytest.mark.parametrize("version", [0, 99])
+def test_rule_preamble_unsupported_format_version(valid: Path, version: int) -> None:
+    """A version past every one this library reads is a newer kvtrio's file
+    (NewerFormatError, a CorruptCacheError that open and gc keep); any other unknown
+    number is damage (CorruptCacheError alone)."""
     raw = bytearray(valid.read_bytes())
-    struct.pack_into("<I", raw, 8, 99)
+    struct.pack_into("<I", raw, 8, version)
     valid.write_bytes(bytes(raw))
-    _load_fails(valid, r"^preamble\.format_version: unsupported version 99 ")
+    _load_fails(valid, rf"^preamble\.format_version: unsupported version {version} ")
+    with pytest.raises(CorruptCacheError) as caught:
+        kvtrio.load_cache(valid)
+    assert isinstance(caught.value, kvtrio.NewerFormatError) is (version == 99)
 
 
 def test_rule_header_size_capped(valid: Path) -> None:
