@@ -58,6 +58,42 @@ def _caches(seed: int, *, tokens: int) -> list[Any]:
     return caches
 
 
+async def _peak_while_inserting(
+    cache: Any,
+    owner: Any,
+    make: Callable[[int], list[Any]],
+    measure: Callable[[], int],
+    indices: range,
+    tokens: int,
+    *,
+    seed_shift: int,
+) -> int:
+    """Write-back inserts of distinct entries (entry ``i`` of ``indices``: its tokens from
+    ``i``, its caches from seed ``i + seed_shift``), nobody waiting for the disk, until
+    the writes settle; the most ``measure`` gave, sampled after every insert, every 5 ms
+    and once at the end."""
+    import trio
+
+    peak = measure()
+    done = trio.Event()
+
+    async def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, measure())
+            await trio.sleep(0.005)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sample)
+        for i in indices:
+            key = [i // 1000 + 1, i % 1000, *range(tokens - 2)]
+            await cache.insert(key, await owner.run(make, i + seed_shift))
+            peak = max(peak, measure())
+        await cache.wait_writes_settled()
+        done.set()
+    return max(peak, measure())
+
+
 def _tree_bytes(directory: Path) -> int:
     """Bytes under caches/ and blocks/ now (tmp files included: they are on disk too)."""
     total = 0
@@ -77,7 +113,6 @@ async def _burst_async(directory: Path, inserts: int, fit: int) -> dict[str, Any
     is sampled after every insert and every 5 ms."""
     import functools
 
-    import trio
     from kvtrio.actors.owner import MlxOwner
     from kvtrio.actors.prefix import ModelKey
     from kvtrio.actors.tiered import open_tiered_cache
@@ -97,29 +132,15 @@ async def _burst_async(directory: Path, inserts: int, fit: int) -> dict[str, Any
             await probe.flush()
         one = _tree_bytes(directory / "probe")
         budget = fit * one
-        peak = 0
         start = time.perf_counter()
         async with open_tiered_cache(
             directory / "tier", model, owner=owner, hot_budget=0, cold_budget=budget,
             min_free_bytes=0,
         ) as cache:  # fmt: skip
-            done = trio.Event()
-
-            async def sample() -> None:
-                nonlocal peak
-                while not done.is_set():
-                    peak = max(peak, _tree_bytes(directory / "tier"))
-                    await trio.sleep(0.005)
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(sample)
-                for i in range(inserts):
-                    tokens = [i // 1000 + 1, i % 1000, *range(tokens_per - 2)]
-                    await cache.insert(tokens, await owner.run(make, i + 1))
-                    peak = max(peak, _tree_bytes(directory / "tier"))
-                await cache.wait_writes_settled()
-                done.set()
-            peak = max(peak, _tree_bytes(directory / "tier"))
+            peak = await _peak_while_inserting(
+                cache, owner, make, functools.partial(_tree_bytes, directory / "tier"),
+                range(inserts), tokens_per, seed_shift=1,
+            )  # fmt: skip
             stats = cache.statistics()
         elapsed = time.perf_counter() - start
     return {
@@ -166,7 +187,6 @@ async def _rss_child(directory: Path, inserts: int, cap: int) -> dict[str, Any]:
     insert and every 5 ms; the cold budget holds 40 entries."""
     import functools
 
-    import trio
     from kvtrio.actors.owner import MlxOwner
     from kvtrio.actors.prefix import ModelKey
     from kvtrio.actors.tiered import open_tiered_cache
@@ -182,23 +202,10 @@ async def _rss_child(directory: Path, inserts: int, cap: int) -> dict[str, Any]:
         ) as cache:  # fmt: skip
             await cache.insert(list(range(RSS_TOKENS)), await owner.run(make, 0))
             await cache.wait_writes_settled()
-            base = peak = _rss()
-            done = trio.Event()
-
-            async def sample() -> None:
-                nonlocal peak
-                while not done.is_set():
-                    peak = max(peak, _rss())
-                    await trio.sleep(0.005)
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(sample)
-                for i in range(1, inserts + 1):
-                    tokens = [i // 1000 + 1, i % 1000, *range(RSS_TOKENS - 2)]
-                    await cache.insert(tokens, await owner.run(make, i))
-                    peak = max(peak, _rss())
-                await cache.wait_writes_settled()
-                done.set()
+            base = _rss()
+            peak = await _peak_while_inserting(
+                cache, owner, make, _rss, range(1, inserts + 1), RSS_TOKENS, seed_shift=0
+            )
             stats = cache.statistics()
     return {
         "rss_growth_peak": peak - base,

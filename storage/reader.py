@@ -34,6 +34,7 @@ import os
 import stat
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -259,22 +260,20 @@ def _flat_piece(piece: Piece, name: str, expected: int) -> Piece:
     return Scatter(parts)
 
 
-def _xxh3_hex(piece: Piece) -> str:
-    if not isinstance(piece, Scatter):
-        return xxhash.xxh3_64_hexdigest(piece)
-    digest = xxhash.xxh3_64()
-    for part in piece.parts:
+def _digest_hex(piece: Piece, digest: Any) -> str:
+    """``digest`` (a fresh hashlib or xxhash object) over ``piece``'s bytes, in order."""
+    for part in piece.parts if isinstance(piece, Scatter) else (piece,):
         digest.update(part)
-    return digest.hexdigest()
+    hexed: str = digest.hexdigest()
+    return hexed
+
+
+def _xxh3_hex(piece: Piece) -> str:
+    return _digest_hex(piece, xxhash.xxh3_64())
 
 
 def _sha256_hex(piece: Piece) -> str:
-    if not isinstance(piece, Scatter):
-        return hashlib.sha256(piece).hexdigest()
-    digest = hashlib.sha256()
-    for part in piece.parts:
-        digest.update(part)
-    return digest.hexdigest()
+    return _digest_hex(piece, hashlib.sha256())
 
 
 def read_tensors(
