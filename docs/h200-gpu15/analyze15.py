@@ -1,4 +1,5 @@
 # mypy: ignore-errors
+# ruff: noqa: E501
 """Tables of gpu15's results (issue 17), from the files batch15.sh writes:
 
     python3 analyze15.py FILE...
@@ -62,7 +63,11 @@ def spill(paths):
         print(f"\n## spill at {length} tokens: {len(rounds)} rounds (one bench process each)")
         print("Per round and server: max / p99 of S's gaps in the window, ms (samples; position);")
         print("C's cached tokens; kvtrio's entries spilled while S ran.")
-        print("| round | " + " | ".join(SPILL) + " | kvtrio / nosave (max) | naive / kvtrio (max) | kvtrio / mlx_lm (max) |")
+        print(
+            "| round | "
+            + " | ".join(SPILL)
+            + " | kvtrio / nosave (max) | naive / kvtrio (max) | kvtrio / mlx_lm (max) |"
+        )
         print("|---|" + "---|" * (len(SPILL) + 3))
         ratios = defaultdict(list)
         extra_keys = set()
@@ -88,18 +93,26 @@ def spill(paths):
             ratios["kvtrio/nosave p99 (bench)"].append(p99["kvtrio"] / p99["kvtrio_nosave"])
             ratios["naive/kvtrio p99 (bench)"].append(p99["naive"] / p99["kvtrio"])
             print(f"| {r} | " + " | ".join(cells) + f" | {a:.2f} | {b:.2f} | {c:.2f} |")
-        meds = {n: med([d["spill"][n]["rounds"][0]["itl_max_ms_during"] for _, d in rounds]) for n in SPILL}
-        print("| median of maxima | " + " | ".join(f"{meds[n]:.0f}" for n in SPILL)
-              + f" | {meds['kvtrio'] / meds['kvtrio_nosave']:.2f} | {meds['naive'] / meds['kvtrio']:.2f}"
-              + f" | {meds['kvtrio'] / meds['mlx_lm']:.2f} |")
+        meds = {
+            n: med([d["spill"][n]["rounds"][0]["itl_max_ms_during"] for _, d in rounds])
+            for n in SPILL
+        }
+        print(
+            "| median of maxima | "
+            + " | ".join(f"{meds[n]:.0f}" for n in SPILL)
+            + f" | {meds['kvtrio'] / meds['kvtrio_nosave']:.2f} | {meds['naive'] / meds['kvtrio']:.2f}"
+            + f" | {meds['kvtrio'] / meds['mlx_lm']:.2f} |"
+        )
         for label, xs in ratios.items():
             if label.startswith("naive/kvtrio"):
                 print(per_round(label, xs, at_least=2.0))
             else:
                 print(per_round(label, xs, 1.2 if label.startswith("kvtrio/nosave") else 1.0))
         quiet = {n: [d["spill"][n]["itl_p99_ms_quiet"] for _, d in rounds] for n in SPILL}
-        print("quiet stream p99 ms per round: " + "; ".join(
-            f"{n} {' '.join(f'{x:.1f}' for x in quiet[n])}" for n in SPILL))
+        print(
+            "quiet stream p99 ms per round: "
+            + "; ".join(f"{n} {' '.join(f'{x:.1f}' for x in quiet[n])}" for n in SPILL)
+        )
         if extra_keys:
             print("save fields in the rounds:", sorted(extra_keys))
             saves(rounds)
@@ -107,7 +120,9 @@ def spill(paths):
 
 def saves(rounds):
     """The save spans' figures (fields named *save*), as the bench reports them per round."""
-    keys = sorted({k for _, d in rounds for n in SPILL for k in d["spill"][n]["rounds"][0] if "save" in k})
+    keys = sorted(
+        {k for _, d in rounds for n in SPILL for k in d["spill"][n]["rounds"][0] if "save" in k}
+    )
     for k in keys:
         print(f"{k}:")
         for r, d in rounds:
@@ -125,25 +140,41 @@ def start(paths):
     print(f"\n## start with 1,000 entries: {len(rounds)} complete rounds (naive and kvtrio)")
     for f in fills:
         print(f"fill {f['fill']}: {f['s']:.1f} s")
-    print("| round | naive listen / answer s (position) | kvtrio listen / answer / cold ready s (position) | kvtrio / naive answer | listen | cpu | load |")
+    print(
+        "| round | naive listen / answer s (position) | kvtrio listen / answer / cold ready s (position) | kvtrio / naive answer | listen | cpu | load |"
+    )
     print("|---|---|---|---|---|---|---|")
     for k in rounds:
         n, v = by[k, "naive"], by[k, "kvtrio"]
-        print(f"| {k} | {n['listen_s']:.2f} / {n['answer_s']:.2f} ({n['position']}) | {v['listen_s']:.2f} / "
-              f"{v['answer_s']:.2f} / {v['cold_s']:.2f} ({v['position']}) | {v['answer_s'] / n['answer_s']:.3f} | "
-              f"{v['listen_s'] / n['listen_s']:.3f} | {v['cpu_s'] / n['cpu_s']:.3f} | {min(n['load'], v['load']):.2f} |")
+        print(
+            f"| {k} | {n['listen_s']:.2f} / {n['answer_s']:.2f} ({n['position']}) | {v['listen_s']:.2f} / "
+            f"{v['answer_s']:.2f} / {v['cold_s']:.2f} ({v['position']}) | {v['answer_s'] / n['answer_s']:.3f} | "
+            f"{v['listen_s'] / n['listen_s']:.3f} | {v['cpu_s'] / n['cpu_s']:.3f} | {min(n['load'], v['load']):.2f} |"
+        )
     for key in ("answer_s", "listen_s", "cpu_s"):
         per = [by[k, "kvtrio"][key] / by[k, "naive"][key] for k in rounds]
         mk = med([by[k, "kvtrio"][key] for k in rounds])
         mn = med([by[k, "naive"][key] for k in rounds])
-        print(per_round(f"kvtrio/naive {key}", per) + f"; of medians {mk / mn:.3f} ({mk:.2f} / {mn:.2f} s)")
+        print(
+            per_round(f"kvtrio/naive {key}", per)
+            + f"; of medians {mk / mn:.3f} ({mk:.2f} / {mn:.2f} s)"
+        )
     cold = [by[k, "kvtrio"]["cold_s"] / by[k, "naive"]["answer_s"] for k in rounds]
     print(per_round("kvtrio cold tier open / naive first answer", cold))
     for pos in (0, 1):
-        per = [by[k, "kvtrio"]["answer_s"] / by[k, "naive"]["answer_s"] for k in rounds
-               if by[k, "kvtrio"]["position"] == pos]
+        per = [
+            by[k, "kvtrio"]["answer_s"] / by[k, "naive"]["answer_s"]
+            for k in rounds
+            if by[k, "kvtrio"]["position"] == pos
+        ]
         if per:
-            print(f"  kvtrio started {'first' if pos == 0 else 'second'}: answer ratio median {med(per):.3f} over {len(per)} rounds")
+            print(
+                f"  kvtrio started {'first' if pos == 0 else 'second'}: answer ratio median {med(per):.3f} over {len(per)} rounds"
+            )
+
+
+def run_of(row, length, again):
+    return next(x for x in row["runs"] if x["L"] == length and x["again"] == again)
 
 
 def cudnn(paths):
@@ -152,28 +183,37 @@ def cudnn(paths):
     pairs = sorted({r["pair"] for r in rows})
     by = {(r["pair"], r["setting"]): r for r in rows}
     pairs = [p for p in pairs if (p, "on") in by and (p, "off") in by]
-    print(f"\n## cuDNN attention on / off (MLX_CUDA_USE_CUDNN_SDPA=0): {len(pairs)} pairs of fresh processes")
+    print(
+        f"\n## cuDNN attention on / off (MLX_CUDA_USE_CUDNN_SDPA=0): {len(pairs)} pairs of fresh processes"
+    )
     if not pairs:
         return
     lengths = [x["L"] for x in by[pairs[0], "on"]["runs"] if not x["again"]]
-    print("| tokens | run | prefill ms on (median) | off (median) | off / on per pair | median | decode tok/s on | off | off / on (median) | same tokens |")
+    print(
+        "| tokens | run | prefill ms on (median) | off (median) | off / on per pair | median | decode tok/s on | off | off / on (median) | same tokens |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for again in (False, True):
         for n in lengths:
-            def get(p, s):
-                return next(x for x in by[p, s]["runs"] if x["L"] == n and x["again"] == again)
-            on = [get(p, "on") for p in pairs]
-            off = [get(p, "off") for p in pairs]
-            pr = [b["prefill_s"] / a["prefill_s"] for a, b in zip(on, off)]
-            dr = [b["decode_tps"] / a["decode_tps"] for a, b in zip(on, off)]
-            same = all(a["tokens"] == b["tokens"] for a, b in zip(on, off))
-            print(f"| {n} | {'again' if again else 'first'} | {1e3 * med([x['prefill_s'] for x in on]):.1f} | "
-                  f"{1e3 * med([x['prefill_s'] for x in off]):.1f} | {' '.join(f'{x:.2f}' for x in pr)} | "
-                  f"**{med(pr):.2f}** | {med([x['decode_tps'] for x in on]):.0f} | {med([x['decode_tps'] for x in off]):.0f} | "
-                  f"{med(dr):.3f} ({spread(dr)}) | {same} |")
+            on = [run_of(by[p, "on"], n, again) for p in pairs]
+            off = [run_of(by[p, "off"], n, again) for p in pairs]
+            pr = [b["prefill_s"] / a["prefill_s"] for a, b in zip(on, off, strict=True)]
+            dr = [b["decode_tps"] / a["decode_tps"] for a, b in zip(on, off, strict=True)]
+            same = all(a["tokens"] == b["tokens"] for a, b in zip(on, off, strict=True))
+            print(
+                f"| {n} | {'again' if again else 'first'} | {1e3 * med([x['prefill_s'] for x in on]):.1f} | "
+                f"{1e3 * med([x['prefill_s'] for x in off]):.1f} | {' '.join(f'{x:.2f}' for x in pr)} | "
+                f"**{med(pr):.2f}** | {med([x['decode_tps'] for x in on]):.0f} | {med([x['decode_tps'] for x in off]):.0f} | "
+                f"{med(dr):.3f} ({spread(dr)}) | {same} |"
+            )
     w = [(by[p, "off"]["warmup"]["prefill_s"] / by[p, "on"]["warmup"]["prefill_s"]) for p in pairs]
     print(f"warm-up (256 tokens, each process's first): off / on {' '.join(f'{x:.2f}' for x in w)}")
-    print("loads: " + " ".join(f"{r['load']:.2f}" for r in rows) + f"; process wall s: " + " ".join(f"{r['wall_s']:.1f}" for r in rows))
+    print(
+        "loads: "
+        + " ".join(f"{r['load']:.2f}" for r in rows)
+        + "; process wall s: "
+        + " ".join(f"{r['wall_s']:.1f}" for r in rows)
+    )
 
 
 def cold(paths):
@@ -182,18 +222,30 @@ def cold(paths):
     by = {(r["round"], r["name"]): r for r in turns}
     rounds = sorted({k for k, n in by if (k, "naive") in by and (k, "kvcold") in by})
     head = next((r for r in runs if "warmup" in r and "servers" in r), {})
-    print(f"\n## turn 2 after a restart at 4k, the cold path (--restore-bytes=0): {len(rounds)} rounds; warm-up request first: {head.get('warmup')}")
-    print("| round | naive ms (position) | kvtrio cold ms (position) | kvtrio cache header, cached tokens | kvtrio / naive | load |")
+    print(
+        f"\n## turn 2 after a restart at 4k, the cold path (--restore-bytes=0): {len(rounds)} rounds; warm-up request first: {head.get('warmup')}"
+    )
+    print(
+        "| round | naive ms (position) | kvtrio cold ms (position) | kvtrio cache header, cached tokens | kvtrio / naive | load |"
+    )
     print("|---|---|---|---|---|---|")
     for k in rounds:
         n, v = by[k, "naive"], by[k, "kvcold"]
         hdr = (v.get("tier") or {}).get("cache_header")
-        print(f"| {k} | {1e3 * n['ttft_s']:.1f} ({n['position']}) | {1e3 * v['ttft_s']:.1f} ({v['position']}) | {hdr}, {v['cached_tokens']} "
-              f"| {v['ttft_s'] / n['ttft_s']:.3f} | {min(n['load'], v['load']):.2f} |")
+        print(
+            f"| {k} | {1e3 * n['ttft_s']:.1f} ({n['position']}) | {1e3 * v['ttft_s']:.1f} ({v['position']}) | {hdr}, {v['cached_tokens']} "
+            f"| {v['ttft_s'] / n['ttft_s']:.3f} | {min(n['load'], v['load']):.2f} |"
+        )
     if rounds:
         per = [by[k, "kvcold"]["ttft_s"] / by[k, "naive"]["ttft_s"] for k in rounds]
-        mk, mn = med([by[k, "kvcold"]["ttft_s"] for k in rounds]), med([by[k, "naive"]["ttft_s"] for k in rounds])
-        print(per_round("kvtrio/naive", per, 1.05) + f"; of medians {mk / mn:.3f} ({1e3 * mk:.1f} / {1e3 * mn:.1f} ms)")
+        mk, mn = (
+            med([by[k, "kvcold"]["ttft_s"] for k in rounds]),
+            med([by[k, "naive"]["ttft_s"] for k in rounds]),
+        )
+        print(
+            per_round("kvtrio/naive", per, 1.05)
+            + f"; of medians {mk / mn:.3f} ({1e3 * mk:.1f} / {1e3 * mn:.1f} ms)"
+        )
         same = all(by[k, "kvcold"]["answer"] == by[k, "naive"]["answer"] for k in rounds)
         print(f"same answer as naive in every round: {same}")
     for r in runs:

@@ -66,7 +66,12 @@ def child(model_path, lengths, decode, pair):
 
 def main():
     if sys.argv[1] == "--child":
-        model_path, lengths, decode, pair = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+        model_path, lengths, decode, pair = (
+            sys.argv[2],
+            sys.argv[3],
+            int(sys.argv[4]),
+            int(sys.argv[5]),
+        )
         out = child(model_path, [int(x) for x in lengths.split(",")], decode, pair)
         print("RESULT " + json.dumps(out), flush=True)
         return
@@ -92,23 +97,38 @@ def main():
                 argv = [sys.executable, __file__, "--child", model_path, lengths, decode]
                 try:
                     proc = subprocess.run(
-                        [*argv, str(max(pair, 0))], env=env, capture_output=True, text=True,
+                        [*argv, str(max(pair, 0))],
+                        env=env,
+                        capture_output=True,
+                        text=True,
                         timeout=max(10.0, min(300.0, deadline - time.time())),
                     )
                 except subprocess.TimeoutExpired:
-                    out.write(json.dumps({"pair": pair, "setting": setting, "rc": "timeout"}) + "\n")
+                    out.write(
+                        json.dumps({"pair": pair, "setting": setting, "rc": "timeout"}) + "\n"
+                    )
                     return
                 wall = time.perf_counter() - t0
                 lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-                row = {"pair": pair, "setting": setting, "position": position, "load": load,
-                       "utc": utc, "wall_s": wall, "rc": proc.returncode}
+                row = {
+                    "pair": pair,
+                    "setting": setting,
+                    "position": position,
+                    "load": load,
+                    "utc": utc,
+                    "wall_s": wall,
+                    "rc": proc.returncode,
+                }
                 if lines:
-                    row.update(json.loads(lines[-1][len("RESULT "):]))
+                    row.update(json.loads(lines[-1][len("RESULT ") :]))
                 else:
                     row["stderr"] = proc.stderr[-800:]
                 out.write(json.dumps(row) + "\n")
                 out.flush()
-                brief = [(r["L"], round(1e3 * r["prefill_s"], 1), round(r["decode_tps"])) for r in row.get("runs", [])]
+                brief = [
+                    (r["L"], round(1e3 * r["prefill_s"], 1), round(r["decode_tps"]))
+                    for r in row.get("runs", [])
+                ]
                 print(pair, setting, f"{wall:.1f}s", brief, flush=True)
             longest = max(longest if pair > first else 0.0, time.time() - began_pair)
 

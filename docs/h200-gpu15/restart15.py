@@ -1,6 +1,7 @@
 # mypy: ignore-errors
 """Turn 2 after a restart for named servers, each with its own tree and environment
-(gpu15, issue 17; docs/h200-gpu14/restart14.py with a deadline): the bench's restart phase (``kvtrio.bench.serve_restart._turn2``: start,
+(gpu15, issue 17; docs/h200-gpu14/restart14.py with a deadline): the bench's restart
+phase (``kvtrio.bench.serve_restart._turn2``: start,
 settle 3 s after listening and the cold tier open, turn 2 streamed, SIGTERM), servers
 alternated in ``round_order`` (reversed every other round).
 
