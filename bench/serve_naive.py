@@ -62,8 +62,9 @@ class NaivePromptCache(_cache.LRUPromptCache):  # type: ignore[misc]
         _cache.save_prompt_cache(str(path), prompt_cache)
         (self.dir / f"{name}.json").write_text(json.dumps(tokens))
         self.files[tuple(tokens)] = path
-        if self.trace is not None:
-            self.trace.record(start, time.perf_counter(), len(tokens))
+        if self.trace is not None:  # the save is the write, on this thread
+            end = time.perf_counter()
+            self.trace.record(start, end, len(tokens), (start, end))
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
         cache, rest = super().fetch_nearest_cache(model, tokens)

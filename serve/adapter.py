@@ -624,7 +624,9 @@ async def _spill(
 ) -> None:
     """Hand an entry RAM evicted to the tier; the close's (``flushed``) as a flush. With
     a ``trace`` (the save trace, when RAM handed it over), record the save's span once
-    the tier's writes have settled."""
+    the tier's writes have settled, with its own store's if it was written."""
+    if trace is not None:
+        cold.on_written = trace[0].note_written
     try:
         key = await cold.spill(tokens, caches, meta=meta, flush=flushed is not None)
     except Exception:
@@ -636,6 +638,7 @@ async def _spill(
     if trace is not None:
         import trio  # loaded with the tier, whose loop runs this
 
-        await cold.wait_writes_settled()
         saves, handed = trace
-        await trio.to_thread.run_sync(saves.record, handed, time.perf_counter(), len(tokens))
+        await cold.wait_writes_settled()
+        settled, written = time.perf_counter(), saves.written.pop(key, None)
+        await trio.to_thread.run_sync(saves.record, handed, settled, len(tokens), written)

@@ -136,6 +136,10 @@ def test_bench_serve_spill_phase_prints_latencies_and_ratios_of_the_same_run() -
         assert all(ms >= 0 for ms in checked["save_ms"])
         assert 0 <= checked["samples_saving"] <= checked["samples"]
         assert (spill[kind]["samples_saving"] > 0) is saved, kind
+        assert len(checked["write_ms"]) <= checked["saves"]
+        assert 0 <= checked["samples_writing"] <= checked["samples_saving"]
+    # Each naive save is its own write, on the generation thread.
+    assert naive["rounds"][0]["write_ms"] == naive["rounds"][0]["save_ms"]
     assert kv["rounds"][0]["saves"] >= kv["rounds"][0]["spilled_while_streaming"]
     assert naive["itl_max_ms_saving"] <= naive["itl_max_ms_during"]
     assert ratios["itl_max_naive_vs_kvtrio_saving"] == (
