@@ -462,6 +462,8 @@ class ColdSideMixin(CacheParts):
             )
             if result.written:
                 self.save_seconds.observe(time.perf_counter() - started)
+                if self.on_written is not None:  # kvtrio serve --save-trace
+                    self.on_written(record.entry.key, started, time.perf_counter())
         except KvtrioError:
             result = StoreResult(written=False, unwritten="refused")
         except OSError:  # the disk failed under the write: a counted drop (issue 15)

@@ -101,7 +101,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -241,6 +241,8 @@ class TieredPromptCache(PolicyFeaturesMixin, IndexAndLoadMixin, SharedLookupMixi
     _nursery: trio.Nursery | None = None
     load_seconds: Histogram = attrs.field(init=False, factory=Histogram)
     save_seconds: Histogram = attrs.field(init=False, factory=Histogram)
+    #: Called on the loop after each write lands: key, its store's start and end (perf_counter).
+    on_written: Callable[[str, float, float], object] | None = attrs.field(init=False, default=None)
     loop_lag_seconds: Histogram = attrs.field(init=False, factory=lambda: Histogram(LAG_BUCKETS))
     hot_policy: EvictionPolicy = attrs.field(init=False)
     cold_policy: EvictionPolicy = attrs.field(init=False)

@@ -73,6 +73,7 @@ class CacheParts(abc.ABC):
     load_seconds: Histogram
     save_seconds: Histogram
     loop_lag_seconds: Histogram
+    on_written: Callable[[str, float, float], object] | None
 
     # State.
     _nursery: trio.Nursery | None

@@ -43,6 +43,7 @@ from kvtrio.bench.serve_harness import (
     workdir,
 )
 from kvtrio.bench.serve_restart import KINDS, QUESTION, restart, restart_ratios
+from kvtrio.bench.serve_spill import spill, spill_ratios, spilled
 from kvtrio.serve.modeldir import SHAPES
 
 __all__ = ["add_arguments", "measure", "model_dir", "render"]
@@ -199,165 +200,25 @@ def _decode(
     the others drop)."""
     bias = no_eos(model)
     runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
-    spilled = 0
+    handed = 0
     for r in range(rounds):
         for position, kind in enumerate(round_order(KINDS, r)):
             with running(kind, model, root / f"{kind}-decode-{r}", log) as server:
                 _decode_round(server, 8, streams, bias, -1 - r)  # warm-up, not counted
                 server.wait_cold_ready()  # kvtrio's open is not measured (0 s for the others)
-                before = _spilled(server)
+                before = spilled(server)
                 run = _decode_round(server, tokens, streams, bias, r)
-                after = _spilled(server)
+                after = spilled(server)
             if before is not None and after is not None:
-                spilled += after - before
+                handed += after - before
             runs[kind].append({**run, "position": position, **server.tags()})
     out: dict[str, Any] = {}
     for kind in KINDS:
         keys = [k for k in (runs[kind][0] if runs[kind] else ()) if k not in ROUND_TAGS]
         out[kind] = {key: median([run[key] for run in runs[kind]]) for key in keys}
         out[kind]["runs"] = runs[kind]
-    out["kvtrio"]["spilled_during_rounds"] = spilled
+    out["kvtrio"]["spilled_during_rounds"] = handed
     return out
-
-
-#: The spill phase's servers: (label, server kind, --prompt-cache-size). With two
-#: entries in RAM the continuation is a RAM hit on every server and the next request's
-#: insert evicts a large entry (kvtrio saves it then); "kvtrio_nosave" is kvtrio serve
-#: with room for every entry of the phase: the same requests, no save.
-SPILL_SERVERS = (
-    ("mlx_lm", "mlx_lm", 2),
-    ("naive", "naive", 2),
-    ("kvtrio", "kvtrio", 2),
-    ("kvtrio_nosave", "kvtrio", 64),
-)
-
-#: Seconds of the stream measured after the saving requests end (kvtrio's save goes on
-#: in owner jobs and worker threads after the eviction).
-SPILL_TAIL_S = 0.5
-
-#: max_tokens of the spill phase's stream S, which the client ends once the window is over.
-SPILL_STREAM_CAP = 100_000
-
-
-def _spilled(server: Server) -> int | None:
-    """kvtrio serve's count of RAM entries handed to disk so far (None for the others)."""
-    if server.kind != "kvtrio":
-        return None
-    for line in server.metrics().splitlines():
-        if line.startswith("kvtrio_serve_spilled_total"):
-            return int(float(line.split()[-1]))
-    return None
-
-
-def _cached(result: dict[str, Any]) -> int:
-    return int((result["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-
-
-def _spill_round(
-    server: Server, label: str, document: str, tokens: int, r: int, bias: dict[str, float]
-) -> tuple[list[float], list[float], dict[str, Any]]:
-    """One round of the spill phase on ``server`` (see :func:`_spill`): the quiet stream's
-    gaps, the "during" gaps, and the round's checks."""
-    alone = server.chat([{"role": "user", "content": f"Quiet stream {r}."}], tokens)
-    big = [{"role": "user", "content": f"Round {r}. {document}"}]
-    answer = server.chat(big, 1)["text"]
-    more = [*big, {"role": "assistant", "content": answer}]
-    more.append({"role": "user", "content": QUESTION})
-    stream: dict[str, Any] = {}
-    started, leave = threading.Event(), threading.Event()
-    busy = [{"role": "user", "content": f"Busy stream {r}."}]
-    # S runs until the window has ended (the client then leaves): with a fixed length a
-    # fast server finished it before the window began (no samples).
-    thread = threading.Thread(
-        target=lambda out=stream, go=started, ask=busy, quit=leave: out.update(
-            server.chat_watching(ask, SPILL_STREAM_CAP, 8, go, stop=quit, logit_bias=bias)
-        )
-    )
-    spilled_before = _spilled(server)
-    thread.start()
-    if not started.wait(600):
-        raise RuntimeError(f"{label}: the stream did not start")
-    continued = server.chat(more, 1)
-    evicting = server.chat([{"role": "user", "content": f"Evict {r}."}], 1)
-    begin, end = continued["headers"], evicting["done"] + SPILL_TAIL_S
-    time.sleep(max(0.0, end - time.perf_counter()) + SPILL_TAIL_S / 5)
-    leave.set()
-    thread.join()
-    spilled_after = _spilled(server)
-    arrivals = [t for t in stream["arrivals"] if begin <= t <= end]
-    during = itl(arrivals)
-    check = {
-        "continued_cached_tokens": _cached(continued),
-        "continued_prompt_tokens": int(continued["usage"].get("prompt_tokens", 0)),
-        "spilled_while_streaming": (
-            None
-            if spilled_before is None or spilled_after is None
-            else spilled_after - spilled_before
-        ),
-        "window_s": end - begin,
-        "stream_outlived_window": bool(stream["arrivals"]) and stream["arrivals"][-1] > end,
-        "samples": len(during),
-        "itl_p99_ms_during": 1e3 * pct(during, 0.99),
-        "itl_max_ms_during": 1e3 * max(during, default=float("nan")),
-    }
-    return itl(alone["arrivals"]), during, check
-
-
-def _spill(
-    model: Path, root: Path, length: int, tokens: int, rounds: int, log: Path
-) -> dict[str, dict[str, Any]]:
-    """Inter-token latency of a stream S while other requests make the server save large
-    entries, and of a stream alone, on every server of :data:`SPILL_SERVERS`: each round
-    runs them one at a time in :func:`round_order` (reversed every other round), each
-    started afresh, warmed up, measured and stopped before the next starts (with several
-    running, which server started first moved its decode rate on the H200).
-
-    Each round: a quiet stream (``tokens`` tokens, nothing else running); a
-    ``length``-token prompt answered with one token (entry B in RAM); then S and, once S
-    has decoded 8 tokens, B's conversation continued (C: a RAM hit, a few tokens to
-    prefill; its inserts are ``length``-token entries, which the naive baseline saves at
-    once, on the generation thread) and then a short unrelated request E (with two
-    entries in RAM its insert evicts B: kvtrio saves it then). The "during" sample is
-    S's latencies from the moment the server took C (C's headers arrived: mlx-lm decodes
-    a batch for up to 0.5 s before it looks at new requests) to :data:`SPILL_TAIL_S`
-    after E ended; S runs until then (its client leaves after the window). Plain
-    mlx_lm.server runs the same requests and saves nothing, and so does kvtrio with a
-    RAM cache large enough for every entry (``kvtrio_nosave``): the same load without a
-    save, the reference of the check. Per server: p50/p99/max over all rounds' samples,
-    and per round its p99, the tokens C reused (a hit on every server, or the round
-    would measure a recompute), for kvtrio the entries spilled while S ran, and whether
-    S outlived the window, with the server's ``position`` in the round's order, its
-    ``pid`` and when it was ``alive``.
-    """
-    bias = no_eos(model)  # S must not end on its own
-    document = prompt_words(model, length)
-    quiet: dict[str, list[float]] = {label: [] for label, _, _ in SPILL_SERVERS}
-    during: dict[str, list[float]] = {label: [] for label, _, _ in SPILL_SERVERS}
-    checks: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in SPILL_SERVERS}
-    specs = {label: (kind, size) for label, kind, size in SPILL_SERVERS}
-    for r in range(rounds):
-        for position, label in enumerate(round_order(list(specs), r)):
-            kind, size = specs[label]
-            extra = ("--prompt-cache-size", str(size))
-            with running(kind, model, root / f"{label}-spill-{r}", log, extra) as server:
-                server.chat([{"role": "user", "content": f"warm up {r}"}], 4)
-                server.wait_cold_ready()
-                alone, gaps, check = _spill_round(server, label, document, tokens, r, bias)
-            quiet[label] += alone
-            during[label] += gaps
-            checks[label].append({**check, "position": position, **server.tags()})
-    return {
-        label: {
-            "itl_p50_ms_quiet": 1e3 * pct(quiet[label], 0.5),
-            "itl_p99_ms_quiet": 1e3 * pct(quiet[label], 0.99),
-            "itl_p50_ms_during": 1e3 * pct(during[label], 0.5),
-            "itl_p99_ms_during": 1e3 * pct(during[label], 0.99),
-            "itl_max_ms_during": 1e3 * max(during[label], default=float("nan")),
-            "samples_during": len(during[label]),
-            "rounds": checks[label],
-        }
-        for label in quiet
-    }
 
 
 def _disk_bytes(path: Path) -> int:
@@ -537,7 +398,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 model, root, args.decode_tokens, args.streams, args.rounds, log
             )
         if "spill" in phases:
-            figures["spill"] = _spill(
+            figures["spill"] = spill(
                 model, root, args.spill_length, args.spill_tokens, args.spill_rounds, log
             )
         if "disk" in phases:
@@ -593,35 +454,7 @@ def _ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
                     decode[kind]["runs"], key
                 )
     if "spill" in figures:
-        spill = figures["spill"]
-        kv, naive, plain = spill["kvtrio"], spill["naive"], spill["mlx_lm"]
-        nosave = spill["kvtrio_nosave"]
-        ratios["spill"] = {
-            # The check: the same streams and requests, with a save and without one.
-            "itl_p99_kvtrio_during_vs_nosave": kv["itl_p99_ms_during"]
-            / nosave["itl_p99_ms_during"],
-            # The same per round (kvtrio's p99 over kvtrio_nosave's, rounds run back to
-            # back), and their median: how much of the pooled ratio is one round's noise.
-            "itl_p99_kvtrio_during_vs_nosave_per_round": (
-                per_round := [
-                    a["itl_p99_ms_during"] / b["itl_p99_ms_during"]
-                    for a, b in zip(kv["rounds"], nosave["rounds"], strict=True)
-                ]
-            ),
-            "itl_p99_kvtrio_during_vs_nosave_round_median": median(per_round),
-            "itl_p99_kvtrio_during_vs_quiet": kv["itl_p99_ms_during"] / kv["itl_p99_ms_quiet"],
-            "itl_p99_kvtrio_vs_mlx_lm_during": kv["itl_p99_ms_during"] / plain["itl_p99_ms_during"],
-            "itl_p99_naive_vs_kvtrio_during": naive["itl_p99_ms_during"] / kv["itl_p99_ms_during"],
-            # The "2x better than naive during a save" check, per round and its median.
-            "itl_p99_naive_vs_kvtrio_during_per_round": (
-                naive_round := [
-                    a["itl_p99_ms_during"] / b["itl_p99_ms_during"]
-                    for a, b in zip(naive["rounds"], kv["rounds"], strict=True)
-                ]
-            ),
-            "itl_p99_naive_vs_kvtrio_during_round_median": median(naive_round),
-            "itl_p99_naive_during_vs_quiet": naive["itl_p99_ms_during"] / naive["itl_p99_ms_quiet"],
-        }
+        ratios["spill"] = spill_ratios(figures["spill"])
     if "shared_system_prompt_disk_bytes" in figures:
         disk = figures["shared_system_prompt_disk_bytes"]
         ratios["disk_bytes_naive_vs_kvtrio"] = disk["naive"] / max(1, disk["kvtrio"])

@@ -23,6 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvtrio.serve.savetrace import SaveSpan, read_save_trace
+
 __all__ = [
     "Server",
     "compile_kvtrio",
@@ -58,13 +60,31 @@ def free_port() -> int:
 
 class Server:
     def __init__(
-        self, kind: str, model: Path, work: Path, log: Path, extra: Sequence[str] = ()
+        self,
+        kind: str,
+        model: Path,
+        work: Path,
+        log: Path,
+        extra: Sequence[str] = (),
+        *,
+        trace_saves: bool = False,
     ) -> None:
         self.kind = kind
         self.port = free_port()
         common = ["--model", str(model), "--port", str(self.port), "--log-level", "WARNING"]
         common += extra
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVTRIO_NAIVE_DIR": str(work / "naive")}
+        # Where the server records when each save ran (kvtrio.serve.savetrace): kvtrio
+        # serve's --save-trace, the naive baseline's variable; plain mlx_lm saves nothing.
+        self.save_trace = work / "saves.jsonl" if trace_saves else None
+        env.pop("KVTRIO_NAIVE_SAVE_TRACE", None)
+        if self.save_trace is not None:
+            work.mkdir(parents=True, exist_ok=True)
+            self.save_trace.unlink(missing_ok=True)
+            if kind == "naive":
+                env["KVTRIO_NAIVE_SAVE_TRACE"] = str(self.save_trace)
+            elif kind == "kvtrio":
+                common += ["--save-trace", str(self.save_trace)]
         exe = sys.executable
         argv = {
             "mlx_lm": [exe, "-m", "mlx_lm", "server", *common],
@@ -108,6 +128,10 @@ class Server:
                 raise RuntimeError("kvtrio serve: the cold tier did not open")
             time.sleep(0.02)
         return time.perf_counter() - self.started
+
+    def save_spans(self) -> list[SaveSpan]:
+        """The saves this server recorded so far (none without ``trace_saves``)."""
+        return [] if self.save_trace is None else read_save_trace(self.save_trace)
 
     def output(self) -> str:
         """What this server wrote to the log so far (the bench runs one at a time)."""
@@ -249,10 +273,16 @@ class Server:
 
 @contextmanager
 def running(
-    kind: str, model: Path, work: Path, log: Path, extra: Sequence[str] = ()
+    kind: str,
+    model: Path,
+    work: Path,
+    log: Path,
+    extra: Sequence[str] = (),
+    *,
+    trace_saves: bool = False,
 ) -> Iterator[Server]:
     """A :class:`Server` started for the block and stopped (exited) when it ends."""
-    server = Server(kind, model, work, log, extra)
+    server = Server(kind, model, work, log, extra, trace_saves=trace_saves)
     try:
         yield server
     finally:

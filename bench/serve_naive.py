@@ -2,7 +2,9 @@
 LRUPromptCache also calls mlx-lm's own ``save_prompt_cache`` on every insert (on the
 generation thread, as a user would write it) and, on a RAM miss, loads the saved file
 with the longest common prefix. Run as ``python -m kvtrio.bench.serve_naive`` with
-mlx_lm.server's flags; the files go to ``$KVTRIO_NAIVE_DIR``.
+mlx_lm.server's flags; the files go to ``$KVTRIO_NAIVE_DIR``. With
+``$KVTRIO_NAIVE_SAVE_TRACE`` set, each save's span is appended there as ``kvtrio serve
+--save-trace`` writes it (:mod:`kvtrio.serve.savetrace`).
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+from kvtrio.serve.savetrace import SaveTrace
 from mlx_lm import server as mlx_server
 from mlx_lm.models import cache as mlx_cache
 
@@ -38,6 +42,7 @@ class NaivePromptCache(_cache.LRUPromptCache):  # type: ignore[misc]
         self.dir = Path(os.environ["KVTRIO_NAIVE_DIR"])
         self.dir.mkdir(parents=True, exist_ok=True)
         self.files: dict[tuple[int, ...], Path] = {}
+        self.trace = SaveTrace.at(os.environ.get("KVTRIO_NAIVE_SAVE_TRACE") or None)
         for sidecar in self.dir.glob("*.json"):
             tokens = tuple(json.loads(sidecar.read_text()))
             self.files[tokens] = sidecar.with_suffix(".safetensors")
@@ -51,11 +56,15 @@ class NaivePromptCache(_cache.LRUPromptCache):  # type: ignore[misc]
         cache_type: str = "assistant",
     ) -> None:
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        start = time.perf_counter()
         name = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
         path = self.dir / f"{name}.safetensors"
         _cache.save_prompt_cache(str(path), prompt_cache)
         (self.dir / f"{name}.json").write_text(json.dumps(tokens))
         self.files[tuple(tokens)] = path
+        if self.trace is not None:  # the save is the write, on this thread
+            end = time.perf_counter()
+            self.trace.record(start, end, len(tokens), (start, end))
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
         cache, rest = super().fetch_nearest_cache(model, tokens)

@@ -77,6 +77,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -85,6 +86,7 @@ from kvtrio.errors import ShuttingDown, UnsupportedCacheError
 from kvtrio.serve import triesearch
 from kvtrio.serve.cachekinds import held_prefix, per_sequence, saveable
 from kvtrio.serve.flushreport import FlushedEntry, FlushReport, HandOver
+from kvtrio.serve.savetrace import SaveTrace
 from mlx_lm.models import cache as _mlx_cache
 
 if TYPE_CHECKING:  # the tier's modules load with the tier: ``kvtrio serve`` starts without
@@ -194,8 +196,10 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
         pump_budget: float = 0.005,
         load_in_lookup: bool = True,
         min_reuse_tokens: int | None = None,
+        save_trace: SaveTrace | None = None,
     ) -> None:
         super().__init__(max_size, max_bytes)
+        self.save_trace = save_trace  # when each spill ran (kvtrio.serve.savetrace)
         self._trie = _RecordingTrie()
         self.tier = tier
         self.tier_model = tier_model
@@ -555,6 +559,7 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
     def _spill_evicted(self) -> None:
         trie: _RecordingTrie = self._trie
         evicted, trie.evicted = trie.evicted, []
+        handed = time.perf_counter()
         for model, tokens, entry in evicted:
             flushed = None
             if self._closing and model == self.tier_model and tokens:
@@ -577,7 +582,8 @@ class TieredLRUPromptCache(mlx_cache.LRUPromptCache):  # type: ignore[misc]
             cold = tier.cache
             assert cold is not None
             meta = {"mlx_lm.cache_type": str(entry.cache_type)}
-            if tier.submit(_spill, cold, tokens, entry.prompt_cache, meta, flushed):
+            trace = None if self.save_trace is None else (self.save_trace, handed)
+            if tier.submit(_spill, cold, tokens, entry.prompt_cache, meta, flushed, trace):
                 self._count("spilled")
             elif flushed is not None:
                 flushed.why = HandOver.TIER_CLOSED
@@ -614,8 +620,13 @@ async def _spill(
     caches: list[Any],
     meta: dict[str, str],
     flushed: FlushedEntry | None,
+    trace: tuple[SaveTrace, float] | None,
 ) -> None:
-    """Hand an entry RAM evicted to the tier; the close's (``flushed``) as a flush."""
+    """Hand an entry RAM evicted to the tier; the close's (``flushed``) as a flush. With
+    a ``trace`` (the save trace, when RAM handed it over), record the save's span once
+    the tier's writes have settled, with its own store's if it was written."""
+    if trace is not None:
+        cold.on_written = trace[0].note_written
     try:
         key = await cold.spill(tokens, caches, meta=meta, flush=flushed is not None)
     except Exception:
@@ -624,3 +635,10 @@ async def _spill(
         raise
     if flushed is not None:
         flushed.key = key
+    if trace is not None:
+        import trio  # loaded with the tier, whose loop runs this
+
+        saves, handed = trace
+        await cold.wait_writes_settled()
+        settled, written = time.perf_counter(), saves.written.pop(key, None)
+        await trio.to_thread.run_sync(saves.record, handed, settled, len(tokens), written)

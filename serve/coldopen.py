@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from kvtrio.actors.collector import collector_paused
 from kvtrio.serve.adapter import TieredLRUPromptCache
 from kvtrio.serve.flushreport import FlushedEntry, HandOver
+from kvtrio.serve.savetrace import SaveTrace
 
 if TYPE_CHECKING:
     from kvtrio.serve.bridge import TierOptions, TierThread
@@ -119,6 +120,7 @@ class ServeCache(TieredLRUPromptCache):
         tier_model: Any,
         load_timeout: float,
         load_in_lookup: bool = True,
+        save_trace: SaveTrace | None = None,
     ) -> None:
         super().__init__(
             max_size,
@@ -127,6 +129,7 @@ class ServeCache(TieredLRUPromptCache):
             tier_model=tier_model,
             load_timeout=load_timeout,
             load_in_lookup=load_in_lookup,
+            save_trace=save_trace,
         )
         self.opening = opening
         # Runs on the generation thread when it takes the tier (kvtrio serve wires wakes).

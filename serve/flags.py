@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 import attrs
 from kvtrio.actors.callerchecks import DEFAULT_MIN_REUSE_TOKENS, check_seconds
+from kvtrio.serve.savetrace import SaveTrace
 
 if TYPE_CHECKING:  # imported where used: ``kvtrio serve`` starts without the tier's modules
     from kvtrio.actors.policy import AdmissionPolicy
@@ -179,6 +180,17 @@ def _prompt_file(text: str) -> Path:
     return path
 
 
+def _trace_file(text: str) -> Path:
+    """``--save-trace``: a file opened for appending now (a path it cannot append to
+    stops the start, not the first save)."""
+    try:
+        trace = SaveTrace.at(Path(text).expanduser())
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: {type(exc).__name__}: {exc}") from None
+    assert trace is not None
+    return trace.path
+
+
 def _directory(text: str) -> Path:
     if not text.strip():  # an unset variable in a unit file: not the working directory
         raise argparse.ArgumentTypeError("an empty path")
@@ -291,6 +303,15 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
         "--prompt-cache-size; 0: off)",
     )
     group.add_argument(
+        "--save-trace",
+        type=_trace_file,
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per entry handed to disk: when RAM handed it over and "
+        "when the writes had settled (time.perf_counter's clock), for measuring what a "
+        "save costs other streams (docs/serve.md)",
+    )
+    group.add_argument(
         "--load-streams",
         type=_streams,
         default=None,
@@ -382,6 +403,7 @@ class ServeOptions:
     prefetch: bool = True
     write_defer: float = WRITE_DEFER
     load_streams: int | None = None
+    save_trace: Path | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -397,7 +419,12 @@ class ServeOptions:
             prefetch=getattr(args, "prefetch", True),
             write_defer=getattr(args, "write_defer", WRITE_DEFER),
             load_streams=getattr(args, "load_streams", None),
+            save_trace=getattr(args, "save_trace", None),
         )
+
+    def saves(self) -> SaveTrace | None:
+        """``--save-trace``'s record (:mod:`kvtrio.serve.savetrace`), or None."""
+        return SaveTrace.at(self.save_trace)
 
     def tier_options(self, model: ModelKey) -> TierOptions:
         """The cold tier's options (TierThread's) for ``model``."""

@@ -629,6 +629,7 @@ def serve(args: argparse.Namespace) -> int:
         tier_model=(args.model, args.adapter_path, args.draft_model),
         load_timeout=options.cold_load_timeout,
         load_in_lookup=False,  # rule 3: set per lookup (_set_lookup_mode); never while busy
+        save_trace=options.saves(),
     )
     provider = server.ModelProvider(args)
     generator = _generator_class()(provider, adapter)

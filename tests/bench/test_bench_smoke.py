@@ -125,6 +125,26 @@ def test_bench_serve_spill_phase_prints_latencies_and_ratios_of_the_same_run() -
     naive_round = naive["rounds"][0]["itl_p99_ms_during"] / kv["rounds"][0]["itl_p99_ms_during"]
     assert ratios["itl_p99_naive_vs_kvtrio_during_per_round"] == [naive_round]
     assert ratios["itl_p99_naive_vs_kvtrio_during_round_median"] == naive_round
+    # "While an entry is saved": the naive baseline (on every insert) and kvtrio (what RAM
+    # evicted) recorded their saves, the servers that save nothing none; the gaps read
+    # while saving are a part of the window's.
+    savers = {"naive": True, "kvtrio": True, "mlx_lm": False, "kvtrio_nosave": False}
+    for kind, saved in savers.items():
+        (checked,) = spill[kind]["rounds"]
+        assert (checked["saves"] > 0) is saved, (kind, checked)
+        assert len(checked["save_ms"]) == checked["saves"]
+        assert all(ms >= 0 for ms in checked["save_ms"])
+        assert 0 <= checked["samples_saving"] <= checked["samples"]
+        assert (spill[kind]["samples_saving"] > 0) is saved, kind
+        assert len(checked["write_ms"]) <= checked["saves"]
+        assert 0 <= checked["samples_writing"] <= checked["samples_saving"]
+    # Each naive save is its own write, on the generation thread.
+    assert naive["rounds"][0]["write_ms"] == naive["rounds"][0]["save_ms"]
+    assert kv["rounds"][0]["saves"] >= kv["rounds"][0]["spilled_while_streaming"]
+    assert naive["itl_max_ms_saving"] <= naive["itl_max_ms_during"]
+    assert ratios["itl_max_naive_vs_kvtrio_saving"] == (
+        naive["itl_max_ms_saving"] / kv["itl_max_ms_saving"]
+    )
 
 
 def test_bench_serve_restart_phase_alternates_rounds_and_reports_medians() -> None:

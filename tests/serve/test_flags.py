@@ -326,3 +326,14 @@ def test_an_adapter_or_draft_model_rewritten_in_place_changes_the_key(tmp_path: 
             os.utime(side / name, ns=(2_000_000_000, 2_000_000_000))
             assert _identity(str(tmp_path), **{flag: str(side)}) != before, name
             before = _identity(str(tmp_path), **{flag: str(side)})
+
+
+def test_a_save_trace_must_be_a_file_it_can_append_to(tmp_path: Path) -> None:
+    _refused("--save-trace", str(tmp_path))  # a directory
+    _refused("--save-trace", str(tmp_path / "missing" / "saves.jsonl"))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    _refused("--save-trace", str(fifo))  # no wait for a reader
+    path = tmp_path / "saves.jsonl"
+    assert _args("--save-trace", str(path)).save_trace == path and path.read_text() == ""
+    assert _args().save_trace is None
