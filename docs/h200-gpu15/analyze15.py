@@ -70,13 +70,11 @@ def spill(paths):
         )
         print("|---|" + "---|" * (len(SPILL) + 3))
         ratios = defaultdict(list)
-        extra_keys = set()
         for r, d in rounds:
             s = d["spill"]
             cells = []
             for name in SPILL:
                 x = s[name]["rounds"][0]
-                extra_keys |= {k for k in x if "save" in k}
                 sp = x.get("spilled_while_streaming")
                 cells.append(
                     f"{x['itl_max_ms_during']:.0f} / {x['itl_p99_ms_during']:.0f} ({x['samples']}; {x['position']})"
@@ -113,22 +111,52 @@ def spill(paths):
             "quiet stream p99 ms per round: "
             + "; ".join(f"{n} {' '.join(f'{x:.1f}' for x in quiet[n])}" for n in SPILL)
         )
-        if extra_keys:
-            print("save fields in the rounds:", sorted(extra_keys))
-            saves(rounds)
+        saving_table(rounds)
 
 
-def saves(rounds):
-    """The save spans' figures (fields named *save*), as the bench reports them per round."""
-    keys = sorted(
-        {k for _, d in rounds for n in SPILL for k in d["spill"][n]["rounds"][0] if "save" in k}
+def _ms(x):
+    return "-" if x != x else f"{x:.0f}"
+
+
+def saving_table(rounds):
+    """S's gaps while an entry is saved (overlapping a save span the server recorded) and
+    while an entry's own store runs, per round; the save spans' lengths."""
+    if "itl_max_ms_saving" not in rounds[0][1]["spill"]["naive"]["rounds"][0]:
+        return
+    print("\nWhile saving: max of S's gaps overlapping a save span, ms (samples); while writing:")
+    print("the same over an entry's own store; save spans (hand-over to settled) and stores, ms.")
+    print(
+        "| round | naive saving | kvtrio saving | naive / kvtrio saving | naive writing | kvtrio writing | naive / kvtrio writing | kvtrio saving / nosave during | naive saves ms | kvtrio saves ms (stores ms) |"
     )
-    for k in keys:
-        print(f"{k}:")
-        for r, d in rounds:
-            vals = {n: d["spill"][n]["rounds"][0].get(k) for n in SPILL}
-            short = {n: (round(v, 2) if isinstance(v, float) else v) for n, v in vals.items()}
-            print(f"  round {r}: {json.dumps(short)[:600]}")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    ratios = defaultdict(list)
+    for r, d in rounds:
+        n, v = d["spill"]["naive"]["rounds"][0], d["spill"]["kvtrio"]["rounds"][0]
+        ns = d["spill"]["kvtrio_nosave"]["rounds"][0]
+        a = n["itl_max_ms_saving"] / v["itl_max_ms_saving"]
+        b = n["itl_max_ms_writing"] / v["itl_max_ms_writing"]
+        c = v["itl_max_ms_saving"] / ns["itl_max_ms_during"]
+        for label, x in (
+            ("naive/kvtrio saving max", a),
+            ("naive/kvtrio writing max", b),
+            ("kvtrio saving max / nosave during max", c),
+        ):
+            if x == x:
+                ratios[label].append(x)
+        print(
+            f"| {r} | {_ms(n['itl_max_ms_saving'])} ({n['samples_saving']}) | {_ms(v['itl_max_ms_saving'])} ({v['samples_saving']}) | {a:.2f} "
+            f"| {_ms(n['itl_max_ms_writing'])} ({n['samples_writing']}) | {_ms(v['itl_max_ms_writing'])} ({v['samples_writing']}) | {b:.2f} | {c:.2f} "
+            f"| {' '.join(f'{x:.0f}' for x in n['save_ms'])} | {' '.join(f'{x:.0f}' for x in v['save_ms'])} ({' '.join(f'{x:.0f}' for x in v.get('write_ms', []))}) |"
+        )
+    for label, xs in ratios.items():
+        if label.startswith("naive/"):
+            print(per_round(label, xs, at_least=2.0))
+        else:
+            print(per_round(label, xs, 1.2))
+    stretched = [
+        d["spill"][k]["rounds"][0].get("window_stretched_s", 0) for _, d in rounds for k in SPILL
+    ]
+    print(f"window stretched past its end by a save: max {max(stretched):.2f} s")
 
 
 def start(paths):
@@ -178,8 +206,13 @@ def run_of(row, length, again):
 
 
 def cudnn(paths):
-    rows = [json.loads(x) for p in paths for x in open(p) if x.strip()]
-    rows = [r for r in rows if r.get("runs") and r["pair"] >= 0]
+    rows = [
+        {**json.loads(x), "pair": (i, json.loads(x)["pair"])}  # pairs numbered per call
+        for i, p in enumerate(paths)
+        for x in open(p)
+        if x.strip() and "setting" in x
+    ]
+    rows = [r for r in rows if r.get("runs") and r["pair"][1] >= 0]
     pairs = sorted({r["pair"] for r in rows})
     by = {(r["pair"], r["setting"]): r for r in rows}
     pairs = [p for p in pairs if (p, "on") in by and (p, "off") in by]

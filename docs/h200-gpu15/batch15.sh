@@ -10,20 +10,23 @@
 #   env                      MLX/GPU versions, the model built (build_model.py) if absent
 #   spill:LEN:FIRST:COUNT    the bench's spill phase at LEN tokens, rounds FIRST..FIRST+COUNT-1,
 #                            one bench process per round (spill15.py); SPILL_S_LEN s each
-#   start:ROUNDS             restart time with 1,000 entries, naive and kvtrio (start15.py),
+#   start:ROUNDS[:SECONDS]   restart time with 1,000 entries, naive and kvtrio (start15.py),
 #                            up to ROUNDS more rounds, continuing the numbering of an earlier
 #                            call on this machine (its fill kept in $W/start)
-#   cudnn:PAIRS:LENGTHS      cudnn15.py: PAIRS on/off pairs of fresh processes
-#   cold:ROUNDS              turn 2 after a restart at 4,096 tokens with --restore-bytes=0
+#   cudnn:PAIRS:LENGTHS[:SECONDS] cudnn15.py: PAIRS on/off pairs of fresh processes
+#   cold:ROUNDS[:SECONDS]    turn 2 after a restart at 4,096 tokens with --restore-bytes=0
 #                            (restart15.py, naive and kvtrio, the bench's warm-up request
 #                            first unless COLD_WARMUP=0)
 # A step that could not finish one round in the time left is not begun (START_MIN,
-# START_FILL_MIN, CUDNN_MIN, COLD_MIN, SPILL_S_LEN seconds).
+# START_FILL_MIN, CUDNN_MIN, COLD_MIN, SPILL_S_LEN seconds); SECONDS: the step begins no
+# round that would end later than that from its start.
 . "$(dirname "$0")/common.sh"
 CALL=${CALL:-x}; R=$W/res-$CALL; mkdir -p "$R"
 pack() { tar czf "$OUT/res-$CALL.tar.gz" -C "$R" . 2>/dev/null; }
 note() { echo "== $* $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg) left $(left)s" | tee -a "$R/env.txt"; }
-export G15_DEADLINE=$(( T0 + LIMIT - 4 ))
+END=$(( T0 + LIMIT - 4 ))
+# deadline [SECONDS]: the call's end, or SECONDS from now if sooner (a step's own budget)
+deadline() { local d=$END; [ -n "${1:-}" ] && [ $(( $(date +%s) + $1 )) -lt $d ] && d=$(( $(date +%s) + $1 )); echo $d; }
 note "batch15 call $CALL main=$(cat "$G/src-main/REV") steps: $*"
 for step in "$@"; do
   IFS=: read -r what a b c <<< "$step"
@@ -54,21 +57,21 @@ for step in "$@"; do
       if [ "$(left)" -lt "$need" ]; then note "start not begun (need ${need}s)"; continue; fi
       first=$(cat "$W/start/next" 2>/dev/null || echo 0)
       note "start rounds from $first, up to $a"
-      timeout -k 20 $(( $(left) - 2 )) python3 "$G/start15.py" "$W/start" "$MODEL" "$first" "$a" \
+      G15_DEADLINE=$(deadline "$b") timeout -k 20 $(( $(left) - 2 )) python3 "$G/start15.py" "$W/start" "$MODEL" "$first" "$a" \
         "${START_ENTRIES:-1000}" >> "$R/start.jsonl" 2> "$W/start-$CALL.err"
       rc=$?; note "start rc=$rc next $(cat "$W/start/next" 2>/dev/null)"; [ $rc -ne 0 ] && tail -c 800 "$W/start-$CALL.err"
       pack; python3 "$G/analyze15.py" "$R/start.jsonl" ;;
     cudnn)
       if [ "$(left)" -lt "${CUDNN_MIN:-60}" ]; then note "cudnn not begun"; continue; fi
       note "cudnn $a pairs $b"
-      timeout -k 20 $(( $(left) - 2 )) python3 "$G/cudnn15.py" "$MODEL" "$R/cudnn.jsonl" "$a" "$b" "${CUDNN_DECODE:-128}" \
+      G15_DEADLINE=$(deadline "$c") timeout -k 20 $(( $(left) - 2 )) python3 "$G/cudnn15.py" "$MODEL" "$R/cudnn.jsonl" "$a" "$b" "${CUDNN_DECODE:-128}" \
         2> "$W/cudnn-$CALL.err"
       rc=$?; note "cudnn rc=$rc"; [ $rc -ne 0 ] && tail -c 800 "$W/cudnn-$CALL.err"
       pack; python3 "$G/analyze15.py" "$R/cudnn.jsonl" ;;
     cold)
       if [ "$(left)" -lt "${COLD_MIN:-110}" ]; then note "cold not begun"; continue; fi
       note "cold path, up to $a rounds"
-      R15_WARMUP=${COLD_WARMUP:-1} timeout -k 20 $(( $(left) - 2 )) python3 "$G/restart15.py" "$W/cold-$CALL" "$MODEL" \
+      G15_DEADLINE=$(deadline "$b") R15_WARMUP=${COLD_WARMUP:-1} timeout -k 20 $(( $(left) - 2 )) python3 "$G/restart15.py" "$W/cold-$CALL" "$MODEL" \
         "${COLD_LENGTH:-4096}" "$a" "$G" naive=naive kvcold=kvtrio@main:--restore-bytes=0 \
         > "$R/cold.jsonl" 2> "$W/cold-$CALL.err"
       rc=$?; note "cold rc=$rc"; [ $rc -ne 0 ] && tail -c 800 "$W/cold-$CALL.err"

@@ -13,11 +13,11 @@ JSON when a later one is cut by the call's time limit.
 import signal
 import sys
 
-import kvtrio.bench.serve as serve
+import kvtrio.bench.serve_spill as serve_spill
 from kvtrio.cli import main
 
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # servers stopped by `running`
 offset = int(sys.argv[1])
-_order = serve.round_order
-serve.round_order = lambda names, r: _order(names, r + offset)
+_order = serve_spill.round_order
+serve_spill.round_order = lambda names, r: _order(names, r + offset)
 raise SystemExit(main(sys.argv[2:]))
