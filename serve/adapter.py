@@ -28,7 +28,8 @@ Theory of operation:
    (:meth:`TieredPromptCache.spill`): the call returns at once; the snapshot, the
    materialization and the release run later as owner jobs on this thread
    (:meth:`pump`), the write on worker threads. Entries dropped as prefixes of a longer
-   trimmable entry are not written: the longer one covers them.
+   trimmable entry are not written: the longer one covers them. With a ``save_trace``
+   each hand-over is recorded once the writes settle (:mod:`kvtrio.serve.savetrace`).
 3. A lookup asks RAM first, then the cold index (read on this thread: no round trip to
    the tier's loop, no I/O; :meth:`TierThread.lookup`). Only when disk reuses at least
    ``min_reuse_tokens`` more tokens than RAM does it load, on this thread's behalf: the

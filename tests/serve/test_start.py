@@ -265,6 +265,7 @@ START_PATH_MODULES = [
     "kvtrio.serve.flushreport",  # the shutdown's deadline and report (nothing of the tier)
     "kvtrio.serve.lifecycle",  # requests in flight, the model's load (nothing of the tier)
     "kvtrio.serve.restore",  # the warm restart (nothing of the tier until it is open)
+    "kvtrio.serve.savetrace",  # --save-trace's record (json, os, attrs)
     "kvtrio.serve.server",
     "kvtrio.serve.steps",
     "kvtrio.serve.triesearch",  # the RAM trie's search (mlx-lm's cache module, nothing more)
