@@ -169,7 +169,9 @@ class ServeCache(TieredLRUPromptCache):
         return super().fetch_nearest_cache(model, tokens)
 
     def _spill_evicted(self) -> None:
-        if self.tier is None and not self.opening.done.is_set():
+        # Take the tier first: an open that ended since the last pump or lookup must not
+        # find these entries with no tier to hand them to (they would be lost).
+        if not self.attach() and not self.opening.done.is_set():
             return  # held in the trie's list until the tier is there (rule 2)
         super()._spill_evicted()
 

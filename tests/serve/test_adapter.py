@@ -591,6 +591,41 @@ def test_a_tier_still_opening_leaves_lookups_to_ram_and_holds_evictions(
     assert serving.close(timeout=30)
 
 
+def test_an_eviction_right_after_the_open_ends_is_written(
+    tiny: TinyModel, tmp_path: Path
+) -> None:
+    """docs/serve.md, "Start": an entry RAM evicts after the tier's open has ended but
+    before the generation thread took the tier (no pump or lookup in between) is handed
+    to it, not dropped. Found on the H200 (gpu15): 12 turns sent while the tier opened,
+    the open ending during the last ones, 2 of 12 entries never written."""
+    from kvtrio.serve.coldopen import ColdOpening, ServeCache
+
+    release = threading.Event()
+    options = TierOptions(
+        str(tmp_path), ModelKey(tiny.model_id, tiny.fingerprint), block_size=BLOCK
+    )
+
+    def slow_options() -> TierOptions:
+        release.wait(30)
+        return options
+
+    opening = ColdOpening(slow_options)
+    opening.start()
+    serving = ServeCache(2, 1 << 63, opening=opening, tier_model=MODEL, load_timeout=30)
+    prompts = [[100 * (i + 1), *range(1, 60)] for i in range(3)]
+    for prompt in prompts[:2]:
+        serving.insert_cache(MODEL, prompt, _prefilled(tiny, prompt))
+    release.set()
+    assert opening.done.wait(30) and opening.failure is None and not serving.cold_ready
+    serving.insert_cache(MODEL, prompts[2], _prefilled(tiny, prompts[2]))  # evicts the first
+    assert serving.statistics().spilled == 1
+    assert serving.close(timeout=30)
+    with _adapter(tiny, tmp_path) as (cache, tier):
+        assert _cold_entries(tier) == 3
+        _, rest = cache.fetch_nearest_cache(MODEL, prompts[0])
+        assert rest == [] and cache.last_fetch == FetchInfo(CacheTier.COLD, len(prompts[0]))
+
+
 def test_a_tagged_response_queue_hands_tokens_straight_to_mlx_lms_queue() -> None:
     """kvtrio serve tags a request's context with its lookup (docs/serve.md, "What a client
     sees"); once tagged, the per-token puts on the generation thread are mlx-lm's own."""
