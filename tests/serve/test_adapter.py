@@ -548,31 +548,40 @@ def test_a_cold_hit_after_an_arrival_prefetch_walks_the_index_once(
         assert stats.hits_cold == 1
 
 
+def _held_opening(tiny: TinyModel, directory: Path) -> tuple[Any, threading.Event]:
+    """kvtrio serve's background open of a tier at ``directory``, started and held until
+    the event is set."""
+    from kvtrio.serve.coldopen import ColdOpening
+
+    release = threading.Event()
+    options = TierOptions(
+        str(directory),
+        ModelKey(tiny.model_id, tiny.fingerprint),
+        block_size=BLOCK,
+        min_reuse_tokens=0,
+    )
+
+    def held_options() -> TierOptions:
+        release.wait(30)
+        return options
+
+    opening = ColdOpening(held_options)
+    opening.start()
+    return opening, release
+
+
 def test_a_tier_still_opening_leaves_lookups_to_ram_and_holds_evictions(
     tiny: TinyModel, tmp_path: Path
 ) -> None:
     """docs/serve.md, "Start": while the cold tier opens in the background a lookup is
     RAM's answer (counted, reason opening), RAM's evictions wait in RAM, and once the
     tier is open the generation thread takes it and writes them."""
-    from kvtrio.serve.coldopen import ColdOpening, ServeCache
+    from kvtrio.serve.coldopen import ServeCache
 
     a, b = list(range(1, 41)), list(range(100, 150))
     with _adapter(tiny, tmp_path) as (cache, _):
         cache.insert_cache(MODEL, a, _prefilled(tiny, a))  # on disk for the next start
-    release = threading.Event()
-    options = TierOptions(
-        str(tmp_path),
-        ModelKey(tiny.model_id, tiny.fingerprint),
-        block_size=BLOCK,
-        min_reuse_tokens=0,
-    )
-
-    def slow_options() -> TierOptions:
-        release.wait(30)
-        return options
-
-    opening = ColdOpening(slow_options)
-    opening.start()
+    opening, release = _held_opening(tiny, tmp_path)
     serving = ServeCache(1, 1 << 63, opening=opening, tier_model=MODEL, load_timeout=30)
     got, rest = serving.fetch_nearest_cache(MODEL, a)
     assert got is None and rest == a  # on disk, but the tier is not open yet
@@ -598,19 +607,9 @@ def test_an_eviction_right_after_the_open_ends_is_written(
     before the generation thread took the tier (no pump or lookup in between) is handed
     to it, not dropped. Found on the H200 (gpu15): 12 turns sent while the tier opened,
     the open ending during the last ones, 2 of 12 entries never written."""
-    from kvtrio.serve.coldopen import ColdOpening, ServeCache
+    from kvtrio.serve.coldopen import ServeCache
 
-    release = threading.Event()
-    options = TierOptions(
-        str(tmp_path), ModelKey(tiny.model_id, tiny.fingerprint), block_size=BLOCK
-    )
-
-    def slow_options() -> TierOptions:
-        release.wait(30)
-        return options
-
-    opening = ColdOpening(slow_options)
-    opening.start()
+    opening, release = _held_opening(tiny, tmp_path)
     serving = ServeCache(2, 1 << 63, opening=opening, tier_model=MODEL, load_timeout=30)
     prompts = [[100 * (i + 1), *range(1, 60)] for i in range(3)]
     for prompt in prompts[:2]:
