@@ -1,5 +1,7 @@
 """MlxOwner: the one thread that touches MLX.
 
+Keeps docs/design.md invariant 8 (one MLX thread).
+
 Theory of operation (docs/design.md "Threads, and who may touch what"):
 
 1. Every ``mlx.core`` call kvtrio makes runs as a job on the owner's executor: one

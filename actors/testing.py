@@ -1,4 +1,5 @@
-"""Test kit for the cold tier: a guard that catches MLX calls made off the owner thread.
+"""Test kit for the cold tier: a guard that catches MLX calls made off the owner thread
+(docs/design.md invariant 8).
 
 ``with mlx_thread_guard(owner.is_owner_thread) as guard:`` replaces the ``mlx.core``
 entry points kvtrio and mlx-lm use (array construction, ``eval``, ``contiguous``,

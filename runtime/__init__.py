@@ -1,5 +1,7 @@
 """kvtrio.runtime: generic actors on trio (knows nothing of MLX or storage).
 
+It imports nothing of kvtrio but its errors (docs/design.md invariant 9).
+
 Mailboxes with backpressure, ask/tell, supervision, phased shutdown, signal handling,
 thread offload and executors, and a test kit (:mod:`kvtrio.runtime.testing`).
 See docs/runtime.md.

@@ -2,7 +2,8 @@
 
 mlx-lm's server is threaded: its generation thread makes every MLX call and calls the
 prompt cache synchronously. kvtrio's tier is async (trio actors, worker threads for I/O).
-This module joins them.
+This module joins them, keeping docs/design.md invariant 8: the generation thread is the
+tier's MLX owner, and no other thread makes an MLX call.
 
 Theory of operation:
 

@@ -1,4 +1,5 @@
 """kvtrio.storage: bytes on disk. CPU only, no trio (except the MLX modules below).
+It imports nothing of kvtrio but its errors (docs/design.md invariant 9).
 
 - :mod:`~kvtrio.storage.format`: the versioned file format; header records; validation.
 - :mod:`~kvtrio.storage.fileops`: the injectable file operations (``FaultyFileOps``).

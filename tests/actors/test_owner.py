@@ -22,6 +22,7 @@ def _library_eval(value: int) -> tuple[int, str]:
 
 
 async def test_dedicated_owner_runs_jobs_on_its_own_thread() -> None:
+    """docs/design.md invariant 8: the owner's jobs, and their MLX calls, run on its thread."""
     async with MlxOwner.dedicated(name="mlx-owner-test") as owner:
         with mlx_thread_guard(owner.is_owner_thread) as guard:
             total, thread = await owner.run(_library_eval, 21)
@@ -31,6 +32,7 @@ async def test_dedicated_owner_runs_jobs_on_its_own_thread() -> None:
 
 
 async def test_guard_fails_an_mlx_call_from_a_worker_thread() -> None:
+    """The guard of docs/design.md invariant 8 fails a call made on a worker thread."""
     async with MlxOwner.dedicated() as owner:
         with mlx_thread_guard(owner.is_owner_thread) as guard:
             with pytest.raises(AssertionError, match=r"^MLX call off the owner thread: mx\.array"):

@@ -194,7 +194,7 @@ async def test_open_sweeps_blocks_no_manifest_names(tmp_path: Path, tiny: TinyMo
 async def test_every_mlx_call_of_the_tiered_cache_runs_on_the_owner(
     tmp_path: Path, tiny: TinyModel
 ) -> None:
-    """docs/design.md's thread rule, for the tiered cache: with a dedicated owner thread, a hot
+    """docs/design.md invariant 8, for the tiered cache: with a dedicated owner thread, a hot
     hit, a write-back and a cold hit make no MLX call anywhere else."""
     from kvtrio.actors.testing import mlx_thread_guard
 

@@ -196,10 +196,10 @@ async def test_catalogue_refresh_fallback_without_the_index(private_redis: Any) 
 
 
 async def test_a_host_never_deletes_shared_blocks(private_redis: Any) -> None:
-    """Shared-block GC is not a host's job (ColdTierStore's rule 3): removing an entry
-    deletes its manifest, while its blocks stay for every other host's manifests (Redis's
-    own eviction, or a GC over the shared manifests with its grace period, takes them);
-    the host's ledger stops counting them all the same."""
+    """docs/design.md invariant 17. Shared-block GC is not a host's job (ColdTierStore's
+    rule 3): removing an entry deletes its manifest, while its blocks stay for every other
+    host's manifests (Redis's own eviction, or a GC over the shared manifests with its
+    grace period, takes them); the host's ledger stops counting them all the same."""
     url = private_redis.url(0, prefix="kvtrio")
     async with MlxOwner.dedicated() as owner:
         model, caches, _ = await _entry(owner)

@@ -90,6 +90,9 @@ def _cold_entries(tier: TierThread) -> int:
 def test_an_evicted_entry_is_served_from_disk_bit_exact_after_a_restart(
     tiny: TinyModel, tmp_path: Path
 ) -> None:
+    """An entry RAM evicts is written, and after a restart a lookup that misses RAM loads
+    it bit-exact; every MLX call stays on the generation thread (docs/design.md
+    invariant 8)."""
     a = list(range(1, 41))
     b = list(range(100, 150))
     with mlx_thread_guard(lambda: tier_ref[0].executor.is_owner_thread()) as guard:

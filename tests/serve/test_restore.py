@@ -46,7 +46,7 @@ def _guarded(
     tiny: TinyModel, directory: Path, *, loads: bool = True, **kwargs: object
 ) -> Iterator[tuple[TieredLRUPromptCache, TierThread]]:
     """An adapter over ``directory`` whose every MLX call must be on the owner thread
-    (and, with ``loads``, some are made)."""
+    (docs/design.md invariant 8; and, with ``loads``, some are made)."""
     tier_ref: list[TierThread] = []
     with mlx_thread_guard(lambda: tier_ref[0].executor.is_owner_thread()) as guard:
         with _adapter(tiny, directory, **kwargs) as (cache, tier):  # type: ignore[arg-type]
