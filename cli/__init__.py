@@ -53,6 +53,9 @@ class Command:
     run: str = "run"
     #: Whether it uses ``args.io_options`` (the ``KVTRIO_*`` I/O tuning, read at start).
     io_options: bool = True
+    #: A function of the module called with the command line's words before
+    #: ``add_arguments`` (which may import what the command runs), or None.
+    before_imports: str | None = None
 
     def load(self) -> tuple[AddArgs, Run]:
         module = importlib.import_module(self.module)
@@ -71,6 +74,7 @@ COMMANDS: dict[str, Command] = {
         "mlx_lm.server with a prompt cache that survives restarts and spills to disk",
         "kvtrio.cli.serve",
         io_options=False,
+        before_imports="before_imports",
     ),
     "showcase": Command(
         "the actor runtime, live: backpressure, supervision, shutdown", "kvtrio.cli.showcase"
@@ -171,6 +175,9 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=command.help, description=command.help)
         if name == chosen:
             add_args, run = command.load()
+            if command.before_imports is not None:
+                module = importlib.import_module(command.module)
+                getattr(module, command.before_imports)(list(argv))
             add_args(p)
             p.set_defaults(_run=run)
     bench = sub.add_parser("bench", help="benchmark programs that print figures and ratios")

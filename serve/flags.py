@@ -320,6 +320,13 @@ def add_kvtrio_arguments(parser: argparse.ArgumentParser, *, default_cache_dir: 
         "(default: one below 8 CPUs, else one per 4 CPUs up to 4; docs/serve.md, Tuning)",
     )
     group.add_argument(
+        "--import-torch",
+        action="store_true",
+        help="leave PyTorch importable (by default kvtrio serve keeps it out of its process: "
+        "mlx-lm does not use it, and transformers imports it at start wherever it is "
+        "installed; kept with --trust-remote-code too; docs/serve.md, Start)",
+    )
+    group.add_argument(
         "--no-prefetch",
         dest="prefetch",
         action="store_false",
