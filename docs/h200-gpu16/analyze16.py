@@ -170,7 +170,11 @@ def _load(p):
 
 
 def _label(p, meta):
-    extra = f"; wall {meta['wall_s']} s, load at its end {meta['load']}, ended {meta['utc_end']} UTC" if meta else ""
+    extra = (
+        f"; wall {meta['wall_s']} s, load at its end {meta['load']}, ended {meta['utc_end']} UTC"
+        if meta
+        else ""
+    )
     return f"{Path(p).parent.name}/{Path(p).name}{extra}"
 
 
@@ -201,7 +205,9 @@ def restart(paths):
             runs = {k: by[k]["runs"] for k in kinds}
             n = len(runs["kvtrio"])
             floor = FLOOR in by
-            print(f"{length} tokens, {n} rounds; turn-2 prompt {by['kvtrio']['prompt_tokens']} tokens; warm-up request first: {runs['kvtrio'][0].get('warmup_s') is not None}")
+            print(
+                f"{length} tokens, {n} rounds; turn-2 prompt {by['kvtrio']['prompt_tokens']} tokens; warm-up request first: {runs['kvtrio'][0].get('warmup_s') is not None}"
+            )
             print(
                 "| round | mlx_lm TTFT s (pos) | naive s (pos) | kvtrio s (pos) |"
                 + (" never restarted s (pos) |" if floor else "")
@@ -238,11 +244,28 @@ def restart(paths):
             print(per_round("kvtrio/mlx_lm", ratios["ttft_kvtrio_vs_mlx_lm_per_round"], 0.1))
             print(per_round("kvtrio/naive", ratios["ttft_kvtrio_vs_naive_per_round"], 1.05))
             if floor:
-                print(per_round("kvtrio/never restarted", ratios["ttft_kvtrio_vs_never_restarted_per_round"], 1.05))
-                fl = [f["ttft_s"] / m["ttft_s"] for f, m in zip(runs[FLOOR], runs["mlx_lm"], strict=True)]
+                print(
+                    per_round(
+                        "kvtrio/never restarted",
+                        ratios["ttft_kvtrio_vs_never_restarted_per_round"],
+                        1.05,
+                    )
+                )
+                fl = [
+                    f["ttft_s"] / m["ttft_s"]
+                    for f, m in zip(runs[FLOOR], runs["mlx_lm"], strict=True)
+                ]
                 print(per_round("never restarted/mlx_lm (what no cache can beat)", fl, 0.1))
-            hot = [runs["kvtrio"][r]["ttft_s"] for r in range(n) if (runs["kvtrio"][r].get("tier") or {}).get("cache_header") == "hot"]
-            cold = [runs["kvtrio"][r]["ttft_s"] for r in range(n) if (runs["kvtrio"][r].get("tier") or {}).get("cache_header") == "cold"]
+            hot = [
+                runs["kvtrio"][r]["ttft_s"]
+                for r in range(n)
+                if (runs["kvtrio"][r].get("tier") or {}).get("cache_header") == "hot"
+            ]
+            cold = [
+                runs["kvtrio"][r]["ttft_s"]
+                for r in range(n)
+                if (runs["kvtrio"][r].get("tier") or {}).get("cache_header") == "cold"
+            ]
             print(
                 f"kvtrio's turn 2 a RAM hit (warm restart) in {len(hot)} rounds, median {med(hot):.4f} s;"
                 f" read from disk in {len(cold)}, median {med(cold):.4f} s"
@@ -257,9 +280,13 @@ def restart(paths):
                 print("kvtrio turn 1 exit: " + ", ".join(f"{k2} {v2}" for k2, v2 in t1.items()))
             for r in range(n):
                 tier = runs["kvtrio"][r].get("tier") or {}
-                print(f"  round {r} kvtrio before: {tier.get('before')}; after: {tier.get('after')}")
+                print(
+                    f"  round {r} kvtrio before: {tier.get('before')}; after: {tier.get('after')}"
+                )
     for setting, got in pooled.items():
-        print(f"\n## turn 2 after a restart, every round of the runs of `{setting}` ({len(got['same'])} rounds)")
+        print(
+            f"\n## turn 2 after a restart, every round of the runs of `{setting}` ({len(got['same'])} rounds)"
+        )
         print(per_round("kvtrio/mlx_lm", got["kvtrio/mlx_lm"], 0.1))
         print(per_round("kvtrio/naive", got["kvtrio/naive"], 1.05))
         if got["kvtrio/never restarted"]:
@@ -281,7 +308,11 @@ def decode(paths):
         n = len(dec["kvtrio"]["runs"])
         print(f"\n## decode, {_label(p, meta)}: {n} rounds")
         print(f"command: {d.get('command')}")
-        print("| round | server (position) | " + " | ".join(DECODE_KEYS) + " | kvtrio / mlx_lm tok_s_1 | tok_s_8 | tok_s_8_steady |")
+        print(
+            "| round | server (position) | "
+            + " | ".join(DECODE_KEYS)
+            + " | kvtrio / mlx_lm tok_s_1 | tok_s_8 | tok_s_8_steady |"
+        )
         print("|---|---|" + "---|" * (len(DECODE_KEYS) + 3))
         for r in range(n):
             for kind in KINDS:
@@ -290,14 +321,23 @@ def decode(paths):
                 tail = ""
                 if kind == "kvtrio":
                     m = dec["mlx_lm"]["runs"][r]
-                    rs = [x[k] / m[k] if m[k] else float("nan") for k in ("tok_s_1", "tok_s_8", "tok_s_8_steady")]
+                    rs = [
+                        x[k] / m[k] if m[k] else float("nan")
+                        for k in ("tok_s_1", "tok_s_8", "tok_s_8_steady")
+                    ]
                     for k, val in zip(("tok_s_1", "tok_s_8", "tok_s_8_steady"), rs, strict=True):
                         pooled[k].append(val)
                     tail = " | ".join(f"{val:.3f}" for val in rs)
                 else:
                     tail = " |  | "
                 print(f"| {r} | {kind} ({x['position']}) | {cells} | {tail} |")
-        print("medians: " + "; ".join(f"{kind} " + " ".join(f"{k} {dec[kind][k]:.1f}" for k in DECODE_KEYS) for kind in KINDS))
+        print(
+            "medians: "
+            + "; ".join(
+                f"{kind} " + " ".join(f"{k} {dec[kind][k]:.1f}" for k in DECODE_KEYS)
+                for kind in KINDS
+            )
+        )
         rat = d["ratios"]["decode"]
         for k in ("tok_s_1", "tok_s_8", "tok_s_8_steady"):
             print(
@@ -305,7 +345,9 @@ def decode(paths):
                 + per_round("kvtrio/mlx_lm per round", rat[f"{k}_kvtrio_vs_mlx_lm_per_round"], 0.95)
                 + f"; started first / last: mlx_lm {rat[f'{k}_mlx_lm_started_first_vs_last']:.3f}, kvtrio {rat[f'{k}_kvtrio_started_first_vs_last']:.3f}"
             )
-        print(f"kvtrio entries handed to disk during the rounds: {dec['kvtrio'].get('spilled_during_rounds')}")
+        print(
+            f"kvtrio entries handed to disk during the rounds: {dec['kvtrio'].get('spilled_during_rounds')}"
+        )
     if len(paths) > 1 and pooled:
         print(f"\n## decode, every round of {len(paths)} runs")
         for k, xs in pooled.items():
