@@ -281,8 +281,11 @@ def run_inspect(args: argparse.Namespace) -> int:
     except CorruptCacheError as exc:  # a finding, as verify's: exit 1
         print(f"kvtrio inspect: {args.file}: {exc}", file=sys.stderr)
         return 1
-    except (CacheMissError, OSError) as exc:  # nothing to inspect: a usage error
-        print(f"kvtrio inspect: {args.file}: {exc}", file=sys.stderr)
+    except CacheMissError as exc:  # nothing to inspect: a usage error; it names the path
+        print(f"kvtrio inspect: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvtrio inspect: {args.file}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     header = cache_file.header
     if args.json:
