@@ -23,8 +23,9 @@ carry the decoded ``"text"`` (greedy decoding, stopped at the model's end-of-seq
 Each reply says where its prompt cache came from: ``hot`` (RAM), ``cold`` (disk) or
 ``miss``. Stop it with SIGTERM or Ctrl-C: it stops accepting, lets requests in flight
 finish (``--grace`` seconds at most), writes the cache's RAM entries to disk and exits 0,
-so the next start serves the same conversations from disk. A second signal cancels at
-once.
+so the next start serves the same conversations from disk: those of at least 64 tokens
+(the tier's ``min_reuse_tokens``; fewer are recomputed, faster than a load, so the short
+question above is a ``miss`` again after a restart). A second signal cancels at once.
 
 Every loop is bounded: requests per connection, bytes per request, events per read,
 tokens per prompt and per reply.
