@@ -80,6 +80,7 @@ import socket
 import sys
 import threading
 import time
+import types
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from http.server import ThreadingHTTPServer
@@ -484,8 +485,31 @@ def _generator_class() -> type:
     return KvtrioResponseGenerator
 
 
+def _models_listed_without_a_hub_cache(server: Any) -> None:
+    """mlx-lm's ``GET /v1/models`` lists the models of the Hugging Face cache, and its scan
+    raises ``CacheNotFound`` where that cache does not exist (a local or GGUF model,
+    nothing ever downloaded): the handler died after its 200 header, the client got an
+    empty body (the ``openai`` client a JSONDecodeError), the server log a traceback. No
+    cache directory lists no downloaded model; the ``--model`` directory is still listed."""
+    from huggingface_hub.errors import CacheNotFound
+
+    scan = server.scan_cache_dir
+    if getattr(scan, "kvtrio_tolerant", False):
+        return
+
+    def scan_cache_dir(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return scan(*args, **kwargs)
+        except CacheNotFound:
+            return types.SimpleNamespace(repos=frozenset())
+
+    scan_cache_dir.kvtrio_tolerant = True  # type: ignore[attr-defined]
+    server.scan_cache_dir = scan_cache_dir
+
+
 def _handler_class() -> type:
     server = _mlx_server()
+    _models_listed_without_a_hub_cache(server)
 
     class KvtrioHandler(server.APIHandler):  # type: ignore[misc,name-defined]
         """mlx-lm's APIHandler, sending which tier served the request (rule 2)."""

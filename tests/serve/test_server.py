@@ -369,6 +369,22 @@ def test_a_stream_cut_at_shutdown_ends_with_done_and_the_server_exits_zero(
     assert json.loads(events[-2][len(b"data: ") :])["choices"][0]["finish_reason"] is not None
 
 
+def test_the_models_endpoint_answers_where_no_hugging_face_cache_exists(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``GET /v1/models`` (the ``openai`` client's ``models.list()``) on a host that never
+    downloaded a model lists the ``--model`` directory. mlx-lm's scan of the missing
+    Hugging Face cache raised ``CacheNotFound`` after the 200 header: an empty body, a
+    JSONDecodeError in the client and a traceback in the server's log."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-hub-cache"))
+    server = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "log.txt")
+    try:
+        listed = [model.id for model in server.client().models.list()]
+    finally:
+        assert server.stop() == 0, server.output()
+    assert listed == [str(model_dir.resolve())]
+
+
 def test_serve_takes_mlx_lm_servers_flags_and_needs_a_model(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
