@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtrio.bench.argtypes import whole, wholes
 from kvtrio.bench.serve_fill import fill
 from kvtrio.bench.serve_harness import (
     Server,
@@ -51,24 +52,6 @@ __all__ = ["add_arguments", "measure", "model_dir", "render"]
 PHASES = ("restart", "decode", "spill", "disk", "start", "prefetch")
 
 
-def _whole(text: str) -> int:
-    """A length or a count of the bench: a whole number >= 1 (0 rounds left nothing to
-    take a median of: an IndexError; a length of -5 was measured as a conversation)."""
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return int(text)
-
-
-def _lengths(text: str) -> str:
-    """``--lengths``: whole numbers >= 1, comma-separated (``measure`` splits them)."""
-    parts = [part for part in text.split(",") if part]
-    if not parts:
-        raise argparse.ArgumentTypeError(f"expected lengths like 1024,4096, got {text!r}")
-    for part in parts:
-        _whole(part)
-    return text
-
-
 def _model(text: str) -> str:
     """``--model``: a GGUF file, or a directory holding an mlx-lm model's config.json
     (else the servers died at start and the bench with a traceback)."""
@@ -83,7 +66,7 @@ def _model(text: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lengths",
-        type=_lengths,
+        type=wholes,
         default="1024,4096",
         help="turn-1 prompt lengths in tokens (1024,4096)",
     )
@@ -97,9 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-shape", default="tiny", choices=sorted(SHAPES), help="random llama built (tiny)"
     )
     parser.add_argument(
-        "--decode-tokens", type=_whole, default=128, help="tokens per decode stream (128)"
+        "--decode-tokens", type=whole, default=128, help="tokens per decode stream (128)"
     )
-    parser.add_argument("--streams", type=_whole, default=8, help="concurrent streams (8)")
+    parser.add_argument("--streams", type=whole, default=8, help="concurrent streams (8)")
     parser.add_argument(
         "--dir", help="parent of the working directory, which is kept (default: a tmp dir)"
     )
@@ -107,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--entries", type=int, default=1000, help="entries on disk for the restart time (1000)"
     )
     parser.add_argument(
-        "--rounds", type=_whole, default=5, help="decode rounds per server, alternating (5; median)"
+        "--rounds", type=whole, default=5, help="decode rounds per server, alternating (5; median)"
     )
     parser.add_argument(
         "--phases",
@@ -116,29 +99,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--spill-length",
-        type=_whole,
+        type=whole,
         default=4096,
         help="tokens of each entry saved during the spill phase (4096)",
     )
     parser.add_argument(
         "--spill-rounds",
-        type=_whole,
+        type=whole,
         default=5,
         help="spill rounds per server, alternating (5)",
     )
     parser.add_argument(
         "--spill-tokens",
-        type=_whole,
+        type=whole,
         default=512,
         help="tokens of the spill phase's quiet streams (512; the stream measured during "
         "the saves runs until its window ends)",
     )
     parser.add_argument(
-        "--start-rounds", type=_whole, default=3, help="starts per server, alternating (3; median)"
+        "--start-rounds", type=whole, default=3, help="starts per server, alternating (3; median)"
     )
     parser.add_argument(
         "--restart-rounds",
-        type=_whole,
+        type=whole,
         default=3,
         help="restarts per server and length, alternating (3; median)",
     )
@@ -167,12 +150,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefetch-length",
-        type=_whole,
+        type=whole,
         default=2048,
         help="tokens of the cold conversation in the prefetch phase (2048)",
     )
     parser.add_argument(
-        "--prefetch-rounds", type=_whole, default=5, help="queued cold hits per setting (5)"
+        "--prefetch-rounds", type=whole, default=5, help="queued cold hits per setting (5)"
     )
 
 

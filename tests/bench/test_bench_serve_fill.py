@@ -58,25 +58,3 @@ def test_the_fill_fails_when_an_entry_did_not_reach_disk(
     with pytest.raises(RuntimeError):
         fill("kvtrio", model, tmp_path / "kvtrio-entries", 3)
 
-
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["--lengths", "-5"],
-        ["--lengths", "abc"],
-        ["--lengths", ","],
-        ["--restart-rounds", "0"],
-        ["--streams", "x"],
-        ["--model", "."],  # a directory holding no model
-    ],
-)
-def test_a_bench_serve_value_it_cannot_measure_is_a_usage_error(argv: list[str]) -> None:
-    """``kvtrio bench serve``'s lengths and counts are whole numbers >= 1 and its model a
-    GGUF file or a model directory, refused by the parser (exit 2). Before, ``--lengths
-    abc`` and ``--restart-rounds 0`` ended in tracebacks, ``--lengths -5`` was measured as
-    a conversation, and a directory holding no model died at its servers' start."""
-    from kvtrio.cli import main
-
-    with pytest.raises(SystemExit) as exited:
-        main(["bench", "serve", "--phases", "restart", *argv])
-    assert exited.value.code == 2
