@@ -33,7 +33,8 @@ Theory of operation:
    (adopting the prefetch, rule 7), fewer hand-offs than setting the request aside.
 4. Shutdown (first SIGTERM or SIGINT): stop accepting (the listener closes), let requests
    in flight finish for ``--grace`` seconds, then cut the rest (each stops at its next
-   step) and give them ``--grace`` more; stop the generation thread, which writes every
+   step, and its reply ends there: :func:`~kvtrio.serve.tagging.end_response`) and give
+   them ``--grace`` more; stop the generation thread, which writes every
    RAM entry to disk within the stated deadline (``--flush-timeout``, by default growing
    with the bytes: :mod:`kvtrio.serve.flushreport`) and ends; exit 0 when every entry
    is on disk (1 past the deadline or when a write failed, each entry not written named
