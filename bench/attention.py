@@ -42,6 +42,7 @@ from typing import Any
 
 import attrs
 import mlx.core as mx
+from kvtrio.bench.argtypes import whole, wholes
 from kvtrio.metal.attention import (
     DEFAULT_TUNING,
     BatchPagedAttentionView,
@@ -327,7 +328,9 @@ def measure_batch(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lengths", default="4096,32768,131072", help="context lengths")
+    parser.add_argument(
+        "--lengths", type=wholes, default="4096,32768,131072", help="context lengths"
+    )
     parser.add_argument("--q-heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -335,7 +338,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--bits", default="", help="quantized direct variants, e.g. 4,8")
     parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--iters", type=whole, default=15)
     parser.add_argument(
         "--tuning",
         default="",

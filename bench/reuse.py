@@ -24,15 +24,16 @@ import trio
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.prefix import ModelKey
 from kvtrio.actors.tiered import Tier, open_tiered_cache
+from kvtrio.bench.argtypes import whole
 from kvtrio.tinymodel import build_tiny_model, make_caches, prefill
 
 __all__ = ["add_arguments", "measure", "render"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--entry-tokens", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--reuse", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 1024])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--entry-tokens", type=whole, nargs="+", default=[1024, 4096])
+    parser.add_argument("--reuse", type=whole, nargs="+", default=[1, 16, 64, 128, 256, 512, 1024])
+    parser.add_argument("--repeats", type=whole, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="where the tier lives")
 
 

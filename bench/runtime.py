@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 import trio
+from kvtrio.bench.argtypes import whole
 from kvtrio.runtime.actor import Actor, Reply
 from kvtrio.runtime.system import ActorSystem
 
@@ -166,9 +167,9 @@ def run_bench(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--messages", type=int, default=50_000, help="messages per round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds; the median is shown")
-    parser.add_argument("--capacity", type=int, default=64, help="mailbox/channel capacity")
+    parser.add_argument("--messages", type=whole, default=50_000, help="messages per round")
+    parser.add_argument("--rounds", type=whole, default=5, help="rounds; the median is shown")
+    parser.add_argument("--capacity", type=whole, default=64, help="mailbox/channel capacity")
     parser.add_argument(
         "--clock",
         choices=sorted(CLOCKS),

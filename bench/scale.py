@@ -70,6 +70,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtrio.bench.argtypes import whole, wholes
 from kvtrio.bench.scale_burst import burst_rss
 from kvtrio.bench.scale_burst import rows as burst_rows
 from kvtrio.bench.scale_opens import (
@@ -94,10 +95,10 @@ TARGET_MISS_S = 0.002
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--sizes", default="1000,10000,100000", help="entry counts, comma-separated"
+        "--sizes", type=wholes, default="1000,10000,100000", help="entry counts, comma-separated"
     )
     parser.add_argument("--million", action="store_true", help="add N = 1,000,000")
-    parser.add_argument("--lookups", type=int, default=2000, help="lookups per kind and N")
+    parser.add_argument("--lookups", type=whole, default=2000, help="lookups per kind and N")
     parser.add_argument("--burst", type=int, default=600, help="inserts in the burst run")
     parser.add_argument(
         "--burst-fit", type=int, default=40, help="entries the burst's cold budget holds"
@@ -110,14 +111,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tokens",
-        type=int,
+        type=whole,
         default=TOKENS,
         help=f"tokens per entry (default {TOKENS}, below one index block of {BLOCK}; longer"
         " entries show the chain hashing of the index build)",
     )
     parser.add_argument(
         "--repeat",
-        type=int,
+        type=whole,
         default=None,
         help="opens per N, each in a fresh process over the same directory, the N's taking"
         f" turns (default: {DEFAULT_REPEAT} for N <= 100,000, 1 above); the median is the figure"

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtrio.bench.argtypes import whole, wholes
 from kvtrio.bench.serve_fill import fill
 from kvtrio.bench.serve_harness import (
     Server,
@@ -51,12 +52,27 @@ __all__ = ["add_arguments", "measure", "model_dir", "render"]
 PHASES = ("restart", "decode", "spill", "disk", "start", "prefetch")
 
 
+def _model(text: str) -> str:
+    """``--model``: a GGUF file, or a directory holding an mlx-lm model's config.json
+    (else the servers died at start and the bench with a traceback)."""
+    path = Path(text).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return str(path)
+    if not (path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no GGUF file, nor a directory with config.json")
+    return str(path)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--lengths", default="1024,4096", help="turn-1 prompt lengths in tokens (1024,4096)"
+        "--lengths",
+        type=wholes,
+        default="1024,4096",
+        help="turn-1 prompt lengths in tokens (1024,4096)",
     )
     parser.add_argument(
         "--model",
+        type=_model,
         help="a model directory, or a llama GGUF file converted once into the work directory"
         " (default: --model-shape, built)",
     )
@@ -64,9 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-shape", default="tiny", choices=sorted(SHAPES), help="random llama built (tiny)"
     )
     parser.add_argument(
-        "--decode-tokens", type=int, default=128, help="tokens per decode stream (128)"
+        "--decode-tokens", type=whole, default=128, help="tokens per decode stream (128)"
     )
-    parser.add_argument("--streams", type=int, default=8, help="concurrent streams (8)")
+    parser.add_argument("--streams", type=whole, default=8, help="concurrent streams (8)")
     parser.add_argument(
         "--dir", help="parent of the working directory, which is kept (default: a tmp dir)"
     )
@@ -74,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--entries", type=int, default=1000, help="entries on disk for the restart time (1000)"
     )
     parser.add_argument(
-        "--rounds", type=int, default=5, help="decode rounds per server, alternating (5; median)"
+        "--rounds", type=whole, default=5, help="decode rounds per server, alternating (5; median)"
     )
     parser.add_argument(
         "--phases",
@@ -83,29 +99,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--spill-length",
-        type=int,
+        type=whole,
         default=4096,
         help="tokens of each entry saved during the spill phase (4096)",
     )
     parser.add_argument(
         "--spill-rounds",
-        type=int,
+        type=whole,
         default=5,
         help="spill rounds per server, alternating (5)",
     )
     parser.add_argument(
         "--spill-tokens",
-        type=int,
+        type=whole,
         default=512,
         help="tokens of the spill phase's quiet streams (512; the stream measured during "
         "the saves runs until its window ends)",
     )
     parser.add_argument(
-        "--start-rounds", type=int, default=3, help="starts per server, alternating (3; median)"
+        "--start-rounds", type=whole, default=3, help="starts per server, alternating (3; median)"
     )
     parser.add_argument(
         "--restart-rounds",
-        type=int,
+        type=whole,
         default=3,
         help="restarts per server and length, alternating (3; median)",
     )
@@ -134,12 +150,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefetch-length",
-        type=int,
+        type=whole,
         default=2048,
         help="tokens of the cold conversation in the prefetch phase (2048)",
     )
     parser.add_argument(
-        "--prefetch-rounds", type=int, default=5, help="queued cold hits per setting (5)"
+        "--prefetch-rounds", type=whole, default=5, help="queued cold hits per setting (5)"
     )
 
 

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvtrio.bench.argtypes import whole
 from kvtrio.storage.options import IoOptions
 
 __all__ = ["add_arguments", "measure", "render"]
@@ -313,13 +314,13 @@ def render(figures: dict[str, Any]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mib", type=int, default=1024, help="cache size in MiB (1024)")
-    parser.add_argument("--layers", type=int, default=16, help="layers (16)")
-    parser.add_argument("--heads", type=int, default=8, help="KV heads (8)")
-    parser.add_argument("--head-dim", type=int, default=128, help="head dim (128)")
+    parser.add_argument("--mib", type=whole, default=1024, help="cache size in MiB (1024)")
+    parser.add_argument("--layers", type=whole, default=16, help="layers (16)")
+    parser.add_argument("--heads", type=whole, default=8, help="KV heads (8)")
+    parser.add_argument("--head-dim", type=whole, default=128, help="head dim (128)")
     parser.add_argument(
         "--tokens",
-        type=int,
+        type=whole,
         default=None,
         help="cache offset in tokens (default: from --mib); not a multiple of 16: strided",
     )
@@ -328,5 +329,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time kvtrio's save through O_DIRECT (write_single(direct=True))",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="rounds; median reported (3)")
+    parser.add_argument("--rounds", type=whole, default=3, help="rounds; median reported (3)")
     parser.add_argument("--dir", default=".", help="directory to measure in (default: cwd)")

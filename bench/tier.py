@@ -46,6 +46,7 @@ import trio
 from kvtrio.actors.owner import MlxOwner
 from kvtrio.actors.sched import set_thread_slice, thread_slice
 from kvtrio.actors.tier import ColdTier
+from kvtrio.bench.argtypes import whole
 
 __all__ = ["add_arguments", "measure", "render"]
 
@@ -421,8 +422,8 @@ def render(figures: dict[str, Any]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size-mib", type=int, default=1024, help="cache size, MiB (1024)")
-    parser.add_argument("--tensors", type=int, default=64, help="number of tensors (64)")
+    parser.add_argument("--size-mib", type=whole, default=1024, help="cache size, MiB (1024)")
+    parser.add_argument("--tensors", type=whole, default=64, help="number of tensors (64)")
     parser.add_argument("--dir", help="directory on the disk to measure (default: the tmp dir)")
     parser.add_argument(
         "--background-slice-ms",

@@ -281,8 +281,11 @@ def run_inspect(args: argparse.Namespace) -> int:
     except CorruptCacheError as exc:  # a finding, as verify's: exit 1
         print(f"kvtrio inspect: {args.file}: {exc}", file=sys.stderr)
         return 1
-    except (CacheMissError, OSError) as exc:  # nothing to inspect: a usage error
-        print(f"kvtrio inspect: {args.file}: {exc}", file=sys.stderr)
+    except CacheMissError as exc:  # nothing to inspect: a usage error; it names the path
+        print(f"kvtrio inspect: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvtrio inspect: {args.file}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     header = cache_file.header
     if args.json:
@@ -331,15 +334,15 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"kvtrio verify: {args.directory}: not a directory", file=sys.stderr)
         return 2
     tree = find_tree(args.directory)
+    if not _holds_kvtrio(tree, args.directory):  # refused before a progress bar is drawn
+        print(f"kvtrio verify: {_no_tier_here(args.directory)}", file=sys.stderr)
+        return 2
     with RootedFileOps.at(_tree_root(tree), OS_FILE_OPS) as ops:
         store = LocalBlockStore(str(tree.block_dir), ops) if tree.block_dir else None
         with _progress_bar(f"verifying {tree.manifest_dir}", args.json) as progress:
             report, elapsed = _timed(
                 lambda: verify_tree(str(tree.manifest_dir), store, progress=progress, file_ops=ops)
             )
-    if not _holds_kvtrio(tree, args.directory):
-        print(f"kvtrio verify: {_no_tier_here(args.directory)}", file=sys.stderr)
-        return 2
     if args.json:
         print(json.dumps(attrs.asdict(report) | {"ok": report.ok, "seconds": elapsed}, indent=2))
         return 0 if report.ok else 1

@@ -23,8 +23,9 @@ carry the decoded ``"text"`` (greedy decoding, stopped at the model's end-of-seq
 Each reply says where its prompt cache came from: ``hot`` (RAM), ``cold`` (disk) or
 ``miss``. Stop it with SIGTERM or Ctrl-C: it stops accepting, lets requests in flight
 finish (``--grace`` seconds at most), writes the cache's RAM entries to disk and exits 0,
-so the next start serves the same conversations from disk. A second signal cancels at
-once.
+so the next start serves the same conversations from disk: those of at least 64 tokens
+(the tier's ``min_reuse_tokens``; fewer are recomputed, faster than a load, so the short
+question above is a ``miss`` again after a restart). A second signal cancels at once.
 
 Every loop is bounded: requests per connection, bytes per request, events per read,
 tokens per prompt and per reply.
@@ -384,8 +385,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold-mb", type=float, default=1024.0)
     parser.add_argument("--grace", type=float, default=10.0, help="seconds to finish requests")
     args = parser.parse_args(argv)
+    if args.model is not None and (problem := _not_a_model(args.model)):
+        parser.error(f"--model {args.model}: {problem}")  # exit 2, before MLX starts
     trio.run(serve, args)
     return 0
+
+
+def _not_a_model(model: str) -> str | None:
+    """Why a local ``--model`` is no mlx-lm model directory (None: it is one, or names a
+    Hugging Face repo); before, mlx_lm.load's traceback said it."""
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return "a GGUF file: this example loads mlx-lm directories (kvtrio serve converts GGUF)"
+    if path.exists():
+        return None if (path / "config.json").is_file() else "no config.json in it"
+    looks_local = model.startswith(("/", ".", "~")) or model.count("/") != 1
+    return "no such directory" if looks_local else None
 
 
 if __name__ == "__main__":

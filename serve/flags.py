@@ -135,7 +135,7 @@ def _seconds(text: str) -> float:
         value = float(text)
         check_seconds("seconds", value, finite=True)
     except ValueError:  # InvalidInputError is one
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected finite seconds >= 0, got {text!r}") from None
     return value
 
 

@@ -33,7 +33,8 @@ Theory of operation:
    (adopting the prefetch, rule 7), fewer hand-offs than setting the request aside.
 4. Shutdown (first SIGTERM or SIGINT): stop accepting (the listener closes), let requests
    in flight finish for ``--grace`` seconds, then cut the rest (each stops at its next
-   step) and give them ``--grace`` more; stop the generation thread, which writes every
+   step, and its reply ends there: :func:`~kvtrio.serve.tagging.end_response`) and give
+   them ``--grace`` more; stop the generation thread, which writes every
    RAM entry to disk within the stated deadline (``--flush-timeout``, by default growing
    with the bytes: :mod:`kvtrio.serve.flushreport`) and ends; exit 0 when every entry
    is on disk (1 past the deadline or when a write failed, each entry not written named
@@ -80,15 +81,14 @@ import socket
 import sys
 import threading
 import time
+import types
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from queue import Queue
 from typing import TYPE_CHECKING, Any
 
-import attrs
-from kvtrio.serve.adapter import CacheTier, FetchInfo, TieredLRUPromptCache
+from kvtrio.serve.adapter import CacheTier, TieredLRUPromptCache
 from kvtrio.serve.coldopen import ColdOpening, ServeCache, open_now
 from kvtrio.serve.flags import (
     ServeOptions,
@@ -101,6 +101,7 @@ from kvtrio.serve.flushreport import flush_deadline, print_exit
 from kvtrio.serve.lifecycle import InFlight, ModelLoad
 from kvtrio.serve.restore import Restore
 from kvtrio.serve.steps import between_steps, pumping_budget
+from kvtrio.serve.tagging import Tag, TaggingQueue, end_response
 
 if TYPE_CHECKING:  # the tier's modules are imported by the thread that opens it (rule 6)
     from kvtrio.serve.bridge import TierThread
@@ -141,47 +142,6 @@ def _mlx_server() -> Any:
 
 
 _WAKE = object()  # a request-queue item: the tier queued MLX jobs (rule 1)
-
-
-@attrs.define(eq=False)
-class _Tag:
-    """Which tier served a request (rule 2); ``ready`` once known."""
-
-    ready: threading.Event = attrs.field(factory=threading.Event)
-    fetch: FetchInfo | None = None
-
-
-class _TaggingQueue:
-    """A request's response queue, as the generation thread sees it (rule 2)."""
-
-    def __init__(
-        self, inner: Queue[Any], adapter: TieredLRUPromptCache, *, from_disk: bool = False
-    ) -> None:
-        self.inner = inner
-        self.adapter = adapter
-        self.from_disk = from_disk  # its entry was loaded for it: a RAM hit is a disk hit
-        self.start = adapter.fetch_count
-        self.tag: _Tag | None = None
-        self.tagged = False
-
-    def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
-        if self.tag is None and isinstance(item, _mlx_server().GenerationContext):
-            self.tag = _Tag()
-            item.kvtrio = self.tag
-        if not self.tagged and self.adapter.fetch_count > self.start and self.tag is not None:
-            self.tagged = True
-            fetch = self.adapter.last_fetch
-            if self.from_disk and fetch is not None and fetch.tier is CacheTier.HOT:
-                fetch = FetchInfo(CacheTier.COLD, fetch.reused)
-            self.tag.fetch = fetch
-            self.tag.ready.set()
-            # Tagged: the rest of the request's items (a token each) go straight to mlx-lm's
-            # queue, one Python call fewer per token on the generation thread.
-            self.put = self.inner.put  # type: ignore[method-assign]
-        self.inner.put(item, *args, **kwargs)
-
-    def get(self, *args: Any, **kwargs: Any) -> Any:
-        return self.inner.get(*args, **kwargs)
 
 
 def _copied(tokenized: Any) -> Any:
@@ -296,12 +256,14 @@ def _generator_class() -> type:
             if isinstance(adapter, ServeCache):  # rule 6: the model first, then the tier
                 try:
                     self.model_provider.load_default()  # mlx-lm's loop then finds it loaded
-                except Exception as exc:  # serve() stops the server (rule 6)
-                    logger.exception("kvtrio serve: the model did not load")
+                except Exception as exc:  # serve() stops the server (rule 6), in one line
+                    logger.debug("kvtrio serve: the model did not load", exc_info=True)
                     failure = exc
                 self._open_pending = True
             self.model_load.ended(failure)
             try:
+                if failure is not None:  # mlx-lm's loop would load it again, and die of it
+                    return
                 warm = getattr(self.cli_args, "warm_prompts", None)
                 if warm is not None:
                     if isinstance(adapter, ServeCache):  # warm prompts need the tier
@@ -368,7 +330,7 @@ def _generator_class() -> type:
             if request is None or self._defer(request):
                 return None
             rqueue, body, args = request
-            return _TaggingQueue(rqueue, self.adapter), body, args
+            return TaggingQueue(rqueue, self.adapter), body, args
 
         def _tokenize(self, tokenizer: Any, request: Any, args: Any) -> Any:
             """mlx-lm's tokenization, run once per request: what the request's handler
@@ -470,7 +432,7 @@ def _generator_class() -> type:
             if not self._ready:
                 return None
             (rqueue, body, args), loaded = self._ready.pop(0)
-            return _TaggingQueue(rqueue, self.adapter, from_disk=loaded), body, args
+            return TaggingQueue(rqueue, self.adapter, from_disk=loaded), body, args
 
         # handler threads
 
@@ -508,7 +470,7 @@ def _generator_class() -> type:
                 self._answered()
                 self._local.ctx = None
 
-        def current_tag(self) -> _Tag | None:
+        def current_tag(self) -> Tag | None:
             ctx = getattr(self._local, "ctx", None)
             return getattr(ctx, "kvtrio", None) if ctx is not None else None
 
@@ -518,13 +480,37 @@ def _generator_class() -> type:
                 active = list(self.active.values())
             for ctx in active:
                 ctx.stop()
+                end_response(ctx)  # mlx-lm's batched loop ends no stopped request (rule 4)
             return len(active)
 
     return KvtrioResponseGenerator
 
 
+def _models_listed_without_a_hub_cache(server: Any) -> None:
+    """mlx-lm's ``GET /v1/models`` lists the models of the Hugging Face cache, and its scan
+    raises ``CacheNotFound`` where that cache does not exist (a local or GGUF model,
+    nothing ever downloaded): the handler died after its 200 header, the client got an
+    empty body (the ``openai`` client a JSONDecodeError), the server log a traceback. No
+    cache directory lists no downloaded model; the ``--model`` directory is still listed."""
+    from huggingface_hub.errors import CacheNotFound
+
+    scan = server.scan_cache_dir
+    if getattr(scan, "kvtrio_tolerant", False):
+        return
+
+    def scan_cache_dir(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return scan(*args, **kwargs)
+        except CacheNotFound:
+            return types.SimpleNamespace(repos=frozenset())
+
+    scan_cache_dir.kvtrio_tolerant = True  # type: ignore[attr-defined]
+    server.scan_cache_dir = scan_cache_dir
+
+
 def _handler_class() -> type:
     server = _mlx_server()
+    _models_listed_without_a_hub_cache(server)
 
     class KvtrioHandler(server.APIHandler):  # type: ignore[misc,name-defined]
         """mlx-lm's APIHandler, sending which tier served the request (rule 2)."""

@@ -57,3 +57,4 @@ def test_the_fill_fails_when_an_entry_did_not_reach_disk(
     model = write_tiny_model_dir(tmp_path / "model")
     with pytest.raises(RuntimeError):
         fill("kvtrio", model, tmp_path / "kvtrio-entries", 3)
+

@@ -68,6 +68,19 @@ def test_inspect_shows_tables_and_refuses_a_corrupt_file(
     assert str(bad) in capsys.readouterr().err
 
 
+def test_inspect_names_a_path_it_cannot_read_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory or a missing path is a usage error (exit 2) in one line naming the path
+    once: before, ``kvtrio inspect DIR`` printed "DIR: DIR: not a regular file" and a
+    missing file "PATH: [Errno 2] No such file or directory: 'PATH'"."""
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"kvtrio inspect: {tmp_path}: not a regular file\n"
+    missing = tmp_path / "missing.kvc"
+    assert main(["inspect", str(missing)]) == 2
+    assert capsys.readouterr().err == f"kvtrio inspect: {missing}: No such file or directory\n"
+
+
 def test_verify_passes_a_good_tree(written: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", str(written), "--json"]) == 0
     body = json.loads(capsys.readouterr().out)

@@ -69,7 +69,8 @@ def test_verify_of_a_directory_without_a_tier_says_so_and_suggests_one(
     shutil.copytree(written, tier / "caches")
     for command in ("verify", "gc"):
         assert main([command, str(parent)]) == 2
-        err = capsys.readouterr().err
+        out, err = capsys.readouterr()
+        assert out == ""  # verify drew its progress bar first (an empty line) before
         assert err.count("\n") == 1 and "Traceback" not in err
         assert err.startswith(f"kvtrio {command}: {parent}: holds no kvtrio tier")
         assert f"a cold tier is at {tier}: try that" in err

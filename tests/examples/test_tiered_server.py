@@ -127,3 +127,16 @@ def test_with_a_model_directory_text_goes_through_its_tokenizer_and_chat_templat
         third = _post(url, {"conversation": "c1", "messages": turn3, "max_tokens": 4}, "/chat")
         assert third["cache"] == "cold" and third["reused"] >= len(rendered) - 1
         _stop(proc)
+
+
+def test_a_model_flag_naming_no_model_directory_is_a_usage_error(tmp_path: Path) -> None:
+    """``--model`` naming a directory without config.json, or a GGUF file, ends with exit 2
+    and one line naming the flag, before MLX starts; before, mlx_lm.load's traceback."""
+    (tmp_path / "tiny.gguf").write_bytes(b"GGUF")
+    for model in (tmp_path, tmp_path / "tiny.gguf"):
+        argv = [sys.executable, str(SERVER), "--data-dir", str(tmp_path / "d"), "--model"]
+        done = subprocess.run([*argv, str(model)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr
+        last = done.stderr.splitlines()[-1]
+        assert last.startswith(f"tiered_server.py: error: --model {model}: ")

@@ -633,12 +633,12 @@ def test_a_tagged_response_queue_hands_tokens_straight_to_mlx_lms_queue() -> Non
     sees"); once tagged, the per-token puts on the generation thread are mlx-lm's own."""
     from queue import Queue
 
-    from kvtrio.serve.server import _TaggingQueue
+    from kvtrio.serve.tagging import TaggingQueue
     from mlx_lm.server import GenerationContext
 
     cache = TieredLRUPromptCache(max_size=4)
     inner: Queue[Any] = Queue()
-    tagging = _TaggingQueue(inner, cache)
+    tagging = TaggingQueue(inner, cache)
     cache.fetch_nearest_cache(("m", None, None), [1, 2, 3])  # the request's lookup
     ctx: Any = GenerationContext.__new__(GenerationContext)
     tagging.put(ctx)
@@ -683,7 +683,8 @@ def test_a_request_queued_behind_a_wake_up_is_taken_in_the_same_call() -> None:
     that request: on the H200 one in two of the decode phase's 8-stream bursts waited so."""
     from queue import Queue
 
-    from kvtrio.serve.server import _WAKE, _generator_class, _TaggingQueue
+    from kvtrio.serve.server import _WAKE, _generator_class
+    from kvtrio.serve.tagging import TaggingQueue
 
     cls: Any = _generator_class()
     generator: Any = cls.__new__(cls)  # mlx-lm's __init__ would start its thread
@@ -702,7 +703,7 @@ def test_a_request_queued_behind_a_wake_up_is_taken_in_the_same_call() -> None:
     generator.requests.put((Queue(), body, args))
     taken = generator._next_request(None)  # mlx-lm asks so while a batch is in flight
     assert taken is not None and taken[1:] == (body, args)
-    assert isinstance(taken[0], _TaggingQueue) and generator.requests.empty()
+    assert isinstance(taken[0], TaggingQueue) and generator.requests.empty()
     assert _WAKE not in (taken[1], taken[2])
 
 

@@ -85,6 +85,14 @@ def test_a_time_or_count_the_server_cannot_use_is_a_usage_error(argv: list[str])
     _refused(*argv)
 
 
+def test_an_infinite_time_is_refused_as_not_finite(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--flush-timeout inf`` was refused with "expected seconds >= 0", which inf is."""
+    _refused("--flush-timeout", "inf")
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "argument --flush-timeout: expected finite seconds >= 0, got 'inf'"
+    )
+
+
 def test_zero_times_and_counts_are_taken() -> None:
     args = _args("--grace", "0", "--cold-load-timeout", "0", "--write-defer", "0")
     assert (args.grace, args.cold_load_timeout, args.write_defer) == (0.0, 0.0, 0.0)

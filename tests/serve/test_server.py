@@ -346,6 +346,45 @@ def test_sigterm_during_a_long_prefill_exits_zero_within_the_grace(
     connection.close()
 
 
+def test_a_stream_cut_at_shutdown_ends_with_done_and_the_server_exits_zero(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """docs/serve.md, "Shutdown", step 2 (kvtrio serve's rule 4): a stream still decoding
+    after the grace is cut at its next step, and its client gets the end of a reply (the
+    last chunk, then ``data: [DONE]``). Before, mlx-lm's batched loop dropped the cut
+    request without ending its response queue: the handler waited until the generation
+    thread stopped, a second grace later, and the stream broke off unfinished."""
+    server = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "log.txt", "--grace", "1")
+    messages = [{"role": "user", "content": "Write a very long essay."}]
+    connection = _post(server.port, {"messages": messages, "stream": True, "max_tokens": 100_000})
+    response = connection.getresponse()
+    assert response.status == 200
+    while not response.readline().startswith(b"data: "):  # decoding
+        pass
+    server.process.send_signal(signal.SIGTERM)
+    events = [line.strip() for line in response.read().splitlines() if line.startswith(b"data: ")]
+    connection.close()
+    assert server.process.wait(60) == 0, server.output()
+    assert events[-1] == b"data: [DONE]", events[-3:]
+    assert json.loads(events[-2][len(b"data: ") :])["choices"][0]["finish_reason"] is not None
+
+
+def test_the_models_endpoint_answers_where_no_hugging_face_cache_exists(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``GET /v1/models`` (the ``openai`` client's ``models.list()``) on a host that never
+    downloaded a model lists the ``--model`` directory. mlx-lm's scan of the missing
+    Hugging Face cache raised ``CacheNotFound`` after the 200 header: an empty body, a
+    JSONDecodeError in the client and a traceback in the server's log."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-hub-cache"))
+    server = start_kvtrio(model_dir, tmp_path / "cache", tmp_path / "log.txt")
+    try:
+        listed = [model.id for model in server.client().models.list()]
+    finally:
+        assert server.stop() == 0, server.output()
+    assert listed == [str(model_dir.resolve())]
+
+
 def test_serve_takes_mlx_lm_servers_flags_and_needs_a_model(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

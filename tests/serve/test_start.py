@@ -125,6 +125,11 @@ def test_a_model_that_does_not_load_stops_the_server_with_status_two(tmp_path: P
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert COLD_READY not in done.stdout
+    # One line says why, once: before, the error's traceback was printed twice (the
+    # generation thread went on into mlx-lm's loop, which loaded the model again and died
+    # of it), some 200 lines for a mistyped Hugging Face repo.
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("the model did not load (FileNotFoundError: ") == 1, done.stderr
 
 
 def test_a_port_in_use_ends_the_server_instead_of_hanging(tmp_path: Path) -> None:
@@ -268,6 +273,7 @@ START_PATH_MODULES = [
     "kvtrio.serve.savetrace",  # --save-trace's record (json, os, attrs)
     "kvtrio.serve.server",
     "kvtrio.serve.steps",
+    "kvtrio.serve.tagging",  # which tier served a request; its response queue
     "kvtrio.serve.triesearch",  # the RAM trie's search (mlx-lm's cache module, nothing more)
 ]
 
