@@ -57,8 +57,12 @@ class Command:
     #: ``add_arguments`` (which may import what the command runs), or None.
     before_imports: str | None = None
 
-    def load(self) -> tuple[AddArgs, Run]:
+    def load(self, argv: Sequence[str]) -> tuple[AddArgs, Run]:
+        """Import the module, run its ``before_imports`` hook on ``argv`` if it names one,
+        and return its two entry points."""
         module = importlib.import_module(self.module)
+        if self.before_imports is not None:
+            getattr(module, self.before_imports)(list(argv))
         return (
             cast(AddArgs, getattr(module, self.add_arguments)),
             cast(Run, getattr(module, self.run)),
@@ -174,10 +178,7 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     for name, command in sorted(COMMANDS.items()):
         p = sub.add_parser(name, help=command.help, description=command.help)
         if name == chosen:
-            add_args, run = command.load()
-            if command.before_imports is not None:
-                module = importlib.import_module(command.module)
-                getattr(module, command.before_imports)(list(argv))
+            add_args, run = command.load(argv)
             add_args(p)
             p.set_defaults(_run=run)
     bench = sub.add_parser("bench", help="benchmark programs that print figures and ratios")
